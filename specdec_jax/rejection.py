@@ -1,0 +1,320 @@
+"""The lossless rejection sampler of speculative decoding.
+
+For row b with n = num_draft_tokens[b] draft tokens d_0 .. d_{n-1}:
+
+    position:   0     1     ...   n-1   n
+    target:     p_0   p_1   ...   p_{n-1} p_n      (target_logits[b, i] -> p_i)
+    draft:      d_0   d_1   ...   d_{n-1}          (drawn from q_i)
+
+    accept d_i with prob min(1, p_i(d_i) / q_i(d_i)), left to right;
+    first rejection at i: emit a token from normalise(max(p_i - q_i, 0)), stop;
+    all n accepted:       emit a bonus token from p_n.
+
+Greedy rows replace "accept" by "d_i == argmax(target_logits[b, i])" and the
+recovered/bonus token by that argmax.
+
+Memory traffic is the cost (DESIGN.md): the floor is one read of target_logits.
+The random path needs, per position, only log p_i(d_i) = x_i[d_i]/T - logsumexp(x_i/T)
+(a reduction and a gather), compared in log space; at most one full row per
+request (the stopping position) is gathered to draw the recovered/bonus token.
+A mixed batch computes the argmax and the logsumexp in the same single pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax import sampling
+from specdec_jax.sampling import SamplingParams
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RejectionOutput:
+  """What `rejection_sample` emits.
+
+  Attributes:
+    token_ids: int32[B, K+1]: accepted drafts, then one recovered or bonus token,
+      then PLACEHOLDER_TOKEN_ID (-1).
+    num_accepted: int32[B]: draft tokens accepted, in [0, num_draft_tokens].
+    num_emitted: int32[B]: num_accepted + 1.
+  """
+
+  token_ids: jax.Array  # [B, K+1]
+  num_accepted: jax.Array  # [B]
+  num_emitted: jax.Array  # [B]
+
+
+def rejection_sample(
+    draft_token_ids,  # int32 [B, K]
+    target_logits,  # float [B, K+1, V]
+    params: SamplingParams,  # batch B
+    key=None,  # one key, or [B] keys (typed or raw uint32)
+    draft_probs=None,  # float [B, K, V] or None (n-gram drafts)
+    num_draft_tokens=None,  # int32 [B] in [0, K]; None = K
+    all_greedy: bool = False,
+    all_random: bool = False,
+) -> RejectionOutput:
+  """Verifies draft tokens against the target, losslessly.
+
+  Args:
+    draft_token_ids: int32[B, K] proposed tokens; entries at or past
+      num_draft_tokens[b] are ignored (any value, -1 included).
+    target_logits: float[B, K+1, V]; row i scores position i, row n_b gives the
+      bonus token of row b. Any float dtype; arithmetic is float32.
+    params: SamplingParams with batch B (temperature 0 = greedy).
+    key: one PRNG key or a batch of B keys, typed or raw uint32[2]. A single key
+      gives row b `fold_in(key, b)`; a batch gives row b `key[b]`. May be None
+      only with all_greedy=True.
+    draft_probs: float[B, K, V], the distributions the drafts were sampled
+      from, or None for drafts without probabilities (treated as one-hot).
+    num_draft_tokens: int32[B] in [0, K], or None for all K. Under jit it is
+      clipped to [0, K].
+    all_greedy: static promise that every row is greedy: the program has no
+      exponential, no random numbers and no probability tensor.
+    all_random: static promise that no row is greedy: no argmax is computed.
+      (Both flags are promises; they are not checked under jit.)
+
+  Returns:
+    RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
+    num_emitted int32[B]).
+
+  Raises:
+    ValueError: for mismatched shapes, dtypes or batch sizes (at trace time), and
+      for out-of-range values given as concrete arrays. Under jit, a draft id
+      outside [0, V) is never accepted and nothing is read out of bounds.
+
+  Example:
+    >>> out = rejection_sample(
+    ...     draft_token_ids=jnp.array([[3, 1]]),
+    ...     target_logits=logits,                 # [1, 3, V]
+    ...     params=SamplingParams.greedy(1),
+    ...     key=None, all_greedy=True)
+    >>> out.token_ids  # e.g. [[3, 7, -1]]: draft 3 accepted, 1 rejected, 7 emitted
+  """
+  draft_token_ids = jnp.asarray(draft_token_ids)
+  target_logits = jnp.asarray(target_logits)
+  b, k = _check_args(draft_token_ids, target_logits, params, draft_probs, num_draft_tokens, all_greedy, all_random)
+  v = target_logits.shape[-1]
+  if num_draft_tokens is None:
+    num_draft_tokens = jnp.full((b,), k, jnp.int32)
+  num_draft_tokens = jnp.asarray(num_draft_tokens)
+  _check_values(draft_token_ids, num_draft_tokens, k, v)
+  if key is None:
+    if not all_greedy:
+      raise ValueError("rejection_sample: key is required unless all_greedy=True")
+    keys = None
+  else:
+    keys = sampling.row_keys(key, b, "rejection_sample: key")
+  if draft_probs is not None:
+    draft_probs = jnp.asarray(draft_probs)
+  return _rejection_sample(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
+                           num_draft_tokens.astype(jnp.int32), all_greedy=all_greedy, all_random=all_random)
+
+
+def _check_args(draft, logits, params, draft_probs, n, all_greedy, all_random):
+  where = "rejection_sample"
+  if logits.ndim != 3:
+    raise ValueError(f"{where}: target_logits must be [B, K+1, V], got shape {logits.shape}")
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"{where}: target_logits must be a float array, got dtype {logits.dtype}")
+  b, k1, v = logits.shape
+  if k1 < 1:
+    raise ValueError(f"{where}: target_logits must have K+1 >= 1 positions, got shape {logits.shape}")
+  if draft.shape != (b, k1 - 1):
+    raise ValueError(f"{where}: draft_token_ids must be [B, K]=({b}, {k1 - 1}) to match target_logits "
+                     f"{logits.shape}, got {draft.shape}")
+  if not jnp.issubdtype(draft.dtype, jnp.integer):
+    raise ValueError(f"{where}: draft_token_ids must be an integer array, got dtype {draft.dtype}")
+  sampling.check_params(params, b, where)
+  if draft_probs is not None:
+    dp_shape, dp_dtype = jnp.shape(draft_probs), jnp.result_type(draft_probs)
+    if dp_shape != (b, k1 - 1, v):
+      raise ValueError(f"{where}: draft_probs must be [B, K, V]=({b}, {k1 - 1}, {v}), got {dp_shape}")
+    if not jnp.issubdtype(dp_dtype, jnp.floating):
+      raise ValueError(f"{where}: draft_probs must be a float array, got dtype {dp_dtype}")
+  if n is not None:
+    n_shape, n_dtype = jnp.shape(n), jnp.result_type(n)
+    if n_shape != (b,):
+      raise ValueError(f"{where}: num_draft_tokens must be [B]=({b},), got {n_shape}")
+    if not jnp.issubdtype(n_dtype, jnp.integer):
+      raise ValueError(f"{where}: num_draft_tokens must be an integer array, got dtype {n_dtype}")
+  if all_greedy and all_random:
+    raise ValueError(f"{where}: all_greedy and all_random cannot both be True")
+  return b, k1 - 1
+
+
+def _check_values(draft, n, k, v):
+  """Range checks for concrete (eager) inputs; skipped under jit."""
+  if isinstance(n, jax.core.Tracer) or isinstance(draft, jax.core.Tracer):
+    return
+  n_np = np.asarray(n)
+  if np.any((n_np < 0) | (n_np > k)):
+    raise ValueError(f"rejection_sample: num_draft_tokens must be in [0, K={k}], got {n_np}")
+  d = np.asarray(draft)
+  live = np.arange(k)[None, :] < n_np[:, None]
+  bad = live & ((d < 0) | (d >= v))
+  if np.any(bad):
+    raise ValueError(f"rejection_sample: draft_token_ids must be in [0, V={v}) at positions < num_draft_tokens; "
+                     f"got {d[bad][:8]}")
+
+
+# ----------------------------------------------------------------------------
+# Reductions over the vocabulary
+# ----------------------------------------------------------------------------
+
+
+def _max_sumexp(x):
+  """One pass: (max, sum exp(x - max)) over the last axis, by online combining.
+
+  XLA's logsumexp makes two passes (max, then sum); a variadic reduce whose
+  combiner rescales the running sum reads the logits once.
+  """
+
+  def combine(a, b):
+    (m1, s1), (m2, s2) = a, b
+    m = jnp.maximum(m1, m2)
+    # A side whose max is -inf carries no mass (and exp(-inf - -inf) is NaN).
+    s = (jnp.where(m1 == -jnp.inf, 0.0, s1 * jnp.exp(m1 - m))
+         + jnp.where(m2 == -jnp.inf, 0.0, s2 * jnp.exp(m2 - m)))
+    return m, s
+
+  return jax.lax.reduce((x, jnp.ones_like(x)), (np.float32(-np.inf), np.float32(0)), combine, (x.ndim - 1,))
+
+
+def _max_sumexp_argmax(x):
+  """One pass: (max, sum exp(x - max), first argmax) over the last axis."""
+
+  def combine(a, b):
+    (m1, s1, i1), (m2, s2, i2) = a, b
+    m = jnp.maximum(m1, m2)
+    s = (jnp.where(m1 == -jnp.inf, 0.0, s1 * jnp.exp(m1 - m))
+         + jnp.where(m2 == -jnp.inf, 0.0, s2 * jnp.exp(m2 - m)))
+    i = jnp.where(m1 > m2, i1, jnp.where(m2 > m1, i2, jnp.minimum(i1, i2)))
+    return m, s, i
+
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  return jax.lax.reduce((x, jnp.ones_like(x), iota),
+                        (np.float32(-np.inf), np.float32(0), np.int32(np.iinfo(np.int32).max)),
+                        combine, (x.ndim - 1,))
+
+
+# ----------------------------------------------------------------------------
+# The program
+# ----------------------------------------------------------------------------
+
+
+def _emit(draft, num_accepted, final_token):
+  """token_ids [B, K+1]: drafts before num_accepted, final at it, -1 after."""
+  b, k = draft.shape
+  pos = jnp.arange(k + 1)[None, :]
+  padded = jnp.concatenate([draft, jnp.zeros((b, 1), jnp.int32)], axis=1)
+  na = num_accepted[:, None]
+  ids = jnp.where(pos < na, padded, jnp.where(pos == na, final_token[:, None], PLACEHOLDER_TOKEN_ID))
+  return RejectionOutput(token_ids=ids.astype(jnp.int32), num_accepted=num_accepted.astype(jnp.int32),
+                         num_emitted=(num_accepted + 1).astype(jnp.int32))
+
+
+def _num_accepted(accept):
+  """Length of the all-True prefix of accept [B, K]."""
+  return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+
+
+def _greedy(draft, logits, live):
+  """Argmax-only verification: no exponential, no random numbers."""
+  t = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+  num_accepted = _num_accepted((draft == t[:, :-1]) & live)
+  final = jnp.take_along_axis(t, num_accepted[:, None], axis=1)[:, 0]
+  return _emit(draft, num_accepted, final)
+
+
+def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
+  """Random rows (and greedy rows of a mixed batch) in one read of the logits."""
+  b, k1, v = logits.shape
+  k = k1 - 1
+  greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
+  scaled = sampling.scale_logits(logits, params.temperature)  # fused into the reductions below
+
+  def plain(x):
+    if need_argmax:
+      m, s, am = _max_sumexp_argmax(x)
+    else:
+      (m, s), am = _max_sumexp(x), jnp.zeros(x.shape[:-1], jnp.int32)
+    return m + jnp.log(s), jnp.full(x.shape[:-1], -jnp.inf, jnp.float32), am
+
+  def filtered(x):
+    thr = sampling.top_k_top_p_threshold(x, params.top_k, params.top_p)
+    kept = jnp.where(x >= thr[..., None], x, -jnp.inf)
+    m, s = _max_sumexp(kept)
+    am = jnp.argmax(x, axis=-1).astype(jnp.int32) if need_argmax else jnp.zeros(x.shape[:-1], jnp.int32)
+    return m + jnp.log(s), thr, am
+
+  # lse: log normaliser of the kept set, thr: keep-iff-x>=thr, am: argmax  [B, K+1]
+  lse, thr, am = jax.lax.cond(jnp.any(sampling.filter_active(params, v)), filtered, plain, scaled)
+
+  # Acceptance, in log space: accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
+  valid = (draft >= 0) & (draft < v)
+  safe = jnp.where(valid, draft, 0)  # never read out of bounds
+  x_d = jnp.take_along_axis(scaled[:, :k], safe[..., None], axis=-1)[..., 0]
+  log_p = jnp.where(x_d >= thr[:, :k], x_d - lse[:, :k], -jnp.inf)
+  if draft_probs is None:
+    log_q = jnp.zeros_like(log_p)  # one-hot draft distribution
+  else:
+    q_d = jnp.take_along_axis(draft_probs[:, :k], safe[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
+  k_accept, k_final = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(keys)
+  u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(k_accept)
+  accept_random = jnp.log(u) + log_q < log_p
+  accept_greedy = safe == am[:, :k]
+  accept = jnp.where(greedy[:, None], accept_greedy, accept_random) & live & valid
+  num_accepted = _num_accepted(accept)
+
+  # The one token drawn from a full distribution: at the stopping position only.
+  s = num_accepted
+  row = jnp.take_along_axis(scaled, s[:, None, None], axis=1)[:, 0]  # [B, V]
+  thr_s = jnp.take_along_axis(thr, s[:, None], axis=1)
+  lse_s = jnp.take_along_axis(lse, s[:, None], axis=1)
+  logp_row = jnp.where(row >= thr_s, row - lse_s, -jnp.inf)  # [B, V]
+  rejected = (s < n)[:, None]
+  s_draft = jnp.minimum(s, max(k - 1, 0))
+  if k == 0:
+    log_w = logp_row
+  elif draft_probs is None:
+    # p - onehot(d), clipped at 0, is p with d removed.
+    d_s = jnp.take_along_axis(safe, s_draft[:, None], axis=1)
+    log_w = jnp.where(rejected & (jnp.arange(v)[None, :] == d_s), -jnp.inf, logp_row)
+  else:
+    q_row = jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+    resid = jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0)
+    log_w = jnp.log(resid)
+  # A residual with no mass (possible only through rounding) falls back to p.
+  log_w = jnp.where(jnp.any(log_w > -jnp.inf, axis=-1, keepdims=True), log_w, logp_row)
+  final_random = sampling.categorical_from_log_weights(k_final, log_w)
+  final_greedy = jnp.take_along_axis(am, s[:, None], axis=1)[:, 0]
+  final = jnp.where(greedy, final_greedy, final_random)
+  return _emit(draft, num_accepted, final)
+
+
+@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random"))
+def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy, all_random):
+  b, k1, v = logits.shape
+  k = k1 - 1
+  n = jnp.clip(n, 0, k)
+  live = jnp.arange(k)[None, :] < n[:, None]
+  if all_greedy:
+    return _greedy(draft, logits, live)
+  general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live)
+  if all_random:
+    return general(draft, logits, need_argmax=False)
+  # Run-time shortcut: an all-greedy batch skips the softmax path entirely.
+  return jax.lax.cond(jnp.all(params.is_greedy),
+                      lambda d, x: _greedy(d, x, live),
+                      lambda d, x: general(d, x, need_argmax=True),
+                      draft, logits)

@@ -1,0 +1,329 @@
+"""Per-request sampling parameters and plain (non-speculative) token sampling.
+
+Processing order for a random request (DESIGN.md):
+
+    logits / temperature -> keep top_k largest -> renormalise
+                         -> keep the smallest most-likely set with mass >= top_p
+                         -> renormalise
+
+Both filters are *threshold* filters: a token is kept iff its scaled logit is
+>= a per-row threshold, so tokens tied with the last kept token are kept too.
+Greedy requests (temperature below `GREEDY_TEMPERATURE`) use `argmax` of the raw
+logits, first index on ties.
+
+Everything here is pure `jax.numpy` and works under `jit`; a "row" is one request
+and every function broadcasts the per-request parameters over any middle axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Temperatures below this are greedy. Dividing by a smaller temperature would only
+# sharpen the distribution towards the argmax anyway, and this keeps `x / T` finite.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-request sampling parameters, a pytree of three `[B]` arrays.
+
+  Attributes:
+    temperature: f32[B]; 0 means greedy.
+    top_k: i32[B]; 0 (or >= vocabulary size) means off.
+    top_p: f32[B]; 1.0 means off.
+
+  Example:
+    >>> params = SamplingParams.create([0.0, 0.7], top_k=[0, 50], top_p=0.9)
+    >>> params.batch_size
+    2
+  """
+
+  temperature: jax.Array  # [B]
+  top_k: jax.Array  # [B]
+  top_p: jax.Array  # [B]
+
+  @classmethod
+  def greedy(cls, batch_size: int) -> "SamplingParams":
+    """All-greedy parameters for `batch_size` requests."""
+    return cls.create(jnp.zeros((batch_size,), jnp.float32))
+
+  @classmethod
+  def create(cls, temperature, top_k=None, top_p=None) -> "SamplingParams":
+    """Builds parameters from scalars or sequences, broadcast to one batch.
+
+    Concrete values are validated; traced values (inside `jit`) are not.
+
+    Args:
+      temperature: scalar or [B]; >= 0, 0 means greedy.
+      top_k: None, scalar or [B]; >= 0, 0 means off.
+      top_p: None, scalar or [B]; in (0, 1], 1 means off.
+
+    Returns:
+      A `SamplingParams` with float32/int32 arrays of one shared batch size.
+
+    Raises:
+      ValueError: on negative temperature or top_k, top_p outside (0, 1], or
+        sizes that do not broadcast to one batch.
+    """
+    temperature = jnp.asarray(temperature, jnp.float32)
+    top_k = jnp.asarray(0 if top_k is None else top_k, jnp.int32)
+    top_p = jnp.asarray(1.0 if top_p is None else top_p, jnp.float32)
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+      if value.ndim > 1:
+        raise ValueError(f"SamplingParams.create: {name} must be a scalar or 1-D [B], got shape {value.shape}")
+    try:
+      shape = jnp.broadcast_shapes(temperature.shape, top_k.shape, top_p.shape)
+    except ValueError as e:
+      raise ValueError(
+          "SamplingParams.create: temperature, top_k and top_p must broadcast to one batch size, got shapes "
+          f"{temperature.shape}, {top_k.shape}, {top_p.shape}") from e
+    if shape == ():
+      shape = (1,)
+    if _is_concrete(temperature) and bool(np.any(np.asarray(temperature) < 0)):
+      raise ValueError(f"SamplingParams.create: temperature must be >= 0, got {np.asarray(temperature)}")
+    if _is_concrete(top_k) and bool(np.any(np.asarray(top_k) < 0)):
+      raise ValueError(f"SamplingParams.create: top_k must be >= 0 (0 = off), got {np.asarray(top_k)}")
+    if _is_concrete(top_p):
+      p = np.asarray(top_p)
+      if bool(np.any(~((p > 0) & (p <= 1)))):
+        raise ValueError(f"SamplingParams.create: top_p must be in (0, 1] (1 = off), got {p}")
+    return cls(
+        temperature=jnp.broadcast_to(temperature, shape),
+        top_k=jnp.broadcast_to(top_k, shape),
+        top_p=jnp.broadcast_to(top_p, shape),
+    )
+
+  @property
+  def batch_size(self) -> int:
+    return self.temperature.shape[0]
+
+  @property
+  def is_greedy(self) -> jax.Array:
+    """bool[B]: rows sampled by argmax."""
+    return self.temperature < GREEDY_TEMPERATURE
+
+
+def check_params(params: SamplingParams, batch_size: int, where: str) -> None:
+  """Raises ValueError unless `params` holds three [batch_size] arrays."""
+  if not isinstance(params, SamplingParams):
+    raise ValueError(f"{where}: params must be a SamplingParams, got {type(params).__name__}")
+  for name in ("temperature", "top_k", "top_p"):
+    shape = jnp.shape(getattr(params, name))
+    if shape != (batch_size,):
+      raise ValueError(f"{where}: params.{name} must have shape [B]=({batch_size},), got {shape}")
+
+
+# ----------------------------------------------------------------------------
+# Keys
+# ----------------------------------------------------------------------------
+
+
+def row_keys(key, batch_size: int, where: str = "key") -> jax.Array:
+  """One typed PRNG key per row.
+
+  A single key gives row b `fold_in(key, b)`; a batch of B keys gives row b
+  exactly `key[b]`, so a row never depends on its neighbours. Raw `uint32[2]`
+  keys (and batches `uint32[B, 2]`) are accepted.
+
+  Args:
+    key: typed key [] or [B], or raw uint32 [2] or [B, 2].
+    batch_size: B.
+    where: argument name used in error messages.
+
+  Returns:
+    A typed key array of shape [B].
+
+  Example:
+    >>> keys = row_keys(jax.random.key(0), 4)   # keys.shape == (4,)
+  """
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    typed = key
+  elif key.dtype == jnp.uint32 and key.ndim >= 1 and key.shape[-1] == 2:
+    typed = jax.random.wrap_key_data(key)
+  else:
+    raise ValueError(
+        f"{where} must be a typed PRNG key (jax.random.key) or a raw uint32[2] key, "
+        f"or a batch of B of either; got dtype {key.dtype}, shape {key.shape}")
+  if typed.ndim == 0:
+    return jax.vmap(lambda b: jax.random.fold_in(typed, b))(jnp.arange(batch_size))
+  if typed.shape == (batch_size,):
+    return typed
+  raise ValueError(f"{where}: expected one key or a batch of B={batch_size} keys, got key batch shape {typed.shape}")
+
+
+# ----------------------------------------------------------------------------
+# Logit processing
+# ----------------------------------------------------------------------------
+
+
+def _bcast(row_values: jax.Array, x: jax.Array) -> jax.Array:
+  """Reshapes per-row values [B] to broadcast against x [B, ..., V]."""
+  return row_values.reshape(row_values.shape + (1,) * (x.ndim - 1))
+
+
+def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """float32 logits / temperature, with greedy rows left at temperature 1.
+
+  Args:
+    logits: [B, ..., V], any float dtype.
+    temperature: f32[B].
+
+  Returns:
+    f32[B, ..., V].
+  """
+  t = jnp.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature).astype(jnp.float32)
+  return logits.astype(jnp.float32) / _bcast(t, logits)
+
+
+def filter_active(params: SamplingParams, vocab_size: int) -> jax.Array:
+  """bool[B]: rows whose top-k or top-p actually removes tokens."""
+  k_on = (params.top_k > 0) & (params.top_k < vocab_size)
+  return (k_on | (params.top_p < 1.0)) & ~params.is_greedy
+
+
+def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Per-row-and-position threshold on scaled logits: keep iff x >= threshold.
+
+  Sort-based: one descending sort over the vocabulary. The top-k threshold is the
+  k-th largest value; the top-p threshold is the value of the first sorted token
+  at which the cumulative mass (within the top-k set) reaches top_p. Tokens tied
+  with a threshold are kept.
+
+  Args:
+    scaled: f32[B, ..., V] temperature-scaled logits.
+    top_k: i32[B], 0 or >= V means off.
+    top_p: f32[B], 1 means off.
+
+  Returns:
+    f32[B, ...] thresholds (-inf where nothing is filtered).
+  """
+  v = scaled.shape[-1]
+  xs = -jnp.sort(-scaled, axis=-1)  # descending
+  k = _bcast(jnp.where((top_k > 0) & (top_k < v), top_k, v), xs[..., 0])
+  kth = jnp.take_along_axis(xs, (k - 1)[..., None], axis=-1)[..., 0]
+  kept_k = xs >= kth[..., None]
+  w = jnp.where(kept_k, jnp.exp(xs - xs[..., :1]), 0.0)
+  cum = jnp.cumsum(w, axis=-1) / jnp.sum(w, axis=-1, keepdims=True)
+  p = _bcast(top_p, kth)
+  # Index of the first sorted token whose cumulative mass reaches top_p, clipped
+  # into the top-k set (rounding can leave the total mass a hair under top_p).
+  first = jnp.sum(cum < p[..., None], axis=-1)
+  first = jnp.minimum(first, jnp.sum(kept_k, axis=-1) - 1)
+  pth = jnp.take_along_axis(xs, first[..., None], axis=-1)[..., 0]
+  thr = jnp.where(p < 1.0, jnp.maximum(kth, pth), kth)
+  return jnp.where((k < v) | (p < 1.0), thr, -jnp.inf)
+
+
+def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+  """Log-probabilities after temperature, top-k and top-p (every row as random).
+
+  Greedy rows are processed at temperature 1; callers pick argmax for them.
+
+  Args:
+    logits: [B, ..., V], any float dtype.
+    params: SamplingParams of batch B.
+
+  Returns:
+    f32[B, ..., V] normalised log-probabilities, -inf for removed tokens.
+
+  Example:
+    >>> logp = process_logits(jnp.zeros((2, 5)), SamplingParams.create(1.0, top_k=2))
+  """
+  scaled = scale_logits(logits, params.temperature)
+  # The sort behind the threshold is the costliest step: skip it at run time when
+  # no row filters anything.
+  thr = jax.lax.cond(
+      jnp.any(filter_active(params, logits.shape[-1])),
+      lambda x: top_k_top_p_threshold(x, params.top_k, params.top_p),
+      lambda x: jnp.full(x.shape[:-1], -jnp.inf, jnp.float32),
+      scaled)
+  masked = jnp.where(scaled >= thr[..., None], scaled, -jnp.inf)
+  return jax.nn.log_softmax(masked, axis=-1)
+
+
+# ----------------------------------------------------------------------------
+# Drawing one token from unnormalised weights
+# ----------------------------------------------------------------------------
+
+
+def _chunk_size(v: int) -> int:
+  return max(1, int(np.ceil(np.sqrt(v))))
+
+
+def categorical_from_log_weights(key: jax.Array, log_w: jax.Array) -> jax.Array:
+  """Draws one index per row with probability proportional to exp(log_w).
+
+  Exact two-stage Gumbel-max: pick a chunk of the vocabulary by its total
+  weight, then a token inside it. It draws about 2*sqrt(V) Gumbels per row
+  instead of V, and needs no normalised distribution.
+
+  Args:
+    key: typed keys [B] (one per row).
+    log_w: f32[B, V] unnormalised log-weights; -inf = impossible. A row must
+      have at least one finite entry.
+
+  Returns:
+    int32[B] indices in [0, V).
+  """
+  b, v = log_w.shape
+  c = _chunk_size(v)
+  n = -(-v // c)
+  padded = jnp.pad(log_w, ((0, 0), (0, n * c - v)), constant_values=-jnp.inf).reshape(b, n, c)
+  # Chunk log-masses, computed stably per chunk.
+  m = jnp.max(padded, axis=-1)
+  safe_m = jnp.where(jnp.isfinite(m), m, 0.0)
+  chunk_logw = jnp.log(jnp.sum(jnp.exp(padded - safe_m[..., None]), axis=-1)) + safe_m
+  k_chunk, k_tok = jax.vmap(lambda k: tuple(jax.random.split(k)), out_axes=(0, 0))(key)
+  g_chunk = jax.vmap(lambda k: jax.random.gumbel(k, (n,)))(k_chunk)
+  chunk = jnp.argmax(chunk_logw + g_chunk, axis=-1)
+  inside = jnp.take_along_axis(padded, chunk[:, None, None], axis=1)[:, 0]
+  g_tok = jax.vmap(lambda k: jax.random.gumbel(k, (c,)))(k_tok)
+  tok = jnp.argmax(inside + g_tok, axis=-1)
+  return (chunk * c + tok).astype(jnp.int32)
+
+
+def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy: bool = False):
+  """Plain sampling of one token per row, plus the distribution it came from.
+
+  Greedy rows take `argmax(logits)` (first index on ties); random rows draw from
+  the processed (temperature, top-k, top-p) distribution.
+
+  Args:
+    logits: [B, V], any float dtype.
+    params: SamplingParams of batch B.
+    key: one PRNG key or a batch of B keys (see `row_keys`).
+    all_greedy: static promise that every row is greedy: argmax only, no
+      softmax and no random numbers for the token (log_probs is one-hot).
+
+  Returns:
+    (tokens int32[B], log_probs f32[B, V]): log_probs is the log of the
+    distribution each row's token was drawn from (log one-hot for greedy rows).
+
+  Example:
+    >>> tok, logp = sample_tokens(logits, SamplingParams.create([0.0, 1.0]), jax.random.key(0))
+  """
+  if logits.ndim != 2:
+    raise ValueError(f"sample_tokens: logits must be [B, V], got shape {logits.shape}")
+  b, v = logits.shape
+  check_params(params, b, "sample_tokens")
+  greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  one_hot = jnp.where(jax.nn.one_hot(greedy_tok, v, dtype=jnp.bool_), 0.0, -jnp.inf)
+  if all_greedy:
+    return greedy_tok, one_hot
+  keys = row_keys(key, b)
+  logp = process_logits(logits, params)
+  tok = categorical_from_log_weights(keys, logp)
+  greedy = params.is_greedy
+  return jnp.where(greedy, greedy_tok, tok), jnp.where(greedy[:, None], one_hot, logp)
