@@ -240,16 +240,20 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
   b, k1, v = logits.shape
   k = k1 - 1
   greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
-  scaled = sampling.scale_logits(logits, params.temperature)  # fused into the reductions below
+  # Scaling happens inside each consumer (reductions, gathers) so it fuses there:
+  # a scaled copy passed into lax.cond would be materialised, tripling the traffic.
+  scale = lambda x: sampling.scale_logits(x, params.temperature)
 
-  def plain(x):
+  def plain(raw):
+    x = scale(raw)
     if need_argmax:
       m, s, am = _max_sumexp_argmax(x)
     else:
       (m, s), am = _max_sumexp(x), jnp.zeros(x.shape[:-1], jnp.int32)
     return m + jnp.log(s), jnp.full(x.shape[:-1], -jnp.inf, jnp.float32), am
 
-  def filtered(x):
+  def filtered(raw):
+    x = scale(raw)
     thr = sampling.top_k_top_p_threshold(x, params.top_k, params.top_p)
     kept = jnp.where(x >= thr[..., None], x, -jnp.inf)
     m, s = _max_sumexp(kept)
@@ -257,12 +261,12 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
     return m + jnp.log(s), thr, am
 
   # lse: log normaliser of the kept set, thr: keep-iff-x>=thr, am: argmax  [B, K+1]
-  lse, thr, am = jax.lax.cond(jnp.any(sampling.filter_active(params, v)), filtered, plain, scaled)
+  lse, thr, am = jax.lax.cond(jnp.any(sampling.filter_active(params, v)), filtered, plain, logits)
 
   # Acceptance, in log space: accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
   valid = (draft >= 0) & (draft < v)
   safe = jnp.where(valid, draft, 0)  # never read out of bounds
-  x_d = jnp.take_along_axis(scaled[:, :k], safe[..., None], axis=-1)[..., 0]
+  x_d = scale(jnp.take_along_axis(logits[:, :k], safe[..., None], axis=-1))[..., 0]
   log_p = jnp.where(x_d >= thr[:, :k], x_d - lse[:, :k], -jnp.inf)
   if draft_probs is None:
     log_q = jnp.zeros_like(log_p)  # one-hot draft distribution
@@ -278,7 +282,7 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
 
   # The one token drawn from a full distribution: at the stopping position only.
   s = num_accepted
-  row = jnp.take_along_axis(scaled, s[:, None, None], axis=1)[:, 0]  # [B, V]
+  row = scale(jnp.take_along_axis(logits, s[:, None, None], axis=1))[:, 0]  # [B, V]
   thr_s = jnp.take_along_axis(thr, s[:, None], axis=1)
   lse_s = jnp.take_along_axis(lse, s[:, None], axis=1)
   logp_row = jnp.where(row >= thr_s, row - lse_s, -jnp.inf)  # [B, V]

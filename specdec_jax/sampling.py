@@ -350,13 +350,13 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     >>> logp = process_logits(jnp.zeros((2, 5)), SamplingParams.create(1.0, top_k=2))
   """
   scaled = scale_logits(logits, params.temperature)
-  # The sort behind the threshold is the costliest step: skip it at run time when
-  # no row filters anything.
+  # The threshold search is the costliest step: skip it at run time when no row
+  # filters anything. (The raw logits go into the cond, so `scaled` stays fusible.)
   thr = jax.lax.cond(
       jnp.any(filter_active(params, logits.shape[-1])),
-      lambda x: top_k_top_p_threshold(x, params.top_k, params.top_p),
+      lambda x: top_k_top_p_threshold(scale_logits(x, params.temperature), params.top_k, params.top_p),
       lambda x: jnp.full(x.shape[:-1], -jnp.inf, jnp.float32),
-      scaled)
+      logits)
   masked = jnp.where(scaled >= thr[..., None], scaled, -jnp.inf)
   return jax.nn.log_softmax(masked, axis=-1)
 
