@@ -2,9 +2,14 @@
 
 Public API:
   - `rejection_sample`, `RejectionOutput`, `PLACEHOLDER_TOKEN_ID` (rejection.py)
-  - `SamplingParams`, `sample_tokens`, `process_logits` (sampling.py)
+  - `SamplingParams`, `sample_tokens`, `process_logits`, `row_keys` (sampling.py)
+  - `generate`, `speculative_generate`, `GenerateOutput`, `DecodeStats` (decoding.py)
+  - `PromptLookupDrafter` (drafters.py)
+  - models: `specdec_jax.models` (Transformer, TransformerConfig, load_smollm2, ...)
 """
 
+from specdec_jax.decoding import DecodeStats, GenerateOutput, generate, speculative_generate
+from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, rejection_sample
 from specdec_jax.sampling import SamplingParams, process_logits, row_keys, sample_tokens
 

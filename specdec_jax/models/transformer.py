@@ -1,0 +1,398 @@
+"""A Llama-style decoder-only transformer in Flax NNX with a fixed-size KV cache.
+
+The model knows nothing about speculation. It follows the model protocol of the
+decoding loop (DESIGN.md, "Decoding loop"): one call
+
+    logits, cache = model(tokens, positions, cache)   # [B, T] x2 -> [B, T, V]
+
+serves a prefill, a one-token decode step and a (K+1)-token verification. Every
+token writes its keys/values at *its own* position, per row, and a query at
+position p attends to exactly the cache slots s <= p. The loop owns the row
+lengths; the cache holds no length at all.
+
+Cache slots of a batch of two rows (prompt lengths 3 and 5, P=5, K=2), with
+`_` = slot never written, `j` = junk written by padding or a rejected draft:
+
+    slot:               0  1  2  3  4  5  6  7  8
+    after prefill  r0:  a  b  c  j  j  _  _  _  _    positions 0..4 for both rows;
+                   r1:  v  w  x  y  z  _  _  _  _    r0's pad tokens wrote junk at 3, 4
+    verify K+1=3   r0:  a  b  c  d  e  f  _  _  _    r0 at positions 3,4,5 (overwrote junk)
+                   r1:  v  w  x  y  z  A  B  C  _    r1 at positions 5,6,7
+    r1 rejected B, C: its length drops to 6; slots 6, 7 keep junk nobody can see,
+    because r1's next round writes positions 6.. before querying them.
+
+Writes at positions outside [0, max_length) are dropped (a scatter with
+`mode="drop"`), never clamped onto the last slot as `lax.dynamic_update_slice`
+would. Masked slots get exactly zero attention weight, so junk never leaks.
+
+Layers are stacked (every per-layer parameter has a leading L axis) and applied
+with `lax.scan`, so compile time does not grow with depth. The cache of all
+layers rides in the scan's carry and is updated in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specdec_jax.models.config import TransformerConfig
+
+# Per-layer parameters, in the order of the weights interface ("layers.<name>").
+_LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of every layer, one slot per position.
+
+  Attributes:
+    k: [L, B, Hkv, S, Dh] keys, RoPE already applied, in `config.dtype`.
+    v: [L, B, Hkv, S, Dh] values.
+
+  S is `max_length`. The cache holds no lengths: callers say where each token
+  goes through `positions` (see the module docstring). Heads come before slots
+  because the attention matmuls batch over (B, Hkv) and want those axes major:
+  with [L, B, S, Hkv, Dh], XLA on GPU transposed the whole cache on the way in
+  and out of every call (measured on an H100: 4.0 ms -> 3.0 ms per step for a
+  30-layer model at B=8, S=4096). Treat the layout as private all the same.
+
+  Example:
+    >>> cache = model.init_cache(batch_size=2, max_length=16)  # doctest: +SKIP
+    >>> cache.k.shape  # (L, 2, Hkv, 16, Dh)  # doctest: +SKIP
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+  @property
+  def batch_size(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def max_length(self) -> int:
+    return self.k.shape[3]
+
+
+def weight_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+  """The keys and shapes of `Transformer.to_weights()` for `config`.
+
+  Linear weights are in `x @ W` orientation; per-layer weights are stacked on a
+  leading L axis. Q/K output columns are in Hugging Face "rotate_half" order.
+
+  Args:
+    config: the model configuration.
+
+  Returns:
+    Dict from weight name to shape; "lm_head" only when embeddings are untied.
+
+  Example:
+    >>> weight_shapes(TransformerConfig.tiny(64))["layers.wk"]
+    (2, 32, 16)
+  """
+  L, D, F, V = config.num_layers, config.d_model, config.d_ff, config.vocab_size
+  q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  shapes = {
+      "embed": (V, D),
+      "layers.attn_norm": (L, D),
+      "layers.wq": (L, D, q),
+      "layers.wk": (L, D, kv),
+      "layers.wv": (L, D, kv),
+      "layers.wo": (L, q, D),
+      "layers.mlp_norm": (L, D),
+      "layers.w_gate": (L, D, F),
+      "layers.w_up": (L, D, F),
+      "layers.w_down": (L, F, D),
+      "final_norm": (D,),
+  }
+  if not config.tie_embeddings:
+    shapes["lm_head"] = (D, V)
+  return shapes
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _random_weights(config: TransformerConfig, key: jax.Array) -> dict[str, jax.Array]:
+  """Random weights under the keys of `weight_shapes`, in one compiled program.
+
+  (Drawn op by op, eagerly, each shape would compile on its own: seconds even
+  for a tiny model.) Norm scales are 1; matrices are normal with std 0.02, and
+  the projections that write into the residual stream ("wo", "w_down") are
+  scaled down by sqrt(2 L) (GPT-2) so its variance stays O(1) in depth.
+  """
+  all_shapes = weight_shapes(config)
+  shapes = {name: shape for name, shape in all_shapes.items() if not name.endswith("norm")}
+  sizes = [int(np.prod(shape)) for shape in shapes.values()]
+  # One draw for all matrices: XLA compiles a single threefry instead of one per shape.
+  noise = jax.random.normal(key, (sum(sizes),), jnp.float32)
+  weights = {}
+  for (name, shape), chunk in zip(shapes.items(), jnp.split(noise, np.cumsum(sizes)[:-1])):
+    residual_out = name in ("layers.wo", "layers.w_down")
+    std = 0.02 / np.sqrt(2 * config.num_layers) if residual_out else 0.02
+    weights[name] = (std * chunk.reshape(shape)).astype(config.dtype)
+  for name in ("layers.attn_norm", "layers.mlp_norm", "final_norm"):
+    weights[name] = jnp.ones(all_shapes[name], config.dtype)
+  return weights
+
+
+class _LayerStack(nnx.Module):
+  """All decoder blocks' parameters, each with a leading [L] axis."""
+
+  def __init__(self, weights: Mapping[str, jax.Array]):
+    for name in _LAYER_PARAMS:
+      setattr(self, name, nnx.Param(weights[f"layers.{name}"]))
+
+
+class Transformer(nnx.Module):
+  """Decoder-only Llama-style transformer (RoPE, RMSNorm, SwiGLU, GQA).
+
+  Implements the model protocol of the decoding loop: `init_cache` and
+  `__call__(tokens, positions, cache)`.
+
+  Args:
+    config: the model configuration.
+    rngs: random streams; `rngs.params()` draws the initial weights.
+
+  Example:
+    >>> config = TransformerConfig.tiny(vocab_size=64)
+    >>> model = Transformer(config, rngs=nnx.Rngs(0))
+    >>> cache = model.init_cache(batch_size=2, max_length=16)
+    >>> tokens = jnp.array([[1, 2, 3], [4, 5, 0]], jnp.int32)
+    >>> positions = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 3))
+    >>> logits, cache = model(tokens, positions, cache)
+    >>> logits.shape
+    (2, 3, 64)
+  """
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    if not isinstance(config, TransformerConfig):
+      raise ValueError(f"config must be a TransformerConfig, got {type(config).__name__}.")
+    self.config = config
+    weights = _random_weights(config, rngs.params())
+    self.embed = nnx.Param(weights["embed"])  # [V, D]
+    self.layers = _LayerStack(weights)
+    self.final_norm = nnx.Param(weights["final_norm"])  # [D]
+    if not config.tie_embeddings:
+      self.lm_head = nnx.Param(weights["lm_head"])  # [D, V]
+
+  # --- weights interface (shared with the GGUF loader) ----------------------
+
+  @classmethod
+  def from_weights(
+      cls, config: TransformerConfig, weights: Mapping[str, np.ndarray]
+  ) -> Transformer:
+    """Builds a model from named arrays, without a random initialisation.
+
+    Args:
+      config: the model configuration.
+      weights: exactly the keys of `weight_shapes(config)` with those shapes:
+        "embed" [V, D], "layers.attn_norm" [L, D], "layers.wq" [L, D, H*Dh],
+        "layers.wk"/"layers.wv" [L, D, Hkv*Dh], "layers.wo" [L, H*Dh, D],
+        "layers.mlp_norm" [L, D], "layers.w_gate"/"layers.w_up" [L, D, F],
+        "layers.w_down" [L, F, D], "final_norm" [D], and "lm_head" [D, V] only
+        when `config.tie_embeddings` is False. `x @ W` orientation; Q/K columns
+        in "rotate_half" order. Any float dtype; cast to `config.dtype`.
+
+    Returns:
+      The model.
+
+    Raises:
+      ValueError: a key is missing or unexpected, or an array has the wrong shape.
+
+    Example:
+      >>> clone = Transformer.from_weights(model.config, model.to_weights())  # doctest: +SKIP
+    """
+    expected = weight_shapes(config)
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    if missing:
+      raise ValueError(f"weights: missing key(s) {missing} for {config}.")
+    if unexpected:
+      hint = " (config.tie_embeddings is True)" if "lm_head" in unexpected else ""
+      raise ValueError(f"weights: unexpected key(s) {unexpected}{hint}.")
+    for name, shape in expected.items():
+      got = tuple(np.shape(weights[name]))
+      if got != shape:
+        raise ValueError(f"weights[{name!r}]: expected shape {shape}, got {got}.")
+
+    # Build the structure abstractly (no random numbers), then fill it in.
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
+    values = {}
+    for name in expected:
+      *parents, leaf = name.split(".")
+      node = values
+      for part in parents:
+        node = node.setdefault(part, {})
+      node[leaf] = jnp.asarray(weights[name], dtype=config.dtype)
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
+
+  def to_weights(self) -> dict[str, np.ndarray]:
+    """Returns the parameters as NumPy arrays under the keys of `from_weights`.
+
+    Arrays are in `config.dtype` (bfloat16 via `ml_dtypes`), so
+    `Transformer.from_weights(config, model.to_weights())` is exact.
+
+    Example:
+      >>> model.to_weights()["layers.wq"].shape  # (L, D, H*Dh)  # doctest: +SKIP
+    """
+    return {name: np.asarray(_param(self, name)[...]) for name in weight_shapes(self.config)}
+
+  # --- model protocol ---------------------------------------------------------
+
+  def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+    """A zero KV cache with `max_length` slots per row.
+
+    Args:
+      batch_size: B.
+      max_length: S, number of slots; writes at positions >= S are dropped.
+
+    Returns:
+      `KVCache` with k, v of shape [L, B, Hkv, S, Dh] in `config.dtype`.
+
+    Example:
+      >>> model.init_cache(2, 16).k.shape  # (L, 2, Hkv, 16, Dh)  # doctest: +SKIP
+    """
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+      if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    c = self.config
+    shape = (c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim)
+    return KVCache(k=jnp.zeros(shape, c.dtype), v=jnp.zeros(shape, c.dtype))
+
+  def __call__(
+      self,
+      tokens: jax.Array,  # int32 [B, T]
+      positions: jax.Array,  # int32 [B, T]
+      cache: KVCache,  # k, v: [L, B, Hkv, S, Dh]
+  ) -> tuple[jax.Array, KVCache]:
+    """Writes the tokens' keys/values at their positions and returns their logits.
+
+    Args:
+      tokens: int [B, T] token ids. Ids outside [0, V) (e.g. -1 padding) are
+        clipped into range so they never produce NaNs; their logits are junk.
+      positions: int [B, T] position of each token, per row. It picks the RoPE
+        angle and the cache slot; the query sees exactly the slots s <= position.
+        Positions outside [0, S) are not written (their keys/values are dropped).
+      cache: the `KVCache` to write into.
+
+    Returns:
+      (logits float32 [B, T, V], the updated cache).
+
+    Raises:
+      ValueError: at trace time, on wrong ranks, dtypes, or shapes that do not
+        match each other or the cache.
+
+    Example:
+      >>> # prefill a right-padded prompt, then decode one token per row
+      >>> prefill_positions = jnp.broadcast_to(jnp.arange(P), (B, P))  # doctest: +SKIP
+      >>> logits, cache = model(prompt, prefill_positions, cache)  # doctest: +SKIP
+      >>> logits, cache = model(next_tok[:, None], lengths[:, None], cache)  # doctest: +SKIP
+    """
+    self._check_inputs(tokens, positions, cache)
+    c = self.config
+    B, T = tokens.shape
+    S = cache.max_length
+
+    x = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)  # [B, T, D]
+    cos, sin = _rope_tables(positions, c.head_dim, c.rope_theta)  # [B, T, 1, Dh] each
+    # Query (b, t) sees slot s iff s <= positions[b, t].
+    mask = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    mask = mask[:, None, :, :]  # [B, 1, T, S], broadcast over heads
+    # Out-of-range positions become slot S, which mode="drop" discards. Needed
+    # for negative positions too: JAX indexing wraps -1 to S-1 even in drop mode.
+    slots = jnp.where((positions >= 0) & (positions < S), positions, S)  # [B, T]
+    rows = jnp.arange(B, dtype=jnp.int32)[:, None]  # [B, 1]
+
+    def block(carry, layer):
+      x, k_cache, v_cache = carry
+      p, i = layer  # this layer's parameters, its index
+      h = _rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+      q = (h @ p["wq"]).reshape(B, T, c.num_heads, c.head_dim)
+      k = (h @ p["wk"]).reshape(B, T, c.num_kv_heads, c.head_dim)
+      v = (h @ p["wv"]).reshape(B, T, c.num_kv_heads, c.head_dim)
+      q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+      # Scatter into the loop-carried cache: B*T rows are written and XLA
+      # updates the carry in place. (Indices split by a slice, so the indexed
+      # shape is [B, T, Hkv, Dh], like k's.)
+      k_cache = k_cache.at[i, rows, :, slots].set(k, mode="drop")
+      v_cache = v_cache.at[i, rows, :, slots].set(v, mode="drop")
+      k_all = jnp.swapaxes(k_cache[i], 1, 2)  # [B, S, Hkv, Dh]
+      v_all = jnp.swapaxes(v_cache[i], 1, 2)
+      attn = jax.nn.dot_product_attention(q, k_all, v_all, mask=mask)  # [B, T, H, Dh]
+      x = x + attn.reshape(B, T, c.num_heads * c.head_dim) @ p["wo"]
+      h = _rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+      x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+      return (x, k_cache, v_cache), None
+
+    layer_params = {name: getattr(self.layers, name)[...] for name in _LAYER_PARAMS}
+    layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (x, k_cache, v_cache), _ = jax.lax.scan(block, (x, cache.k, cache.v), (layer_params, layer_ids))
+
+    x = _rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+    lm_head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]  # [D, V]
+    # Accumulate the logits in float32 whatever the compute dtype.
+    logits = jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
+    return logits, KVCache(k=k_cache, v=v_cache)
+
+  def _check_inputs(self, tokens, positions, cache) -> None:
+    c = self.config
+    if not isinstance(cache, KVCache):
+      raise ValueError(f"cache must be a KVCache (from init_cache), got {type(cache).__name__}.")
+    for name, a in (("tokens", tokens), ("positions", positions)):
+      if jnp.ndim(a) != 2:
+        raise ValueError(f"{name} must have shape [B, T], got shape {jnp.shape(a)}.")
+      if not jnp.issubdtype(jnp.result_type(a), jnp.integer):
+        raise ValueError(f"{name} must be an integer array [B, T], got dtype {jnp.result_type(a)}.")
+    if jnp.shape(positions) != jnp.shape(tokens):
+      raise ValueError(
+          f"positions must have the shape of tokens [B, T] = {jnp.shape(tokens)}, "
+          f"got {jnp.shape(positions)}."
+      )
+    B = jnp.shape(tokens)[0]
+    expected = (c.num_layers, B, c.num_kv_heads, cache.max_length, c.head_dim)
+    for name, a in (("cache.k", cache.k), ("cache.v", cache.v)):
+      if jnp.shape(a) != expected:
+        raise ValueError(
+            f"{name} must have shape [L, B, Hkv, S, Dh] = {expected} (B from tokens), "
+            f"got {jnp.shape(a)}."
+        )
+      if jnp.result_type(a) != c.dtype:
+        raise ValueError(
+            f"{name} must have dtype {c.dtype} (config.dtype), got {jnp.result_type(a)}."
+        )
+
+
+def _param(model: Transformer, name: str) -> nnx.Param:
+  """The parameter behind a weights-interface key, e.g. "layers.wq"."""
+  obj = model
+  for part in name.split("."):
+    obj = getattr(obj, part)
+  return obj
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """x * rsqrt(mean(x^2) + eps) * weight over the last axis, in float32."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  return (y * weight.astype(jnp.float32)[None, None, :]).astype(x.dtype)
+
+
+def _rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos and sin [B, T, 1, Dh] for "rotate_half" RoPE (dims i and i + Dh/2 pair up)."""
+  inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [Dh/2]
+  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, Dh/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotates x [B, T, N, Dh] by the position angles, in float32."""
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)  # HF rotate_half
+  return (x32 * cos + rotated * sin).astype(x.dtype)

@@ -1,0 +1,432 @@
+"""Tests of specdec_jax/decoding.py (generate, speculative_generate) and drafters.py.
+
+Three kinds of model go through the loops, one per way a model rides through jit:
+  - `TinyLM`: a one-layer attention LM written here, a registered pytree with its
+    own cache layout ([2, B, S, D]: keys and values stacked), passed as arrays;
+  - `BigramLM`: a plain Python object (not a pytree) with a dummy cache, closed over;
+  - `specdec_jax.models.Transformer`: a Flax NNX module, split and merged.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from specdec_jax import decoding
+from specdec_jax.decoding import DecodeStats, GenerateOutput, generate, speculative_generate
+from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput
+from specdec_jax.sampling import SamplingParams, sample_tokens
+
+
+@pytest.fixture(autouse=True)
+def _strict_rank_promotion():
+  with jax.numpy_rank_promotion("raise"):
+    yield
+
+
+# ----------------------------------------------------------------------------
+# Models written for the tests
+# ----------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TinyLM:
+  """One attention layer; cache [2, B, S, D] (keys, values), written at positions."""
+
+  embed: jax.Array  # [V, D]
+  wqkv: jax.Array  # [3, D, D]
+  unembed: jax.Array  # [D, V]
+
+  traces = 0  # class attribute, not a field: counts traced calls
+
+  @classmethod
+  def create(cls, seed, vocab_size, d=16, logit_scale=3.0):
+    r = np.random.default_rng(seed)
+    return cls(embed=jnp.asarray(r.normal(size=(vocab_size, d)), jnp.float32),
+               wqkv=jnp.asarray(r.normal(size=(3, d, d)) / np.sqrt(d), jnp.float32),
+               unembed=jnp.asarray(r.normal(size=(d, vocab_size)) * logit_scale / np.sqrt(d), jnp.float32))
+
+  def init_cache(self, batch_size, max_length):
+    return jnp.zeros((2, batch_size, max_length, self.embed.shape[1]), jnp.float32)
+
+  def __call__(self, tokens, positions, cache):
+    TinyLM.traces += 1
+    b, _ = tokens.shape
+    s, d = cache.shape[2], cache.shape[3]
+    freq = 1.0 / (10.0 ** (jnp.arange(d // 2) / (d // 2)))
+    ang = positions[..., None].astype(jnp.float32) * freq[None, None, :]
+    x = self.embed[tokens] + jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
+    q, k, v = x @ self.wqkv[0], x @ self.wqkv[1], x @ self.wqkv[2]
+    slots = jnp.where((positions >= 0) & (positions < s), positions, s)  # out of range -> dropped
+    rows = jnp.arange(b)[:, None]
+    cache = cache.at[0, rows, slots].set(k, mode="drop").at[1, rows, slots].set(v, mode="drop")
+    scores = jnp.einsum("btd,bsd->bts", q, cache[0]) / np.sqrt(d)
+    scores = jnp.where(jnp.arange(s)[None, None, :] <= positions[..., None], scores, -jnp.inf)
+    h = jnp.tanh(x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), cache[1]))
+    return h @ self.unembed, cache
+
+
+class BigramLM:
+  """Not a pytree: next-token logits from a table; the cache is a dummy scalar."""
+
+  def __init__(self, table):
+    self.table = np.asarray(table, np.float32)  # [V, V]
+
+  def init_cache(self, batch_size, max_length):
+    return jnp.zeros((), jnp.int32)
+
+  def __call__(self, tokens, positions, cache):
+    return jnp.asarray(self.table)[tokens], cache + 1
+
+
+def _prompts(seed, vocab_size, lengths, p):
+  r = np.random.default_rng(seed)
+  tokens = r.integers(0, vocab_size, (len(lengths), p))
+  tokens = np.where(np.arange(p)[None, :] < np.asarray(lengths)[:, None], tokens, -7)  # odd padding
+  return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+def _check_output(out: GenerateOutput, max_new_tokens, k, eos=()):
+  """Invariants every output satisfies."""
+  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+  st = jax.tree.map(np.asarray, out.stats)
+  assert tokens.shape == (lengths.shape[0], max_new_tokens) and tokens.dtype == np.int32
+  assert np.all((lengths >= 1) & (lengths <= max_new_tokens))
+  live = np.arange(max_new_tokens)[None, :] < lengths[:, None]
+  assert np.all(tokens[~live] == PLACEHOLDER_TOKEN_ID) and np.all(tokens[live] >= 0)
+  for row, n in zip(tokens, lengths):
+    hits = [i for i in range(n) if row[i] in eos]
+    # A row ends at its first EOS, or at max_new_tokens without one.
+    assert hits == ([n - 1] if hits else []) and (hits or n == max_new_tokens)
+  np.testing.assert_array_equal(lengths, st.accepted + st.target_calls)
+  assert np.all(st.accepted <= st.drafted) and np.all(st.target_calls >= 1)
+  assert st.accepted_per_position.shape == (k,)
+  assert st.accepted_per_position.sum() == st.accepted.sum()
+  assert np.all(np.diff(st.accepted_per_position) <= 0)  # position i+1 needs position i
+
+
+# ----------------------------------------------------------------------------
+# Greedy: speculative == plain, token for token
+# ----------------------------------------------------------------------------
+
+V, P, MAX_NEW = 32, 7, 16
+LENGTHS = [7, 3, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+  target, draft = TinyLM.create(0, V), TinyLM.create(1, V)
+  prompts, lengths = _prompts(0, V, LENGTHS, P)
+  params = SamplingParams.greedy(len(LENGTHS))
+  # Pick as EOS a token that some row emits mid-way, so EOS cuts rows short.
+  free = generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, all_greedy=True)
+  eos = int(np.asarray(free.tokens)[1, 4])
+  plain = generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                   all_greedy=True)
+  assert np.asarray(plain.lengths).min() < MAX_NEW  # EOS did end some row early
+  return target, draft, prompts, lengths, params, eos, plain
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_greedy_speculative_equals_generate(greedy_setup, k, drafter):
+  target, draft, prompts, lengths, params, eos, plain = greedy_setup
+  if drafter == "lookup":
+    draft = PromptLookupDrafter(ngram_size=(3, 1))
+  out = speculative_generate(target, draft, prompts, lengths, params, None, max_new_tokens=MAX_NEW,
+                             num_speculative_tokens=k, eos_token_id=eos, all_greedy=True)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_array_equal(out.lengths, plain.lengths)
+  _check_output(out, MAX_NEW, k, eos=(eos,))
+  _check_output(plain, MAX_NEW, 0, eos=(eos,))
+  st = plain.stats
+  np.testing.assert_array_equal(st.target_calls, plain.lengths)
+  assert float(st.acceptance_rate) == 0.0 and float(st.mean_accepted_length) == 1.0
+
+
+# One static configuration shared by the sampled tests below, so they reuse one
+# compiled program (TinyLMs of one vocabulary differ only in their arrays).
+SAMPLED = dict(max_new_tokens=13, num_speculative_tokens=3, eos_token_id=(3, 4))
+SAMPLED_B = 4
+
+
+def _sampled_inputs(seed):
+  r = np.random.default_rng(seed)
+  prompts, lengths = _prompts(seed, V, r.integers(1, P + 1, SAMPLED_B), P)
+  greedy = r.uniform(size=SAMPLED_B) < 0.3
+  params = SamplingParams.create(np.where(greedy, 0.0, r.uniform(0.3, 1.5, SAMPLED_B)),
+                                 top_k=r.integers(0, 9, SAMPLED_B), top_p=r.uniform(0.5, 1.0, SAMPLED_B))
+  return prompts, lengths, params, jax.random.split(jax.random.key(seed), SAMPLED_B)
+
+
+def test_identical_draft_is_always_accepted():
+  """A draft equal to the target: every draft accepted (the draft cache never misses a token).
+
+  Greedy, max_new_tokens = 1 + 4 (K + 1) makes every round whole, so the rate is
+  exactly 1. Sampled, the draft's distribution q equals the target's p up to
+  float rounding (a T=1 versus a T=K+1 forward), so min(1, p/q) < 1 only by
+  ~1e-7: every round but a row's last (cut by EOS or max_new_tokens) emits K+1
+  tokens. A draft whose cache missed a token, or that was sampled with other
+  parameters or the target's keys, falls far below that.
+  """
+  k, b, max_new = 3, 8, 17
+  model = TinyLM.create(2, V)
+  prompts, lengths = _prompts(1, V, [7, 1, 2, 3, 4, 5, 6, 7], P)
+  out = speculative_generate(model, model, prompts, lengths, SamplingParams.greedy(b), None,
+                             max_new_tokens=max_new, num_speculative_tokens=k, all_greedy=True)
+  assert float(out.stats.acceptance_rate) == 1.0
+  np.testing.assert_array_equal(out.stats.target_calls, 5)
+  np.testing.assert_array_equal(out.stats.accepted_per_position, [4 * b] * k)
+  assert float(out.stats.mean_accepted_length) == pytest.approx(max_new / 5)
+
+  k = SAMPLED["num_speculative_tokens"]
+  for seed in (20, 21):
+    prompts, lengths, params, keys = _sampled_inputs(seed)
+    sampled = speculative_generate(model, model, prompts, lengths, params, keys, **SAMPLED)
+    _check_output(sampled, SAMPLED["max_new_tokens"], k, eos=SAMPLED["eos_token_id"])
+    full_rounds = 1 + -(-(np.asarray(sampled.lengths) - 1) // (k + 1))  # prefill + ceil((n - 1) / (K + 1))
+    np.testing.assert_array_equal(sampled.stats.target_calls, full_rounds)
+
+
+# ----------------------------------------------------------------------------
+# Sampled: lossless end to end (chi-square on the joint of the first 3 tokens)
+# ----------------------------------------------------------------------------
+
+SMALL_V, N_ROWS, TEMPERATURE, TOP_K = 8, 20000, 0.8, 6
+ALPHA = 1e-3
+
+
+def _exact_joint(target, prompt):
+  """p(x1, x2, x3 | prompt) [V, V, V] from full forwards without cache reuse."""
+  v = SMALL_V
+  x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+  seqs = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], axis=1)
+  n, t = seqs.shape
+  logits, _ = target(jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(t), (n, t)),
+                     target.init_cache(n, t))
+  logits = np.asarray(logits, np.float64)[:, -3:] / TEMPERATURE  # positions P-1, P, P+1
+  kth = np.sort(logits, axis=-1)[..., -TOP_K][..., None]
+  logits = np.where(logits >= kth, logits, -np.inf)  # top-k, as SamplingParams does
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  p1 = probs[0, 0]  # [V]
+  p2 = probs[:, 1].reshape(v, v, v)[:, 0]  # p(x2 | x1): rows with x2 = 0
+  p3 = probs[:, 2].reshape(v, v, v)  # p(x3 | x1, x2)
+  return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _chi_square_pvalue(samples, joint):
+  """Goodness of fit of samples [N, 3] to joint [V, V, V], bins with expected < 5 pooled."""
+  v = SMALL_V
+  observed = np.bincount(samples @ np.array([v * v, v, 1]), minlength=v ** 3).astype(float)
+  expected = joint.reshape(-1) * len(samples)
+  order = np.argsort(expected)
+  sparse = order[np.cumsum(expected[order]) < 5.0]  # the smallest bins, pooled into one
+  keep = np.setdiff1d(np.arange(v ** 3), sparse)
+  obs = np.append(observed[keep], observed[sparse].sum())
+  exp = np.append(expected[keep], expected[sparse].sum())
+  return scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def _accept_every_draft(draft_token_ids, target_logits, params, key=None, draft_probs=None, all_greedy=False,
+                        **_):
+  """A planted bug: keeps every draft token and appends a target-sampled bonus."""
+  b, k = draft_token_ids.shape
+  bonus, _ = sample_tokens(target_logits[:, k], params, key, all_greedy=all_greedy)
+  return RejectionOutput(token_ids=jnp.concatenate([draft_token_ids, bonus[:, None]], axis=1),
+                         num_accepted=jnp.full((b,), k, jnp.int32), num_emitted=jnp.full((b,), k + 1, jnp.int32))
+
+
+def test_sampled_speculative_is_lossless(monkeypatch):
+  """The first 3 tokens of N rows (each with its own key) follow the target's exact joint.
+
+  Power: with N = 20000 and about 200 bins after pooling, the alpha = 1e-3
+  critical value is about df + 3.1 sqrt(2 df) ~ 260, so a deviation with
+  N * sum((p' - p)^2 / p) ~ 60, i.e. a chi-square divergence of ~3e-3 (for
+  example 3% of the mass moved between two likely bins), is detected about half
+  of the time, and larger ones almost always. The planted loop below that accepts
+  every draft is rejected with a p-value far below alpha.
+  """
+  target, draft = TinyLM.create(10, SMALL_V, logit_scale=1.5), TinyLM.create(11, SMALL_V, logit_scale=1.5)
+  prompt = np.array([1, 5, 2, 7])
+  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
+  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
+  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
+  joint = _exact_joint(target, prompt)
+  np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
+
+  def run():
+    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(42), max_new_tokens=3,
+                               num_speculative_tokens=2)
+    return out, np.asarray(out.tokens)
+
+  out, samples = run()
+  _check_output(out, 3, 2)
+  assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # the draft differs: rejections happen
+  assert _chi_square_pvalue(samples, joint) > ALPHA
+
+  monkeypatch.setattr(decoding, "rejection_sample", _accept_every_draft)
+  decoding._speculative_jit.clear_cache()  # the planted bug must be traced in
+  try:
+    _, wrong = run()
+  finally:
+    monkeypatch.undo()
+    decoding._speculative_jit.clear_cache()
+  assert _chi_square_pvalue(wrong, joint) < ALPHA
+
+
+# ----------------------------------------------------------------------------
+# Models of every kind; no recompilation; batch invariance; stats
+# ----------------------------------------------------------------------------
+
+
+def test_bigram_model_not_a_pytree_runs_through_both_loops():
+  """A plain object with a dummy cache: the greedy chain is known in closed form."""
+  v = 11
+  table = np.full((v, v), -5.0)
+  table[np.arange(v), (3 * np.arange(v) + 1) % v] = 5.0  # next = 3 t + 1 mod v
+  model = BigramLM(table)
+  prompts, lengths = _prompts(2, v, [3, 1, 2], 4)
+  last = np.asarray(prompts)[np.arange(3), np.asarray(lengths) - 1]
+  expected = np.zeros((3, 6), np.int64)
+  for i in range(6):
+    last = (3 * last + 1) % v
+    expected[:, i] = last
+  params = SamplingParams.greedy(3)
+  plain = generate(model, prompts, lengths, params, None, max_new_tokens=6, all_greedy=True)
+  np.testing.assert_array_equal(plain.tokens, expected)
+  for draft in (model, PromptLookupDrafter(1)):
+    out = speculative_generate(model, draft, prompts, lengths, params, None, max_new_tokens=6,
+                               num_speculative_tokens=2, all_greedy=True)
+    np.testing.assert_array_equal(out.tokens, expected)
+    _check_output(out, 6, 2)
+
+
+def test_no_recompilation_for_new_prompts_params_keys_and_weights():
+  def call(seed):
+    prompts, lengths, params, keys = _sampled_inputs(seed)
+    out = speculative_generate(TinyLM.create(seed, V), TinyLM.create(seed + 100, V), prompts, lengths, params,
+                               keys, **SAMPLED)
+    _check_output(out, SAMPLED["max_new_tokens"], SAMPLED["num_speculative_tokens"], eos=SAMPLED["eos_token_id"])
+    return out
+
+  call(0)
+  traces, compiled = TinyLM.traces, decoding._speculative_jit._cache_size()
+  for seed in (1, 2):
+    call(seed)
+  assert TinyLM.traces == traces and decoding._speculative_jit._cache_size() == compiled
+
+
+def test_batch_invariance_with_per_row_keys():
+  """Row b's tokens depend on its own key, prompt and parameters only.
+
+  Two batches of the same size share two requests, at other row indices, among
+  different neighbours (same size: one compiled program serves both).
+  """
+  target, draft = TinyLM.create(3, V), TinyLM.create(4, V)
+  a, other = _sampled_inputs(30), _sampled_inputs(31)
+  # Batch b = [other0, a2, other2, a0].
+  pick = lambda x, y: jnp.stack([y[0], x[2], y[2], x[0]])
+  b = jax.tree.map(pick, a, other)
+  out_a = speculative_generate(target, draft, *a, **SAMPLED)
+  out_b = speculative_generate(target, draft, *b, **SAMPLED)
+  for row_a, row_b in ((0, 3), (2, 1)):
+    np.testing.assert_array_equal(out_a.tokens[row_a], out_b.tokens[row_b])
+    np.testing.assert_array_equal(out_a.stats.accepted[row_a], out_b.stats.accepted[row_b])
+  assert not np.array_equal(out_a.tokens[1], out_b.tokens[0])  # the neighbours did differ
+
+
+def test_nnx_transformer_greedy_and_no_recompile_for_new_weights():
+  models = pytest.importorskip("specdec_jax.models")
+  from flax import nnx
+
+  config = models.TransformerConfig.tiny(V, tie_embeddings=False)
+
+  def make(seed):
+    # Larger weights than the default init, so logits are far from ties.
+    r = np.random.default_rng(seed)
+    weights = {name: r.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1.0)
+               for name, shape in models.weight_shapes(config).items()}
+    for name in weights:
+      if name.endswith("norm"):
+        weights[name] = np.ones_like(weights[name])
+    weights["embed"] = r.normal(size=weights["embed"].shape)
+    weights["lm_head"] *= 4.0
+    return models.Transformer.from_weights(config, weights)
+
+  target = make(0)
+  assert isinstance(target, nnx.Module)
+  prompts, lengths = _prompts(6, V, [5, 2, 6], 6)
+  params = SamplingParams.greedy(3)
+  kwargs = dict(max_new_tokens=10, all_greedy=True)
+  plain = generate(target, prompts, lengths, params, None, **kwargs)
+  print("DEBUG plain", plain.tokens, jax.tree.leaves(nnx.state(target))[0].ravel()[:3], decoding._generate_jit._cache_size())
+  decoding._generate_jit.clear_cache()
+  plain2 = generate(target, prompts, lengths, params, None, **kwargs)
+  print("DEBUG plain2", plain2.tokens)
+  g, st = nnx.split(target)
+  print("DEBUG eager", decoding._generate_jit.__wrapped__(st, prompts, lengths, params, None, target_def=decoding._ModelDef("nnx", g), max_new_tokens=10, eos=(), all_greedy=True).tokens)
+  out = speculative_generate(target, make(1), prompts, lengths, params, None, num_speculative_tokens=3, **kwargs)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  _check_output(out, 10, 3)
+  compiled = decoding._speculative_jit._cache_size()
+  same = speculative_generate(target, target, prompts, lengths, params, None, num_speculative_tokens=3, **kwargs)
+  np.testing.assert_array_equal(same.tokens, plain.tokens)
+  assert decoding._speculative_jit._cache_size() == compiled  # new draft weights, same program
+
+
+# ----------------------------------------------------------------------------
+# Prompt lookup and argument checks
+# ----------------------------------------------------------------------------
+
+
+def test_prompt_lookup_proposals():
+  tokens = jnp.array([[1, 2, 3, 9, 1, 2, 3, 0, 0],  # "1 2 3" seen before: propose what followed
+                      [5, 6, 5, 6, 5, 6, 0, 0, 0],  # periodic: continues the period
+                      [1, 2, 3, 4, 5, 6, 7, 8, 0],  # no repeat: repeat the last token
+                      [4, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)  # length 1
+  lengths = jnp.array([7, 6, 8, 1], jnp.int32)
+  got = PromptLookupDrafter(ngram_size=(3, 2)).propose(tokens, lengths, 4)
+  np.testing.assert_array_equal(got, [[9, 1, 2, 3], [5, 6, 5, 6], [8, 8, 8, 8], [4, 4, 4, 4]])
+  # The most recent match wins; the smaller size is tried when the larger fails.
+  got = PromptLookupDrafter(ngram_size=(4, 1)).propose(jnp.array([[7, 1, 7, 2, 7, 0]]), jnp.array([5]), 2)
+  np.testing.assert_array_equal(got, [[2, 7]])
+  with pytest.raises(ValueError, match="ngram_size"):
+    PromptLookupDrafter(ngram_size=0)
+
+
+def test_argument_errors_name_the_argument():
+  model = TinyLM.create(0, V)
+  prompts, lengths = _prompts(0, V, [3, 2], 4)
+  params = SamplingParams.greedy(2)
+  kw = dict(max_new_tokens=4, num_speculative_tokens=2, all_greedy=True)
+  with pytest.raises(ValueError, match="prompt_lengths"):
+    speculative_generate(model, model, prompts, jnp.array([0, 2]), params, None, **kw)
+  with pytest.raises(ValueError, match="prompt_tokens"):
+    speculative_generate(model, model, prompts[0], lengths, params, None, **kw)
+  with pytest.raises(ValueError, match="num_speculative_tokens"):
+    speculative_generate(model, model, prompts, lengths, params, None, **{**kw, "num_speculative_tokens": 0})
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    generate(model, prompts, lengths, params, None, max_new_tokens=0)
+  with pytest.raises(ValueError, match="key"):
+    generate(model, prompts, lengths, params, None, max_new_tokens=4)
+  with pytest.raises(ValueError, match="eos_token_id"):
+    generate(model, prompts, lengths, params, None, max_new_tokens=4, eos_token_id="2", all_greedy=True)
+  with pytest.raises(ValueError, match="params"):
+    generate(model, prompts, lengths, SamplingParams.greedy(3), None, max_new_tokens=4, all_greedy=True)
+  with pytest.raises(TypeError, match="draft"):
+    speculative_generate(model, object(), prompts, lengths, params, None, **kw)
+  with pytest.raises(ValueError, match="vocabulary"):
+    speculative_generate(model, TinyLM.create(0, V + 1), prompts, lengths, params, None, **kw)
+
+
+def test_outputs_are_pytrees():
+  out = GenerateOutput(tokens=jnp.zeros((1, 2), jnp.int32), lengths=jnp.ones((1,), jnp.int32),
+                       stats=DecodeStats(*(jnp.ones((1,), jnp.int32),) * 3, jnp.zeros((0,), jnp.int32)))
+  assert len(jax.tree.leaves(out)) == 6
+  assert isinstance(jax.tree.map(lambda x: x, out), GenerateOutput)
