@@ -244,9 +244,18 @@ def _threshold_from_sorted(xs, top_k, top_p, v, total_mass=None, m=None):
   return thr, kth
 
 
-# Group size and per-group candidates of the sort-free threshold search.
-_GROUP_SIZE = 128
+# The sort-free threshold search keeps the _PER_GROUP largest values of each
+# group of tokens; about _NUM_GROUPS groups per row make it rare that a row's
+# kept set puts more than _PER_GROUP tokens into one group (odds about
+# C(k, 4) / G^3 for top-k: 2e-4 at k=50). Up to _MAX_SORTED_ROWS rows that
+# still fail are sorted individually.
 _PER_GROUP = 4
+_NUM_GROUPS = 1024
+_MAX_SORTED_ROWS = 64
+
+
+def _group_size(v: int) -> int:
+  return int(np.clip(v // _NUM_GROUPS, 16, 128))
 
 
 def _merge_top(a, b):
@@ -266,7 +275,7 @@ def _merge_top(a, b):
   return tuple(out)
 
 
-def group_top(x: jax.Array, group_size: int = _GROUP_SIZE, per_group: int = _PER_GROUP) -> jax.Array:
+def group_top(x: jax.Array, group_size: int | None = None, per_group: int = _PER_GROUP) -> jax.Array:
   """The `per_group` largest values of every `group_size` block of the last axis.
 
   One fused variadic reduction (a single read of x): each element enters as the
@@ -274,11 +283,14 @@ def group_top(x: jax.Array, group_size: int = _GROUP_SIZE, per_group: int = _PER
 
   Args:
     x: f32[..., V].
+    group_size: tokens per group (default: about V / 1024, in [16, 128]).
+    per_group: values kept per group.
 
   Returns:
     f32[..., ceil(V / group_size), per_group], descending within each group.
   """
   v = x.shape[-1]
+  group_size = _group_size(v) if group_size is None else group_size
   g = -(-v // group_size)
   xg = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, g * group_size - v)], constant_values=-jnp.inf)
   xg = xg.reshape(x.shape[:-1] + (g, group_size))
@@ -290,7 +302,7 @@ def group_top(x: jax.Array, group_size: int = _GROUP_SIZE, per_group: int = _PER
 
 
 def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                          *, group_size: int = _GROUP_SIZE) -> jax.Array:
+                          *, group_size: int | None = None) -> jax.Array:
   """Per-row-and-position threshold on scaled logits: keep iff x >= threshold.
 
   The top-k threshold is the k-th largest value; the top-p threshold is the value
@@ -298,18 +310,19 @@ def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
   the top-k set) reaches top_p. Tokens tied with a threshold are kept.
 
   Sort-free over the vocabulary: one pass keeps the 4 largest values of every
-  group of `group_size` tokens, and only those candidates (V/32 per row) are
-  sorted. Any token outside the candidates is <= its group's 4th largest, so the
-  answer is exact whenever the threshold exceeds every group's 4th largest value
-  (on language-model logits that covers the top few hundred tokens). Otherwise,
-  e.g. top-p alone over a flat distribution, a `lax.cond` falls back to
-  `sorted_threshold` for the batch.
+  group of tokens (about 1024 groups), and only those candidates are sorted.
+  Any token outside the candidates is <= its group's 4th largest, so a row's
+  answer is exact whenever its threshold exceeds every group's 4th largest
+  value (for language-model logits: top-k up to about 100, and top-p sets of
+  similar size). Rows where that fails (e.g. top-p over a flat distribution)
+  are sorted individually, up to 64 of them; beyond that a `lax.cond` sorts the
+  whole batch. The result is always exact.
 
   Args:
     scaled: f32[B, ..., V] temperature-scaled logits.
     top_k: i32[B], 0 or >= V means off.
     top_p: f32[B], 1 means off.
-    group_size: static group size of the candidate search.
+    group_size: static group size of the candidate search (default: about V/1024).
 
   Returns:
     f32[B, ...] thresholds (-inf where nothing is filtered).
@@ -318,6 +331,7 @@ def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
     >>> thr = top_k_top_p_threshold(x, jnp.array([50]), jnp.array([0.9]))  # x: [1, V]
   """
   v = scaled.shape[-1]
+  group_size = _group_size(v) if group_size is None else group_size
   if v <= 2 * group_size * _PER_GROUP:  # small vocabularies: a sort is cheap
     return sorted_threshold(scaled, top_k, top_p)
   tops = group_top(scaled, group_size)  # [..., G, 4]
@@ -330,8 +344,27 @@ def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
   p_on = _bcast(top_p < 1.0, thr)
   exact = jnp.where(k_on, (_bcast(top_k, thr) <= cand.shape[-1]) & (kth > floor),
                     jnp.where(p_on, thr > floor, True))
-  return jax.lax.cond(jnp.all(exact), lambda: jnp.where(k_on | p_on, thr, -jnp.inf),
-                      lambda: sorted_threshold(scaled, top_k, top_p))
+  thr = jnp.where(k_on | p_on, thr, -jnp.inf)
+
+  # Rows whose candidates did not suffice: sort just those (a fixed number of
+  # them, so shapes stay static), or the whole batch if there are too many.
+  flat_shape = (-1, v)
+  rows = thr.size
+  row_batch = jnp.broadcast_to(jnp.arange(scaled.shape[0]).reshape((-1,) + (1,) * (thr.ndim - 1)), thr.shape)
+  n_fix = min(_MAX_SORTED_ROWS, rows)
+  bad = jnp.nonzero(~exact.reshape(-1), size=n_fix, fill_value=rows)[0]  # [n_fix], `rows` = unused slot
+  safe = jnp.minimum(bad, rows - 1)
+
+  def fix_rows(thr):
+    sub = scaled.reshape(flat_shape)[safe]
+    b_of = row_batch.reshape(-1)[safe]
+    fixed = sorted_threshold(sub, top_k[b_of], top_p[b_of])
+    return thr.reshape(-1).at[bad].set(fixed, mode="drop").reshape(thr.shape)
+
+  num_bad = jnp.sum(~exact)
+  return jax.lax.switch(
+      jnp.where(num_bad == 0, 0, jnp.where(num_bad <= n_fix, 1, 2)),
+      [lambda t: t, fix_rows, lambda t: sorted_threshold(scaled, top_k, top_p)], thr)
 
 
 def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
