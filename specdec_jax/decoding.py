@@ -27,6 +27,10 @@ the last TWO tokens [u, t] at [L-2, L-1]: when the previous round accepted all
 drafts this fills the hole, otherwise it rewrites slot L-2 with the token that
 is already there. The first call is the same shape for every row (no per-row
 branch), and `prompt_lengths >= 1` makes L >= 2 from the first round on.
+
+Nothing is donated: the caches, the token buffer and the statistics are born
+inside the program (XLA updates the while-loop carry in place), and every
+argument belongs to the caller (weights, prompts, parameters, keys).
 """
 
 from __future__ import annotations
@@ -111,22 +115,39 @@ class GenerateOutput:
 # ----------------------------------------------------------------------------
 
 
-class _ByIdentity:
-  """Hashes and compares by identity, so any object can be a static jit argument.
+_VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), np.dtype)
 
-  The jit cache keeps the object alive, so its id cannot be reused by another.
+
+class _Static:
+  """Wraps a non-array object so it can ride in a jit's static arguments.
+
+  Plain values (numbers, strings, dtypes, tuples of them) compare by type and
+  value, so an equal value reuses the compiled program. Anything else compares
+  by identity: a user's own `__eq__` may ignore the weights the program bakes
+  in. The jit cache keeps the object alive, so its id cannot be reused.
   """
 
-  __slots__ = ("obj",)
+  __slots__ = ("obj", "key")
 
   def __init__(self, obj):
     self.obj = obj
+    self.key = (type(obj), obj) if _is_plain_value(obj) else None
 
   def __hash__(self):
-    return id(self.obj)
+    return id(self.obj) if self.key is None else hash(self.key)
 
   def __eq__(self, other):
-    return isinstance(other, _ByIdentity) and other.obj is self.obj
+    if not isinstance(other, _Static):
+      return False
+    if self.key is None or other.key is None:
+      return self.obj is other.obj
+    return self.key == other.key
+
+
+def _is_plain_value(obj) -> bool:
+  if isinstance(obj, tuple):
+    return all(_is_plain_value(x) for x in obj)
+  return isinstance(obj, _VALUE_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +155,9 @@ class _ModelDef:
   """The static half of a model: how to rebuild it inside jit from its arrays.
 
   kind "nnx": structure is the nnx GraphDef (arrays = its State);
-  kind "pytree": structure is (treedef, non-array leaves by identity);
-  kind "closed": structure is the object itself by identity (no arrays), for
-  models that are not pytrees: the program closes over them.
+  kind "pytree": structure is (treedef, its non-array leaves as `_Static`);
+  kind "closed": structure is the model as `_Static` (no arrays), for models
+  that are not pytrees (or hold no arrays): the program closes over them.
   """
 
   kind: str
@@ -155,8 +176,8 @@ def _split_model(model, name: str) -> tuple[_ModelDef, Any]:
   leaves, treedef = jax.tree_util.tree_flatten(model)
   is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
   if not any(is_array):
-    return _ModelDef("closed", _ByIdentity(model)), None
-  static = tuple(None if a else _ByIdentity(x) for x, a in zip(leaves, is_array))
+    return _ModelDef("closed", _Static(model)), None
+  static = tuple(None if a else _Static(x) for x, a in zip(leaves, is_array))
   arrays = [x for x, a in zip(leaves, is_array) if a]
   return _ModelDef("pytree", (treedef, static)), arrays
 
@@ -312,7 +333,8 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
       `__call__(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache)`.
       An NNX module is split once per call and merged inside the program (new
       weights of the same structure do not recompile); another pytree passes
-      through jit as arrays; any other object is closed over (static).
+      its arrays through jit; any other object is closed over as a constant
+      (a new object compiles anew, and the compiled program keeps it alive).
     prompt_tokens: int[B, P] right-padded prompts.
     prompt_lengths: int[B] in [1, P].
     params: SamplingParams of batch B (temperature 0 = greedy).
@@ -344,8 +366,6 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
 @functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy"))
 def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
                   all_greedy):
-  # The cache is born inside the program (nothing to donate: XLA updates the
-  # while-loop carry in place).
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
   init_cache, apply = _model_fns(target_def, target_arrays, "target", b)

@@ -171,24 +171,6 @@ def _check_values(draft, n, k, v):
 # ----------------------------------------------------------------------------
 
 
-def _max_sumexp(x):
-  """One pass: (max, sum exp(x - max)) over the last axis, by online combining.
-
-  XLA's logsumexp makes two passes (max, then sum); a variadic reduce whose
-  combiner rescales the running sum reads the logits once.
-  """
-
-  def combine(a, b):
-    (m1, s1), (m2, s2) = a, b
-    m = jnp.maximum(m1, m2)
-    # A side whose max is -inf carries no mass (and exp(-inf - -inf) is NaN).
-    s = (jnp.where(m1 == -jnp.inf, 0.0, s1 * jnp.exp(m1 - m))
-         + jnp.where(m2 == -jnp.inf, 0.0, s2 * jnp.exp(m2 - m)))
-    return m, s
-
-  return jax.lax.reduce((x, jnp.ones_like(x)), (np.float32(-np.inf), np.float32(0)), combine, (x.ndim - 1,))
-
-
 def _max_sumexp_argmax(x):
   """One pass: (max, sum exp(x - max), first argmax) over the last axis."""
 
@@ -249,19 +231,22 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
     if need_argmax:
       m, s, am = _max_sumexp_argmax(x)
     else:
-      (m, s), am = _max_sumexp(x), jnp.zeros(x.shape[:-1], jnp.int32)
+      (m, s), am = sampling.max_and_sumexp(x), jnp.zeros(x.shape[:-1], jnp.int32)
     return m + jnp.log(s), jnp.full(x.shape[:-1], -jnp.inf, jnp.float32), am
 
   def filtered(raw):
     x = scale(raw)
     thr = sampling.top_k_top_p_threshold(x, params.top_k, params.top_p)
     kept = jnp.where(x >= thr[..., None], x, -jnp.inf)
-    m, s = _max_sumexp(kept)
+    m, s = sampling.max_and_sumexp(kept)
     am = jnp.argmax(x, axis=-1).astype(jnp.int32) if need_argmax else jnp.zeros(x.shape[:-1], jnp.int32)
     return m + jnp.log(s), thr, am
 
   # lse: log normaliser of the kept set, thr: keep-iff-x>=thr, am: argmax  [B, K+1]
-  lse, thr, am = jax.lax.cond(jnp.any(sampling.filter_active(params, v)), filtered, plain, logits)
+  # Under all_random a zero-temperature row is random too, so its filters count
+  # (else its output would depend on whether a neighbour filters).
+  filters_on = ((params.top_k > 0) & (params.top_k < v) | (params.top_p < 1.0)) & ~greedy
+  lse, thr, am = jax.lax.cond(jnp.any(filters_on), filtered, plain, logits)
 
   # Acceptance, in log space: accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
   valid = (draft >= 0) & (draft < v)

@@ -400,7 +400,37 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def _chunk_size(v: int) -> int:
-  return max(1, int(np.ceil(np.sqrt(v))))
+  """A chunk size near sqrt(V), preferring one that divides V (no padded copy)."""
+  root = int(np.ceil(np.sqrt(v)))
+  for c in sorted(range(max(1, root // 4), 4 * root + 1), key=lambda c: abs(c - root)):
+    if v % c == 0 and c >= 16:
+      return c
+  return root
+
+
+def max_and_sumexp(x: jax.Array):
+  """One pass: (max, sum exp(x - max)) over the last axis, by online combining.
+
+  XLA's logsumexp makes two passes (max, then sum); a variadic reduce whose
+  combiner rescales the running sum reads x once. Rows that are all -inf give
+  (-inf, 0).
+
+  Args:
+    x: f32[..., V].
+
+  Returns:
+    (m f32[...], s f32[...]) with logsumexp(x) = m + log(s).
+  """
+
+  def combine(a, b):
+    (m1, s1), (m2, s2) = a, b
+    m = jnp.maximum(m1, m2)
+    # A side whose max is -inf carries no mass (and exp(-inf - -inf) is NaN).
+    s = (jnp.where(m1 == -jnp.inf, 0.0, s1 * jnp.exp(m1 - m))
+         + jnp.where(m2 == -jnp.inf, 0.0, s2 * jnp.exp(m2 - m)))
+    return m, s
+
+  return jax.lax.reduce((x, jnp.ones_like(x)), (np.float32(-np.inf), np.float32(0)), combine, (x.ndim - 1,))
 
 
 def categorical_from_log_weights(key: jax.Array, log_w: jax.Array) -> jax.Array:
@@ -408,7 +438,8 @@ def categorical_from_log_weights(key: jax.Array, log_w: jax.Array) -> jax.Array:
 
   Exact two-stage Gumbel-max: pick a chunk of the vocabulary by its total
   weight, then a token inside it. It draws about 2*sqrt(V) Gumbels per row
-  instead of V, and needs no normalised distribution.
+  instead of V, reads log_w once for the chunk masses, and needs no normalised
+  distribution.
 
   Args:
     key: typed keys [B] (one per row).
@@ -417,19 +448,22 @@ def categorical_from_log_weights(key: jax.Array, log_w: jax.Array) -> jax.Array:
 
   Returns:
     int32[B] indices in [0, V).
+
+  Example:
+    >>> tok = categorical_from_log_weights(row_keys(jax.random.key(0), 2), jnp.log(jnp.array([[1., 3.], [1., 0.]])))
   """
   b, v = log_w.shape
   c = _chunk_size(v)
   n = -(-v // c)
-  padded = jnp.pad(log_w, ((0, 0), (0, n * c - v)), constant_values=-jnp.inf).reshape(b, n, c)
-  # Chunk log-masses, computed stably per chunk.
-  m = jnp.max(padded, axis=-1)
-  safe_m = jnp.where(jnp.isfinite(m), m, 0.0)
-  chunk_logw = jnp.log(jnp.sum(jnp.exp(padded - safe_m[..., None]), axis=-1)) + safe_m
+  if n * c != v:
+    log_w = jnp.pad(log_w, ((0, 0), (0, n * c - v)), constant_values=-jnp.inf)
+  chunks = log_w.reshape(b, n, c)
+  m, s = max_and_sumexp(chunks)
+  chunk_logw = jnp.where(s > 0, m + jnp.log(s), -jnp.inf)  # [B, n]
   k_chunk, k_tok = jax.vmap(lambda k: tuple(jax.random.split(k)), out_axes=(0, 0))(key)
   g_chunk = jax.vmap(lambda k: jax.random.gumbel(k, (n,)))(k_chunk)
   chunk = jnp.argmax(chunk_logw + g_chunk, axis=-1)
-  inside = jnp.take_along_axis(padded, chunk[:, None, None], axis=1)[:, 0]
+  inside = jnp.take_along_axis(chunks, chunk[:, None, None], axis=1)[:, 0]
   g_tok = jax.vmap(lambda k: jax.random.gumbel(k, (c,)))(k_tok)
   tok = jnp.argmax(inside + g_tok, axis=-1)
   return (chunk * c + tok).astype(jnp.int32)

@@ -13,19 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 
 from specdec_jax import decoding
 from specdec_jax.decoding import DecodeStats, GenerateOutput, generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput
 from specdec_jax.sampling import SamplingParams, sample_tokens
-
-
-@pytest.fixture(autouse=True)
-def _strict_rank_promotion():
-  with jax.numpy_rank_promotion("raise"):
-    yield
+from tests.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation, reference_probs
 
 
 # ----------------------------------------------------------------------------
@@ -118,32 +112,35 @@ V, P, MAX_NEW = 32, 7, 16
 LENGTHS = [7, 3, 1, 5]
 
 
+# 28 ends rows 1-3 early (found by a run without EOS); row 0 never emits it and
+# runs to MAX_NEW; 31 is never emitted (a tuple of EOS ids).
+EOS = (28, 31)
+
+
 @pytest.fixture(scope="module")
 def greedy_setup():
   target, draft = TinyLM.create(0, V), TinyLM.create(1, V)
   prompts, lengths = _prompts(0, V, LENGTHS, P)
   params = SamplingParams.greedy(len(LENGTHS))
-  # Pick as EOS a token that some row emits mid-way, so EOS cuts rows short.
-  free = generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, all_greedy=True)
-  eos = int(np.asarray(free.tokens)[1, 4])
-  plain = generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, eos_token_id=eos,
+  plain = generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, eos_token_id=EOS,
                    all_greedy=True)
-  assert np.asarray(plain.lengths).min() < MAX_NEW  # EOS did end some row early
-  return target, draft, prompts, lengths, params, eos, plain
+  plain_lengths = np.asarray(plain.lengths)
+  assert plain_lengths[0] == MAX_NEW and plain_lengths[1:].max() < MAX_NEW  # EOS does cut rows short
+  return target, draft, prompts, lengths, params, plain
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
 def test_greedy_speculative_equals_generate(greedy_setup, k, drafter):
-  target, draft, prompts, lengths, params, eos, plain = greedy_setup
+  target, draft, prompts, lengths, params, plain = greedy_setup
   if drafter == "lookup":
     draft = PromptLookupDrafter(ngram_size=(3, 1))
   out = speculative_generate(target, draft, prompts, lengths, params, None, max_new_tokens=MAX_NEW,
-                             num_speculative_tokens=k, eos_token_id=eos, all_greedy=True)
+                             num_speculative_tokens=k, eos_token_id=EOS, all_greedy=True)
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.lengths, plain.lengths)
-  _check_output(out, MAX_NEW, k, eos=(eos,))
-  _check_output(plain, MAX_NEW, 0, eos=(eos,))
+  _check_output(out, MAX_NEW, k, eos=EOS)
+  _check_output(plain, MAX_NEW, 0, eos=EOS)
   st = plain.stats
   np.testing.assert_array_equal(st.target_calls, plain.lengths)
   assert float(st.acceptance_rate) == 0.0 and float(st.mean_accepted_length) == 1.0
@@ -194,93 +191,6 @@ def test_identical_draft_is_always_accepted():
 
 
 # ----------------------------------------------------------------------------
-# Sampled: lossless end to end (chi-square on the joint of the first 3 tokens)
-# ----------------------------------------------------------------------------
-
-SMALL_V, N_ROWS, TEMPERATURE, TOP_K = 8, 20000, 0.8, 6
-ALPHA = 1e-3
-
-
-def _exact_joint(target, prompt):
-  """p(x1, x2, x3 | prompt) [V, V, V] from full forwards without cache reuse."""
-  v = SMALL_V
-  x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
-  seqs = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], axis=1)
-  n, t = seqs.shape
-  logits, _ = target(jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(t), (n, t)),
-                     target.init_cache(n, t))
-  logits = np.asarray(logits, np.float64)[:, -3:] / TEMPERATURE  # positions P-1, P, P+1
-  kth = np.sort(logits, axis=-1)[..., -TOP_K][..., None]
-  logits = np.where(logits >= kth, logits, -np.inf)  # top-k, as SamplingParams does
-  probs = np.exp(logits - logits.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  p1 = probs[0, 0]  # [V]
-  p2 = probs[:, 1].reshape(v, v, v)[:, 0]  # p(x2 | x1): rows with x2 = 0
-  p3 = probs[:, 2].reshape(v, v, v)  # p(x3 | x1, x2)
-  return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def _chi_square_pvalue(samples, joint):
-  """Goodness of fit of samples [N, 3] to joint [V, V, V], bins with expected < 5 pooled."""
-  v = SMALL_V
-  observed = np.bincount(samples @ np.array([v * v, v, 1]), minlength=v ** 3).astype(float)
-  expected = joint.reshape(-1) * len(samples)
-  order = np.argsort(expected)
-  sparse = order[np.cumsum(expected[order]) < 5.0]  # the smallest bins, pooled into one
-  keep = np.setdiff1d(np.arange(v ** 3), sparse)
-  obs = np.append(observed[keep], observed[sparse].sum())
-  exp = np.append(expected[keep], expected[sparse].sum())
-  return scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-
-
-def _accept_every_draft(draft_token_ids, target_logits, params, key=None, draft_probs=None, all_greedy=False,
-                        **_):
-  """A planted bug: keeps every draft token and appends a target-sampled bonus."""
-  b, k = draft_token_ids.shape
-  bonus, _ = sample_tokens(target_logits[:, k], params, key, all_greedy=all_greedy)
-  return RejectionOutput(token_ids=jnp.concatenate([draft_token_ids, bonus[:, None]], axis=1),
-                         num_accepted=jnp.full((b,), k, jnp.int32), num_emitted=jnp.full((b,), k + 1, jnp.int32))
-
-
-def test_sampled_speculative_is_lossless(monkeypatch):
-  """The first 3 tokens of N rows (each with its own key) follow the target's exact joint.
-
-  Power: with N = 20000 and about 200 bins after pooling, the alpha = 1e-3
-  critical value is about df + 3.1 sqrt(2 df) ~ 260, so a deviation with
-  N * sum((p' - p)^2 / p) ~ 60, i.e. a chi-square divergence of ~3e-3 (for
-  example 3% of the mass moved between two likely bins), is detected about half
-  of the time, and larger ones almost always. The planted loop below that accepts
-  every draft is rejected with a p-value far below alpha.
-  """
-  target, draft = TinyLM.create(10, SMALL_V, logit_scale=1.5), TinyLM.create(11, SMALL_V, logit_scale=1.5)
-  prompt = np.array([1, 5, 2, 7])
-  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
-  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
-  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  joint = _exact_joint(target, prompt)
-  np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
-
-  def run():
-    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(42), max_new_tokens=3,
-                               num_speculative_tokens=2)
-    return out, np.asarray(out.tokens)
-
-  out, samples = run()
-  _check_output(out, 3, 2)
-  assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # the draft differs: rejections happen
-  assert _chi_square_pvalue(samples, joint) > ALPHA
-
-  monkeypatch.setattr(decoding, "rejection_sample", _accept_every_draft)
-  decoding._speculative_jit.clear_cache()  # the planted bug must be traced in
-  try:
-    _, wrong = run()
-  finally:
-    monkeypatch.undo()
-    decoding._speculative_jit.clear_cache()
-  assert _chi_square_pvalue(wrong, joint) < ALPHA
-
-
-# ----------------------------------------------------------------------------
 # Models of every kind; no recompilation; batch invariance; stats
 # ----------------------------------------------------------------------------
 
@@ -305,6 +215,11 @@ def test_bigram_model_not_a_pytree_runs_through_both_loops():
                                num_speculative_tokens=2, all_greedy=True)
     np.testing.assert_array_equal(out.tokens, expected)
     _check_output(out, 6, 2)
+  # max_new_tokens=1: the prefill's token only, the loop runs no round.
+  one = speculative_generate(model, model, prompts, lengths, params, None, max_new_tokens=1,
+                             num_speculative_tokens=2, all_greedy=True)
+  np.testing.assert_array_equal(one.tokens, expected[:, :1])
+  np.testing.assert_array_equal(one.stats.drafted, 0)
 
 
 def test_no_recompilation_for_new_prompts_params_keys_and_weights():
@@ -338,7 +253,7 @@ def test_batch_invariance_with_per_row_keys():
   for row_a, row_b in ((0, 3), (2, 1)):
     np.testing.assert_array_equal(out_a.tokens[row_a], out_b.tokens[row_b])
     np.testing.assert_array_equal(out_a.stats.accepted[row_a], out_b.stats.accepted[row_b])
-  assert not np.array_equal(out_a.tokens[1], out_b.tokens[0])  # the neighbours did differ
+  assert not np.array_equal(a[0][1], b[0][0]) and not np.array_equal(a[0][3], b[0][2])  # other neighbours
 
 
 def test_nnx_transformer_greedy_and_no_recompile_for_new_weights():
@@ -365,12 +280,6 @@ def test_nnx_transformer_greedy_and_no_recompile_for_new_weights():
   params = SamplingParams.greedy(3)
   kwargs = dict(max_new_tokens=10, all_greedy=True)
   plain = generate(target, prompts, lengths, params, None, **kwargs)
-  print("DEBUG plain", plain.tokens, jax.tree.leaves(nnx.state(target))[0].ravel()[:3], decoding._generate_jit._cache_size())
-  decoding._generate_jit.clear_cache()
-  plain2 = generate(target, prompts, lengths, params, None, **kwargs)
-  print("DEBUG plain2", plain2.tokens)
-  g, st = nnx.split(target)
-  print("DEBUG eager", decoding._generate_jit.__wrapped__(st, prompts, lengths, params, None, target_def=decoding._ModelDef("nnx", g), max_new_tokens=10, eos=(), all_greedy=True).tokens)
   out = speculative_generate(target, make(1), prompts, lengths, params, None, num_speculative_tokens=3, **kwargs)
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   _check_output(out, 10, 3)
@@ -391,10 +300,12 @@ def test_prompt_lookup_proposals():
                       [1, 2, 3, 4, 5, 6, 7, 8, 0],  # no repeat: repeat the last token
                       [4, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)  # length 1
   lengths = jnp.array([7, 6, 8, 1], jnp.int32)
-  got = PromptLookupDrafter(ngram_size=(3, 2)).propose(tokens, lengths, 4)
+  propose = jax.jit(PromptLookupDrafter(ngram_size=(3, 2)).propose, static_argnums=2)
+  got = propose(tokens, lengths, 4)
   np.testing.assert_array_equal(got, [[9, 1, 2, 3], [5, 6, 5, 6], [8, 8, 8, 8], [4, 4, 4, 4]])
   # The most recent match wins; the smaller size is tried when the larger fails.
-  got = PromptLookupDrafter(ngram_size=(4, 1)).propose(jnp.array([[7, 1, 7, 2, 7, 0]]), jnp.array([5]), 2)
+  propose = jax.jit(PromptLookupDrafter(ngram_size=(4, 1)).propose, static_argnums=2)
+  got = propose(jnp.array([[7, 1, 7, 2, 7, 0]]), jnp.array([5]), 2)
   np.testing.assert_array_equal(got, [[2, 7]])
   with pytest.raises(ValueError, match="ngram_size"):
     PromptLookupDrafter(ngram_size=0)
@@ -430,3 +341,78 @@ def test_outputs_are_pytrees():
                        stats=DecodeStats(*(jnp.ones((1,), jnp.int32),) * 3, jnp.zeros((0,), jnp.int32)))
   assert len(jax.tree.leaves(out)) == 6
   assert isinstance(jax.tree.map(lambda x: x, out), GenerateOutput)
+
+
+# ----------------------------------------------------------------------------
+# Sampled: lossless end to end (chi-square on the joint of the first 3 tokens)
+# ----------------------------------------------------------------------------
+
+SMALL_V, N_ROWS, TEMPERATURE, TOP_K = 8, 20000, 0.8, 6
+
+
+def _exact_joint(target, prompt):
+  """p(x1, x2, x3 | prompt), flattened [V^3], from full forwards without cache reuse."""
+  v = SMALL_V
+  x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+  seqs = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], axis=1)
+  n, t = seqs.shape
+  logits, _ = target(jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(t)[None, :], (n, t)),
+                     target.init_cache(n, t))
+  # Positions P-1, P, P+1 give p(x1), p(x2 | x1), p(x3 | x1, x2); float64 reference processing.
+  probs = reference_probs(np.asarray(logits)[:, -3:], TEMPERATURE, top_k=TOP_K)
+  p1 = probs[0, 0]  # [V]
+  p2 = probs[:, 1].reshape(v, v, v)[:, 0]  # [x1, x2]: any x2 row serves, it is not yet seen
+  p3 = probs[:, 2].reshape(v, v, v)  # [x1, x2, x3]
+  return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+
+
+def _accept_every_draft(draft_token_ids, target_logits, params, key=None, draft_probs=None, all_greedy=False,
+                        **_):
+  """A planted bug: keeps every draft token and appends a target-sampled bonus."""
+  b, k = draft_token_ids.shape
+  bonus, _ = sample_tokens(target_logits[:, k], params, key, all_greedy=all_greedy)
+  return RejectionOutput(token_ids=jnp.concatenate([draft_token_ids, bonus[:, None]], axis=1),
+                         num_accepted=jnp.full((b,), k, jnp.int32), num_emitted=jnp.full((b,), k + 1, jnp.int32))
+
+
+def test_sampled_speculative_is_lossless(monkeypatch):
+  """The first 3 tokens of N rows (each with its own key) follow the target's exact joint.
+
+  Sparse bins (expected count < 5) are pooled; alpha = 1e-3 with a fixed seed.
+  Power (tests/stats.py `detectable_deviation`): N = 20000 samples over the
+  ~200 pooled bins detect, with 80% power, every deviation of Cohen's w >= ~0.06,
+  so every total-variation shift >= ~0.03. The planted loop below, which
+  accepts every draft, is rejected with a p-value far below alpha.
+  """
+  target, draft = TinyLM.create(10, SMALL_V, logit_scale=1.5), TinyLM.create(11, SMALL_V, logit_scale=1.5)
+  prompt = np.array([1, 5, 2, 7])
+  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
+  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
+  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
+  joint = _exact_joint(target, prompt)
+  np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
+
+  def run():
+    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(42), max_new_tokens=3,
+                               num_speculative_tokens=2)
+    return out, np.asarray(out.tokens)
+
+  out, samples = run()
+  _check_output(out, 3, 2)
+  assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # the draft differs: rejections happen
+  outcomes = samples @ np.array([SMALL_V ** 2, SMALL_V, 1])
+  result = chisquare_gof(outcomes, joint, label="speculative_generate, first 3 tokens")
+  assert_gof(result)
+  _, tv_min = detectable_deviation(N_ROWS, result.num_bins)
+  assert tv_min < 0.04, f"the test lost its power: {result}, detects TV >= {tv_min:.3f}"
+
+  monkeypatch.setattr(decoding, "rejection_sample", _accept_every_draft)
+  # The planted bug must be traced in. (Last test of the module: clearing the
+  # cache costs the other tests nothing.)
+  decoding._speculative_jit.clear_cache()
+  try:
+    _, wrong = run()
+  finally:
+    monkeypatch.undo()
+    decoding._speculative_jit.clear_cache()
+  assert chisquare_gof(wrong @ np.array([SMALL_V ** 2, SMALL_V, 1]), joint).pvalue < ALPHA

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import sampling
 from specdec_jax.sampling import SamplingParams, process_logits, row_keys, sample_tokens
 from tests import stats
 
