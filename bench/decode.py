@@ -54,11 +54,17 @@ bounds (what the component timings above run in), (c) a `lax.fori_loop` with a
 static trip count. Per-iteration = (t(2N) - t(N)) / N. `while_frac` = (a) /
 t_round (plain: / t_target_step). Each component time above includes one (b).
 
+`--draft-init target` gives the draft the target's embedding and first layers
+instead (far higher acceptance: a second operating point for the same check).
+
 Run:
 
-    PYTHONPATH=. python3 bench/decode.py --quick                 # CPU, tiny models, < 2 min
-    PYTHONPATH=. python3 bench/decode.py --out $OUT              # GPU, full grid
-    PYTHONPATH=. python3 bench/decode.py --out $OUT --batch-sizes 8   # one slice of it
+    PYTHONPATH=. python3 bench/decode.py --quick                      # CPU, tiny models, < 2 min
+    PYTHONPATH=. python3 bench/decode.py --out $OUT --batch-sizes 8   # GPU: one B per call
+    PYTHONPATH=. python3 bench/decode.py --out $OUT                   # GPU, full grid (long)
+
+--budget-s (default 450) stops starting configurations after that many seconds,
+so a run under a command time limit still prints its tables and saves its JSON.
 
 Writes OUT/decode.json (every number, device, versions, command line, errors)
 and OUT/decode.png (speedup vs K per B: measured solid, predicted dashed).
