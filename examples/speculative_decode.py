@@ -11,17 +11,20 @@ and the speed of each.
     python examples/speculative_decode.py --prompt "Why is the sea salty?" --drafter lookup -k 6
     python examples/speculative_decode.py --temperature 0.8 --top-p 0.95 --max-tokens 96
 
-Tokens/s are wall-clock for the whole batch of prompts after compilation (the
-first call of each program compiles it; the progress bar shows that). On a
-2-core CPU speculative decoding is rarely faster: the target's cost there is
-compute, not memory traffic, so verifying K+1 tokens costs nearly K+1 times a
-single step. On a GPU, where one step is memory-bound, the same acceptance buys
-a speed-up (see bench/RESULTS.md).
+Each prompt runs on its own (batch of 1: a batch runs until its slowest row
+ends, which would hide the gain on a prompt whose drafts are mostly accepted).
+Tokens/s are wall-clock after compilation (the first call of each program
+compiles it; the progress bar counts the calls). On a 2-core CPU the target's
+cost is compute more than memory traffic, so verifying K+1 tokens costs about
+twice a single step here: speculation pays only where most drafts are accepted,
+as prompt lookup on the "edit" prompt. On a GPU, where one step is memory-bound,
+the same acceptance buys more (see bench/).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import textwrap
 import time
 
@@ -54,9 +57,7 @@ def encode_batch(tokenizer, prompts):
 
 
 def timed(fn, bar):
-  """Runs fn twice: once to compile, once to time. Returns (output, seconds)."""
-  jax.block_until_ready(fn())
-  bar.update(1)
+  """Runs fn once, waits for the result. Returns (output, seconds)."""
   start = time.perf_counter()
   out = jax.block_until_ready(fn())
   bar.update(1)
@@ -76,6 +77,8 @@ def main(argv=None):
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
+  if args.num_speculative_tokens < 1 or args.max_tokens < 1:
+    ap.error("-k/--num-speculative-tokens and --max-tokens must be >= 1")
 
   dtype = jnp.dtype(args.dtype)
   t0 = time.perf_counter()
@@ -98,40 +101,60 @@ def main(argv=None):
   temps = [args.temperature] if args.temperature is not None else [0.0, 0.7]
   common = dict(max_new_tokens=args.max_tokens, eos_token_id=SMOLLM2_EOS_IDS)
 
-  runs = []
-  bar = tqdm(total=2 * len(temps) * (1 + len(drafters)), desc="compile + run", unit="call")
+  # One prompt at a time (batch of 1): a batch runs until its slowest row ends,
+  # which would hide the speed-up of a prompt whose drafts are mostly accepted.
+  # All prompts are padded to the same length, so each program compiles once,
+  # in an untimed first call.
+  runs = {}  # (temperature, method) -> [(output, seconds) per prompt]
+  bar = tqdm(total=len(temps) * (1 + len(drafters)) * (1 + b), desc="compile + run", unit="call")
   for t in temps:
     greedy = t == 0.0
-    params = SamplingParams.create(jnp.full((b,), t), top_k=args.top_k, top_p=args.top_p)
-    key = jax.random.key(args.seed)
-    out, sec = timed(lambda: generate(target, tokens, lengths, params, key, all_greedy=greedy, **common), bar)
-    runs.append((t, "plain generate", out, sec))
+    params = SamplingParams.create([t], top_k=args.top_k, top_p=args.top_p)
+    methods = {"plain generate": lambda x, n, key: generate(target, x, n, params, key, all_greedy=greedy, **common)}
     for name, drafter in drafters.items():
-      out, sec = timed(lambda: speculative_generate(target, drafter, tokens, lengths, params, key,
-                                                    num_speculative_tokens=k, all_greedy=greedy, **common), bar)
-      runs.append((t, name, out, sec))
+      methods[name] = functools.partial(
+          lambda x, n, key, drafter: speculative_generate(target, drafter, x, n, params, key,
+                                                          num_speculative_tokens=k, all_greedy=greedy, **common),
+          drafter=drafter)
+    for how, fn in methods.items():
+      key = jax.random.key(args.seed)
+      timed(lambda: fn(tokens[:1], lengths[:1], key), bar)  # compile
+      runs[t, how] = [timed(lambda: fn(tokens[r:r + 1], lengths[r:r + 1], jax.random.fold_in(key, r)), bar)
+                      for r in range(b)]
   bar.close()
+
+  def figures(outs):
+    n = sum(int(o.lengths[0]) for o in outs)
+    calls = sum(int(o.stats.target_calls[0]) for o in outs)
+    accepted = sum(int(o.stats.accepted[0]) for o in outs)
+    drafted = sum(int(o.stats.drafted[0]) for o in outs)
+    return n, f"acceptance {accepted / max(drafted, 1):4.2f}  mean accepted length {n / max(calls, 1):4.2f}"
 
   for t in temps:
     print(f"\n=== {'greedy' if t == 0 else f'sampled, T={t:g}, top-k={args.top_k}, top-p={args.top_p:g}'}"
-          f"  (K={k}, up to {args.max_tokens} new tokens, batch of {b})")
-    plain = next(r for r in runs if r[0] == t and r[1] == "plain generate")
-    for _, how, out, sec in (r for r in runs if r[0] == t):
-      n_tok = int(jnp.sum(out.lengths))
-      line = f"  {how:15s} {n_tok / sec:7.1f} tokens/s ({sec:.2f}s)"
-      if how != "plain generate":
-        st = out.stats
-        same = bool(jnp.all(out.tokens == plain[2].tokens))
-        line += (f"  speed-up {plain[3] / sec:4.2f}x  acceptance {float(st.acceptance_rate):.2f}"
-                 f"  mean accepted length {float(st.mean_accepted_length):.2f}")
-        if t == 0:
-          line += f"  output {'identical' if same else 'DIFFERS'} to plain greedy"
-      print(line)
-    # Show the text of the first speculative run for this temperature.
-    _, how, out, _ = next(r for r in runs if r[0] == t and r[1] != "plain generate")
-    for r, name in enumerate(names):
-      text = tokenizer.decode([int(x) for x in out.tokens[r, :int(out.lengths[r])]])
-      print(f"  [{name}, {how}]\n" + textwrap.indent(text.strip() or "(empty)", "      "))
+          f"  (K={k}, up to {args.max_tokens} new tokens, one prompt at a time)")
+    methods = [how for (tt, how) in runs if tt == t]
+    shown = methods[1]  # print the text of the first speculative method
+    for r, name in [*enumerate(names), (None, f"all {b} prompts")]:
+      rows = range(b) if r is None else [r]
+      print(f"  [{name}]")
+      if r is not None:
+        out = runs[t, shown][r][0]
+        text = tokenizer.decode([int(x) for x in out.tokens[0, :int(out.lengths[0])]]).strip()
+        print(f"    text ({shown}):\n" + textwrap.indent(text or "(empty)", "      "))
+      plain = [runs[t, "plain generate"][i] for i in rows]
+      plain_rate = figures([o for o, _ in plain])[0] / sum(s for _, s in plain)
+      for how in methods:
+        outs = [runs[t, how][i][0] for i in rows]
+        sec = sum(runs[t, how][i][1] for i in rows)
+        n, stats = figures(outs)
+        line = f"    {how:15s} {n:4d} tokens {n / sec:7.1f} tokens/s"
+        if how != "plain generate":
+          line += f"  speed-up {n / sec / plain_rate:4.2f}x  {stats}"  # in tokens/s: sampled lengths differ
+          if t == 0:
+            same = all(bool(jnp.all(o.tokens == p.tokens)) for o, (p, _) in zip(outs, plain))
+            line += f"  output {'identical' if same else 'DIFFERS'} to plain greedy"
+        print(line)
 
 
 if __name__ == "__main__":
