@@ -23,6 +23,9 @@ Cases:
     softmax_baseline    jnp.argmax(jax.nn.softmax(logits)): greedy done the
                         "always softmax" way
     argmax_only         jnp.argmax over [B, K+1, V] (reference kernel)
+    onepass_rows        one variadic reduce: (max, sum of exps, argmax) per row
+    onepass_chunks      the same per chunk of about 1024 tokens (what the
+                        unfiltered random path does)
     logsumexp_only      jax.nn.logsumexp over [B, K+1, V] (reference kernel)
 
 How it times (see bench/common.py): N iterations run inside ONE jitted
@@ -77,7 +80,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from specdec_jax.rejection import rejection_sample  # noqa: E402
-from specdec_jax.sampling import SamplingParams  # noqa: E402
+from specdec_jax.sampling import SamplingParams, chunk_size, max_and_sumexp  # noqa: E402
 
 FULL_BATCH_SIZES = (1, 32, 256, 1024)
 FULL_VOCAB_SIZES = (32000, 151936)
@@ -130,6 +133,14 @@ def _sample(**flags):
   return fn
 
 
+def _stats_checksum(x, d, c):
+  x = jnp.where(d[0, 0] == -1, 0.0, x)  # never true (d >= 0), but ties each call to the last: no hoisting
+  if c is not None:
+    x = x.reshape(x.shape[:-1] + (x.shape[-1] // c, c))
+  m, s, i = max_and_sumexp(x, with_argmax=True)
+  return jnp.sum(i) + jax.lax.bitcast_convert_type(jnp.sum(m + jnp.log(s)), jnp.int32)
+
+
 CASES: dict[str, Case] = {
     "greedy_static": Case(_sample(all_greedy=True), _zeros,
                           must_have=("reduce",), must_not_have=("exponential", "sort", "threefry")),
@@ -143,6 +154,11 @@ CASES: dict[str, Case] = {
                              _zeros, must_have=("reduce", "exponential")),
     "argmax_only": Case(lambda x, d, dp, p, k: jnp.sum(jnp.argmax(x, axis=-1)), _zeros,
                         must_have=("reduce",), must_not_have=("exponential",)),
+    # The one pass over the logits that the random path makes, alone: row-level
+    # (max, sum of exps, argmax) and per chunk of `chunk_size(V)` tokens.
+    "onepass_rows": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, None), _ones, must_have=("reduce", "exponential")),
+    "onepass_chunks": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, chunk_size(x.shape[-1])), _ones,
+                           must_have=("reduce", "exponential")),
     "logsumexp_only": Case(lambda x, d, dp, p, k: jax.lax.bitcast_convert_type(
         jnp.sum(jax.nn.logsumexp(x, axis=-1)), jnp.int32), _zeros, must_have=("reduce", "exponential")),
 }
@@ -205,6 +221,7 @@ def parse_args(argv=None):
                  help="rotate among logits buffers totalling at least this much (default 4x the 50 MB L2; quick 64)")
   p.add_argument("--copy-mb", type=float, help="buffer for the bandwidth measurement (default 2048 on GPU, 256 on CPU)")
   p.add_argument("--quick", action="store_true", help="tiny grid for CPU (the default when no GPU is present)")
+  p.add_argument("--dump-hlo", action="store_true", help="write each case's optimised HLO to OUT/hlo_CASE_B_V.txt")
   p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                  help="output directory (default bench/out)")
   args = p.parse_args(argv)
@@ -235,6 +252,9 @@ def run_case(name, b, v, args, inputs, bandwidth):
   carry = jnp.int32(0)
   compiled, compile_s = common.compile_loop(loop, carry, operands)
   hlo = compiled.as_text()
+  if args.dump_hlo:
+    with open(os.path.join(args.out, f"hlo_{name}_B{b}_V{v}.txt"), "w") as f:
+      f.write(hlo)
   ops = common.hlo_ops(hlo)
   # Arrays of [B, K, V] elements or more that the loop may write to memory (all cond branches).
   materialized = common.hlo_materialized(hlo, b * args.k * v)

@@ -167,28 +167,6 @@ def _check_values(draft, n, k, v):
 
 
 # ----------------------------------------------------------------------------
-# Reductions over the vocabulary
-# ----------------------------------------------------------------------------
-
-
-def _max_sumexp_argmax(x):
-  """One pass: (max, sum exp(x - max), first argmax) over the last axis."""
-
-  def combine(a, b):
-    (m1, s1, i1), (m2, s2, i2) = a, b
-    m = jnp.maximum(m1, m2)
-    s = (jnp.where(m1 == -jnp.inf, 0.0, s1 * jnp.exp(m1 - m))
-         + jnp.where(m2 == -jnp.inf, 0.0, s2 * jnp.exp(m2 - m)))
-    i = jnp.where(m1 > m2, i1, jnp.where(m2 > m1, i2, jnp.minimum(i1, i2)))
-    return m, s, i
-
-  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-  return jax.lax.reduce((x, jnp.ones_like(x), iota),
-                        (np.float32(-np.inf), np.float32(0), np.int32(np.iinfo(np.int32).max)),
-                        combine, (x.ndim - 1,))
-
-
-# ----------------------------------------------------------------------------
 # The program
 # ----------------------------------------------------------------------------
 
@@ -218,35 +196,65 @@ def _greedy(draft, logits, live):
 
 
 def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
-  """Random rows (and greedy rows of a mixed batch) in one read of the logits."""
+  """Random rows (and greedy rows of a mixed batch) in one read of the logits.
+
+  Without top-k/top-p, the one pass over the logits reduces chunks of about
+  1024 tokens (max, sum of exps, argmax per chunk; `sampling.chunk_size`): row normalisers come
+  from the chunk sums, and so does the recovered or bonus token of an n-gram
+  draft (pick a chunk by its mass, then read only that chunk). With draft
+  probabilities, or with filters, the stopping position's row is read once more.
+  """
   b, k1, v = logits.shape
   k = k1 - 1
   greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
+  no_argmax = jnp.zeros((b, k1), jnp.int32)
+  c = sampling.chunk_size(v)
+  chunked = v % c == 0  # else reshaping into chunks would copy the logits
+  n_ch = v // c if chunked else 1
   # Scaling happens inside each consumer (reductions, gathers) so it fuses there:
   # a scaled copy passed into lax.cond would be materialised, tripling the traffic.
   scale = lambda x: sampling.scale_logits(x, params.temperature)
 
-  def plain(raw):
+  def plain_stats(raw, with_argmax):
+    # Greedy rows are scaled by 1, so the argmax of the scaled logits is theirs.
     x = scale(raw)
-    if need_argmax:
-      m, s, am = _max_sumexp_argmax(x)
-    else:
-      (m, s), am = sampling.max_and_sumexp(x), jnp.zeros(x.shape[:-1], jnp.int32)
-    return m + jnp.log(s), jnp.full(x.shape[:-1], -jnp.inf, jnp.float32), am
+    if not chunked:
+      stats = sampling.max_and_sumexp(x, with_argmax=with_argmax)
+      lse = stats[0] + jnp.log(stats[1])
+      return lse, (stats[2] if with_argmax else no_argmax), jnp.zeros((b, k1, 1), jnp.float32)
+    stats = sampling.max_and_sumexp(x.reshape(b, k1, n_ch, c), with_argmax=with_argmax)  # [B, K+1, n]
+    m_c, s_c = stats[0], stats[1]
+    chunk_logw = jnp.where(s_c > 0, m_c + jnp.log(s_c), -jnp.inf)
+    lse = jax.nn.logsumexp(chunk_logw, axis=-1)
+    am = no_argmax
+    if with_argmax:  # first chunk holding the max, first index inside it
+      ch = jnp.argmax(m_c, axis=-1)
+      am = (ch * c + jnp.take_along_axis(stats[2], ch[..., None], axis=-1)[..., 0]).astype(jnp.int32)
+    return lse, am, chunk_logw
+
+  def plain(raw):
+    no_thr = jnp.full((b, k1), -jnp.inf, jnp.float32)
+    if not need_argmax:
+      return (no_thr,) + plain_stats(raw, False)
+    # The argmax rides along in the same pass, but only when some row is greedy.
+    return (no_thr,) + jax.lax.cond(jnp.any(greedy), lambda r: plain_stats(r, True),
+                                    lambda r: plain_stats(r, False), raw)
 
   def filtered(raw):
-    x = scale(raw)
-    thr = sampling.top_k_top_p_threshold(x, params.top_k, params.top_p)
-    kept = jnp.where(x >= thr[..., None], x, -jnp.inf)
-    m, s = sampling.max_and_sumexp(kept)
-    am = jnp.argmax(x, axis=-1).astype(jnp.int32) if need_argmax else jnp.zeros(x.shape[:-1], jnp.int32)
-    return m + jnp.log(s), thr, am
+    thr, lse = sampling.threshold_and_lse(raw, params.temperature, params.top_k, params.top_p)
+    am = no_argmax
+    if need_argmax:  # one more read of the logits, only if some row is greedy
+      am = jax.lax.cond(jnp.any(greedy), lambda r: jnp.argmax(r, axis=-1).astype(jnp.int32),
+                        lambda r: no_argmax, raw)
+    return thr, lse, am, jnp.full((b, k1, n_ch), -jnp.inf, jnp.float32)
 
-  # lse: log normaliser of the kept set, thr: keep-iff-x>=thr, am: argmax  [B, K+1]
+  # thr: keep iff x >= thr, lse: log normaliser of the kept set, am: argmax  [B, K+1];
+  # chunk_logw: log mass of each chunk [B, K+1, n] (unfiltered only).
   # Under all_random a zero-temperature row is random too, so its filters count
   # (else its output would depend on whether a neighbour filters).
   filters_on = ((params.top_k > 0) & (params.top_k < v) | (params.top_p < 1.0)) & ~greedy
-  lse, thr, am = jax.lax.cond(jnp.any(filters_on), filtered, plain, logits)
+  any_filtered = jnp.any(filters_on)
+  thr, lse, am, chunk_logw = jax.lax.cond(any_filtered, filtered, plain, logits)
 
   # Acceptance, in log space: accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
   valid = (draft >= 0) & (draft < v)
@@ -267,25 +275,63 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
 
   # The one token drawn from a full distribution: at the stopping position only.
   s = num_accepted
-  row = scale(jnp.take_along_axis(logits, s[:, None, None], axis=1))[:, 0]  # [B, V]
   thr_s = jnp.take_along_axis(thr, s[:, None], axis=1)
   lse_s = jnp.take_along_axis(lse, s[:, None], axis=1)
-  logp_row = jnp.where(row >= thr_s, row - lse_s, -jnp.inf)  # [B, V]
   rejected = (s < n)[:, None]
   s_draft = jnp.minimum(s, max(k - 1, 0))
-  if k == 0:
-    log_w = logp_row
-  elif draft_probs is None:
-    # p - onehot(d), clipped at 0, is p with d removed.
-    d_s = jnp.take_along_axis(safe, s_draft[:, None], axis=1)
-    log_w = jnp.where(rejected & (jnp.arange(v)[None, :] == d_s), -jnp.inf, logp_row)
-  else:
+  d_s = jnp.take_along_axis(draft, s_draft[:, None], axis=1)  # [B, 1]; may be out of range
+
+  def stop_log_weights(residual):
+    """[B, V] log-weights at the stopping position, built from the inputs (fusible)."""
+    row = scale(jnp.take_along_axis(logits, s[:, None, None], axis=1))[:, 0]
+    logp_row = jnp.where(row >= thr_s, row - lse_s, -jnp.inf)
+    if not residual or k == 0:
+      return logp_row
+    if draft_probs is None:
+      # p - onehot(d), clipped at 0, is p with d removed (an id outside [0, V) removes nothing).
+      return jnp.where(rejected & (jnp.arange(v)[None, :] == d_s), -jnp.inf, logp_row)
     q_row = jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0].astype(jnp.float32)
-    resid = jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0)
-    log_w = jnp.log(resid)
-  # A residual with no mass (possible only through rounding) falls back to p.
-  log_w = jnp.where(jnp.any(log_w > -jnp.inf, axis=-1, keepdims=True), log_w, logp_row)
-  final_random = sampling.categorical_from_log_weights(k_final, log_w)
+    return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
+
+  def row_draw():
+    """Reads the stopping position's row (and draft probs): filtered or with draft_probs."""
+    tok, empty = sampling.categorical_with_empty(k_final, stop_log_weights(True))
+    # A residual with no mass (possible only through rounding) falls back to p. The
+    # check comes from the draw's own chunk masses; the redraw runs only if needed.
+    return jax.lax.cond(
+        jnp.any(empty),
+        lambda: jnp.where(empty, sampling.categorical_from_log_weights(k_final, stop_log_weights(False)), tok),
+        lambda: tok)
+
+  def chunk_draw():
+    """Unfiltered, no draft probs: chunk masses are known; read one chunk of c tokens."""
+    log_pc = jnp.take_along_axis(chunk_logw, s[:, None, None], axis=1)[:, 0] - lse_s  # [B, n]
+    remove = jnp.zeros((b, 1), bool)
+    if k > 0:
+      # Residual p - onehot(d): take p(d) off d's chunk. A chunk left with (almost)
+      # nothing but d's own mass is emptied, so rounding never picks a chunk whose
+      # other tokens are impossible; an empty residual falls back to p.
+      remove = rejected & (d_s >= 0) & (d_s < v)
+      p_d = jnp.exp(jnp.take_along_axis(log_p, s_draft[:, None], axis=1))
+      w = jnp.exp(log_pc)
+      w_res = w - jnp.where(remove & (jnp.arange(n_ch)[None, :] == d_s // c), p_d, 0.0)
+      w_res = jnp.where(w_res > 1e-6 * w, w_res, 0.0)
+      remove = remove & jnp.any(w_res > 0, axis=-1, keepdims=True)
+      log_pc = jnp.where(remove, jnp.log(w_res), log_pc)
+    k_chunk, k_tok = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(k_final)
+    g_chunk = jax.vmap(lambda kk: jax.random.gumbel(kk, (n_ch,)))(k_chunk)
+    ch = jnp.argmax(log_pc + g_chunk, axis=-1)  # [B]
+    inside = jnp.take_along_axis(jnp.take_along_axis(logits, s[:, None, None], axis=1).reshape(b, n_ch, c),
+                                 ch[:, None, None], axis=1)[:, 0]  # [B, c]
+    ids = ch[:, None] * c + jnp.arange(c)[None, :]
+    log_w = jnp.where(remove & (ids == d_s), -jnp.inf, scale(inside))
+    g_tok = jax.vmap(lambda kk: jax.random.gumbel(kk, (c,)))(k_tok)
+    return (ch * c + jnp.argmax(log_w + g_tok, axis=-1)).astype(jnp.int32)
+
+  if chunked and draft_probs is None:
+    final_random = jax.lax.cond(any_filtered, row_draw, chunk_draw)
+  else:
+    final_random = row_draw()
   final_greedy = jnp.take_along_axis(am, s[:, None], axis=1)[:, 0]
   final = jnp.where(greedy, final_greedy, final_random)
   return _emit(draft, num_accepted, final)

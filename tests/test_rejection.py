@@ -784,6 +784,23 @@ def test_under_jit_out_of_range_values_are_clipped_and_never_accepted():
     np.testing.assert_array_equal(out.num_accepted[[0, 2]], 1)  # greedy rows: position 0 matches
 
 
+def test_under_jit_rejected_out_of_range_ngram_draft_recovers_from_p():
+  # An n-gram draft id outside [0, V) is rejected, and its residual max(p - onehot(d), 0)
+  # is p itself: token 0 must keep its probability 0.9 (a residual that removed the
+  # clamped index 0 instead would never emit it). 4000 rows: the frequency's standard
+  # deviation is 0.005, so +-0.05 is 10 of them.
+  b = 4000
+  logits = np.full((b, 2, V), -np.inf, np.float32)
+  logits[:, 0, :2] = np.log([0.9, 0.1])
+  logits[:, 1, 0] = 0.0
+  fn = jax.jit(lambda d, x, key: rejection_sample(draft_token_ids=d, target_logits=x,
+                                                  params=SamplingParams.create(np.ones(b, np.float32)), key=key))
+  out = jax.tree_util.tree_map(np.asarray, fn(np.full((b, 1), V, np.int32), logits, jax.random.key(3)))
+  np.testing.assert_array_equal(out.num_accepted, 0)
+  assert abs(np.mean(out.token_ids[:, 0] == 0) - 0.9) < 0.05
+  assert set(np.unique(out.token_ids[:, 0])) <= {0, 1}
+
+
 def test_eager_calls_with_new_values_do_not_recompile(caplog):
   draft, logits, q, params, n = _batch_problem()
   _run(draft, logits, params, key=_keys(0), draft_probs=q, n=n)  # warm
