@@ -13,10 +13,22 @@ the acceptance rate 1 - TV(p, q) rewards) on three kinds of text:
     at T=1 and greedy. This is most of what a draft sees at inference, so 60% of
     training windows come from it.
 
-Reproduce the shipped weights (on a GPU: 7.3 minutes on one H100, JAX 0.11.2, of
-which 6.2 are the 12000 distillation steps):
+The shipped weights were made by this script as it stood at commit e807332
+(its defaults then: 12000 steps, 12 batches of 192-token continuations of a
+smaller prompt set), on one H100 with JAX 0.11.2 in 7.3 minutes, of which 6.2
+were the distillation steps. To reproduce them exactly:
+
+    git show e807332:examples/train_draft.py > /tmp/train_draft_shipped.py
+    python /tmp/train_draft_shipped.py --out specdec_jax/weights/smollm2_draft.safetensors
+
+The current defaults (about 500 chat prompts, 96 batches of 256-token
+continuations, 11000 steps) are the next training run; it has not been run
+yet, so its weights are not shipped:
 
     python examples/train_draft.py --out specdec_jax/weights/smollm2_draft.safetensors
+
+Every 1000 steps (`--checkpoint-every`) the draft is saved to
+OUT_checkpoint.safetensors, so a run that is cut off keeps its latest weights.
 
 A 2-step smoke run on a CPU: `python examples/train_draft.py --quick --out /tmp/draft.safetensors`.
 """
@@ -184,6 +196,8 @@ def main(argv=None):
   ap.add_argument("--out", default="specdec_jax/weights/smollm2_draft.safetensors")
   ap.add_argument("--metrics", default=None, help="JSON file for the training metrics (default: next to --out)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--checkpoint-every", type=int, default=1000,
+                  help="save the draft to OUT_checkpoint.safetensors every this many steps (0 = never)")
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
   if args.quick:
@@ -266,6 +280,7 @@ def main(argv=None):
       out[name] = {"kl": kl, "expected_accept_T1": acc_t1, "top1_agreement": top1}
     return out
 
+  checkpoint_path = os.path.splitext(args.out)[0] + "_checkpoint.safetensors"
   before = held_out_metrics(train_state)
   rng = np.random.default_rng(args.seed)
   bar = tqdm(range(args.steps), desc="distil")
@@ -276,6 +291,10 @@ def main(argv=None):
     if i % 50 == 0 or i == args.steps - 1:
       history.append({"step": i, "kl": float(loss), "expected_accept_T1": float(acc), "top1": float(top1)})
       bar.set_postfix(kl=f"{float(loss):.3f}", acc=f"{float(acc):.3f}", top1=f"{float(top1):.3f}")
+    if args.checkpoint_every and (i + 1) % args.checkpoint_every == 0 and i + 1 < args.steps:
+      # A run cut off (e.g. by a 10-minute device command limit) keeps its latest weights.
+      smollm2.save_draft(nnx.merge(graphdef, embed_state, train_state), checkpoint_path,
+                         share_target_embedding=True)
   after = held_out_metrics(train_state)
 
   draft = nnx.merge(graphdef, embed_state, train_state)

@@ -237,6 +237,51 @@ def test_no_recompilation_for_new_prompts_params_keys_and_weights():
   assert TinyLM.traces == traces and decoding._speculative_jit._cache_size() == compiled
 
 
+def test_generate_does_not_recompile_for_new_prompts_params_keys_and_weights():
+  def call(seed):
+    prompts, lengths, params, keys = _sampled_inputs(seed)
+    out = generate(TinyLM.create(seed, V), prompts, lengths, params, keys,
+                   max_new_tokens=SAMPLED["max_new_tokens"], eos_token_id=SAMPLED["eos_token_id"])
+    _check_output(out, SAMPLED["max_new_tokens"], 0, eos=SAMPLED["eos_token_id"])
+
+  call(0)
+  compiled = decoding._generate_jit._cache_size()
+  for seed in (1, 2):
+    call(seed)
+  assert decoding._generate_jit._cache_size() == compiled
+
+
+def test_int_eos_equals_one_element_tuple(greedy_setup):
+  target, draft, prompts, lengths, params, _ = greedy_setup
+  for loop in (lambda eos: generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW,
+                                    eos_token_id=eos, all_greedy=True),
+               lambda eos: speculative_generate(target, draft, prompts, lengths, params, None,
+                                                max_new_tokens=MAX_NEW, num_speculative_tokens=3,
+                                                eos_token_id=eos, all_greedy=True)):
+    as_int, as_tuple = loop(EOS[0]), loop((EOS[0],))
+    np.testing.assert_array_equal(as_int.tokens, as_tuple.tokens)
+    assert np.asarray(as_int.lengths).min() < MAX_NEW  # the int EOS did end some rows
+
+
+def test_all_greedy_loop_program_has_no_exponential_or_random_bits():
+  # all_greedy reaches both the draft's token choice and the sampler: with
+  # softmax-free models (bigram tables), the whole compiled speculative loop
+  # holds no exp and no PRNG (threefry) instruction.
+  r = np.random.default_rng(5)
+  target, draft = BigramLM(r.normal(size=(V, V))), BigramLM(r.normal(size=(V, V)))
+  prompts, lengths = _prompts(0, V, LENGTHS, P)
+  params = SamplingParams.greedy(len(LENGTHS))
+
+  def program(**flags):
+    fn = lambda p, n, key: speculative_generate(target, draft, p, n, params, key, max_new_tokens=MAX_NEW,
+                                                num_speculative_tokens=3, **flags).tokens
+    return jax.jit(fn).lower(prompts, lengths, jax.random.key(0)).compile().as_text()
+
+  greedy = program(all_greedy=True)
+  assert "exponential(" not in greedy and "threefry" not in greedy
+  assert "exponential(" in program()  # the check sees them when they are there
+
+
 def test_batch_invariance_with_per_row_keys():
   """Row b's tokens depend on its own key, prompt and parameters only.
 

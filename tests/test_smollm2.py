@@ -296,3 +296,31 @@ def test_missing_tokenizers_names_install_command(monkeypatch):
 def test_missing_draft_says_how_to_train(tmp_path):
   with pytest.raises(FileNotFoundError, match="python examples/train_draft.py"):
     smollm2.load_smollm2_draft(path=str(tmp_path / "nope.safetensors"))
+
+
+@pytest.mark.parametrize("drafter", ["shipped_draft", "prompt_lookup"])
+def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafter):
+  # The shipped draft (loaded from its default path) and prompt lookup, on a
+  # chat prompt and a code prompt of different lengths in one batch: float32
+  # greedy speculative decoding must return exactly plain greedy decoding's
+  # tokens, EOS and row lengths included.
+  from specdec_jax import SamplingParams, generate, speculative_generate
+  from specdec_jax.drafters import PromptLookupDrafter
+
+  model, tokenizer = smollm2_model
+  draft = smollm2.load_smollm2_draft() if drafter == "shipped_draft" else PromptLookupDrafter((3, 2))
+  texts = [smollm2.chat_prompt("Name three primary colours."), "def fibonacci(n):\n    if n < 2:\n        return n\n"]
+  ids = [tokenizer.encode(t).ids for t in texts]
+  lengths = np.array([len(x) for x in ids], np.int32)
+  prompts = np.zeros((len(ids), lengths.max()), np.int32)
+  for row, x in enumerate(ids):
+    prompts[row, :len(x)] = x
+  params = SamplingParams.greedy(len(ids))
+  common = dict(max_new_tokens=20, eos_token_id=smollm2.SMOLLM2_EOS_IDS, all_greedy=True)
+  plain = generate(model, prompts, lengths, params, jax.random.key(0), **common)
+  spec = speculative_generate(model, draft, prompts, lengths, params, jax.random.key(0),
+                              num_speculative_tokens=4, **common)
+  np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+  np.testing.assert_array_equal(np.asarray(spec.lengths), np.asarray(plain.lengths))
+  if drafter == "shipped_draft":  # the draft is real: some of its tokens are accepted
+    assert int(np.sum(spec.stats.accepted)) > 0
