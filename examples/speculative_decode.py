@@ -18,7 +18,7 @@ compiles it; the progress bar counts the calls). On a 2-core CPU the target's
 cost is compute more than memory traffic, so verifying K+1 tokens costs about
 twice a single step here: speculation pays only where most drafts are accepted,
 as prompt lookup on the "edit" prompt. On a GPU, where one step is memory-bound,
-the same acceptance buys more (see bench/).
+the same acceptance buys more (see bench/RESULTS.md).
 """
 
 from __future__ import annotations
