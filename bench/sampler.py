@@ -156,7 +156,8 @@ CASES: dict[str, Case] = {
                         must_have=("reduce",), must_not_have=("exponential",)),
     # The one pass over the logits that the random path makes, alone: row-level
     # (max, sum of exps, argmax) and per chunk of `chunk_size(V)` tokens.
-    "onepass_rows": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, None), _ones, must_have=("reduce", "exponential")),
+    "onepass_rows": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, None), _ones,
+                         must_have=("reduce", "exponential")),
     "onepass_chunks": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, chunk_size(x.shape[-1])), _ones,
                            must_have=("reduce", "exponential")),
     "logsumexp_only": Case(lambda x, d, dp, p, k: jax.lax.bitcast_convert_type(

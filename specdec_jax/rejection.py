@@ -199,10 +199,11 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
   """Random rows (and greedy rows of a mixed batch) in one read of the logits.
 
   Without top-k/top-p, the one pass over the logits reduces chunks of about
-  1024 tokens (max, sum of exps, argmax per chunk; `sampling.chunk_size`): row normalisers come
-  from the chunk sums, and so does the recovered or bonus token of an n-gram
-  draft (pick a chunk by its mass, then read only that chunk). With draft
-  probabilities, or with filters, the stopping position's row is read once more.
+  1024 tokens (`sampling.chunk_size`) to (max, sum of exps, argmax) per chunk.
+  Row normalisers come from the chunk sums, and so does the recovered or bonus
+  token of an n-gram draft: pick a chunk by its mass, then read only that
+  chunk. With draft probabilities, or with filters, the stopping position's row
+  is read once more.
   """
   b, k1, v = logits.shape
   k = k1 - 1

@@ -527,6 +527,10 @@ def chunk_size(v: int) -> int:
   one chunk's tokens are then cheap to sample from. Otherwise a size near
   sqrt(V), preferring a divisor (no padded copy); tiny test vocabularies get
   chunks of 2 or more, so that they exercise the same paths.
+
+  Example:
+    >>> chunk_size(151936), chunk_size(32000), chunk_size(49152)
+    (4748, 1000, 1024)
   """
   if v >= 8192:
     divisors = [c for c in range(512, 8193, 4) if v % c == 0]
@@ -567,6 +571,17 @@ def categorical_with_empty(key: jax.Array, log_w: jax.Array):
 
   An empty row's index is meaningless; the flag comes from the chunk masses
   the draw computes anyway, so checking costs no extra pass over log_w.
+
+  Args:
+    key: typed keys [B] (one per row).
+    log_w: f32[B, V] unnormalised log-weights; -inf = impossible.
+
+  Returns:
+    (int32[B] indices in [0, V), bool[B] empty-row flags).
+
+  Example:
+    >>> tok, empty = categorical_with_empty(row_keys(jax.random.key(0), 1), jnp.full((1, 4), -jnp.inf))
+    >>> empty   # [True]: redraw that row from another distribution
   """
   b, v = log_w.shape
   c = chunk_size(v)
