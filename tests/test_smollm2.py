@@ -324,3 +324,39 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafte
   np.testing.assert_array_equal(np.asarray(spec.lengths), np.asarray(plain.lengths))
   if drafter == "shipped_draft":  # the draft is real: some of its tokens are accepted
     assert int(np.sum(spec.stats.accepted)) > 0
+
+
+def test_bf16_greedy_speculative_differs_from_plain_only_at_near_ties():
+  # DESIGN.md: in bf16 a T=1 step and a T=K+1 verification round differently, so
+  # greedy speculative decoding may leave plain greedy decoding, but only where the
+  # target's top-2 logits are within bf16 rounding. Where a row differs, the
+  # teacher-forced logits at its first difference must be such a near-tie (gap
+  # <= 2 bf16 ulps of the top logit: 0.25 at the logits of about 28 seen here).
+  from specdec_jax import SamplingParams, generate, speculative_generate
+
+  target, tokenizer = smollm2.load_smollm2(jnp.bfloat16)
+  draft = smollm2.load_smollm2_draft(jnp.bfloat16)
+  texts = [smollm2.chat_prompt("Explain why the sky is blue in two sentences."), "import json\n\ndef load(path):\n",
+           smollm2.chat_prompt("List three uses of copper.")]
+  ids = [tokenizer.encode(t).ids for t in texts]
+  lengths = np.array([len(x) for x in ids], np.int32)
+  prompts = np.zeros((len(ids), lengths.max()), np.int32)
+  for row, x in enumerate(ids):
+    prompts[row, :len(x)] = x
+  common = dict(max_new_tokens=32, eos_token_id=smollm2.SMOLLM2_EOS_IDS, all_greedy=True)
+  params = SamplingParams.greedy(len(ids))
+  plain = np.asarray(generate(target, prompts, lengths, params, None, **common).tokens)
+  spec = np.asarray(speculative_generate(target, draft, prompts, lengths, params, None, num_speculative_tokens=4,
+                                         **common).tokens)
+  for row in range(len(ids)):
+    diff = np.nonzero(plain[row] != spec[row])[0]
+    if len(diff) == 0:
+      continue
+    j = diff[0]
+    seq = jnp.asarray(np.concatenate([ids[row], plain[row, :j]]), jnp.int32)[None]
+    logits = np.asarray(target(seq, jnp.arange(seq.shape[1])[None], target.init_cache(1, seq.shape[1]))[0],
+                        np.float32)[0, -1]
+    top2 = np.sort(logits)[-2:]
+    ulp = np.spacing(np.float32(abs(top2[1]))) * 2.0**16  # bf16 keeps 16 fewer mantissa bits than f32
+    assert top2[1] - top2[0] <= 2 * ulp, f"row {row} differs at {j}, where the top-2 gap is {top2[1] - top2[0]}"
+    assert {plain[row, j], spec[row, j]} <= set(np.argsort(logits)[-2:].tolist())
