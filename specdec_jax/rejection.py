@@ -319,15 +319,14 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
       w_res = jnp.where(w_res > 1e-6 * w, w_res, 0.0)
       remove = remove & jnp.any(w_res > 0, axis=-1, keepdims=True)
       log_pc = jnp.where(remove, jnp.log(w_res), log_pc)
-    k_chunk, k_tok = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(k_final)
-    g_chunk = jax.vmap(lambda kk: jax.random.gumbel(kk, (n_ch,)))(k_chunk)
-    ch = jnp.argmax(log_pc + g_chunk, axis=-1)  # [B]
-    inside = jnp.take_along_axis(jnp.take_along_axis(logits, s[:, None, None], axis=1).reshape(b, n_ch, c),
-                                 ch[:, None, None], axis=1)[:, 0]  # [B, c]
-    ids = ch[:, None] * c + jnp.arange(c)[None, :]
-    log_w = jnp.where(remove & (ids == d_s), -jnp.inf, scale(inside))
-    g_tok = jax.vmap(lambda kk: jax.random.gumbel(kk, (c,)))(k_tok)
-    return (ch * c + jnp.argmax(log_w + g_tok, axis=-1)).astype(jnp.int32)
+
+    def chunk_log_weights(ch):  # [B] -> [B, c]: the chosen chunk of the stopping row
+      inside = jnp.take_along_axis(jnp.take_along_axis(logits, s[:, None, None], axis=1).reshape(b, n_ch, c),
+                                   ch[:, None, None], axis=1)[:, 0]
+      ids = ch[:, None] * c + jnp.arange(c)[None, :]
+      return jnp.where(remove & (ids == d_s), -jnp.inf, scale(inside))
+
+    return sampling.draw_from_chunks(k_final, log_pc, chunk_log_weights)
 
   if chunked and draft_probs is None:
     final_random = jax.lax.cond(any_filtered, row_draw, chunk_draw)

@@ -591,14 +591,38 @@ def categorical_with_empty(key: jax.Array, log_w: jax.Array):
   chunks = log_w.reshape(b, n, c)
   m, s = max_and_sumexp(chunks)
   chunk_logw = jnp.where(s > 0, m + jnp.log(s), -jnp.inf)  # [B, n]
+  tok = draw_from_chunks(key, chunk_logw, lambda ch: jnp.take_along_axis(chunks, ch[:, None, None], axis=1)[:, 0])
+  return tok, jnp.all(chunk_logw == -jnp.inf, axis=-1)
+
+
+def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weights) -> jax.Array:
+  """Two-stage Gumbel-max: a chunk by its mass, then a token inside that chunk.
+
+  Exact when `chunk_log_mass` holds each chunk's total weight; only the chosen
+  chunk's weights are ever built, so a caller that knows the chunk masses
+  already (from an earlier pass) reads just c tokens per row.
+
+  Args:
+    key: typed keys [B] (one per row).
+    chunk_log_mass: f32[B, n] log of each chunk's total weight.
+    chunk_log_weights: function from the chosen chunks int32[B] to their
+      unnormalised log-weights f32[B, c] (chunk j covers tokens j*c .. j*c+c-1).
+
+  Returns:
+    int32[B] token indices, chunk * c + position inside it.
+
+  Example:
+    >>> w = jnp.log(jnp.array([[1., 3., 0., 4.]]))            # V=4 in 2 chunks of 2
+    >>> draw_from_chunks(row_keys(jax.random.key(0), 1), jnp.log(jnp.array([[4., 4.]])),
+    ...                  lambda ch: w.reshape(1, 2, 2)[0, ch])  # 0, 1, 3 w.p. 1/8, 3/8, 1/2
+  """
+  n = chunk_log_mass.shape[-1]
   k_chunk, k_tok = jax.vmap(lambda k: tuple(jax.random.split(k)), out_axes=(0, 0))(key)
   g_chunk = jax.vmap(lambda k: jax.random.gumbel(k, (n,)))(k_chunk)
-  chunk = jnp.argmax(chunk_logw + g_chunk, axis=-1)
-  inside = jnp.take_along_axis(chunks, chunk[:, None, None], axis=1)[:, 0]
-  g_tok = jax.vmap(lambda k: jax.random.gumbel(k, (c,)))(k_tok)
-  tok = jnp.argmax(inside + g_tok, axis=-1)
-  empty = jnp.all(chunk_logw == -jnp.inf, axis=-1)
-  return (chunk * c + tok).astype(jnp.int32), empty
+  chunk = jnp.argmax(chunk_log_mass + g_chunk, axis=-1)
+  inside = chunk_log_weights(chunk)
+  g_tok = jax.vmap(lambda k: jax.random.gumbel(k, (inside.shape[-1],)))(k_tok)
+  return (chunk * inside.shape[-1] + jnp.argmax(inside + g_tok, axis=-1)).astype(jnp.int32)
 
 
 def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy: bool = False):
