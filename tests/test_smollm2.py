@@ -298,6 +298,16 @@ def test_missing_draft_says_how_to_train(tmp_path):
     smollm2.load_smollm2_draft(path=str(tmp_path / "nope.safetensors"))
 
 
+def _right_padded(tokenizer, texts):
+  """(token id lists, prompts int32 [B, P] right-padded with 0, lengths int32 [B])."""
+  ids = [tokenizer.encode(t).ids for t in texts]
+  lengths = np.array([len(x) for x in ids], np.int32)
+  prompts = np.zeros((len(ids), lengths.max()), np.int32)
+  for row, x in enumerate(ids):
+    prompts[row, :len(x)] = x
+  return ids, prompts, lengths
+
+
 @pytest.mark.parametrize("drafter", ["shipped_draft", "prompt_lookup"])
 def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafter):
   # The shipped draft (loaded from its default path) and prompt lookup, on a
@@ -310,11 +320,7 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafte
   model, tokenizer = smollm2_model
   draft = smollm2.load_smollm2_draft() if drafter == "shipped_draft" else PromptLookupDrafter((3, 2))
   texts = [smollm2.chat_prompt("Name three primary colours."), "def fibonacci(n):\n    if n < 2:\n        return n\n"]
-  ids = [tokenizer.encode(t).ids for t in texts]
-  lengths = np.array([len(x) for x in ids], np.int32)
-  prompts = np.zeros((len(ids), lengths.max()), np.int32)
-  for row, x in enumerate(ids):
-    prompts[row, :len(x)] = x
+  ids, prompts, lengths = _right_padded(tokenizer, texts)
   params = SamplingParams.greedy(len(ids))
   common = dict(max_new_tokens=20, eos_token_id=smollm2.SMOLLM2_EOS_IDS, all_greedy=True)
   plain = generate(model, prompts, lengths, params, jax.random.key(0), **common)
@@ -338,11 +344,7 @@ def test_bf16_greedy_speculative_differs_from_plain_only_at_near_ties():
   draft = smollm2.load_smollm2_draft(jnp.bfloat16)
   texts = [smollm2.chat_prompt("Explain why the sky is blue in two sentences."), "import json\n\ndef load(path):\n",
            smollm2.chat_prompt("List three uses of copper.")]
-  ids = [tokenizer.encode(t).ids for t in texts]
-  lengths = np.array([len(x) for x in ids], np.int32)
-  prompts = np.zeros((len(ids), lengths.max()), np.int32)
-  for row, x in enumerate(ids):
-    prompts[row, :len(x)] = x
+  ids, prompts, lengths = _right_padded(tokenizer, texts)
   common = dict(max_new_tokens=32, eos_token_id=smollm2.SMOLLM2_EOS_IDS, all_greedy=True)
   params = SamplingParams.greedy(len(ids))
   plain = np.asarray(generate(target, prompts, lengths, params, None, **common).tokens)
