@@ -257,7 +257,7 @@ def test_chat_template_matches_stored_jinja(messages, add_generation_prompt):
 def test_draft_save_load_round_trip(tmp_path):
   pytest.importorskip("safetensors")
   # A one-layer draft cut from the target, sharing its embedding.
-  config = smollm2.smollm2_config().replace(num_layers=1)
+  config = smollm2.smollm2_config().replace(num_layers=1, feature_layers=())
   target = smollm2.smollm2_weights()
   weights = {k: (v[:1] if k.startswith("layers.") else v) for k, v in target.items()}
   draft = Transformer.from_weights(config, weights)
