@@ -823,7 +823,9 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
   check_params(params, b, "sample_tokens")
   check_logits_values(logits, None, "sample_tokens: logits")
   greedy_tok, best = greedy_argmax(logits)
-  one_hot = jnp.where(jax.nn.one_hot(greedy_tok, v, dtype=jnp.bool_) & (best > -jnp.inf)[:, None], 0.0, -jnp.inf)
+  # float32 constants: weakly typed Python floats would make it float64 under jax_enable_x64.
+  one_hot = jnp.where(jax.nn.one_hot(greedy_tok, v, dtype=jnp.bool_) & (best > -jnp.inf)[:, None], np.float32(0),
+                      np.float32(-np.inf))
   if all_greedy:
     return greedy_tok, one_hot
   keys = row_keys(key, b)
