@@ -317,7 +317,8 @@ def test_nan_logits_sample_tokens_every_path():
   b = B
   logits = jnp.asarray(np.tile(_NAN_ROW, (b, 1)))
   greedy_params = SamplingParams.greedy(b)
-  mixed = SamplingParams.create(np.where(np.arange(b) % 2 == 0, 0.0, 1.0), top_k=np.where(np.arange(b) % 4 == 1, 2, 0))
+  mixed = SamplingParams.create(np.where(np.arange(b) % 2 == 0, 0.0, 1.0),
+                                top_k=np.where(np.arange(b) % 4 == 1, 2, 0))
   static = np.asarray(_st(logits, greedy_params, None, all_greedy=True)[0])
   runtime = np.asarray(_st(logits, greedy_params, jax.random.key(0))[0])
   tokens = np.asarray(_st(logits, mixed, _keys(1, b))[0])
