@@ -18,6 +18,14 @@ The random path needs, per position, only log p_i(d_i) = x_i[d_i]/T - logsumexp(
 (a reduction and a gather), compared in log space; at most one full row per
 request (the stopping position) is gathered to draw the recovered/bonus token.
 A mixed batch computes the argmax and the logsumexp in the same single pass.
+
+Inputs outside the ordinary range (the rules of `specdec_jax.sampling`, the same
+for greedy, random and mixed batches; a row never depends on its neighbours):
+NaN logits count as -inf; +inf logits share all of a position's mass; finite
+logits never overflow `logits / T` (rows that would are recomputed shifted by
+their max, under a run-time `lax.cond`); a position with no logit above -inf
+accepts no draft and emits token 0. Under jit, a draft probability that is NaN,
++-inf or negative counts as 0.
 """
 
 from __future__ import annotations
@@ -88,8 +96,24 @@ def rejection_sample(
 
   Raises:
     ValueError: for mismatched shapes, dtypes or batch sizes (at trace time), and
-      for out-of-range values given as concrete arrays. Under jit, a draft id
-      outside [0, V) is never accepted and nothing is read out of bounds.
+      for out-of-range values given as concrete arrays: num_draft_tokens outside
+      [0, K], draft ids outside [0, V), draft_probs entries that are NaN, +-inf
+      or negative, target_logits holding NaN or a position whose logits are all
+      -inf (only positions <= num_draft_tokens are checked).
+
+  Under jit nothing is checked, and:
+    * a draft id outside [0, V) is never accepted; nothing is read out of bounds;
+    * a draft probability that is NaN, +-inf or negative counts as 0;
+    * a NaN logit counts as -inf (never emitted; never the greedy argmax), on
+      every path, so a row does not depend on its neighbours;
+    * +inf logits mean "this token": the position's mass goes uniformly to its
+      +inf tokens (greedy: the first of them);
+    * a position whose logits are all -inf (or NaN) accepts no draft, not even
+      one equal to its argmax, and emits token 0 if the row stops there (greedy,
+      random and mixed batches alike);
+    * a temperature near 0 behaves like greedy for every finite logit: no
+      overflow of logits / T;
+    * a masked (-inf) target token is never emitted.
 
   Example:
     >>> out = rejection_sample(
@@ -107,14 +131,15 @@ def rejection_sample(
     num_draft_tokens = jnp.full((b,), k, jnp.int32)
   num_draft_tokens = jnp.asarray(num_draft_tokens)
   _check_values(draft_token_ids, num_draft_tokens, k, v)
+  if draft_probs is not None:
+    draft_probs = jnp.asarray(draft_probs)
+  _check_float_values(target_logits, draft_probs, num_draft_tokens, k)
   if key is None:
     if not all_greedy:
       raise ValueError("rejection_sample: key is required unless all_greedy=True")
     keys = None
   else:
     keys = sampling.row_keys(key, b, "rejection_sample: key")
-  if draft_probs is not None:
-    draft_probs = jnp.asarray(draft_probs)
   return _rejection_sample(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
                            num_draft_tokens.astype(jnp.int32), all_greedy=all_greedy, all_random=all_random)
 
@@ -166,6 +191,30 @@ def _check_values(draft, n, k, v):
                      f"got {d[bad][:8]}")
 
 
+def _check_float_values(logits, draft_probs, n, k):
+  """Eager checks of target_logits and draft_probs at the positions that matter.
+
+  Device reductions: only flags come back to the host. Skipped under jit.
+  """
+  if any(isinstance(a, jax.core.Tracer) for a in (logits, draft_probs, n)):
+    return
+  n = jnp.asarray(n)
+  sampling.check_logits_values(logits, jnp.arange(k + 1)[None, :] <= n[:, None], "rejection_sample: target_logits")
+  if draft_probs is None:
+    return
+  q = draft_probs
+  bad = jnp.any(~jnp.isfinite(q) | (q < 0), axis=-1) & (jnp.arange(k)[None, :] < n[:, None])
+  if bool(jnp.any(bad)):
+    raise ValueError("rejection_sample: draft_probs must be finite and >= 0 at positions < num_draft_tokens; "
+                     f"got NaN, +-inf or negative entries at [b, i] = {np.argwhere(np.asarray(bad))[:8].tolist()}")
+
+
+def _valid_probs(q):
+  """Draft probabilities as float32, NaN, +-inf and negative entries counted as 0 (under jit)."""
+  q = q.astype(jnp.float32)
+  return jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
+
+
 # ----------------------------------------------------------------------------
 # The program
 # ----------------------------------------------------------------------------
@@ -189,8 +238,9 @@ def _num_accepted(accept):
 
 def _greedy(draft, logits, live):
   """Argmax-only verification: no exponential, no random numbers."""
-  t = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K+1]
-  num_accepted = _num_accepted((draft == t[:, :-1]) & live)
+  t, best = sampling.greedy_argmax(logits)  # [B, K+1]; NaN counts as -inf
+  # A position without any logit above -inf accepts nothing (its "argmax" 0 is no choice).
+  num_accepted = _num_accepted((draft == t[:, :-1]) & (best[:, :-1] > -jnp.inf) & live)
   final = jnp.take_along_axis(t, num_accepted[:, None], axis=1)[:, 0]
   return _emit(draft, num_accepted, final)
 
@@ -245,8 +295,7 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
     thr, lse = sampling.threshold_and_lse(raw, params.temperature, params.top_k, params.top_p)
     am = no_argmax
     if need_argmax:  # one more read of the logits, only if some row is greedy
-      am = jax.lax.cond(jnp.any(greedy), lambda r: jnp.argmax(r, axis=-1).astype(jnp.int32),
-                        lambda r: no_argmax, raw)
+      am = jax.lax.cond(jnp.any(greedy), lambda r: sampling.greedy_argmax(r)[0], lambda r: no_argmax, raw)
     return thr, lse, am, jnp.full((b, k1, n_ch), -jnp.inf, jnp.float32)
 
   # thr: keep iff x >= thr, lse: log normaliser of the kept set, am: argmax  [B, K+1];
@@ -256,21 +305,31 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
   filters_on = ((params.top_k > 0) & (params.top_k < v) | (params.top_p < 1.0)) & ~greedy
   any_filtered = jnp.any(filters_on)
   thr, lse, am, chunk_logw = jax.lax.cond(any_filtered, filtered, plain, logits)
+  # Rows whose one-pass lse is not finite (overflow of x / T, +inf logits, all masked)
+  # are redone on logits shifted by their max; only they get a nonzero shift, so the
+  # other rows' values stay as computed. chunk_logw is not redone: those rows draw
+  # from their full stopping row instead (row_draw).
+  redone = ~jnp.isfinite(lse)  # [B, K+1]
+  shift, thr, lse = sampling.shift_non_finite_rows(
+      logits, params.temperature, jnp.where(filters_on, params.top_k, 0), jnp.where(filters_on, params.top_p, 1.0),
+      thr, lse)
+  nonempty = lse > -jnp.inf  # False: no logit above -inf at that position
 
   # Acceptance, in log space: accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
   valid = (draft >= 0) & (draft < v)
   safe = jnp.where(valid, draft, 0)  # never read out of bounds
-  x_d = scale(jnp.take_along_axis(logits[:, :k], safe[..., None], axis=-1))[..., 0]
-  log_p = jnp.where(x_d >= thr[:, :k], x_d - lse[:, :k], -jnp.inf)
+  x_d = sampling.scale_logits(jnp.take_along_axis(logits[:, :k], safe[..., None], axis=-1), params.temperature,
+                              shift[:, :k])[..., 0]
+  log_p = jnp.where((x_d >= thr[:, :k]) & nonempty[:, :k], x_d - lse[:, :k], -jnp.inf)
   if draft_probs is None:
     log_q = jnp.zeros_like(log_p)  # one-hot draft distribution
   else:
-    q_d = jnp.take_along_axis(draft_probs[:, :k], safe[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    q_d = _valid_probs(jnp.take_along_axis(draft_probs[:, :k], safe[..., None], axis=-1)[..., 0])
     log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
   k_accept, k_final = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(keys)
   u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(k_accept)
   accept_random = jnp.log(u) + log_q < log_p
-  accept_greedy = safe == am[:, :k]
+  accept_greedy = (safe == am[:, :k]) & nonempty[:, :k]
   accept = jnp.where(greedy[:, None], accept_greedy, accept_random) & live & valid
   num_accepted = _num_accepted(accept)
 
@@ -278,21 +337,24 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
   s = num_accepted
   thr_s = jnp.take_along_axis(thr, s[:, None], axis=1)
   lse_s = jnp.take_along_axis(lse, s[:, None], axis=1)
+  shift_s = jnp.take_along_axis(shift, s[:, None], axis=1)[:, 0]
   rejected = (s < n)[:, None]
   s_draft = jnp.minimum(s, max(k - 1, 0))
   d_s = jnp.take_along_axis(draft, s_draft[:, None], axis=1)  # [B, 1]; may be out of range
 
   def stop_log_weights(residual):
     """[B, V] log-weights at the stopping position, built from the inputs (fusible)."""
-    row = scale(jnp.take_along_axis(logits, s[:, None, None], axis=1))[:, 0]
-    logp_row = jnp.where(row >= thr_s, row - lse_s, -jnp.inf)
+    row = sampling.scale_logits(jnp.take_along_axis(logits, s[:, None, None], axis=1)[:, 0], params.temperature,
+                                shift_s)
+    logp_row = jnp.where((row >= thr_s) & (lse_s > -jnp.inf), row - lse_s, -jnp.inf)
     if not residual or k == 0:
       return logp_row
     if draft_probs is None:
       # p - onehot(d), clipped at 0, is p with d removed (an id outside [0, V) removes nothing).
       return jnp.where(rejected & (jnp.arange(v)[None, :] == d_s), -jnp.inf, logp_row)
-    q_row = jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0].astype(jnp.float32)
-    return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
+    q_row = _valid_probs(jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0])
+    residual = jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
+    return jnp.where(logp_row > -jnp.inf, residual, -jnp.inf)  # masked and filtered tokens stay out
 
   def row_draw():
     """Reads the stopping position's row (and draft probs): filtered or with draft_probs."""
@@ -329,9 +391,14 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
     return sampling.draw_from_chunks(k_final, log_pc, chunk_log_weights)
 
   if chunked and draft_probs is None:
-    final_random = jax.lax.cond(any_filtered, row_draw, chunk_draw)
+    # Rows redone by the shift have no chunk masses: they draw from their full row.
+    redone_s = jnp.take_along_axis(redone, s[:, None], axis=1)[:, 0]
+    mixed_draw = lambda: jax.lax.cond(jnp.any(redone_s), lambda: jnp.where(redone_s, row_draw(), chunk_draw()),
+                                      chunk_draw)
+    final_random = jax.lax.cond(any_filtered, row_draw, mixed_draw)
   else:
     final_random = row_draw()
+  final_random = jnp.where(lse_s[:, 0] > -jnp.inf, final_random, 0)  # nothing to draw from: token 0, as greedy
   final_greedy = jnp.take_along_axis(am, s[:, None], axis=1)[:, 0]
   final = jnp.where(greedy, final_greedy, final_random)
   return _emit(draft, num_accepted, final)

@@ -11,6 +11,23 @@ Both filters are *threshold* filters: a token is kept iff its scaled logit is
 Greedy requests (temperature below `GREEDY_TEMPERATURE`) use `argmax` of the raw
 logits, first index on ties.
 
+Values outside the ordinary range, the same rule on every path (greedy, random,
+filtered or not, alone or in any batch; a row never depends on its neighbours):
+
+* NaN logits are masked tokens (as -inf): never emitted, never the argmax.
+* +inf logits mean "this token": a row with +inf logits puts all its mass,
+  uniformly, on them (after top-k/top-p, which keep all of them as a tie);
+  greedy takes the first.
+* A row with no logit above -inf (all masked or NaN) has no distribution:
+  `process_logits` gives it all -inf, and the samplers emit token 0 there
+  (greedy, random and mixed alike). Eager calls of `sample_tokens` raise instead.
+* Finite logits never overflow: `logits / temperature` is computed as
+  `(logits - row max) / temperature` for any row where the plain quotient is not
+  finite (a temperature near 0, or logits near the float32 limit), so a
+  temperature near 0 behaves like greedy for every finite logit. The shifted
+  recomputation runs under a run-time `lax.cond`, only for batches that need it;
+  other rows keep the one-pass results bit for bit.
+
 Everything here is pure `jax.numpy` and works under `jit`; a "row" is one request
 and every function broadcasts the per-request parameters over any middle axes.
 """
@@ -18,6 +35,7 @@ and every function broadcasts the per-request parameters over any middle axes.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import jax
@@ -55,30 +73,43 @@ class SamplingParams:
 
   @classmethod
   def greedy(cls, batch_size: int) -> "SamplingParams":
-    """All-greedy parameters for `batch_size` requests."""
-    return cls.create(jnp.zeros((batch_size,), jnp.float32))
+    """All-greedy parameters for `batch_size` (an int >= 0) requests."""
+    try:
+      n = operator.index(batch_size)
+    except TypeError:
+      raise ValueError(f"SamplingParams.greedy: batch_size must be an int >= 0, got {batch_size!r}") from None
+    if n < 0:
+      raise ValueError(f"SamplingParams.greedy: batch_size must be an int >= 0, got {n}")
+    return cls.create(np.zeros((n,), np.float32))
 
   @classmethod
   def create(cls, temperature, top_k=None, top_p=None) -> "SamplingParams":
     """Builds parameters from scalars or sequences, broadcast to one batch.
 
-    Concrete values are validated; traced values (inside `jit`) are not.
+    Concrete values are validated; traced values (inside `jit`) only by dtype.
 
     Args:
-      temperature: scalar or [B]; >= 0, 0 means greedy.
-      top_k: None, scalar or [B]; >= 0, 0 means off.
-      top_p: None, scalar or [B]; in (0, 1], 1 means off.
+      temperature: scalar or [B] real numbers; >= 0 and finite (as float32), 0 means greedy.
+      top_k: None, scalar or [B] integers (integral floats are accepted) in [0, 2**31); 0 means off.
+        Values >= the vocabulary size are off too.
+      top_p: None, scalar or [B] real numbers in (0, 1]; 1 means off.
 
     Returns:
       A `SamplingParams` with float32/int32 arrays of one shared batch size.
 
     Raises:
-      ValueError: on negative temperature or top_k, top_p outside (0, 1], or
-        sizes that do not broadcast to one batch.
+      ValueError: naming the argument, for values that are not real numbers (None,
+        strings, complex, bool, ragged sequences), a negative or non-finite
+        temperature (1e39 overflows float32 to inf), a top_k that is negative,
+        not an integer or does not fit int32, a top_p outside (0, 1], or sizes
+        that do not broadcast to one batch.
+
+    Example:
+      >>> SamplingParams.create([0.0, 0.8], top_k=40).top_k   # [40, 40]
     """
-    temperature = jnp.asarray(temperature, jnp.float32)
-    top_k = jnp.asarray(0 if top_k is None else top_k, jnp.int32)
-    top_p = jnp.asarray(1.0 if top_p is None else top_p, jnp.float32)
+    temperature = _param_array("temperature", temperature, integer=False)
+    top_k = _param_array("top_k", 0 if top_k is None else top_k, integer=True)
+    top_p = _param_array("top_p", 1.0 if top_p is None else top_p, integer=False)
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
       if value.ndim > 1:
         raise ValueError(f"SamplingParams.create: {name} must be a scalar or 1-D [B], got shape {value.shape}")
@@ -90,10 +121,12 @@ class SamplingParams:
           f"{temperature.shape}, {top_k.shape}, {top_p.shape}") from e
     if shape == ():
       shape = (1,)
-    if _is_concrete(temperature) and bool(np.any(np.asarray(temperature) < 0)):
-      raise ValueError(f"SamplingParams.create: temperature must be >= 0, got {np.asarray(temperature)}")
-    if _is_concrete(top_k) and bool(np.any(np.asarray(top_k) < 0)):
-      raise ValueError(f"SamplingParams.create: top_k must be >= 0 (0 = off), got {np.asarray(top_k)}")
+    if _is_concrete(temperature):
+      t = np.asarray(temperature)
+      if bool(np.any(t < 0)):
+        raise ValueError(f"SamplingParams.create: temperature must be >= 0, got {t}")
+      if not bool(np.all(np.isfinite(t))):
+        raise ValueError(f"SamplingParams.create: temperature must be finite as a float32 (< 3.4e38), got {t}")
     if _is_concrete(top_p):
       p = np.asarray(top_p)
       if bool(np.any(~((p > 0) & (p <= 1)))):
@@ -114,14 +147,57 @@ class SamplingParams:
     return self.temperature < GREEDY_TEMPERATURE
 
 
+def _param_array(name: str, value, *, integer: bool) -> jax.Array:
+  """One field of `SamplingParams.create` as an int32 or float32 array.
+
+  Concrete values are converted through NumPy first, so that nothing wraps
+  (int64 2**32 + 3 would become int32 3) and bad values are reported by name.
+  """
+  where = "SamplingParams.create"
+  want = "integers" if integer else "real numbers"
+  if isinstance(value, jax.core.Tracer):
+    ok = jnp.issubdtype(value.dtype, jnp.integer) or (not integer and jnp.issubdtype(value.dtype, jnp.floating))
+    if not ok or value.dtype == jnp.bool_:
+      raise ValueError(f"{where}: {name} must hold {want}, got a traced array of dtype {value.dtype}")
+    return value.astype(jnp.int32 if integer else jnp.float32)
+  try:
+    arr = np.asarray(value)
+  except (ValueError, TypeError) as e:  # ragged sequences and the like
+    raise ValueError(f"{where}: {name} must be a scalar or a 1-D sequence [B] of {want}, got {value!r}") from e
+  if arr.dtype.kind not in "iuf":
+    raise ValueError(f"{where}: {name} must be a scalar or a 1-D sequence [B] of {want}, got {value!r} "
+                     f"(dtype {arr.dtype})")
+  if not integer:
+    with np.errstate(over="ignore", invalid="ignore"):
+      return jnp.asarray(arr.astype(np.float32))
+  if arr.dtype.kind == "f":
+    if not bool(np.all(np.isfinite(arr) & (arr == np.round(arr)))):
+      raise ValueError(f"{where}: top_k must hold integers (0 = off), got {arr}")
+  if bool(np.any(arr < 0)):
+    raise ValueError(f"{where}: top_k must be >= 0 (0 = off), got {arr}")
+  if bool(np.any(arr > np.iinfo(np.int32).max)):
+    raise ValueError(f"{where}: top_k must fit in int32 (< 2**31; 0 = off), got {arr}")
+  return jnp.asarray(arr.astype(np.int32))
+
+
 def check_params(params: SamplingParams, batch_size: int, where: str) -> None:
-  """Raises ValueError unless `params` holds three [batch_size] arrays."""
+  """Raises ValueError unless `params` holds three [batch_size] arrays of the right kinds.
+
+  temperature and top_p must be float arrays and top_k an integer array (a
+  directly constructed `SamplingParams` skips `create`'s conversions). Checked
+  at trace time, from shapes and dtypes only.
+  """
   if not isinstance(params, SamplingParams):
     raise ValueError(f"{where}: params must be a SamplingParams, got {type(params).__name__}")
-  for name in ("temperature", "top_k", "top_p"):
-    shape = jnp.shape(getattr(params, name))
+  for name, kind, dtype in (("temperature", "float", jnp.floating), ("top_k", "integer", jnp.integer),
+                            ("top_p", "float", jnp.floating)):
+    value = getattr(params, name)
+    shape = jnp.shape(value)
     if shape != (batch_size,):
       raise ValueError(f"{where}: params.{name} must have shape [B]=({batch_size},), got {shape}")
+    if not jnp.issubdtype(jnp.result_type(value), dtype):
+      raise ValueError(f"{where}: params.{name} must be a{'n' if kind == 'integer' else ''} {kind} array, got dtype "
+                       f"{jnp.result_type(value)} (SamplingParams.create converts)")
 
 
 # ----------------------------------------------------------------------------
@@ -156,8 +232,8 @@ def row_keys(key, batch_size: int, where: str = "key") -> jax.Array:
     raise ValueError(
         f"{where} must be a typed PRNG key (jax.random.key) or a raw uint32[2] key, "
         f"or a batch of B of either; got dtype {key.dtype}, shape {key.shape}")
-  if typed.ndim == 0:
-    return jax.vmap(lambda b: jax.random.fold_in(typed, b))(jnp.arange(batch_size))
+  if typed.ndim == 0:  # int32 row ids also under jax_enable_x64, so keys do not change with it
+    return jax.vmap(lambda b: jax.random.fold_in(typed, b))(jnp.arange(batch_size, dtype=jnp.int32))
   if typed.shape == (batch_size,):
     return typed
   raise ValueError(f"{where}: expected one key or a batch of B={batch_size} keys, got key batch shape {typed.shape}")
@@ -224,18 +300,102 @@ def _bcast(row_values: jax.Array, x: jax.Array) -> jax.Array:
   return row_values.reshape(row_values.shape + (1,) * (x.ndim - 1))
 
 
-def scale_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
-  """float32 logits / temperature, with greedy rows left at temperature 1.
+def scale_logits(logits: jax.Array, temperature: jax.Array, shift: jax.Array | None = None) -> jax.Array:
+  """float32 (logits - shift) / temperature, with greedy rows left at temperature 1.
+
+  NaN results (NaN logits) become -inf: a NaN logit is a masked token. With a
+  `shift` (the row max, see `shift_non_finite_rows`), a logit equal to it maps
+  to 0, which also makes +inf - +inf a 0 (the +inf tokens share the mass).
 
   Args:
     logits: [B, ..., V], any float dtype.
     temperature: f32[B].
+    shift: f32[B, ...] or None (no shift, the plain quotient).
 
   Returns:
     f32[B, ..., V].
+
+  Example:
+    >>> scale_logits(jnp.array([[2.0, jnp.nan]]), jnp.array([0.5]))   # [[4., -inf]]
   """
-  t = jnp.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature).astype(jnp.float32)
-  return logits.astype(jnp.float32) / _bcast(t, logits)
+  x = logits.astype(jnp.float32)
+  t = _bcast(jnp.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature).astype(jnp.float32), x)
+  if shift is None:
+    y = x / t
+  else:
+    s = shift.astype(jnp.float32)[..., None]
+    y = jnp.where(x == s, 0.0, (x - s) / t)
+  return jnp.where(jnp.isnan(y), -jnp.inf, y)
+
+
+def greedy_argmax(logits: jax.Array):
+  """First index of the largest logit, NaN counted as -inf; 0 for a row with none above -inf.
+
+  A single variadic reduction (like `jnp.argmax`, which would pick a NaN): the
+  NaN rule lives in the combiner, so no masked copy of the logits is formed.
+
+  Args:
+    logits: [..., V], any float dtype.
+
+  Returns:
+    (int32[...] indices, [...] the max in the logits' dtype; -inf for a row without
+    a usable logit).
+
+  Example:
+    >>> greedy_argmax(jnp.array([[1.0, jnp.nan, 3.0]]))[0]   # [2]
+  """
+  x = jnp.asarray(logits)
+  neg_inf = np.array(-np.inf, x.dtype)
+
+  def combine(a, b):
+    av, bv = jnp.where(jnp.isnan(a[0]), neg_inf, a[0]), jnp.where(jnp.isnan(b[0]), neg_inf, b[0])
+    take_b = (bv > av) | ((bv == av) & (b[1] < a[1]))
+    return jnp.where(take_b, bv, av), jnp.where(take_b, b[1], a[1])
+
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  best, idx = jax.lax.reduce((x, iota), (neg_inf, np.int32(np.iinfo(np.int32).max)), combine, (x.ndim - 1,))
+  # Every entry -inf or NaN: the index is the first one, 0.
+  return idx.astype(jnp.int32), best
+
+
+def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                          thr: jax.Array, lse: jax.Array):
+  """Redoes (thr, lse) of the rows whose log-normaliser `lse` is not finite.
+
+  The one-pass reductions compute `logits / T`, which overflows for a small
+  temperature or logits near the float32 limit (or meets a +inf logit, or finds
+  no finite logit at all); then lse is +-inf or NaN. For those rows only, this
+  subtracts the row's max before dividing (`scale_logits` with a shift): every
+  value is then <= 0, and an overflow can only give -inf, i.e. a probability
+  that rounds to 0 anyway. It sorts the batch, an extra pass or two, run only
+  under a `lax.cond` when some row needs it; other rows keep shift 0, so their
+  values are those of the one pass.
+
+  Args:
+    logits: [B, ..., V], any float dtype (raw).
+    temperature, top_k, top_p: [B] sampling parameters.
+    thr, lse: f32[B, ...] from the one-pass search (`threshold_and_lse` or
+      `max_and_sumexp`).
+
+  Returns:
+    (shift, thr, lse), each f32[B, ...]: scale with `scale_logits(logits,
+    temperature, shift)`; lse is -inf exactly for rows with no logit above -inf
+    (no NaN anywhere).
+
+  Example:
+    >>> shift, thr, lse = shift_non_finite_rows(logits, t, k, p, *threshold_and_lse(logits, t, k, p))
+  """
+  redo = ~jnp.isfinite(lse)
+
+  def fix(raw):
+    x = raw.astype(jnp.float32)
+    m = jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1)  # only here: a second read of the logits
+    empty = redo & (m == -jnp.inf)
+    shift = jnp.where(redo & ~empty, m, 0.0)
+    new_thr, new_lse = _sorted_threshold_and_lse(scale_logits(raw, temperature, shift), top_k, top_p)
+    return shift, jnp.where(redo, new_thr, thr), jnp.where(empty, -jnp.inf, jnp.where(redo, new_lse, lse))
+
+  return jax.lax.cond(jnp.any(redo), fix, lambda raw: (jnp.zeros_like(lse), thr, lse), logits)
 
 
 def filter_active(params: SamplingParams, vocab_size: int) -> jax.Array:
@@ -484,6 +644,8 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
   """Log-probabilities after temperature, top-k and top-p (every row as random).
 
   Greedy rows are processed at temperature 1; callers pick argmax for them.
+  NaN logits count as -inf, +inf logits share all the mass, and a row with no
+  logit above -inf comes out all -inf (see the module docstring).
 
   Args:
     logits: [B, ..., V], any float dtype.
@@ -506,8 +668,10 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
   thr, lse = jax.lax.cond(jnp.any(filter_active(params, logits.shape[-1])),
                           lambda raw: threshold_and_lse(raw, t, params.top_k, params.top_p),
                           unfiltered, logits)
-  scaled = scale_logits(logits, t)
-  return jnp.where(scaled >= thr[..., None], scaled - lse[..., None], -jnp.inf)
+  shift, thr, lse = shift_non_finite_rows(logits, t, params.top_k, params.top_p, thr, lse)
+  scaled = scale_logits(logits, t, shift)
+  keep = (scaled >= thr[..., None]) & (lse[..., None] > -jnp.inf)
+  return jnp.where(keep, scaled - lse[..., None], -jnp.inf)
 
 
 # ----------------------------------------------------------------------------
@@ -618,10 +782,10 @@ def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weight
   """
   n = chunk_log_mass.shape[-1]
   k_chunk, k_tok = jax.vmap(lambda k: tuple(jax.random.split(k)), out_axes=(0, 0))(key)
-  g_chunk = jax.vmap(lambda k: jax.random.gumbel(k, (n,)))(k_chunk)
+  g_chunk = jax.vmap(lambda k: jax.random.gumbel(k, (n,), jnp.float32))(k_chunk)
   chunk = jnp.argmax(chunk_log_mass + g_chunk, axis=-1)
   inside = chunk_log_weights(chunk)
-  g_tok = jax.vmap(lambda k: jax.random.gumbel(k, (inside.shape[-1],)))(k_tok)
+  g_tok = jax.vmap(lambda k: jax.random.gumbel(k, (inside.shape[-1],), jnp.float32))(k_tok)
   return (chunk * inside.shape[-1] + jnp.argmax(inside + g_tok, axis=-1)).astype(jnp.int32)
 
 
@@ -630,6 +794,10 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
 
   Greedy rows take `argmax(logits)` (first index on ties); random rows draw from
   the processed (temperature, top-k, top-p) distribution.
+
+  Under jit, NaN logits count as -inf on every path, and a row with no logit
+  above -inf emits token 0 (greedy or random) with an all -inf log_probs row.
+  Called eagerly with concrete logits, either raises a ValueError instead.
 
   Args:
     logits: [B, V], any float dtype.
@@ -642,6 +810,10 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
     (tokens int32[B], log_probs f32[B, V]): log_probs is the log of the
     distribution each row's token was drawn from (log one-hot for greedy rows).
 
+  Raises:
+    ValueError: for a bad shape or params, and for concrete logits holding a NaN
+      or a row with no logit above -inf.
+
   Example:
     >>> tok, logp = sample_tokens(logits, SamplingParams.create([0.0, 1.0]), jax.random.key(0))
   """
@@ -649,12 +821,41 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
     raise ValueError(f"sample_tokens: logits must be [B, V], got shape {logits.shape}")
   b, v = logits.shape
   check_params(params, b, "sample_tokens")
-  greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  one_hot = jnp.where(jax.nn.one_hot(greedy_tok, v, dtype=jnp.bool_), 0.0, -jnp.inf)
+  check_logits_values(logits, None, "sample_tokens: logits")
+  greedy_tok, best = greedy_argmax(logits)
+  # float32 constants: weakly typed Python floats would make it float64 under jax_enable_x64.
+  one_hot = jnp.where(jax.nn.one_hot(greedy_tok, v, dtype=jnp.bool_) & (best > -jnp.inf)[:, None], np.float32(0),
+                      np.float32(-np.inf))
   if all_greedy:
     return greedy_tok, one_hot
   keys = row_keys(key, b)
   logp = process_logits(logits, params)
+  # A row of all -inf draws index 0 (every Gumbel-perturbed weight is -inf), as greedy does.
   tok = categorical_from_log_weights(keys, logp)
   greedy = params.is_greedy
   return jnp.where(greedy, greedy_tok, tok), jnp.where(greedy[:, None], one_hot, logp)
+
+
+def check_logits_values(logits: jax.Array, used: jax.Array | None, where: str) -> None:
+  """Eager check (skipped for tracers): no NaN logit, and some logit above -inf at every used position.
+
+  Runs as a device reduction; only a flag comes back to the host.
+
+  Args:
+    logits: [..., V] float logits.
+    used: bool[...] positions that matter, or None for all.
+    where: the argument's name for the message.
+  """
+  if not _is_concrete(logits):
+    return
+  x = jnp.asarray(logits)
+  has_nan = jnp.any(jnp.isnan(x), axis=-1)
+  empty = ~jnp.any(x > -jnp.inf, axis=-1)
+  if used is not None:
+    has_nan, empty = has_nan & used, empty & used
+  if bool(jnp.any(has_nan)):
+    raise ValueError(f"{where} holds NaN at positions {np.argwhere(np.asarray(has_nan))[:8].tolist()}; under jit "
+                     "a NaN logit counts as -inf")
+  if bool(jnp.any(empty)):
+    raise ValueError(f"{where} has no value above -inf (every token masked) at positions "
+                     f"{np.argwhere(np.asarray(empty))[:8].tolist()}; under jit token 0 would be emitted there")
