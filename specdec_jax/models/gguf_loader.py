@@ -24,13 +24,17 @@ Two details of llama.cpp's converter matter:
 
 `gguf` (parsing, dequantizing) and `tokenizers` are imported on first use, so
 importing this module does not need them; a missing one raises an ImportError
-that names the install command.
+that names the install command (`import_optional`). A truncated or corrupted
+file raises a `DamagedFileError` (a ValueError) that names the file
+(`damaged_file_error`); smollm2.py uses both helpers for its own files too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import os
 from collections.abc import Sequence
 
@@ -39,25 +43,80 @@ import numpy as np
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.transformer import weight_shapes
 
-_MODELS_EXTRA = "pip install 'specdec-jax[models]'"
+MODELS_EXTRA_INSTALL = "pip install 'specdec-jax[models]'"
+
+
+def import_optional(module: str, purpose: str):
+  """Imports an optional dependency of the `[models]` extra, or says how to install it.
+
+  Args:
+    module: the module to import, e.g. "gguf" or "safetensors.numpy"; its
+      top-level package is also the pip package's name.
+    purpose: what needs it, starting with a capital, e.g. "Loading the SmolLM2 draft".
+
+  Returns:
+    The imported module.
+
+  Raises:
+    ImportError: the package is not installed. One line naming the package and
+      `pip install 'specdec-jax[models]'`.
+
+  Example:
+    >>> import_optional("numpy", "Reading weights").__name__
+    'numpy'
+  """
+  package = module.partition(".")[0]
+  message = (
+      f"{purpose} needs the `{package}` package, which is not installed. "
+      f"Install it with: {MODELS_EXTRA_INSTALL}"
+  )
+  # find_spec first: it answers None (no exception to chain) for a package that
+  # is absent or blocked with sys.modules[package] = None.
+  if importlib.util.find_spec(package) is None:
+    raise ImportError(message, name=package)
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:  # e.g. a broken install, or its own dependency missing
+    raise ImportError(f"{message} ({type(e).__name__}: {e})", name=package) from e
+
+
+class DamagedFileError(ValueError):
+  """A file exists but cannot be read as what it should be: truncated, corrupted or of another format."""
+
+
+def damaged_file_error(path: str, what: str, cause: BaseException | str, remedy: str = "") -> DamagedFileError:
+  """A one-line `DamagedFileError` naming the file, what went wrong, and how to get a good copy.
+
+  Raise it `from` the parser's exception: the message alone explains the problem.
+
+  Args:
+    path: the damaged file.
+    what: what the file should be, e.g. "GGUF file" or "draft config (JSON)".
+    cause: the parser's exception (its type and first line are quoted) or a description.
+    remedy: how to get a good file, e.g. a reinstall command; appended as is.
+
+  Returns:
+    The error, to raise.
+
+  Example:
+    >>> print(damaged_file_error("/m.gguf", "GGUF file", ValueError("bad magic"), "Get a new one."))
+    /m.gguf is damaged (truncated or corrupted): cannot read it as a GGUF file (ValueError: bad magic). Get a new one.
+  """
+  if isinstance(cause, BaseException):
+    lines = str(cause).strip().splitlines()
+    cause = f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
+  if len(cause) > 300:  # e.g. a KeyError quoting a whole dict: keep the message one readable line
+    cause = cause[:297] + "..."
+  message = f"{path} is damaged (truncated or corrupted): cannot read it as a {what} ({cause.rstrip('.')})."
+  return DamagedFileError(f"{message} {remedy}" if remedy else message)
 
 
 def _import_gguf():
-  try:
-    import gguf
-  except ImportError as e:
-    raise ImportError(f"Reading GGUF files needs the `gguf` package: {_MODELS_EXTRA}") from e
-  return gguf
+  return import_optional("gguf", "Reading GGUF files")
 
 
 def _import_tokenizers():
-  try:
-    import tokenizers
-  except ImportError as e:
-    raise ImportError(
-        f"Building a tokenizer from GGUF needs the `tokenizers` package: {_MODELS_EXTRA}"
-    ) from e
-  return tokenizers
+  return import_optional("tokenizers", "Building a tokenizer from GGUF")
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,10 +128,17 @@ def open_gguf(path: str):
 
   Raises:
     FileNotFoundError: no file at `path`.
+    DamagedFileError: the file is truncated or not a GGUF file (a ValueError naming `path`).
   """
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GGUF file not found: {path!r}")
-  return _import_gguf().GGUFReader(path)
+  gguf = _import_gguf()
+  try:
+    return gguf.GGUFReader(path)
+  except (ValueError, IndexError, KeyError, TypeError, OverflowError, EOFError) as e:
+    # The reader maps the whole file and slices it by the sizes in the header, so
+    # a truncated copy fails here with a bare reshape/view/IndexError.
+    raise damaged_file_error(path, "GGUF file", e) from e
 
 
 def _field(reader, key: str, default=None):
@@ -152,6 +218,8 @@ def gguf_llama_config(path: str) -> TransformerConfig:
   if scaling not in (None, "none"):
     raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported")
   # The embedding's row count is the truth; `vocab_size` metadata is optional.
+  if "token_embd.weight" not in tensors:
+    raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
   vocab_size = int(tensors["token_embd.weight"].shape[-1])
   return TransformerConfig(
       vocab_size=vocab_size,
@@ -413,12 +481,8 @@ def render_chat_template(
   Returns:
     The rendered prompt string.
   """
-  try:
-    import jinja2
-    import jinja2.sandbox
-  except ImportError as e:
-    raise ImportError("render_chat_template needs jinja2: pip install jinja2") from e
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+  sandbox = import_optional("jinja2.sandbox", "Rendering a chat template")
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
   return env.from_string(template).render(
       messages=list(messages), add_generation_prompt=add_generation_prompt, **extra
   )

