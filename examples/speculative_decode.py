@@ -58,8 +58,8 @@ from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, smollm2_tok
 # verification slots must fit in it.
 MAX_CONTEXT = 8192
 
-REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she walked "
-               "to the well to fetch water, and every evening she read stories to her younger brother.")
+REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she "
+               "walked to the well to fetch water, and every evening she read stories to her younger brother.")
 
 # name -> (prompt as the model sees it, what to show the user). Chosen so the
 # 135M model answers sensibly with greedy decoding: the code prompt is a raw
@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--prompt", action="append", help="a chat prompt of your own (repeatable); default: built-ins")
   ap.add_argument("--drafter", action="append", choices=(*DRAFTERS, "all"),
-                  help=f"drafter to compare with plain decoding (repeatable; default: {' and '.join(DEFAULT_DRAFTERS)})")
+                  help=f"drafter to compare with plain decoding (repeatable; 'all' = every one; "
+                  f"default: {' and '.join(DEFAULT_DRAFTERS)})")
   ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="K, drafts per round (default 4)")
   ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
   ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
@@ -318,11 +319,12 @@ def print_block(runs, rows, greedy, title, text=None):
 def explain(step_s, verify_s, k, runs, names) -> list[str]:
   """The summary lines: the measured verification cost and what it means for the speed-ups."""
   ratio = verify_s / step_s
-  bound = ("compute-bound (as on a CPU)" if ratio > 1.5 else "memory/launch-bound (as on a GPU)")
-  lines = [f"one target call: 1 token {step_s * 1e3:.1f} ms, K+1={k + 1} tokens {verify_s * 1e3:.1f} ms "
-           f"-> verification costs {ratio:.2f} single steps here: the target is {bound}."]
-  lines.append(f"A round costs that plus the drafter's calls and emits `mean accepted length` tokens, so a drafter "
-               f"pays only where its mean accepted length clearly exceeds {ratio:.2f}:")
+  platform = jax.devices()[0].platform
+  lines = [f"one target call (median after compile): 1 token {step_s * 1e3:.1f} ms, K+1={k + 1} tokens "
+           f"{verify_s * 1e3:.1f} ms -> verification costs {ratio:.2f} single steps on this {platform}",
+           f"(1 would mean a step is bound by memory traffic or launches, {k + 1} that it is bound by arithmetic).",
+           f"A round costs that plus the drafter's own calls and emits `mean accepted length` tokens, so a drafter "
+           f"pays only where its mean accepted length clearly exceeds {ratio:.2f}:"]
   for label, per_prompt in runs.items():
     if label == "plain generate":
       continue

@@ -117,8 +117,8 @@ class _FakeStats:
 
   @property
   def acceptance_per_position(self):
-    return np.where(self.reached_per_position > 0, self.accepted_per_position / np.maximum(self.reached_per_position, 1),
-                    0.0)
+    reached = self.reached_per_position
+    return np.where(reached > 0, self.accepted_per_position / np.maximum(reached, 1), 0.0)
 
   @property
   def usable_acceptance_rate(self):
@@ -137,7 +137,8 @@ def test_acceptance_is_summed_over_runs_then_formatted(demo):
   assert "acceptance by draft position [0.50 1.00 0.50 0.00]" in line
   assert "usable drafts accepted 0.42" in line
   # A position no round reached shows as "-", not as 0.
-  c = dataclasses.replace(a, reached_per_position=np.array([3, 2, 0, 0]), accepted_per_position=np.array([2, 1, 0, 0]))
+  c = dataclasses.replace(a, reached_per_position=np.array([3, 2, 0, 0]),
+                          accepted_per_position=np.array([2, 1, 0, 0]))
   assert "[0.67 0.50   -    - ]" in demo.format_acceptance(c)
 
 
@@ -170,7 +171,7 @@ def test_one_prompt_has_no_all_prompts_block(demo, monkeypatch, capsys):
   demo.main(["--prompt", "Hi", "--drafter", "lookup", "-k", "2"])
   printed = capsys.readouterr().out
   assert "[prompt 0: Hi]" in printed and "all 1 prompts" not in printed and "all " not in printed
-  assert "verification costs 1.50 single steps" in printed
+  assert "verification costs 1.50 single steps on this cpu" in printed
   assert "JAX platform" in printed and "CPU cores" in printed
 
 
