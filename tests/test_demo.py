@@ -170,7 +170,7 @@ def test_one_prompt_has_no_all_prompts_block(demo, monkeypatch, capsys):
   monkeypatch.setattr(demo, "decoded_text", lambda *a: "some text")
   demo.main(["--prompt", "Hi", "--drafter", "lookup", "-k", "2"])
   printed = capsys.readouterr().out
-  assert "[prompt 0: Hi]" in printed and "all 1 prompts" not in printed and "all " not in printed
+  assert "[prompt 0: Hi]" in printed and "all 1 prompts" not in printed and printed.count("  [") == 1
   assert "verification costs 1.50 single steps on this cpu" in printed
   assert "JAX platform" in printed and "CPU cores" in printed
 
