@@ -90,6 +90,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The demo's flags (checked by `parse_args`)."""
   ap = _Parser(prog="speculative_decode.py", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--prompt", action="append", help="a chat prompt of your own (repeatable); default: built-ins")
@@ -169,9 +170,15 @@ def load_drafters(names, dtype) -> dict:
               f"using the draft model instead]")
         name = "model"
     if name == "model" and "draft model" not in drafters:
-      drafters["draft model"] = load_smollm2_draft(dtype)
+      try:
+        drafters["draft model"] = load_smollm2_draft(dtype)
+      except FileNotFoundError as e:
+        print(f"[no trained draft model: {e}]")
     elif name == "lookup":
       drafters["prompt lookup"] = PromptLookupDrafter(ngram_size=(3, 2))
+  if not drafters:
+    print("[using the prompt-lookup drafter, which needs no weights]")
+    drafters["prompt lookup"] = PromptLookupDrafter(ngram_size=(3, 2))
   return drafters
 
 
@@ -184,18 +191,19 @@ def encode_prompts(tokenizer, texts):
   return tokens, np.asarray([len(x) for x in ids], np.int32)
 
 
-def time_target_calls(target, num_tokens: int, max_length: int, repeats: int = 5, calls: int = 4) -> float:
-  """Median seconds of one target call on `num_tokens` tokens, after compilation.
+def target_call_program(target, num_tokens: int, max_length: int, calls: int):
+  """A jitted program of `calls` target calls on `num_tokens` tokens each; returns a function of no arguments.
 
-  The calls run inside one jitted loop, as in decoding (cache updated in
-  place, greedy argmax over the logits so the output head is not optimised away).
+  The calls run inside one loop, as in decoding (cache updated in place, greedy
+  argmax over the logits so the output head is not optimised away).
   """
   graphdef, state = nnx.split(target)
 
   @jax.jit
   def run(state):
     tokens = jnp.zeros((1, num_tokens), jnp.int32)
-    positions = (max_length // 2 + jnp.arange(num_tokens, dtype=jnp.int32))[None]
+    # Attention reads all max_length slots (masked), so the position does not change the cost.
+    positions = (max_length - num_tokens + jnp.arange(num_tokens, dtype=jnp.int32))[None]
 
     def body(_, carry):
       cache, acc = carry
@@ -205,13 +213,28 @@ def time_target_calls(target, num_tokens: int, max_length: int, repeats: int = 5
     cache = nnx.merge(graphdef, state).init_cache(1, max_length)
     return jax.lax.fori_loop(0, calls, body, (cache, jnp.int32(0)))[1]
 
-  jax.block_until_ready(run(state))  # compile
-  seconds = []
+  return lambda: jax.block_until_ready(run(state))
+
+
+def measure_verification_cost(target, k: int, max_length: int, repeats: int = 7, calls: int = 4):
+  """Seconds of one target call on 1 token and on K+1 tokens, and their ratio (medians, after compilation).
+
+  The two programs alternate, so a change in the machine's load hits both.
+
+  Returns:
+    (step_seconds, verify_seconds, median of the per-repeat ratios verify / step).
+  """
+  step = target_call_program(target, 1, max_length, calls)
+  verify = target_call_program(target, k + 1, max_length, calls)
+  step(), verify()  # compile
+  step_s, verify_s = [], []
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(run(state))
-    seconds.append((time.perf_counter() - start) / calls)
-  return statistics.median(seconds)
+    for fn, seconds in ((step, step_s), (verify, verify_s)):
+      start = time.perf_counter()
+      fn()
+      seconds.append((time.perf_counter() - start) / calls)
+  ratio = statistics.median(v / s for v, s in zip(verify_s, step_s))
+  return statistics.median(step_s), statistics.median(verify_s), ratio
 
 
 def describe_machine() -> str:
@@ -242,23 +265,23 @@ def run_all(methods, tokens, lengths, key, repeats, bar):
   """{label: [(output, [seconds per repeat]) per prompt]}, one prompt at a time.
 
   All prompts are padded to the same length, so each method compiles once, in
-  an untimed first call.
+  an untimed first call. The timed runs go round-robin over methods and
+  prompts, so a change in the machine's load spreads over all of them.
   """
-  runs = {}
-  for label, fn in methods.items():
+  for fn in methods.values():
     jax.block_until_ready(fn(tokens[:1], lengths[:1], key))  # compile
     bar.update(1)
-    runs[label] = []
-    for r in range(tokens.shape[0]):
-      x, n, row_key = tokens[r:r + 1], lengths[r:r + 1], jax.random.fold_in(key, r)
-      seconds = []
-      for _ in range(repeats):
+  b = tokens.shape[0]
+  outs = {label: [None] * b for label in methods}
+  seconds = {label: [[] for _ in range(b)] for label in methods}
+  for _ in range(repeats):
+    for label, fn in methods.items():
+      for r in range(b):
         start = time.perf_counter()
-        out = jax.block_until_ready(fn(x, n, row_key))
-        seconds.append(time.perf_counter() - start)
+        outs[label][r] = jax.block_until_ready(fn(tokens[r:r + 1], lengths[r:r + 1], jax.random.fold_in(key, r)))
+        seconds[label][r].append(time.perf_counter() - start)
         bar.update(1)
-      runs[label].append((out, seconds))
-  return runs
+  return {label: list(zip(outs[label], seconds[label])) for label in methods}
 
 
 def rates(runs_of_method, rows):
@@ -316,9 +339,8 @@ def print_block(runs, rows, greedy, title, text=None):
     print(line)
 
 
-def explain(step_s, verify_s, k, runs, names) -> list[str]:
+def explain(step_s, verify_s, ratio, k, runs, names) -> list[str]:
   """The summary lines: the measured verification cost and what it means for the speed-ups."""
-  ratio = verify_s / step_s
   platform = jax.devices()[0].platform
   lines = [f"one target call (median after compile): 1 token {step_s * 1e3:.1f} ms, K+1={k + 1} tokens "
            f"{verify_s * 1e3:.1f} ms -> verification costs {ratio:.2f} single steps on this {platform}",
@@ -366,8 +388,7 @@ def main(argv=None):
   print(f"loaded SmolLM2-135M-Instruct ({args.dtype}) and {', '.join(drafters)} in {time.perf_counter() - t0:.1f}s")
 
   max_length = tokens.shape[1] + args.max_tokens + k + 1
-  step_s = time_target_calls(target, 1, max_length)
-  verify_s = time_target_calls(target, k + 1, max_length)
+  step_s, verify_s, ratio = measure_verification_cost(target, k, max_length)
 
   params = SamplingParams.create([args.temperature], top_k=args.top_k, top_p=args.top_p)
   common = dict(max_new_tokens=args.max_tokens, eos_token_id=SMOLLM2_EOS_IDS)
@@ -389,7 +410,7 @@ def main(argv=None):
 
   print("\n=== summary")
   print(f"  machine: {describe_machine()}")
-  for line in explain(step_s, verify_s, k, runs, names):
+  for line in explain(step_s, verify_s, ratio, k, runs, names):
     print("  " + line)
 
 

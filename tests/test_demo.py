@@ -165,7 +165,7 @@ def test_one_prompt_has_no_all_prompts_block(demo, monkeypatch, capsys):
   monkeypatch.setattr(demo, "smollm2_tokenizer", _FakeTokenizer)
   monkeypatch.setattr(demo, "load_smollm2", lambda dtype: (object(), None))
   monkeypatch.setattr(demo, "load_drafters", lambda names, dtype: {"prompt lookup": object()})
-  monkeypatch.setattr(demo, "time_target_calls", lambda target, t, s: 0.01 * (1 + 0.25 * (t - 1)))
+  monkeypatch.setattr(demo, "measure_verification_cost", lambda target, k, s: (0.01, 0.015, 1.5))
   monkeypatch.setattr(demo, "run_all", lambda methods, *a: {m: [(out, [1.0, 1.0, 1.0])] for m in methods})
   monkeypatch.setattr(demo, "decoded_text", lambda *a: "some text")
   demo.main(["--prompt", "Hi", "--drafter", "lookup", "-k", "2"])
@@ -183,3 +183,26 @@ def test_context_check_with_the_real_tokenizer(demo, monkeypatch, capsys):
     monkeypatch.setattr(demo, name, _forbid(name))
   line = _error_line(capsys, demo, ["--prompt", "hello world " * 5000, "--max-tokens", "100"])
   assert "exceeds SmolLM2's context of 8192" in line
+
+
+def test_run_all_round_robin_and_compiles_first(demo):
+  """Every method compiles (one untimed call) before any timed run; timed runs alternate methods."""
+  calls = []
+
+  def method(label):
+    return lambda x, n, key: calls.append((label, int(x[0, 0]))) or _FakeOut(np.array([1]))
+
+  methods = {"a": method("a"), "b": method("b")}
+  bar = type("Bar", (), {"update": lambda self, n: None})()
+  runs = demo.run_all(methods, np.array([[7], [8]]), np.array([1, 1]), jax.random.key(0), 2, bar)
+  assert calls == [("a", 7), ("b", 7)] + [("a", 7), ("a", 8), ("b", 7), ("b", 8)] * 2
+  assert [len(s) for _, s in runs["a"]] == [2, 2]
+
+
+@pytest.mark.real_model
+def test_verification_cost_on_smollm2(demo):
+  """Smoke test: the measurement runs on SmolLM2 (timings are too load-dependent to assert a ratio)."""
+  import jax.numpy as jnp
+  target, _ = demo.load_smollm2(jnp.float32)
+  step_s, verify_s, ratio = demo.measure_verification_cost(target, 4, 64, repeats=3, calls=2)
+  assert step_s > 0 and verify_s > 0 and ratio > 0
