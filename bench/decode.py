@@ -202,7 +202,7 @@ def stats_summary(outs) -> dict:
   accepted = sum(int(np.asarray(o.stats.accepted).sum()) for o in outs)
   tokens = sum(int(x.sum()) for x in lengths)
   passes = sum(int(x.sum()) for x in calls)
-  return {
+  summary = {
       "tokens": tokens,
       "target_calls": passes,
       "drafted": drafted,
@@ -213,7 +213,14 @@ def stats_summary(outs) -> dict:
       "trips": sum(int(x.max()) for x in calls),
       "accepted_per_position": (np.sum([np.asarray(o.stats.accepted_per_position) for o in outs], axis=0).tolist()
                                 if drafted else []),
+      "reached_per_position": (np.sum([np.asarray(o.stats.reached_per_position) for o in outs], axis=0).tolist()
+                               if drafted else []),
+      "usable_drafted": sum(int(np.asarray(o.stats.usable_drafted).sum()) for o in outs),
   }
+  reached = np.asarray(summary["reached_per_position"], float)
+  summary["acceptance_per_position"] = (np.asarray(summary["accepted_per_position"]) / np.maximum(reached, 1)).round(
+      4).tolist() if drafted else []
+  return summary
 
 
 def predict(row: dict, comp: dict, plain: dict | None) -> None:
@@ -536,7 +543,8 @@ def plot_speedup(rows, path, title):
   rows = [r for r in rows if r.get("speedup") is not None]
   if not rows:
     return None
-  panels = [(m, d) for m in MODES for d in DRAFTERS if any(r["mode"] == m and r["drafter"] == d for r in rows)]
+  drafters = sorted({r["drafter"] for r in rows})
+  panels = [(m, d) for m in MODES for d in drafters if any(r["mode"] == m and r["drafter"] == d for r in rows)]
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False, sharey=True)
   bs = sorted({r["B"] for r in rows})
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -548,7 +556,7 @@ def plot_speedup(rows, path, title):
       ks = [r["K"] for r in sel]
       c = colors[ci % len(colors)]
       ax.plot(ks, [r["speedup"] for r in sel], "o-", color=c, label=f"B={b} measured")
-      ax.plot(ks, [r["pred"] if r["pred"] is not None else np.nan for r in sel], "s--", color=c, alpha=0.7,
+      ax.plot(ks, [r.get("pred") if r.get("pred") is not None else np.nan for r in sel], "s--", color=c, alpha=0.7,
               label=f"B={b} predicted")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_title(f"{'greedy' if m == 'greedy' else 'T=1'}, {d} drafter", fontsize=9)

@@ -72,8 +72,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
-from specdec_jax import PromptLookupDrafter, generate, speculative_generate  # noqa: E402
-from specdec_jax.models import load_smollm2, load_smollm2_draft  # noqa: E402
+from specdec_jax import PromptLookupDrafter, generate, sample_tokens, speculative_generate  # noqa: E402
+from specdec_jax.models import load_smollm2, load_smollm2_draft, load_smollm2_eagle  # noqa: E402
 from specdec_jax.models import smollm2  # noqa: E402
 
 # None of these is in examples/train_draft.py's CHAT_QUESTIONS.
@@ -110,7 +110,8 @@ EDIT_PROMPTS = [
     "Copy this Python code, renaming the function `area` to `rectangle_area` everywhere:\n\n" + EDIT_CODE,
 ]
 
-MODES, DRAFTERS = bd.MODES, bd.DRAFTERS
+MODES = bd.MODES
+DRAFTERS = ("eagle", *bd.DRAFTERS)
 B1_ORDER = ("chat0", "code0", "edit0", "chat1")  # B=1: prompts run one after another
 B8_ORDER = ("chat0", "chat1", "chat2", "chat3", "code0", "code1", "edit0", "edit1")
 
@@ -230,6 +231,104 @@ def acceptance(target, draft, tokens, mask, chunk: int) -> dict:
           "t0_top1": top1 / max(count, 1), "t1_one_minus_tv": overlap / max(count, 1)}
 
 
+@functools.partial(jax.jit, static_argnames=("t_def", "d_def", "depth"))
+def _eagle_agreement(t_state, d_state, tokens, mask, *, t_def, d_def, depth):
+  """Teacher-forced sums per unrolled depth: top-1 agreement, sum_v min(p, q), count (see eagle_agreement)."""
+  target, drafter = nnx.merge(t_def, t_state), nnx.merge(d_def, d_state)
+  b, w = tokens.shape
+  pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+  t_logits, features, _ = target(tokens, pos, target.init_cache(b, w), return_features=True)
+  # Entry p reads (f_p, x_{p+1}) and predicts x_{p+2}: compare with the target's logits at p+1.
+  per_depth = drafter.unrolled_logits(tokens[:, 1:-1], features[:, :-2], depth)
+  t_next = t_logits[:, 1:-1]
+  t_top = jnp.argmax(t_next, -1)
+  t_p = jax.nn.softmax(t_next, -1)
+  p = jnp.arange(w - 2)[None, :]
+  out = []
+  for j, q_logits in enumerate(per_depth):
+    q = jax.nn.softmax(drafter.full_logits(q_logits), -1)
+    m = (mask[:, 1:-1] & (p >= j)).astype(jnp.float32)
+    top1 = jnp.argmax(q, -1) == t_top
+    out.append((jnp.sum(top1 * m), jnp.sum(jnp.sum(jnp.minimum(t_p, q), -1) * m), jnp.sum(m)))
+  return out
+
+
+def eagle_agreement(target, drafter, tokens, mask, chunk: int, depth: int) -> dict:
+  """Teacher-forced agreement of the EAGLE head at each unrolled depth over masked positions.
+
+  `mask[:, p]` marks positions p whose next token is scored (as for `acceptance`);
+  the head at entry p-1 predicts token p+1, so depth j is scored where position
+  p's mask is set and p - 1 >= j (it has j earlier entries to unroll on).
+  """
+  t_def, t_state = nnx.split(target)
+  d_def, d_state = nnx.split(drafter)
+  n = tokens.shape[0]
+  pad = -n % chunk
+  tokens = np.concatenate([tokens, np.zeros((pad, tokens.shape[1]), np.int32)])
+  mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), bool)])
+  sums = np.zeros((depth, 3))
+  for i in range(0, len(tokens), chunk):
+    res = _eagle_agreement(t_state, d_state, jnp.asarray(tokens[i:i + chunk]), jnp.asarray(mask[i:i + chunk]),
+                           t_def=t_def, d_def=d_def, depth=depth)
+    sums += np.asarray([[float(x) for x in d] for d in res])
+  count = np.maximum(sums[:, 2], 1)
+  return {"sequences": n, "positions": int(sums[0, 2]), "window": int(tokens.shape[1]),
+          "t0_top1_by_depth": (sums[:, 0] / count).round(4).tolist(),
+          "t1_one_minus_tv_by_depth": (sums[:, 1] / count).round(4).tolist()}
+
+
+def _eagle_round_fn(graphdef, k: int, p0: int, span: int, all_greedy: bool, with_probs: bool):
+  """Loop body: one EAGLE draft phase (catch-up of K+1 entries, then K-1 steps), as the loop runs it."""
+
+  def step(i, carry, state, feats, params, key0):
+    cache, token = carry
+    b = token.shape[0]
+    drafter = nnx.merge(graphdef, state)
+    base = p0 + i % span
+    pos = jnp.broadcast_to(base + jnp.arange(k + 1, dtype=jnp.int32), (b, k + 1))
+    nxt = jnp.broadcast_to(token[:, None], (b, k + 1))
+    logits, hidden, cache = drafter(nxt, drafter.fuse(feats), pos, cache, logits_at=jnp.full((b,), k, jnp.int32))
+    h = hidden[:, k:k + 1]
+    total = jnp.zeros((b,), jnp.float32)
+    for j in range(k):
+      if j:
+        logits, h, cache = drafter(token[:, None], h, (base + k + j)[None, None] + jnp.zeros((b, 1), jnp.int32),
+                                   cache)
+      key = None if all_greedy else jax.random.fold_in(key0, i * k + j)
+      token, log_probs = sample_tokens(logits[:, 0], params, key, all_greedy=all_greedy)
+      if with_probs:  # the loop keeps exp(log_probs) [B, V] for the rejection sampler
+        total = total + jnp.sum(jnp.exp(log_probs), axis=-1)
+      token = token.astype(jnp.int32) + (total > 1e9).astype(jnp.int32)
+    return cache, token
+
+  return step
+
+
+def eagle_components(timer, drafter, *, b: int, k: int, mode: str, p: int, max_new_tokens: int) -> dict:
+  """The parts of one EAGLE round, each timed alone: draft phase, verification, sampler."""
+  s_plain = bd.loop_lengths(p, max_new_tokens, None)
+  s_spec = bd.loop_lengths(p, max_new_tokens, k)
+  all_greedy = mode == "greedy"
+
+  def run():
+    graphdef, state = nnx.split(drafter)
+    params, key, _ = bd.mode_setup(mode, b, timer.seed)
+    key = jax.random.key(timer.seed) if key is None else key
+    feats = jnp.ones((b, k + 1, drafter.config.feature_size), drafter.config.layers.dtype)
+    step = _eagle_round_fn(graphdef, k, p, max(s_spec - p - 2 * k - 2, 1), all_greedy, not all_greedy)
+    carry = (drafter.init_cache(b, s_spec), jnp.full((b,), 7, jnp.int32))
+    return timer._time_loop(step, carry, (state, feats, params, key))
+
+  t_draft_round = timer._memo(("eagle", b, k, mode), run)["per_iter_s"]
+  t_target = timer.model_step("target", b, 1, s_plain, p, mode)["per_iter_s"]
+  t_verify = timer.model_step("target", b, k + 1, s_spec, p, mode)["per_iter_s"]
+  t_sampler = timer.sampler(b, k, mode, with_probs=True)["per_iter_s"]
+  t_round = t_draft_round + t_verify + t_sampler
+  return {"t_target_step_s": t_target, "t_draft_step_s": t_draft_round / k, "t_draft_round_s": t_draft_round,
+          "t_verify_s": t_verify, "t_sampler_s": t_sampler, "t_round_s": t_round,
+          "cache_len_plain": s_plain, "cache_len_spec": s_spec}
+
+
 def expected_round_tokens(a: float, k: int) -> float:
   """Tokens per round with i.i.d. per-token acceptance a: 1 + a + ... + a^K."""
   return float(sum(a ** i for i in range(k + 1)))
@@ -251,11 +350,13 @@ def parse_args(argv=None):
   p.add_argument("--batch-sizes", type=ints, help="comma list from {1, 8} (default 1,8; quick 1)")
   p.add_argument("--ks", type=ints, help="comma list of K (default 2,4,6; quick 2)")
   p.add_argument("--modes", type=strs, default=MODES, help="comma list of: greedy, t1 (default both)")
-  p.add_argument("--drafters", type=strs, default=DRAFTERS, help="comma list of: model, lookup (default both)")
+  p.add_argument("--drafters", type=strs, default=DRAFTERS, help="comma list of: eagle, model, lookup (default all)")
   p.add_argument("--max-new-tokens", type=int, help="default 128; quick 16")
   p.add_argument("--b1-prompts", type=int, help="prompts run one after another at B=1 (default 4; quick 1)")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
   p.add_argument("--draft-path", help="draft .safetensors (default: the shipped specdec_jax/weights/...)")
+  p.add_argument("--eagle-path", help="EAGLE head .safetensors (default: the shipped specdec_jax/weights/...)")
+  p.add_argument("--eagle-depth", type=int, default=6, help="unrolled depths of the EAGLE agreement section")
   p.add_argument("--repeats", type=int, default=3, help="timed generation calls per config (median; default 3)")
   p.add_argument("--target-ms", type=float, help="length of one component timing loop (default 50; quick 20)")
   p.add_argument("--component-repeats", type=int, help="component timing loops (median; default 5; quick 3)")
@@ -355,6 +456,32 @@ def plot_tokens(rows, plains, path, title):
   return path
 
 
+def _ensure_continuations(continuations, args, tokenizer, prompts, pad, target, n, eos):
+  """The target's continuations of the held-out prompts per mode, made here if generation was skipped."""
+  if continuations:
+    return
+  b = 8 if not args.quick else 1
+  names = list(B8_ORDER[:b])
+  toks, lens = encode(tokenizer, [prompts[x] for x in names], pad_to=pad)
+  for mode in args.modes:
+    params, key, all_greedy = bd.mode_setup(mode, b, args.seed)
+    out = generate(target, jnp.asarray(toks), jnp.asarray(lens), params, key, max_new_tokens=n,
+                   eos_token_id=eos, all_greedy=all_greedy)
+    continuations[mode] = (toks, lens, [out])
+
+
+def _eagle_meta(path):
+  """The training record saved next to the EAGLE head (its .json), without the loss history."""
+  path = path or smollm2.EAGLE_WEIGHTS_PATH
+  try:
+    with open(os.path.splitext(path)[0] + ".json") as f:
+      meta = json.load(f)
+  except (OSError, ValueError):
+    return None
+  meta.pop("history", None)
+  return meta
+
+
 def main(argv=None):
   # (No bd.fast_cpu_compiles here: unoptimised CPU code runs the real model ~6x slower.)
   args = parse_args(argv)
@@ -374,7 +501,14 @@ def main(argv=None):
     except FileNotFoundError as e:
       draft_note = f"no trained draft, model-drafter rows and the acceptance section skipped: {e}"
       print(draft_note)
-  drafters = [d for d in args.drafters if d != "model" or draft is not None]
+  eagle, eagle_note = None, None
+  if "eagle" in args.drafters:
+    try:
+      eagle = load_smollm2_eagle(dtype, path=args.eagle_path)
+    except FileNotFoundError as e:
+      eagle_note = f"no EAGLE head, its rows skipped: {e}"
+      print(eagle_note)
+  drafters = [d for d in args.drafters if (d != "model" or draft is not None) and (d != "eagle" or eagle)]
   print(f"loaded SmolLM2 ({args.dtype})" + (f" and draft L={draft.config.num_layers}" if draft else "")
         + f" in {time.perf_counter() - t0:.1f}s")
   lookup = PromptLookupDrafter(bd.LOOKUP_NGRAMS)
@@ -399,6 +533,7 @@ def main(argv=None):
   timer = bd.ComponentTimer(target, draft, target_s=args.target_ms / 1e3, repeats=args.component_repeats,
                             seed=args.seed)
   report = {"info": info, "config": vars(args), "prompt_len_padded": pad, "draft_note": draft_note,
+            "eagle_note": eagle_note, "eagle_meta": _eagle_meta(args.eagle_path) if eagle else None,
             "prompts": prompts, "batches": {b: v["names"] for b, v in batches.items()},
             "plain": [], "results": [], "acceptance": {}, "errors": []}
   json_path = os.path.join(args.out, "smollm2.json")
@@ -448,7 +583,7 @@ def main(argv=None):
         for k in args.ks:
           for dname in drafters:
             bar.set_postfix_str(f"B={b} {mode} K={k} {dname}")
-            drafter = draft if dname == "model" else lookup
+            drafter = {"model": draft, "lookup": lookup, "eagle": eagle}[dname]
             if budget.over(f"B={b} K={k} {mode} {dname}"):
               bar.update(1)
               continue
@@ -475,8 +610,11 @@ def main(argv=None):
                   s = bd.loop_lengths(pad, n, k)
                   buf = jnp.zeros((t.shape[0], s), jnp.int32).at[:, :pad].set(t)
                   buf = buf.at[:, pad:pad + n].set(jnp.maximum(outs[0].tokens, 0))
-                comp = timer.round(b=b, k=k, mode=mode, drafter="model" if dname == "model" else lookup,
-                                   p=pad, max_new_tokens=n, buf=buf)
+                if dname == "eagle":
+                  comp = eagle_components(timer, eagle, b=b, k=k, mode=mode, p=pad, max_new_tokens=n)
+                else:
+                  comp = timer.round(b=b, k=k, mode=mode, drafter="model" if dname == "model" else lookup,
+                                     p=pad, max_new_tokens=n, buf=buf)
                 row.update(comp)
                 bd.predict(row, comp, plain)
               except Exception as e:  # noqa: BLE001
@@ -493,18 +631,30 @@ def main(argv=None):
     bar.close()
     save()
 
+  if not args.skip_acceptance and eagle is not None and not budget.over("eagle agreement"):
+    print("EAGLE head: teacher-forced agreement by unrolled depth ...")
+    try:
+      _ensure_continuations(continuations, args, tokenizer, prompts, pad, target, n, eos)
+      chunk = 2 if args.quick else 4
+      for mode, (toks, lens, outs) in continuations.items():
+        c_tokens, c_mask = continuation_windows(toks, lens, outs)
+        report["eagle_agreement"] = report.get("eagle_agreement", {})
+        report["eagle_agreement"][f"target {'greedy' if mode == 'greedy' else 'T=1'} continuations"] = (
+            eagle_agreement(target, eagle, c_tokens, c_mask, chunk, args.eagle_depth))
+      w_tokens, w_mask = stdlib_windows(tokenizer, args.acc_window, args.acc_per_file,
+                                        ACCEPTANCE_FILES[:2] if args.quick else ACCEPTANCE_FILES)
+      report["eagle_agreement"]["stdlib source"] = eagle_agreement(target, eagle, w_tokens, w_mask, chunk,
+                                                                   args.eagle_depth)
+      for src, a in report["eagle_agreement"].items():
+        print(f"  {src:<32} top1 by depth {a['t0_top1_by_depth']}  1-TV {a['t1_one_minus_tv_by_depth']}")
+    except Exception as e:  # noqa: BLE001
+      error("eagle agreement", e)
+    save()
+
   if not args.skip_acceptance and draft is not None and not budget.over("acceptance"):
     print("acceptance on held-out text (teacher forced) ...")
     try:
-      if not continuations:  # generation skipped: make the target's continuations here
-        b = 8 if not args.quick else 1
-        names = list(B8_ORDER[:b])
-        toks, lens = encode(tokenizer, [prompts[x] for x in names], pad_to=pad)
-        for mode in args.modes:
-          params, key, all_greedy = bd.mode_setup(mode, b, args.seed)
-          out = generate(target, jnp.asarray(toks), jnp.asarray(lens), params, key, max_new_tokens=n,
-                         eos_token_id=eos, all_greedy=all_greedy)
-          continuations[mode] = (toks, lens, [out])
+      _ensure_continuations(continuations, args, tokenizer, prompts, pad, target, n, eos)
       chunk = 2 if args.quick else 4
       w_tokens, w_mask = stdlib_windows(tokenizer, args.acc_window, args.acc_per_file,
                                         ACCEPTANCE_FILES[:2] if args.quick else ACCEPTANCE_FILES)

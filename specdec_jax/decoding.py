@@ -13,20 +13,26 @@ One speculative round for a row with context length L whose last token is t
 
     slot:         L-2    L-1    L      L+1   ...  L+K-1
     buffer:       u      t      .      .          .
-    draft call 0: [u     t]  -> d1               (T=2: re-feeds u, see below)
-    draft call i:               [d_i] -> d_{i+1}  (T=1, i = 1 .. K-1)
+    draft:        proposes d1 .. dK (how depends on the kind of draft, below)
     target:              [t     d1     d2    ...  dK]  -> K+1 distributions (T=K+1)
-    rejection:           accepts d1..dn, then one recovered/bonus token
+    rejection:           accepts d1..dn, then one recovered/bonus token x
     buffer after:        t      d1 ... dn    x          (L += n + 1)
 
-Draft-cache bookkeeping: the draft must have processed every accepted token
-before it proposes again. Its K calls process u, t, d1 .. d_{K-1} but never dK,
-so after a round that accepts all K drafts (plus the bonus) the draft is missing
-slot L'-2 of the next round. Every round therefore starts by feeding the draft
-the last TWO tokens [u, t] at [L-2, L-1]: when the previous round accepted all
-drafts this fills the hole, otherwise it rewrites slot L-2 with the token that
-is already there. The first call is the same shape for every row (no per-row
-branch), and `prompt_lengths >= 1` makes L >= 2 from the first round on.
+Three kinds of draft share the loop (`_ModelDraft`, `_LookupDraft`, `_FeatureDraft`):
+
+* A draft model must have processed every accepted token before it proposes
+  again. Its K calls process u, t, d1 .. d_{K-1} but never dK, so after a round
+  that accepts all K drafts the draft is missing slot L'-2 of the next round.
+  Every round therefore starts by feeding it the last TWO tokens [u, t] at
+  [L-2, L-1]: after a fully accepted round this fills the hole, otherwise it
+  rewrites slot L-2 with what is already there (`prompt_lengths >= 1` makes
+  L >= 2 from the first round on).
+* Prompt lookup reads the token buffer and keeps no state.
+* A feature drafter (EAGLE) reads the target's features. The verification pass
+  returns them for t, d1 .. dK; the next round first *catches up* on the n+1
+  verified tokens (entries (f_p, x_{p+1}) at p = L_prev-1 .. L-2, one call of
+  K+1 entries, the rest junk), which also yields d1; then it drafts d2 .. dK
+  from its own hiddens (see `specdec_jax.models.eagle`).
 
 Nothing is donated: the caches, the token buffer and the statistics are born
 inside the program (XLA updates the while-loop carry in place), and every
@@ -42,13 +48,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.models.adapter import ModelDef, merge_model, split_model
 from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec_jax.sampling import SamplingParams, check_params, row_keys, sample_tokens
 
 __all__ = ["DecodeStats", "GenerateOutput", "generate", "speculative_generate"]
+
+_INT32_MAX = np.iinfo(np.int32).max
 
 
 # ----------------------------------------------------------------------------
@@ -70,21 +78,49 @@ class DecodeStats:
       pass's own token, so `lengths == accepted + target_calls` always holds.
     accepted_per_position: int32[K] accepted drafts at draft position i, summed
       over rows and rounds (shape [0] for `generate`).
+    usable_drafted: int32[B] drafts that could have been emitted: per round
+      min(K, tokens the row could still emit - 1), and in a round cut short by
+      EOS or the limit only the drafts before the cut. A run whose drafts are
+      all right has `accepted == usable_drafted`, however short it is.
+    reached_per_position: int32[K] rounds (summed over rows) that reached draft
+      position i with room to emit it: drafts 0..i-1 were accepted, and the
+      round was not cut before i.
 
   Example:
-    >>> out.stats.acceptance_rate, out.stats.mean_accepted_length
+    >>> out.stats.mean_accepted_length, out.stats.acceptance_per_position
   """
 
   target_calls: jax.Array  # [B]
   drafted: jax.Array  # [B]
   accepted: jax.Array  # [B]
   accepted_per_position: jax.Array  # [K]
+  usable_drafted: jax.Array  # [B]
+  reached_per_position: jax.Array  # [K]
 
   @property
   def acceptance_rate(self) -> jax.Array:
-    """sum(accepted) / sum(drafted), a scalar (0 when nothing was drafted)."""
+    """sum(accepted) / sum(drafted), a scalar (0 when nothing was drafted).
+
+    Drafts past a row's end count as proposed and not accepted, so short runs
+    read low; `usable_acceptance_rate` does not.
+    """
     drafted = jnp.sum(self.drafted)
     return jnp.sum(self.accepted) / jnp.maximum(drafted, 1)
+
+  @property
+  def usable_acceptance_rate(self) -> jax.Array:
+    """sum(accepted) / sum(usable_drafted), a scalar: acceptance over drafts that could have been emitted."""
+    return jnp.sum(self.accepted) / jnp.maximum(jnp.sum(self.usable_drafted), 1)
+
+  @property
+  def acceptance_per_position(self) -> jax.Array:
+    """float32[K]: at draft position i, accepted / reached (0 where never reached).
+
+    The conditional acceptance the field reports per position: of the rounds
+    whose drafts 0..i-1 were all accepted, the fraction that accepted draft i.
+    """
+    reached = self.reached_per_position
+    return jnp.where(reached > 0, self.accepted_per_position / jnp.maximum(reached, 1), 0.0).astype(jnp.float32)
 
   @property
   def mean_accepted_length(self) -> jax.Array:
@@ -110,106 +146,68 @@ class GenerateOutput:
   stats: DecodeStats
 
 
-# ----------------------------------------------------------------------------
-# Models through jit
-# ----------------------------------------------------------------------------
-
-
-_VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), np.dtype)
-
-
-class _Static:
-  """Wraps a non-array object so it can ride in a jit's static arguments.
-
-  Plain values (numbers, strings, dtypes, tuples of them) compare by type and
-  value, so an equal value reuses the compiled program. Anything else compares
-  by identity: a user's own `__eq__` may ignore the weights the program bakes
-  in. The jit cache keeps the object alive, so its id cannot be reused.
-  """
-
-  __slots__ = ("obj", "key")
-
-  def __init__(self, obj):
-    self.obj = obj
-    self.key = (type(obj), obj) if _is_plain_value(obj) else None
-
-  def __hash__(self):
-    return id(self.obj) if self.key is None else hash(self.key)
-
-  def __eq__(self, other):
-    if not isinstance(other, _Static):
-      return False
-    if self.key is None or other.key is None:
-      return self.obj is other.obj
-    return self.key == other.key
-
-
-def _is_plain_value(obj) -> bool:
-  if isinstance(obj, tuple):
-    return all(_is_plain_value(x) for x in obj)
-  return isinstance(obj, _VALUE_TYPES)
-
-
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _ModelDef:
-  """The static half of a model: how to rebuild it inside jit from its arrays.
+class LoopState:
+  """The carry of both decoding loops.
 
-  kind "nnx": structure is the nnx GraphDef (arrays = its State);
-  kind "pytree": structure is (treedef, its non-array leaves as `_Static`);
-  kind "closed": structure is the model as `_Static` (no arrays), for models
-  that are not pytrees (or hold no arrays): the program closes over them.
+  Attributes:
+    tokens: int32[B, S] every row's context (prompt, then generated tokens);
+      slots at or past `length` hold junk or -1.
+    length: int32[B] context length L (prompt plus generated tokens).
+    done: bool[B] the row has ended (EOS or max_new_tokens).
+    target_cache: the target's cache (opaque).
+    draft: the draft's own carry (None for `generate` and prompt lookup).
+    stats: DecodeStats so far.
   """
 
-  kind: str
-  structure: Any
+  tokens: jax.Array
+  length: jax.Array
+  done: jax.Array
+  target_cache: Any
+  draft: Any
+  stats: DecodeStats
 
 
-def _split_model(model, name: str) -> tuple[_ModelDef, Any]:
-  """Splits a model into (static definition, arrays passed through jit)."""
-  if not (hasattr(model, "init_cache") and callable(model)):
-    raise TypeError(f"{name} must follow the model protocol: init_cache(batch_size, max_length) and "
-                    f"__call__(tokens, positions, cache) -> (logits, cache); got {type(model).__name__}")
-  if isinstance(model, nnx.Module):
-    # One graph traversal per call, outside jit; the program merges it back.
-    graphdef, state = nnx.split(model)
-    return _ModelDef("nnx", graphdef), state
-  leaves, treedef = jax.tree_util.tree_flatten(model)
-  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
-  if not any(is_array):
-    return _ModelDef("closed", _Static(model)), None
-  static = tuple(None if a else _Static(x) for x, a in zip(leaves, is_array))
-  arrays = [x for x, a in zip(leaves, is_array) if a]
-  return _ModelDef("pytree", (treedef, static)), arrays
+# ----------------------------------------------------------------------------
+# Models inside the program
+# ----------------------------------------------------------------------------
 
 
-def _merge_model(model_def: _ModelDef, arrays):
-  """Inverse of `_split_model`, called inside the jitted program."""
-  if model_def.kind == "nnx":
-    return nnx.merge(model_def.structure, arrays)
-  if model_def.kind == "closed":
-    return model_def.structure.obj
-  treedef, static = model_def.structure
-  it = iter(arrays)
-  leaves = [next(it) if s is None else s.obj for s in static]
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+def _split(model, name: str, *, feature_drafter: bool = False) -> tuple[ModelDef, Any]:
+  if feature_drafter:
+    ok = all(hasattr(model, a) for a in ("init_cache", "fuse", "feature_layers")) and callable(model)
+    protocol = ("init_cache(batch_size, max_length), fuse(features), feature_layers and "
+                "__call__(tokens, hidden, positions, cache, *, logits_at) -> (logits, hidden, cache)")
+  else:
+    ok = hasattr(model, "init_cache") and callable(model)
+    protocol = "init_cache(batch_size, max_length) and __call__(tokens, positions, cache) -> (logits, cache)"
+  if not ok:
+    raise TypeError(f"{name} must follow the model protocol: {protocol}; got {type(model).__name__}")
+  return split_model(model)
 
 
-def _model_fns(model_def: _ModelDef, arrays, name: str, batch_size: int):
-  """(init_cache(max_length), apply(tokens, positions, cache)) for use inside jit.
+def _checked_logits(logits, tokens, name):
+  if logits.ndim != 3 or logits.shape[:2] != tokens.shape:
+    raise ValueError(f"{name} must return logits [B, T, V] = ({tokens.shape[0]}, {tokens.shape[1]}, V) "
+                     f"for tokens {tokens.shape}, got {logits.shape}")
+  return logits
+
+
+def _model_fns(model_def: ModelDef, arrays, name: str, batch_size: int):
+  """(init_cache(max_length), apply(tokens, positions, cache, **kw)) for use inside jit.
 
   `apply` merges the model at every call site (trace-time work only), so an NNX
   module is always created inside the trace that uses it (while/scan bodies).
   """
 
   def init_cache(max_length):
-    return _merge_model(model_def, arrays).init_cache(batch_size, max_length)
+    return merge_model(model_def, arrays).init_cache(batch_size, max_length)
 
-  def apply(tokens, positions, cache):
-    logits, cache = _merge_model(model_def, arrays)(tokens, positions, cache)
-    if logits.ndim != 3 or logits.shape[:2] != tokens.shape:
-      raise ValueError(f"{name} must return logits [B, T, V] = ({tokens.shape[0]}, {tokens.shape[1]}, V) "
-                       f"for tokens {tokens.shape}, got {logits.shape}")
-    return logits, cache
+  def apply(tokens, positions, cache, **kw):
+    out = merge_model(model_def, arrays)(tokens, positions, cache, **kw)
+    _checked_logits(out[0], tokens, name)
+    return out
 
   return init_cache, apply
 
@@ -219,15 +217,21 @@ def _model_fns(model_def: _ModelDef, arrays, name: str, batch_size: int):
 # ----------------------------------------------------------------------------
 
 
-def _check_inputs(where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy):
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_inputs(where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
+                  extra_slots=1):
   prompt_tokens = jnp.asarray(prompt_tokens)
   prompt_lengths = jnp.asarray(prompt_lengths)
   if prompt_tokens.ndim != 2 or not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
     raise ValueError(f"{where}: prompt_tokens must be an integer array [B, P], got {prompt_tokens.dtype} "
                      f"{prompt_tokens.shape}")
   b, p = prompt_tokens.shape
-  if p < 1:
-    raise ValueError(f"{where}: prompt_tokens must have P >= 1 columns, got shape {prompt_tokens.shape}")
+  if p < 1 or b < 1:
+    raise ValueError(f"{where}: prompt_tokens must have B >= 1 rows and P >= 1 columns, got shape "
+                     f"{prompt_tokens.shape}")
   if prompt_lengths.shape != (b,) or not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
     raise ValueError(f"{where}: prompt_lengths must be an integer array [B]=({b},), got {prompt_lengths.dtype} "
                      f"{prompt_lengths.shape}")
@@ -236,20 +240,42 @@ def _check_inputs(where, prompt_tokens, prompt_lengths, params, key, max_new_tok
     if np.any((pl < 1) | (pl > p)):
       raise ValueError(f"{where}: prompt_lengths must be in [1, P={p}], got {pl}")
   check_params(params, b, where)
-  if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"{where}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  # Positions are int32: the whole buffer (prompt, new tokens, draft headroom) must fit.
+  if p + int(max_new_tokens) + extra_slots > _INT32_MAX:
+    raise ValueError(f"{where}: max_new_tokens={max_new_tokens} is too large: P + max_new_tokens + "
+                     f"{extra_slots} must fit in int32 (< 2**31)")
   if key is None and not all_greedy:
     raise ValueError(f"{where}: key is required unless all_greedy=True")
   if eos_token_id is None:
     eos = ()
-  elif isinstance(eos_token_id, (int, np.integer)) and not isinstance(eos_token_id, bool):
-    eos = (int(eos_token_id),)
-  elif isinstance(eos_token_id, (tuple, list)) and all(
-      isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in eos_token_id):
-    eos = tuple(int(e) for e in eos_token_id)
+  elif _is_int(eos_token_id):
+    eos = (eos_token_id,)
+  elif isinstance(eos_token_id, (tuple, list)) and all(_is_int(e) for e in eos_token_id):
+    eos = tuple(eos_token_id)
   else:
     raise ValueError(f"{where}: eos_token_id must be None, an int or a tuple of ints, got {eos_token_id!r}")
-  return prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), int(max_new_tokens), eos
+  if any(not 0 <= e <= _INT32_MAX for e in eos):
+    raise ValueError(f"{where}: eos_token_id must be token ids in [0, V) (int32), got {eos_token_id!r}")
+  return prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), int(max_new_tokens), tuple(
+      int(e) for e in eos)
+
+
+def _check_context(where, models, p, max_new_tokens):
+  """Refuses a generation longer than a model's declared `max_length` (its context)."""
+  for name, model in models:
+    limit = getattr(model, "max_length", None)
+    if _is_int(limit) and p + max_new_tokens > limit:
+      raise ValueError(f"{where}: prompt_tokens width P={p} + max_new_tokens={max_new_tokens} = "
+                       f"{p + max_new_tokens} positions exceed {name}.max_length={limit} (the model's context); "
+                       f"lower max_new_tokens to at most {limit - p}")
+
+
+def _check_eos(eos, vocab_size, where):
+  """At trace time, once V is known from the logits."""
+  if any(e >= vocab_size for e in eos):
+    raise ValueError(f"{where}: eos_token_id must be token ids in [0, V={vocab_size}), got {eos}")
 
 
 # ----------------------------------------------------------------------------
@@ -273,50 +299,80 @@ def _position_keys(keys, positions):
   """
   if keys is None:
     return None
-  return jax.vmap(jax.random.fold_in)(keys, positions)
+  return jax.vmap(jax.random.fold_in)(keys, positions.astype(jnp.int32))
 
 
 def _gather_rows(x, idx):
-  """x[b, idx[b]] for x [B, S] and idx [B]."""
-  return jnp.take_along_axis(x, idx[:, None], axis=1)[:, 0]
+  """x[b, idx[b]] for x [B, S, ...] and idx [B]."""
+  idx = idx.astype(jnp.int32).reshape(idx.shape + (1,) * (x.ndim - 1))
+  return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-def _prefill(apply, cache, prompt_tokens, prompt_lengths):
-  """Feeds the padded prompt at positions arange(P); returns the logits at prompt_lengths - 1.
+def _arange(n):
+  return jnp.arange(n, dtype=jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+  """What both loops begin with: the state after the prefill and the first new token."""
+
+  state: LoopState
+  keys: jax.Array | None  # [B] one typed key per row, None for all-greedy programs
+  vocab_size: int
+  prefill_features: jax.Array | None  # [B, P, F] when the draft reads features
+
+
+def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,
+           all_greedy, with_features, where) -> _Start:
+  """Keys, the target's prefill, the first new token, the token buffer.
+
+  The prefill feeds the padded prompt at positions arange(P) and samples the
+  first new token from the logits at prompt_lengths - 1:
 
       slot:   0    1    2    3    4          row b with P_b = 3, P = 5
       tokens: p0   p1   p2   0    0          padding writes junk slots 3, 4,
                         ^ logits -> first new token; overwritten before read
   """
   b, p = prompt_tokens.shape
-  pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  keys = None if all_greedy else row_keys(key, b)
+  # Under an outer jit prompt_lengths cannot be checked; clip them into [1, P].
+  prompt_lengths = jnp.clip(prompt_lengths, 1, p)
+  pos = jnp.broadcast_to(_arange(p), (b, p))
   # The caller's pad ids may lie outside the vocabulary: feed 0 instead.
   tokens = jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0)
-  logits, cache = apply(tokens, pos, cache)
-  last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-  return last, cache
+  out = t_apply(tokens, pos, t_init(max_length), **({"return_features": True} if with_features else {}))
+  logits, cache = out[0], out[-1]
+  _check_eos(eos, logits.shape[-1], where)
+  first, _ = sample_tokens(_gather_rows(logits, prompt_lengths - 1), params, _position_keys(keys, prompt_lengths),
+                           all_greedy=all_greedy)
 
-
-def _init_state(prompt_tokens, prompt_lengths, first_token, max_new_tokens, eos, max_length):
-  """Token buffer [B, max_length] with the prompt and the first new token; lengths; done."""
-  b, p = prompt_tokens.shape
-  slot = jnp.arange(max_length)[None, :]
+  slot = _arange(max_length)[None, :]
   padded = jnp.pad(prompt_tokens, ((0, 0), (0, max_length - p)))
   buf = jnp.where(slot < prompt_lengths[:, None], padded, PLACEHOLDER_TOKEN_ID)
-  buf = jnp.where(slot == prompt_lengths[:, None], first_token[:, None], buf).astype(jnp.int32)
-  length = prompt_lengths + 1  # context length: prompt plus generated tokens
-  done = _is_eos(first_token, eos) | (max_new_tokens <= 1)
-  return buf, length, done
+  buf = jnp.where(slot == prompt_lengths[:, None], first[:, None], buf).astype(jnp.int32)
+  zeros = jnp.zeros((b,), jnp.int32)
+  state = LoopState(tokens=buf, length=prompt_lengths + 1, done=_is_eos(first, eos) | (max_new_tokens <= 1),
+                    target_cache=cache, draft=None,
+                    stats=DecodeStats(target_calls=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros,
+                                      accepted_per_position=jnp.zeros((0,), jnp.int32), usable_drafted=zeros,
+                                      reached_per_position=jnp.zeros((0,), jnp.int32)))
+  return _Start(state=state, keys=keys, vocab_size=logits.shape[-1],
+                prefill_features=out[1] if with_features else None)
 
 
-def _outputs(buf, length, prompt_lengths, max_new_tokens, stats):
+def _outputs(state: LoopState, prompt_lengths, max_new_tokens):
   """Cuts the generated tokens out of the buffer; -1 after each row's end."""
-  s = buf.shape[1]
-  i = jnp.arange(max_new_tokens)[None, :]
+  buf, s = state.tokens, state.tokens.shape[1]
+  prompt_lengths = jnp.clip(prompt_lengths, 1, buf.shape[1])
+  i = _arange(max_new_tokens)[None, :]
   gen = jnp.take_along_axis(buf, jnp.minimum(prompt_lengths[:, None] + i, s - 1), axis=1)
-  lengths = length - prompt_lengths
+  lengths = (state.length - prompt_lengths).astype(jnp.int32)
   tokens = jnp.where(i < lengths[:, None], gen, PLACEHOLDER_TOKEN_ID).astype(jnp.int32)
-  return GenerateOutput(tokens=tokens, lengths=lengths.astype(jnp.int32), stats=stats)
+  return GenerateOutput(tokens=tokens, lengths=lengths, stats=state.stats)
+
+
+def _run(body, state: LoopState) -> LoopState:
+  return jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
 
 
 # ----------------------------------------------------------------------------
@@ -330,25 +386,33 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
 
   Args:
     target: a model: `init_cache(batch_size, max_length)` and
-      `__call__(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache)`.
-      An NNX module is split once per call and merged inside the program (new
-      weights of the same structure do not recompile); another pytree passes
-      its arrays through jit; any other object is closed over as a constant
-      (a new object compiles anew, and the compiled program keeps it alive).
+      `__call__(tokens [B, T], positions [B, T], cache) -> (logits [B, T, V], cache)`,
+      optionally a `max_length` attribute (its context; longer generations are
+      refused). An NNX module is split once per call and merged inside the
+      program (new weights of the same structure do not recompile); another
+      pytree passes its arrays through jit; any other object is closed over as
+      a constant (a new object compiles anew, and the compiled program keeps it
+      alive).
     prompt_tokens: int[B, P] right-padded prompts.
-    prompt_lengths: int[B] in [1, P].
+    prompt_lengths: int[B] in [1, P] (checked when concrete; under an outer
+      jit, values outside are clipped into [1, P]).
     params: SamplingParams of batch B (temperature 0 = greedy).
     key: one PRNG key (row b uses fold_in(key, b)) or a batch of B keys (row b
       uses key[b]); typed or raw uint32. May be None with all_greedy=True.
-    max_new_tokens: static int >= 1.
-    eos_token_id: None, an int or a tuple of ints (static). A row ends after
-      emitting one (included).
+    max_new_tokens: static int >= 1; P + max_new_tokens must not exceed the
+      target's `max_length`, if it has one.
+    eos_token_id: None, an int or a tuple of ints in [0, V) (static). A row ends
+      after emitting one (included).
     all_greedy: static promise that every row is greedy (argmax-only program).
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens] with -1 after each row's end,
     lengths int32[B], stats) where stats.target_calls == lengths and nothing is
-    drafted (accepted_per_position has shape [0]).
+    drafted (the per-position counts have shape [0]).
+
+  Raises:
+    ValueError: on shapes, dtypes, out-of-range values, or a generation longer
+      than the target's `max_length`.
 
   Example:
     >>> out = generate(model, prompts, prompt_lengths, SamplingParams.create([0.0, 0.8]),
@@ -358,7 +422,8 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
   where = "generate"
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
       where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy)
-  target_def, target_arrays = _split_model(target, "target")
+  _check_context(where, [("target", target)], prompt_tokens.shape[1], max_new_tokens)
+  target_def, target_arrays = _split(target, "target")
   return _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, None if all_greedy else key,
                        target_def=target_def, max_new_tokens=max_new_tokens, eos=eos, all_greedy=bool(all_greedy))
 
@@ -368,33 +433,178 @@ def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, 
                   all_greedy):
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
-  init_cache, apply = _model_fns(target_def, target_arrays, "target", b)
-  keys = None if all_greedy else row_keys(key, b)
-  rows = jnp.arange(b)
+  t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
+  start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
+                 eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=False, where="generate")
+  prompt_lengths = jnp.clip(prompt_lengths, 1, p)
+  rows = _arange(b)
 
-  logits, cache = _prefill(apply, init_cache(max_length), prompt_tokens, prompt_lengths)
-  first, _ = sample_tokens(logits, params, _position_keys(keys, prompt_lengths), all_greedy=all_greedy)
-  buf, length, done = _init_state(prompt_tokens, prompt_lengths, first, max_new_tokens, eos, max_length)
-
-  def body(state):
-    buf, length, done, cache = state
+  def body(s: LoopState) -> LoopState:
     # Each row feeds its last token at its own position: rows advance independently.
-    last = _gather_rows(buf, length - 1)
-    logits, cache = apply(last[:, None], (length - 1)[:, None], cache)
-    token, _ = sample_tokens(logits[:, 0], params, _position_keys(keys, length), all_greedy=all_greedy)
-    live = ~done
+    last = _gather_rows(s.tokens, s.length - 1)
+    logits, cache = t_apply(last[:, None], (s.length - 1)[:, None], s.target_cache)
+    token, _ = sample_tokens(logits[:, 0], params, _position_keys(start.keys, s.length), all_greedy=all_greedy)
+    live = ~s.done
     # Finished rows write nowhere (index max_length is dropped) and stay put.
-    buf = buf.at[rows, jnp.where(live, length, max_length)].set(token, mode="drop")
-    length = length + live
-    done = done | (live & (_is_eos(token, eos) | (length - prompt_lengths >= max_new_tokens)))
-    return buf, length, done, cache
+    buf = s.tokens.at[rows, jnp.where(live, s.length, max_length)].set(token, mode="drop")
+    length = s.length + live
+    done = s.done | (live & (_is_eos(token, eos) | (length - prompt_lengths >= max_new_tokens)))
+    stats = dataclasses.replace(s.stats, target_calls=s.stats.target_calls + live)
+    return dataclasses.replace(s, tokens=buf, length=length, done=done, target_cache=cache, stats=stats)
 
-  buf, length, done, cache = jax.lax.while_loop(lambda s: jnp.any(~s[2]), body, (buf, length, done, cache))
-  lengths = (length - prompt_lengths).astype(jnp.int32)
-  zeros = jnp.zeros((b,), jnp.int32)
-  stats = DecodeStats(target_calls=lengths, drafted=zeros, accepted=zeros,
-                      accepted_per_position=jnp.zeros((0,), jnp.int32))
-  return _outputs(buf, length, prompt_lengths, max_new_tokens, stats)
+  return _outputs(_run(body, start.state), prompt_lengths, max_new_tokens)
+
+
+# ----------------------------------------------------------------------------
+# The three kinds of draft, as the speculative loop sees them
+# ----------------------------------------------------------------------------
+
+
+class _LookupDraft:
+  """Prompt lookup: proposals from the token buffer, no state, no probabilities."""
+
+  needs_features = False
+
+  def __init__(self, drafter: PromptLookupDrafter, k: int):
+    self.drafter, self.k = drafter, k
+
+  def start(self, start: _Start, prompt_tokens, max_length):
+    return None
+
+  def propose(self, carry, s: LoopState, draft_keys, sample):
+    return self.drafter.propose(s.tokens, s.length, self.k), None, carry
+
+  def observe(self, carry, features, kept):
+    return carry
+
+
+class _ModelDraft:
+  """A draft model: its own cache, fed [u, t] then its own K-1 tokens each round."""
+
+  needs_features = False
+
+  def __init__(self, init, apply, k: int):
+    self.init, self.apply, self.k = init, apply, k
+
+  def start(self, start: _Start, prompt_tokens, max_length):
+    b, p = prompt_tokens.shape
+    pos = jnp.broadcast_to(_arange(p), (b, p))
+    plen = start.state.length - 1
+    tokens = jnp.where(pos < plen[:, None], prompt_tokens, 0)
+    logits, cache = self.apply(tokens, pos, self.init(max_length))
+    _check_vocab(logits.shape[-1], start.vocab_size)
+    return cache
+
+  def propose(self, cache, s: LoopState, draft_keys, sample):
+    length = s.length
+    # Call 0 feeds [u, t] at [L-2, L-1] (module docstring: fills the slot of dK
+    # after a fully accepted round; otherwise rewrites an identical slot).
+    two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
+    logits, cache = self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
+    first, q_first = sample(logits[:, -1], 0)
+
+    def step(cache, token, i):
+      logits, cache = self.apply(token[:, None], (length - 1 + i)[:, None], cache)
+      return cache, logits[:, 0]
+
+    return _draft_chain(self.k, cache, first, q_first, step, sample)
+
+  def observe(self, carry, features, kept):
+    return carry
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _FeatureCarry:
+  cache: Any
+  features: jax.Array  # [B, K+1, F]: the target's features of the last verified tokens
+  fresh: jax.Array  # int32 [B]: how many of them were accepted (entries to catch up on)
+
+
+class _FeatureDraft:
+  """An EAGLE-style drafter: catches up on the target's features, then drafts from its own hiddens."""
+
+  needs_features = True
+
+  def __init__(self, model_def, arrays, b: int, k: int):
+    self.model_def, self.arrays, self.b, self.k = model_def, arrays, b, k
+
+  def _model(self):
+    return merge_model(self.model_def, self.arrays)
+
+  def _apply(self, tokens, hidden, positions, cache, logits_at=None):
+    logits, hidden, cache = self._model()(tokens, hidden, positions, cache, logits_at=logits_at)
+    return logits, hidden, cache
+
+  def start(self, start: _Start, prompt_tokens, max_length):
+    # Entries (f_p, x_{p+1}) for p = 0 .. P-1 from the prefill's features; the
+    # buffer already holds the first new token at x_{P_b}. The last real entry,
+    # p = P_b - 1, is redone by the first round's catch-up.
+    b, p = prompt_tokens.shape
+    model = self._model()
+    feats = start.prefill_features
+    if feats.shape[-1] != model.config.feature_size:
+      raise ValueError(f"speculative_generate: the target's features have width {feats.shape[-1]}, the drafter "
+                       f"reads {model.config.feature_size}")
+    pos = jnp.broadcast_to(_arange(p), (b, p))
+    nxt = jnp.maximum(start.state.tokens[:, 1:p + 1], 0)
+    logits, _, cache = self._apply(nxt, model.fuse(feats), pos, model.init_cache(self.b, max_length),
+                                   logits_at=jnp.zeros((b,), jnp.int32))
+    _check_vocab(logits.shape[-1], start.vocab_size)
+    last = _gather_rows(feats, start.state.length - 2)  # f at P_b - 1
+    pending = jnp.zeros((b, self.k + 1, feats.shape[-1]), feats.dtype).at[:, 0].set(last)
+    return _FeatureCarry(cache=cache, features=pending, fresh=jnp.ones((b,), jnp.int32))
+
+  def propose(self, carry: _FeatureCarry, s: LoopState, draft_keys, sample):
+    model = self._model()
+    length, k = s.length, self.k
+    # Catch-up: entries at base .. base+K, base = L-1-fresh; the first `fresh`
+    # are the verified tokens (f_p, x_{p+1}), the rest junk that later entries
+    # overwrite before anyone reads them. Entry fresh-1 (p = L-2) predicts d1.
+    base = length - 1 - carry.fresh
+    idx = base[:, None] + _arange(k + 1)[None, :]
+    nxt = jnp.maximum(jnp.take_along_axis(s.tokens, idx + 1, axis=1), 0)
+    logits, hidden, cache = self._apply(nxt, model.fuse(carry.features), idx, carry.cache,
+                                        logits_at=carry.fresh - 1)
+    first, q_first = sample(logits[:, 0], 0)
+    h = _gather_rows(hidden, carry.fresh - 1)
+
+    def step(state, token, i):
+      cache, h = state
+      logits, h, cache = self._apply(token[:, None], h[:, None], (length - 2 + i)[:, None], cache)
+      return (cache, h[:, 0]), logits[:, 0]
+
+    tokens, probs, (cache, _) = _draft_chain(k, (cache, h), first, q_first, step, sample)
+    return tokens, probs, dataclasses.replace(carry, cache=cache)
+
+  def observe(self, carry: _FeatureCarry, features, kept):
+    return dataclasses.replace(carry, features=features, fresh=jnp.maximum(kept, 1).astype(jnp.int32))
+
+
+def _draft_chain(k, carry, first, q_first, step, sample):
+  """d1 (given) then d2 .. dK by `step(carry, token, i) -> (carry, logits)`, sampled by `sample`.
+
+  Returns (tokens int32 [B, K], probs [B, K, V] or None, carry).
+  """
+  if k == 1:
+    return first[:, None], None if q_first is None else q_first[:, None], carry
+
+  def body(c, i):
+    carry, token = c
+    carry, logits = step(carry, token, i)
+    nxt, q = sample(logits, i)
+    return (carry, nxt), (nxt, q)
+
+  (carry, _), (ds, qs) = jax.lax.scan(body, (carry, first), _arange(k)[1:])
+  tokens = jnp.concatenate([first[:, None], ds.T], axis=1)
+  probs = None if q_first is None else jnp.concatenate([q_first[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+  return tokens, probs, carry
+
+
+def _check_vocab(draft_v, target_v):
+  if draft_v != target_v:
+    raise ValueError(f"speculative_generate: draft and target must share the vocabulary, got draft V={draft_v} "
+                     f"and target V={target_v}")
 
 
 # ----------------------------------------------------------------------------
@@ -415,147 +625,156 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
 
   Args:
     target: the model whose distribution is sampled (see `generate` for the
-      model protocol).
-    draft: a model with the same vocabulary (sampled with the same
-      SamplingParams; its probabilities go to the rejection sampler), or a
-      `PromptLookupDrafter` (no model, no draft probabilities).
+      model protocol). With a feature drafter it must also take
+      `return_features=True` and return (logits, features [B, T, F], cache).
+    draft: one of
+      - a model with the same vocabulary (sampled with the same SamplingParams;
+        its probabilities go to the rejection sampler);
+      - a `PromptLookupDrafter` (no model, no draft probabilities);
+      - a feature drafter such as `specdec_jax.models.EagleDrafter` (anything
+        with `fuse` and `feature_layers`), whose `feature_layers` must equal the
+        target's `config.feature_layers`.
     prompt_tokens: int[B, P] right-padded prompts.
-    prompt_lengths: int[B] in [1, P].
+    prompt_lengths: int[B] in [1, P] (clipped into it under an outer jit).
     params: SamplingParams of batch B.
     key: one PRNG key or a batch of B keys (row b depends only on its own key);
       may be None with all_greedy=True.
-    max_new_tokens: static int >= 1.
+    max_new_tokens: static int >= 1; P + max_new_tokens must not exceed the
+      `max_length` of the target or the draft model, where they declare one.
     num_speculative_tokens: K, static int >= 1: draft tokens per round.
-    eos_token_id: None, an int or a tuple of ints (static).
+    eos_token_id: None, an int or a tuple of ints in [0, V) (static).
     all_greedy: static promise that every row is greedy; reaches the draft's
       sampler and `rejection_sample`, so the program holds no softmax and no RNG.
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens], lengths int32[B], stats)
-    with stats.accepted_per_position of shape [K].
+    with stats.accepted_per_position and reached_per_position of shape [K].
+
+  Raises:
+    ValueError: on shapes, dtypes, out-of-range values, mismatched vocabularies
+      or feature layers, or a generation longer than a model's `max_length`.
 
   Example:
     >>> out = speculative_generate(target, draft, prompts, prompt_lengths, SamplingParams.greedy(B),
     ...                            None, max_new_tokens=64, num_speculative_tokens=4,
     ...                            eos_token_id=2, all_greedy=True)
-    >>> float(out.stats.acceptance_rate), float(out.stats.mean_accepted_length)
+    >>> float(out.stats.mean_accepted_length), out.stats.acceptance_per_position
   """
   where = "speculative_generate"
-  prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
-      where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy)
   k = num_speculative_tokens
-  if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+  if not _is_int(k) or k < 1:
     raise ValueError(f"{where}: num_speculative_tokens must be an int >= 1, got {k!r}")
-  target_def, target_arrays = _split_model(target, "target")
+  prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
+      where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
+      extra_slots=int(k) + 1)
+  feature_draft = hasattr(draft, "fuse") and hasattr(draft, "feature_layers")
+  checked = [("target", target)] + ([] if feature_draft or isinstance(draft, PromptLookupDrafter) else
+                                    [("draft", draft)])
+  _check_context(where, checked, prompt_tokens.shape[1], max_new_tokens)
+  target_def, target_arrays = _split(target, "target")
   if isinstance(draft, PromptLookupDrafter):
     draft_def, draft_arrays = draft, None
   else:
-    draft_def, draft_arrays = _split_model(draft, "draft")
+    if feature_draft:
+      target_layers = getattr(getattr(target, "config", None), "feature_layers", None)
+      if tuple(draft.feature_layers) != tuple(target_layers or ()):
+        raise ValueError(f"{where}: the drafter reads feature_layers {tuple(draft.feature_layers)}, but the "
+                         f"target's config.feature_layers are {target_layers}; build the target with the "
+                         f"drafter's feature_layers")
+    draft_def, draft_arrays = _split(draft, "draft", feature_drafter=feature_draft)
   return _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params,
                           None if all_greedy else key, target_def=target_def, draft_def=draft_def,
-                          num_speculative_tokens=int(k), max_new_tokens=max_new_tokens, eos=eos,
-                          all_greedy=bool(all_greedy))
+                          feature_draft=feature_draft, num_speculative_tokens=int(k), max_new_tokens=max_new_tokens,
+                          eos=eos, all_greedy=bool(all_greedy))
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "num_speculative_tokens", "max_new_tokens",
-                                             "eos", "all_greedy"))
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "feature_draft", "num_speculative_tokens",
+                                             "max_new_tokens", "eos", "all_greedy"))
 def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
-                     draft_def, num_speculative_tokens, max_new_tokens, eos, all_greedy):
+                     draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy):
   b, p = prompt_tokens.shape
   k = num_speculative_tokens
+  where = "speculative_generate"
   # Headroom: a live row writes slots up to L+K-1 <= P + max_new_tokens + K - 1.
   max_length = p + max_new_tokens + k + 1
-  rows = jnp.arange(b)
-  keys = None if all_greedy else row_keys(key, b)
-
+  rows = _arange(b)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
-  logits, t_cache = _prefill(t_apply, t_init(max_length), prompt_tokens, prompt_lengths)
-  vocab_size = logits.shape[-1]
-  first, _ = sample_tokens(logits, params, _position_keys(keys, prompt_lengths), all_greedy=all_greedy)
-  buf, length, done = _init_state(prompt_tokens, prompt_lengths, first, max_new_tokens, eos, max_length)
-
-  lookup = isinstance(draft_def, PromptLookupDrafter)
-  if lookup:
-    d_apply, d_cache = None, None
+  if isinstance(draft_def, PromptLookupDrafter):
+    drafter = _LookupDraft(draft_def, k)
+  elif feature_draft:
+    drafter = _FeatureDraft(draft_def, draft_arrays, b, k)
   else:
-    d_init, d_apply = _model_fns(draft_def, draft_arrays, "draft", b)
-    d_logits, d_cache = _prefill(d_apply, d_init(max_length), prompt_tokens, prompt_lengths)
-    if d_logits.shape[-1] != vocab_size:
-      raise ValueError(f"speculative_generate: draft and target must share the vocabulary, got draft V="
-                       f"{d_logits.shape[-1]} and target V={vocab_size}")
+    drafter = _ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k)
 
-  def sample_draft(logits, step_keys):
-    token, log_probs = sample_tokens(logits, params, step_keys, all_greedy=all_greedy)
-    # Greedy rejection ignores draft probabilities: do not build [B, K, V] for it.
-    return token, None if all_greedy else jnp.exp(log_probs)
+  start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
+                 eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=drafter.needs_features,
+                 where=where)
+  prompt_lengths = jnp.clip(prompt_lengths, 1, p)
+  zeros_k = jnp.zeros((k,), jnp.int32)
+  state = dataclasses.replace(
+      start.state, draft=drafter.start(start, prompt_tokens, max_length),
+      stats=dataclasses.replace(start.state.stats, accepted_per_position=zeros_k, reached_per_position=zeros_k))
 
-  def propose(buf, length, d_cache, draft_keys):
-    """K draft tokens [B, K] and their distributions [B, K, V] (or None)."""
-    if lookup:
-      return draft_def.propose(buf, length, k), None, d_cache
-    # Call 0 feeds [u, t] at [L-2, L-1] (module docstring: fills the slot of dK
-    # after a fully accepted round; otherwise rewrites an identical slot).
-    two = jnp.stack([_gather_rows(buf, length - 2), _gather_rows(buf, length - 1)], axis=1)
-    logits, d_cache = d_apply(two, jnp.stack([length - 2, length - 1], axis=1), d_cache)
-    d1, q1 = sample_draft(logits[:, -1], _position_keys(draft_keys, jnp.zeros_like(length)))
-    if k == 1:
-      return d1[:, None], None if q1 is None else q1[:, None], d_cache
-
-    def step(carry, i):
-      d_cache, token = carry
-      logits, d_cache = d_apply(token[:, None], (length - 1 + i)[:, None], d_cache)
-      nxt, q = sample_draft(logits[:, 0], _position_keys(draft_keys, jnp.full_like(length, i)))
-      return (d_cache, nxt), (nxt, q)
-
-    (d_cache, _), (ds, qs) = jax.lax.scan(step, (d_cache, d1), jnp.arange(1, k))
-    tokens = jnp.concatenate([d1[:, None], ds.T], axis=1)
-    probs = None if q1 is None else jnp.concatenate([q1[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-    return tokens, probs, d_cache
-
-  def body(state):
-    buf, length, done, t_cache, d_cache, stats = state
-    live = ~done
+  def body(s: LoopState) -> LoopState:
+    live = ~s.done
     if all_greedy:
       draft_keys = reject_keys = None
     else:
       # One fresh key per row and round (L grows every round), split in two.
-      round_keys = jax.vmap(jax.random.split)(_position_keys(keys, length))
+      round_keys = jax.vmap(jax.random.split)(_position_keys(start.keys, s.length))
       draft_keys, reject_keys = round_keys[:, 0], round_keys[:, 1]
 
-    draft_tokens, draft_probs, d_cache = propose(buf, length, d_cache, draft_keys)  # [B, K], [B, K, V]
-    last = _gather_rows(buf, length - 1)
+    def sample(logits, i):
+      """Draft token i (static or traced) from [B, V] logits, and its distribution (None if not needed)."""
+      token, log_probs = sample_tokens(logits, params, _position_keys(draft_keys, jnp.full((b,), i, jnp.int32)),
+                                       all_greedy=all_greedy)
+      # Greedy rejection ignores draft probabilities: do not build [B, K, V] for it.
+      return token, None if all_greedy else jnp.exp(log_probs)
+
+    draft_tokens, draft_probs, draft_carry = drafter.propose(s.draft, s, draft_keys, sample)  # [B, K], [B, K, V]
+    last = _gather_rows(s.tokens, s.length - 1)
     verify = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K+1]: t, d1 .. dK
-    target_logits, t_cache = t_apply(verify, (length - 1)[:, None] + jnp.arange(k + 1)[None, :], t_cache)
+    positions = (s.length - 1)[:, None] + _arange(k + 1)[None, :]
+    if drafter.needs_features:
+      target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True)
+    else:
+      (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
     out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
                            key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy)
 
     # Truncation inside the round: keep tokens up to the first EOS (included)
     # and up to max_new_tokens; finished rows keep nothing.
-    j = jnp.arange(k + 1)[None, :]
+    j = _arange(k + 1)[None, :]
     emitted = out.token_ids  # [B, K+1], -1 after num_emitted
     eos_hit = _is_eos(emitted, eos) & (j < out.num_emitted[:, None])
     first_eos = jnp.min(jnp.where(eos_hit, j, k + 1), axis=1)
-    room = max_new_tokens - (length - prompt_lengths)
+    room = max_new_tokens - (s.length - prompt_lengths)
     kept = jnp.minimum(jnp.minimum(out.num_emitted, room), first_eos + 1)
-    kept = jnp.where(live, kept, 0)
-    buf = buf.at[rows[:, None], jnp.where(j < kept[:, None], length[:, None] + j, max_length)].set(
+    kept = jnp.where(live, kept, 0).astype(jnp.int32)
+    buf = s.tokens.at[rows[:, None], jnp.where(j < kept[:, None], s.length[:, None] + j, max_length)].set(
         emitted, mode="drop")
-    length = length + kept
-    done = done | (live & ((first_eos < kept) | (length - prompt_lengths >= max_new_tokens)))
+    length = s.length + kept
+    done = s.done | (live & ((first_eos < kept) | (length - prompt_lengths >= max_new_tokens)))
+    stats = _round_stats(s.stats, k, live, kept, out.num_emitted, room)
+    return LoopState(tokens=buf, length=length, done=done, target_cache=t_cache,
+                     draft=drafter.observe(draft_carry, features, kept), stats=stats)
 
-    # Every live row keeps >= 1 token; its last kept token is the pass's own.
-    acc = jnp.maximum(kept - 1, 0)
-    stats = DecodeStats(
-        target_calls=stats.target_calls + (kept > 0),
-        drafted=stats.drafted + k * live,
-        accepted=stats.accepted + acc,
-        accepted_per_position=stats.accepted_per_position
-        + jnp.sum(jnp.arange(k)[None, :] < acc[:, None], axis=0, dtype=jnp.int32))
-    return buf, length, done, t_cache, d_cache, stats
+  return _outputs(_run(body, state), prompt_lengths, max_new_tokens)
 
-  zeros = jnp.zeros((b,), jnp.int32)
-  stats = DecodeStats(target_calls=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros,
-                      accepted_per_position=jnp.zeros((k,), jnp.int32))
-  state = (buf, length, done, t_cache, d_cache, stats)
-  buf, length, done, _, _, stats = jax.lax.while_loop(lambda s: jnp.any(~s[2]), body, state)
-  return _outputs(buf, length, prompt_lengths, max_new_tokens, stats)
+
+def _round_stats(stats: DecodeStats, k, live, kept, num_emitted, room) -> DecodeStats:
+  """Adds one round's counts. Every live row keeps >= 1 token; its last kept token is the pass's own."""
+  acc = jnp.maximum(kept - 1, 0)
+  cut = kept < num_emitted  # EOS or the token limit ended the round early
+  usable = jnp.where(cut, acc, jnp.minimum(k, room - 1))
+  i = _arange(k)[None, :]
+  # Position i was reached if drafts before it were accepted; in a cut round only
+  # the positions before the cut count (what came after could not be emitted).
+  reached = live[:, None] & ((i < acc[:, None]) | ((i == acc[:, None]) & ~cut[:, None] & (i < room[:, None] - 1)))
+  return DecodeStats(
+      target_calls=stats.target_calls + (kept > 0),
+      drafted=stats.drafted + k * live,
+      accepted=stats.accepted + acc,
+      accepted_per_position=stats.accepted_per_position + jnp.sum(i < acc[:, None], axis=0, dtype=jnp.int32),
+      usable_drafted=stats.usable_drafted + jnp.where(live, usable, 0).astype(jnp.int32),
+      reached_per_position=stats.reached_per_position + jnp.sum(reached, axis=0, dtype=jnp.int32))

@@ -383,8 +383,9 @@ def test_argument_errors_name_the_argument():
 
 def test_outputs_are_pytrees():
   out = GenerateOutput(tokens=jnp.zeros((1, 2), jnp.int32), lengths=jnp.ones((1,), jnp.int32),
-                       stats=DecodeStats(*(jnp.ones((1,), jnp.int32),) * 3, jnp.zeros((0,), jnp.int32)))
-  assert len(jax.tree.leaves(out)) == 6
+                       stats=DecodeStats(*(jnp.ones((1,), jnp.int32),) * 3, jnp.zeros((0,), jnp.int32),
+                                         jnp.ones((1,), jnp.int32), jnp.zeros((0,), jnp.int32)))
+  assert len(jax.tree.leaves(out)) == 8
   assert isinstance(jax.tree.map(lambda x: x, out), GenerateOutput)
 
 

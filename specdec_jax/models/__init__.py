@@ -1,21 +1,39 @@
-"""Flax NNX decoder-only transformers with a KV cache, and their configs.
+"""Flax NNX decoder-only transformers with a KV cache, the EAGLE-style drafter, and loaders.
 
-Public API:
+Public API (imported on first use, so `specdec_jax.models.adapter` and the
+decoding loops do not pull in Flax):
   - `TransformerConfig` (config.py): frozen, hashable model configuration.
   - `Transformer`, `KVCache`, `weight_shapes` (transformer.py): the model, its
-    cache pytree and the shapes of its weights interface (`from_weights` /
-    `to_weights`).
+    cache pytree and the shapes of its weights interface.
+  - `EagleDrafter`, `EagleConfig` (eagle.py): the feature drafter.
+  - `load_smollm2`, `load_smollm2_draft`, `load_smollm2_eagle` (smollm2.py).
 """
 
-from specdec_jax.models.config import TransformerConfig
-from specdec_jax.models.transformer import KVCache, Transformer, weight_shapes
+import importlib
 
-__all__ = [
-    "KVCache",
-    "Transformer",
-    "TransformerConfig",
-    "weight_shapes",
-]
-# SmolLM2 loaders; smollm2.py imports gguf/tokenizers/safetensors only when called.
-from specdec_jax.models.smollm2 import load_smollm2, load_smollm2_draft  # noqa: E402
-__all__ += ["load_smollm2", "load_smollm2_draft"]
+_EXPORTS = {
+    "TransformerConfig": "config",
+    "Transformer": "transformer",
+    "KVCache": "transformer",
+    "weight_shapes": "transformer",
+    "EagleDrafter": "eagle",
+    "EagleConfig": "eagle",
+    "load_smollm2": "smollm2",
+    "load_smollm2_draft": "smollm2",
+    "load_smollm2_eagle": "smollm2",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'specdec_jax.models' has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"specdec_jax.models.{module}"), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _POSITIVE_INT_FIELDS = (
     "vocab_size",
@@ -45,6 +46,13 @@ class TransformerConfig:
     dtype: parameter, activation and KV-cache dtype (float32 or bfloat16).
       Normalised to a `jnp.dtype`, so `jnp.float32` and `"float32"` give
       equal (and equally hashed) configs.
+    feature_layers: indices (in [0, L), distinct) of the blocks whose outputs
+      (the residual stream after block i) are concatenated into the features
+      that `model(..., return_features=True)` returns, F = len * D. An
+      EAGLE-style drafter reads them. Empty: the model has no features.
+    max_length: the longest context the model was trained for (positions
+      0 .. max_length-1), or None for no limit. The decoding loops refuse a
+      generation that would run past it.
 
   Example:
     >>> cfg = TransformerConfig(vocab_size=64, num_layers=2, d_model=32,
@@ -65,6 +73,8 @@ class TransformerConfig:
   rms_norm_eps: float = 1e-5
   tie_embeddings: bool = True
   dtype: Any = jnp.float32
+  feature_layers: tuple[int, ...] = ()
+  max_length: int | None = None
 
   def __post_init__(self):
     for name in _POSITIVE_INT_FIELDS:
@@ -91,6 +101,18 @@ class TransformerConfig:
       raise ValueError(f"TransformerConfig.dtype must be a float dtype, got {self.dtype!r}.") from e
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(f"TransformerConfig.dtype must be a float dtype, got {dtype}.")
+    layers = self.feature_layers
+    if isinstance(layers, list):
+      layers = tuple(layers)
+    if (not isinstance(layers, tuple) or len(set(layers)) != len(layers) or any(
+        isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_layers
+        for i in layers)):
+      raise ValueError(f"TransformerConfig.feature_layers must be a tuple of distinct layer indices in "
+                       f"[0, num_layers={self.num_layers}), got {self.feature_layers!r}.")
+    object.__setattr__(self, "feature_layers", tuple(int(i) for i in layers))
+    m = self.max_length
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m <= 0):
+      raise ValueError(f"TransformerConfig.max_length must be None or a positive int, got {m!r}.")
     # Frozen dataclass: normalise through object.__setattr__ (so equality and
     # hashing do not depend on how the dtype was spelled).
     object.__setattr__(self, "dtype", dtype)
@@ -121,6 +143,11 @@ class TransformerConfig:
     )
     fields.update(overrides)
     return cls(**fields)
+
+  @property
+  def feature_size(self) -> int:
+    """F = len(feature_layers) * d_model: the width of the model's features."""
+    return len(self.feature_layers) * self.d_model
 
   def replace(self, **changes) -> TransformerConfig:
     """Returns a copy with `changes` applied (and validated again)."""

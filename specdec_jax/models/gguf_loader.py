@@ -164,6 +164,7 @@ def gguf_llama_config(path: str) -> TransformerConfig:
       rope_theta=float(meta("rope.freq_base", 10000.0)),
       rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
       tie_embeddings="output.weight" not in tensors,
+      max_length=int(meta("context_length")),
   )
 
 

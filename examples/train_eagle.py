@@ -1,0 +1,307 @@
+"""Trains the EAGLE-style head for SmolLM2-135M-Instruct (the shipped `smollm2_eagle`).
+
+The head reads the target's features (outputs of blocks 2, 15 and 27) and the
+next token, and predicts the token after it (`specdec_jax.models.EagleDrafter`).
+Everything it learns from is what the target itself says and computes:
+
+1. **Data.** The target continues about 900 prompts available offline (chat
+   questions: templates x topics; code: function heads from this Python's
+   standard library, completed raw; "repeat this text" requests built from
+   stdlib docstrings), greedily and at T=1 (several samples each), with
+   `specdec_jax.generate`. Held-out: every 20th prompt.
+2. **Draft vocabulary.** The `--draft-vocab` most frequent tokens of those
+   continuations (EOS included): the head scores only them, which makes a
+   draft step cheap on a CPU, and the report gives their coverage.
+3. **Training-time test** (EAGLE-3). Each step runs the target (no gradient)
+   on a batch of whole sequences for its features and logits, then the head
+   unrolled `--depth` steps on its own hiddens
+   (`EagleDrafter.unrolled_logits`, which attends exactly as the decoding loop
+   does), with a soft cross-entropy to the target's next-token distribution
+   (restricted to the draft vocabulary) at every depth, on generated tokens
+   only. AdamW with warm-up and cosine decay, gradient clipping, a fixed seed.
+4. **Report.** Teacher-forced agreement on the held-out continuations at every
+   depth: `top1` = the head's argmax equals the target's (what greedy
+   acceptance needs), `1-TV` = sum_v min(p_v, q_v) at T=1.
+
+The shipped head was made on one H100 (JAX 0.11.2) by
+
+    python examples/train_eagle.py --out specdec_jax/weights/smollm2_eagle.safetensors
+
+(the command, data size, time and figures are recorded in the `.json` next to
+the weights). A smoke run on a CPU: `python examples/train_eagle.py --quick --out /tmp/eagle.safetensors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import json
+import os
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from specdec_jax import SamplingParams, generate
+from specdec_jax.models import smollm2
+from specdec_jax.models.eagle import EagleDrafter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_draft import CHAT_QUESTIONS, TEMPLATES, TOPICS  # noqa: E402  (the draft model's prompt lists)
+
+MORE_TEMPLATES = [
+    "Can you tell me about {t}?", "Write a list of five questions a student might ask about {t}.",
+    "What is a common misconception about {t}?", "Describe {t} in one paragraph for a newspaper.",
+]
+
+
+def code_prompts(max_files: int, per_file: int, rng) -> list[str]:
+  """Raw-completion prompts from top-level stdlib modules: a few lines of context ending at a `def` line.
+
+  (bench/smollm2.py's held-out code prompts come from stdlib sub-packages.)
+  """
+  files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+  prompts = []
+  for path in files[:max_files]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+      lines = f.read().splitlines()
+    defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
+    for i in rng.permutation(defs)[:per_file]:
+      prompts.append("\n".join(lines[max(0, i - 8):i + 1]) + "\n")
+  return prompts
+
+
+def repeat_prompts(max_files: int, rng) -> list[str]:
+  """Chat requests to repeat or lightly rewrite a paragraph (a module docstring of the stdlib)."""
+  files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+  asks = ["Repeat the following text exactly:", "Rewrite the following text in plain English:",
+          "Copy this paragraph, then summarise it in one sentence:"]
+  prompts = []
+  for n, path in enumerate(files[:max_files]):
+    try:
+      with open(path, encoding="utf-8", errors="replace") as f:
+        doc = ast.get_docstring(ast.parse(f.read()))
+    except (SyntaxError, ValueError):
+      continue
+    if doc and 80 <= len(doc) <= 800:
+      prompts.append(smollm2.chat_prompt(f"{asks[n % len(asks)]}\n\n{doc.strip()}"))
+  return prompts
+
+
+def all_prompts(quick: bool, seed: int) -> list[str]:
+  rng = np.random.default_rng(seed)
+  chats = [smollm2.chat_prompt(q) for q in CHAT_QUESTIONS]
+  chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in TOPICS for tpl in TEMPLATES + MORE_TEMPLATES]
+  prompts = chats + code_prompts(60 if not quick else 2, 3, rng) + repeat_prompts(400 if not quick else 20, rng)
+  prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+  return prompts[:8] if quick else prompts
+
+
+def generate_data(target, tokenizer, prompts, *, samples, gen_tokens, prompt_len, batch_size, seed):
+  """Target continuations: [N, prompt_len + gen_tokens] tokens (right-padded), prompt lengths, lengths."""
+  jobs = [(i, t) for i, p in enumerate(prompts) for t in samples]
+  ids = [tokenizer.encode(p).ids[-prompt_len:] for p in prompts]
+  seq = prompt_len + gen_tokens
+  tokens = np.zeros((len(jobs), seq), np.int32)
+  p_lens, lens, prompt_of = np.zeros(len(jobs), np.int32), np.zeros(len(jobs), np.int32), np.zeros(len(jobs), int)
+  for start in tqdm(range(0, len(jobs), batch_size), desc="target continuations"):
+    batch = jobs[start:start + batch_size]
+    pad = batch + [batch[-1]] * (batch_size - len(batch))  # one shape: one compiled program
+    x = np.zeros((batch_size, prompt_len), np.int32)
+    for r, (i, _) in enumerate(pad):
+      x[r, :len(ids[i])] = ids[i]
+    out = generate(target, jnp.asarray(x), jnp.asarray([len(ids[i]) for i, _ in pad], jnp.int32),
+                   SamplingParams.create([t for _, t in pad]), jax.random.key(seed + start),
+                   max_new_tokens=gen_tokens, eos_token_id=smollm2.SMOLLM2_EOS_IDS)
+    gen, n = np.asarray(out.tokens), np.asarray(out.lengths)
+    for r, (i, _) in enumerate(batch):
+      row, pl = start + r, len(ids[i])
+      tokens[row, :pl] = ids[i]
+      tokens[row, pl:pl + n[r]] = gen[r, :n[r]]
+      p_lens[row], lens[row], prompt_of[row] = pl, pl + n[r], i
+  return tokens, p_lens, lens, prompt_of
+
+
+def draft_vocabulary(tokens, p_lens, lens, size, must_have) -> np.ndarray:
+  """The `size` most frequent generated tokens (plus `must_have`), sorted ids."""
+  counts = np.zeros(int(tokens.max()) + 1, np.int64)
+  for row, pl, n in zip(tokens, p_lens, lens):
+    np.add.at(counts, row[pl:n], 1)
+  order = [int(t) for t in np.argsort(-counts, kind="stable") if t not in must_have]
+  return np.sort(np.asarray(list(must_have) + order[:size - len(must_have)], np.int32))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default="specdec_jax/weights/smollm2_eagle.safetensors")
+  ap.add_argument("--steps", type=int, default=3000)
+  ap.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+  ap.add_argument("--depth", type=int, default=6, help="unrolled steps (training-time test), >= the K shipped for")
+  ap.add_argument("--lr", type=float, default=1e-3)
+  ap.add_argument("--num-layers", type=int, default=1)
+  ap.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head scores (0 = all 49152)")
+  ap.add_argument("--samples", default="0,1,1,1,1,0.7,0.7",
+                  help="temperatures of the continuations generated per prompt (0 = greedy)")
+  ap.add_argument("--gen-tokens", type=int, default=256)
+  ap.add_argument("--prompt-len", type=int, default=128)
+  ap.add_argument("--gen-batch", type=int, default=256)
+  ap.add_argument("--checkpoint-every", type=int, default=1000, help="save OUT_checkpoint every N steps (0 = never)")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--time-limit-s", type=float, default=0.0,
+                  help="stop training after this many seconds of training steps (0 = no limit; the steps done "
+                       "are recorded)")
+  ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
+  args = ap.parse_args(argv)
+  for name in ("steps", "batch_size", "depth", "num_layers", "gen_tokens", "prompt_len", "gen_batch"):
+    if getattr(args, name) < 1:
+      ap.error(f"--{name.replace('_', '-')} must be >= 1")
+  if not 0 <= args.draft_vocab <= 49152:
+    ap.error("--draft-vocab must be in [0, 49152]")
+  samples = [float(t) for t in args.samples.split(",")]
+  if args.quick:
+    args.steps, args.batch_size, args.gen_tokens, args.prompt_len, args.gen_batch = 2, 2, 8, 64, 8
+    args.depth, samples, args.draft_vocab = min(args.depth, 3), [0.0, 1.0], min(args.draft_vocab, 512)
+  t_start = time.time()
+  on_gpu = jax.default_backend() == "gpu"
+  target_dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  target, tokenizer = smollm2.load_smollm2(target_dtype)
+
+  prompts = all_prompts(args.quick, args.seed)
+  tokens, p_lens, lens, prompt_of = generate_data(
+      target, tokenizer, prompts, samples=samples, gen_tokens=args.gen_tokens, prompt_len=args.prompt_len,
+      batch_size=args.gen_batch, seed=args.seed)
+  held = (prompt_of % 20 == 0) if not args.quick else (np.arange(len(tokens)) % 2 == 0)
+  train = ~held
+  gen_count = int(np.sum(lens - p_lens))
+  print(f"data: {len(prompts)} prompts, {len(tokens)} continuations, {gen_count} generated tokens "
+        f"({time.time() - t_start:.0f}s so far)")
+
+  vocab = None
+  coverage = 1.0
+  if args.draft_vocab:
+    vocab = draft_vocabulary(tokens[train], p_lens[train], lens[train], args.draft_vocab,
+                             smollm2.SMOLLM2_EOS_IDS)
+    in_vocab = np.zeros(49152, bool)
+    in_vocab[vocab] = True
+    held_tokens = np.concatenate([r[pl:n] for r, pl, n in zip(tokens[held], p_lens[held], lens[held])])
+    coverage = float(np.mean(in_vocab[held_tokens])) if held_tokens.size else 1.0
+    print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.3f} of the held-out generated tokens")
+
+  # The head trains in float32 on float32 copies of SmolLM2's embedding and head.
+  f32_target, _ = smollm2.load_smollm2(jnp.float32) if on_gpu else (target, None)
+  drafter = EagleDrafter.for_target(f32_target, num_layers=args.num_layers, draft_vocab=vocab,
+                                    rngs=nnx.Rngs(args.seed))
+  del f32_target
+  depth = args.depth
+  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(200, args.steps // 10 + 1), args.steps,
+                                                args.lr * 0.05)
+  optimizer = nnx.Optimizer(drafter, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.0)),
+                            wrt=nnx.Param)
+  t_graph, t_state = nnx.split(target)
+  vocab_ids = jnp.asarray(vocab if vocab is not None else np.arange(49152), jnp.int32)
+
+  def target_pass(t_state, batch):
+    model = nnx.merge(t_graph, t_state)
+    b, s = batch.shape
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    logits, features, _ = model(batch, pos, model.init_cache(b, s), return_features=True)
+    return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(features)
+
+  def losses(drafter, t_state, batch, p_len, length):
+    """Per-depth soft cross-entropy and teacher-forced agreement on generated tokens."""
+    logits, features = target_pass(t_state, batch)
+    # Entry p reads (f_p, x_{p+1}) and predicts x_{p+2}, whose target distribution is logits[p+1].
+    per_depth = drafter.unrolled_logits(batch[:, 1:-1], features[:, :-2], depth)
+    t_logits = logits[:, 1:-1]  # [B, S-2, V]
+    t_logp = jax.nn.log_softmax(t_logits[..., vocab_ids], axis=-1)  # restricted, renormalised
+    t_p = jnp.exp(t_logp)
+    t_full_p = jax.nn.softmax(t_logits, axis=-1)[..., vocab_ids]  # mass the sampler would give these tokens
+    t_top = jnp.argmax(t_logits, axis=-1)
+    p = jnp.arange(batch.shape[1] - 2)[None, :]
+    predicted = p + 2  # position of the predicted token
+    gen = (predicted >= p_len[:, None]) & (predicted < length[:, None])
+    out = []
+    for j, q_logits in enumerate(per_depth):
+      mask = (gen & (p >= j)).astype(jnp.float32)
+      n = jnp.maximum(jnp.sum(mask), 1.0)
+      q_logp = jax.nn.log_softmax(q_logits, axis=-1)
+      ce = -jnp.sum(t_p * q_logp, axis=-1)
+      top1 = (vocab_ids[jnp.argmax(q_logits, axis=-1)] == t_top).astype(jnp.float32)
+      overlap = jnp.sum(jnp.minimum(t_full_p, jnp.exp(q_logp)), axis=-1)
+      out.append((jnp.sum(ce * mask) / n, jnp.sum(top1 * mask) / n, jnp.sum(overlap * mask) / n))
+    return out
+
+  @nnx.jit
+  def train_step(drafter, optimizer, t_state, batch, p_len, length):
+    def loss_fn(drafter):
+      per_depth = losses(drafter, t_state, batch, p_len, length)
+      return sum(ce for ce, _, _ in per_depth) / depth, per_depth
+
+    (loss, per_depth), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
+    optimizer.update(drafter, grads)
+    return loss, per_depth
+
+  @nnx.jit
+  def eval_step(drafter, t_state, batch, p_len, length):
+    return losses(drafter, t_state, batch, p_len, length)
+
+  def held_out_report():
+    rows = np.flatnonzero(held)
+    sums = np.zeros((depth, 3))
+    batches = 0
+    for s in range(0, len(rows) - args.batch_size + 1, args.batch_size):
+      r = rows[s:s + args.batch_size]
+      res = eval_step(drafter, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]))
+      sums += np.asarray([[float(v) for v in d] for d in res])
+      batches += 1
+    m = sums / max(batches, 1)
+    return {"ce": m[:, 0].round(4).tolist(), "top1": m[:, 1].round(4).tolist(), "one_minus_tv": m[:, 2].round(4).tolist()}
+
+  rng = np.random.default_rng(args.seed)
+  train_rows = np.flatnonzero(train)
+  history = []
+  bar = tqdm(range(args.steps), desc="training (TTT)")
+  t_train = time.time()
+  for step in bar:
+    r = rng.choice(train_rows, args.batch_size, replace=len(train_rows) < args.batch_size)
+    loss, per_depth = train_step(drafter, optimizer, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]),
+                                 jnp.asarray(lens[r]))
+    if step % 50 == 0 or step == args.steps - 1:
+      top1 = [round(float(d[1]), 3) for d in per_depth]
+      history.append({"step": step, "loss": round(float(loss), 4), "top1": top1})
+      bar.set_postfix(loss=f"{float(loss):.3f}", top1_d0=top1[0], top1_last=top1[-1])
+    if args.time_limit_s and time.time() - t_train > args.time_limit_s:
+      print(f"time limit: stopping after {step + 1} of {args.steps} steps")
+      break
+    if args.checkpoint_every and step and step % args.checkpoint_every == 0:
+      smollm2.save_eagle(drafter, os.path.splitext(args.out)[0] + "_checkpoint.safetensors",
+                         metadata={"step": step})
+  train_seconds = time.time() - t_train
+  report = held_out_report()
+  print("held-out teacher-forced agreement by depth:")
+  for j in range(depth):
+    print(f"  depth {j}: top1 {report['top1'][j]:.3f}  1-TV {report['one_minus_tv'][j]:.3f}  "
+          f"CE {report['ce'][j]:.3f}")
+  meta = {
+      "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+      "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+      "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
+      "steps": args.steps, "steps_done": step + 1, "batch_size": args.batch_size, "depth": depth, "lr": args.lr,
+      "prompts": len(prompts), "continuations": int(len(tokens)), "generated_tokens": gen_count,
+      "samples": samples, "gen_tokens": args.gen_tokens, "draft_vocab_coverage": round(coverage, 4),
+      "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
+      "held_out": report, "history": history,
+  }
+  smollm2.save_eagle(drafter, args.out, metadata=meta)
+  print(f"saved {args.out} in {time.time() - t_start:.0f}s (training {train_seconds:.0f}s)")
+
+
+if __name__ == "__main__":
+  main()
