@@ -165,13 +165,13 @@ def test_one_prompt_has_no_all_prompts_block(demo, monkeypatch, capsys):
   monkeypatch.setattr(demo, "smollm2_tokenizer", _FakeTokenizer)
   monkeypatch.setattr(demo, "load_smollm2", lambda dtype: (object(), None))
   monkeypatch.setattr(demo, "load_drafters", lambda names, dtype: {"prompt lookup": object()})
-  monkeypatch.setattr(demo, "measure_verification_cost", lambda target, k, s: (0.01, 0.015, 1.5))
+  monkeypatch.setattr(demo, "measure_costs", lambda target, drafters, k, s: (0.01, 1.5, {}))
   monkeypatch.setattr(demo, "run_all", lambda methods, *a: {m: [(out, [1.0, 1.0, 1.0])] for m in methods})
   monkeypatch.setattr(demo, "decoded_text", lambda *a: "some text")
   demo.main(["--prompt", "Hi", "--drafter", "lookup", "-k", "2"])
   printed = capsys.readouterr().out
   assert "[prompt 0: Hi]" in printed and "all 1 prompts" not in printed and printed.count("  [") == 1
-  assert "verification costs 1.50 single steps on this cpu" in printed
+  assert "costs 1.50 steps on this cpu" in printed
   assert "JAX platform" in printed and "CPU cores" in printed
 
 
@@ -199,10 +199,30 @@ def test_run_all_round_robin_and_compiles_first(demo):
   assert [len(s) for _, s in runs["a"]] == [2, 2]
 
 
+def test_explain_predicts_speedup_from_measured_costs(demo):
+  stats = _FakeStats(np.array([4]), np.array([8]), np.array([16]), np.array([4, 2, 1, 1]), np.array([4, 4, 2, 1]))
+  runs = {"plain generate": [(_FakeOut(np.array([12])), [1.0, 1.0, 1.0])],
+          "draft model": [(_FakeOut(np.array([12]), stats=stats), [0.5, 0.4, 0.6])],
+          "prompt lookup": [(_FakeOut(np.array([12]), stats=stats), [1.0, 1.0, 1.0])]}
+  text = "\n".join(demo.explain(0.05, 1.2, {"draft model": 0.2}, 4, runs, ["chat"]))
+  assert "one target step 50.0 ms" in text and "costs 1.20 steps" in text
+  # mean accepted length (8 + 4) / 4 = 3; round: 1.2 + 4 x 0.2 = 2.0 steps; measured: median rate 24 vs 12.
+  assert "draft model     chat       3.00 / 2.00 -> expected 1.50x, measured 2.00x" in text
+  assert "prompt lookup   chat       3.00 / 1.20 -> expected 2.50x, measured 1.00x" in text
+
+
 @pytest.mark.real_model
-def test_verification_cost_on_smollm2(demo):
-  """Smoke test: the measurement runs on SmolLM2 (timings are too load-dependent to assert a ratio)."""
+def test_costs_on_smollm2(demo):
+  """Smoke test: the measurement runs on SmolLM2 and its draft (timings are too load-dependent to assert ratios)."""
   import jax.numpy as jnp
   target, _ = demo.load_smollm2(jnp.float32)
-  step_s, verify_s, ratio = demo.measure_verification_cost(target, 4, 64, repeats=3, calls=2)
-  assert step_s > 0 and verify_s > 0 and ratio > 0
+  drafters = {"draft model": demo.load_smollm2_draft(jnp.float32), "prompt lookup": demo.PromptLookupDrafter()}
+  step_s, verify_cost, draft_cost = demo.measure_costs(target, drafters, 4, 64, repeats=3, calls=2)
+  assert step_s > 0 and verify_cost > 0 and list(draft_cost) == ["draft model"] and draft_cost["draft model"] > 0
+
+
+@pytest.mark.real_model
+def test_max_context_is_smollm2s(demo):
+  """The demo's context limit (needed before the weights load) is the one the GGUF declares."""
+  from specdec_jax.models.smollm2 import smollm2_config
+  assert demo.MAX_CONTEXT == smollm2_config().max_length
