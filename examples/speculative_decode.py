@@ -352,7 +352,7 @@ def print_block(runs, rows, greedy, title, text=None):
       if greedy:
         same = all(np.array_equal(per_prompt[r][0].tokens, runs["plain generate"][r][0].tokens) for r in rows)
         line += f"  output {'identical' if same else 'DIFFERS'} to plain greedy"
-      line += "\n    " + " " * 16 + format_acceptance(sum_stats([per_prompt[r][0].stats for r in rows]))
+      line += "\n      " + format_acceptance(sum_stats([per_prompt[r][0].stats for r in rows]))
     print(line)
 
 
@@ -439,7 +439,7 @@ def main(argv=None):
   print("\n=== summary")
   print(f"  machine: {describe_machine()}")
   for line in explain(*costs, k, runs, names):
-    print("  " + line)
+    print(textwrap.fill(line, 116, initial_indent="  ", subsequent_indent="    "))
 
 
 if __name__ == "__main__":
