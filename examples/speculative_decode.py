@@ -167,8 +167,7 @@ def load_drafters(names, dtype) -> dict:
         drafters["EAGLE head"] = load_eagle_head(dtype)
         continue
       except (ImportError, AttributeError, FileNotFoundError) as e:
-        print(f"[no EAGLE head ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-              f"using the draft model instead]")
+        print(f"[no EAGLE head ({type(e).__name__}: {e}); using the draft model instead]")
         name = "model"
     if name == "model" and "draft model" not in drafters:
       try:
@@ -382,9 +381,9 @@ def explain(step_s, verify_cost, draft_cost, k, runs, names) -> list[str]:
       measured = statistics.median(rates(per_prompt, [r])[1]) / plain
       lines.append(f"  {label:15s} {name:10s} {mal:4.2f} / {round_cost:4.2f} -> expected {mal / round_cost:4.2f}x, "
                    f"measured {measured:4.2f}x")
-  lines.append("A drafter pays only where its mean accepted length clearly exceeds the cost of its round. Where one "
-               "step is bound by arithmetic (large batches, weak CPUs) verification costs up to K+1 steps; where it "
-               "is bound by memory traffic or kernel launches (a GPU at small batch) close to 1 (bench/RESULTS.md).")
+  lines.append("A drafter pays only where its mean accepted length clearly exceeds the cost of its round. "
+               "Verification costs up to K+1 steps where a step is bound by arithmetic, and close to 1 where it is "
+               "bound by memory traffic or kernel launches (about 1.1 on the H100 of bench/RESULTS.md at batch 1).")
   return lines
 
 
