@@ -102,6 +102,12 @@ def _check_output(out: GenerateOutput, max_new_tokens, k, eos=()):
   assert st.accepted_per_position.shape == (k,)
   assert st.accepted_per_position.sum() == st.accepted.sum()
   assert np.all(np.diff(st.accepted_per_position) <= 0)  # position i+1 needs position i
+  # Usable drafts lie between the accepted and the proposed ones; a position is
+  # accepted only where it was reached, and reached only after the one before.
+  assert np.all(st.accepted <= st.usable_drafted) and np.all(st.usable_drafted <= st.drafted)
+  assert st.reached_per_position.shape == (k,)
+  assert np.all(st.accepted_per_position <= st.reached_per_position)
+  assert np.all(st.reached_per_position[1:] <= st.accepted_per_position[:-1])
 
 
 # ----------------------------------------------------------------------------
@@ -462,3 +468,112 @@ def test_sampled_speculative_is_lossless(monkeypatch):
     monkeypatch.undo()
     decoding._speculative_jit.clear_cache()
   assert chisquare_gof(wrong @ np.array([SMALL_V ** 2, SMALL_V, 1]), joint).pvalue < ALPHA
+
+
+# ----------------------------------------------------------------------------
+# What a new user trips on: x64, context limits, int32 limits, short runs, imports
+# ----------------------------------------------------------------------------
+
+
+def test_loops_run_under_x64_with_the_same_tokens(greedy_setup):
+  target, draft, prompts, lengths, _, _ = greedy_setup
+  sampled_prompts, sampled_lengths, params, keys = _sampled_inputs(3)
+
+  def run():
+    greedy = speculative_generate(target, draft, prompts, lengths, SamplingParams.greedy(len(LENGTHS)), None,
+                                  max_new_tokens=MAX_NEW, num_speculative_tokens=3, eos_token_id=EOS,
+                                  all_greedy=True)
+    sampled = speculative_generate(target, draft, sampled_prompts, sampled_lengths, params, keys, **SAMPLED)
+    lookup = speculative_generate(target, PromptLookupDrafter(2), sampled_prompts, sampled_lengths, params, keys,
+                                  **SAMPLED)
+    plain = generate(target, sampled_prompts, sampled_lengths, params, keys, max_new_tokens=9)
+    return [jax.tree.map(np.asarray, o) for o in (greedy, sampled, lookup, plain)]
+
+  expected = run()
+  jax.config.update("jax_enable_x64", True)
+  try:
+    got = run()
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  for e, g in zip(expected, got):
+    assert g.tokens.dtype == np.int32 and g.lengths.dtype == np.int32
+    np.testing.assert_array_equal(g.tokens, e.tokens)
+    np.testing.assert_array_equal(g.stats.accepted, e.stats.accepted)
+
+
+class _ShortContextLM(TinyLM):
+  """TinyLM declaring a context of 20 positions (the attribute the loops check)."""
+
+  max_length = 20
+
+
+def test_generation_past_the_model_context_is_refused():
+  base = TinyLM.create(0, V)
+  model = _ShortContextLM(embed=base.embed, wqkv=base.wqkv, unembed=base.unembed)
+  prompts, lengths = _prompts(0, V, [5, 3], 8)
+  params = SamplingParams.greedy(2)
+  with pytest.raises(ValueError, match=r"max_new_tokens=13 .* target\.max_length=20"):
+    generate(model, prompts, lengths, params, None, max_new_tokens=13, all_greedy=True)
+  with pytest.raises(ValueError, match=r"draft\.max_length=20"):
+    speculative_generate(base, model, prompts, lengths, params, None, max_new_tokens=13, num_speculative_tokens=2,
+                         all_greedy=True)
+  out = generate(model, prompts, lengths, params, None, max_new_tokens=12, all_greedy=True)  # P + 12 = 20 fits
+  assert out.tokens.shape == (2, 12)
+
+
+def test_int32_limits_name_the_argument(greedy_setup):
+  target, draft, prompts, lengths, params, _ = greedy_setup
+  kw = dict(all_greedy=True)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    generate(target, prompts, lengths, params, None, max_new_tokens=2**31 - 1, **kw)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    speculative_generate(target, draft, prompts, lengths, params, None, max_new_tokens=2**31 - 10,
+                         num_speculative_tokens=4, **kw)
+  for eos in (2**31, -1, (3, 2**40)):
+    with pytest.raises(ValueError, match="eos_token_id"):
+      generate(target, prompts, lengths, params, None, max_new_tokens=4, eos_token_id=eos, **kw)
+  with pytest.raises(ValueError, match=r"eos_token_id must be token ids in \[0, V=32\)"):  # known once traced
+    speculative_generate(target, draft, prompts, lengths, params, None, max_new_tokens=4, num_speculative_tokens=2,
+                         eos_token_id=V, **kw)
+
+
+def test_prompt_lengths_out_of_range_under_jit_are_clipped(greedy_setup):
+  """Traced prompt_lengths cannot be checked: they are clipped into [1, P] (documented)."""
+  target, draft, prompts, _, params, _ = greedy_setup
+  kw = dict(max_new_tokens=6, all_greedy=True)
+  bad = jnp.array([0, P + 3, -2, 4], jnp.int32)
+  clipped = jnp.clip(bad, 1, P)
+  for loop in (lambda pl: generate(target, prompts, pl, params, None, **kw),
+               lambda pl: speculative_generate(target, draft, prompts, pl, params, None, num_speculative_tokens=2,
+                                               **kw)):
+    got = jax.jit(loop)(bad)
+    want = loop(clipped)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert np.all(np.asarray(got.tokens) >= 0)
+
+
+def test_short_runs_do_not_undercount_acceptance():
+  """An identical draft at max_new_tokens=12: every usable draft is accepted, at every position."""
+  model = TinyLM.create(2, V)
+  prompts, lengths = _prompts(4, V, [7, 1, 2, 3], P)
+  out = speculative_generate(model, model, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=12,
+                             num_speculative_tokens=4, all_greedy=True)
+  _check_output(out, 12, 4)
+  st = out.stats
+  assert float(st.acceptance_rate) < 1.0  # drafts past the limit count as proposed
+  assert float(st.usable_acceptance_rate) == 1.0
+  np.testing.assert_array_equal(st.acceptance_per_position, [1.0] * 4)
+  np.testing.assert_array_equal(st.accepted, st.usable_drafted)
+  # The first round (11 tokens of room) uses all 4 drafts, the second (6) all 4, the third (1) none.
+  np.testing.assert_array_equal(st.usable_drafted, [8] * 4)
+
+
+def test_package_imports_without_flax():
+  """The sampler and the loops need no Flax (models are adapted only when one is passed)."""
+  import subprocess
+  import sys
+
+  code = ("import sys; import specdec_jax; from specdec_jax import rejection_sample, generate, "
+          "speculative_generate; import specdec_jax.models.adapter; "
+          "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('flax'))")
+  subprocess.run([sys.executable, "-c", code], check=True)

@@ -58,8 +58,11 @@ def _arange_positions(batch_size: int, length: int) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
 
 
-def _numpy_forward(config: TransformerConfig, w: dict[str, np.ndarray], tokens: np.ndarray):
-  """Independent float64 reference: one sequence [N] -> logits [N, V], no cache."""
+def _numpy_forward(config: TransformerConfig, w: dict[str, np.ndarray], tokens: np.ndarray, hidden=None):
+  """Independent float64 reference: one sequence [N] -> logits [N, V], no cache.
+
+  If `hidden` is a list, each block's output (the residual stream, [N, D]) is appended to it.
+  """
   w = {k: v.astype(np.float64) for k, v in w.items()}
   n, h, hkv, dh = len(tokens), config.num_heads, config.num_kv_heads, config.head_dim
 
@@ -87,6 +90,8 @@ def _numpy_forward(config: TransformerConfig, w: dict[str, np.ndarray], tokens: 
     y = norm(x, w["layers.mlp_norm"][l])
     gate = y @ w["layers.w_gate"][l]
     x = x + (gate / (1 + np.exp(-gate)) * (y @ w["layers.w_up"][l])) @ w["layers.w_down"][l]
+    if hidden is not None:
+      hidden.append(x)
   x = norm(x, w["final_norm"])
   return x @ (w["embed"].T if config.tie_embeddings else w["lm_head"])
 
@@ -120,6 +125,41 @@ def test_forward_matches_numpy_reference(tie_embeddings):
   for b in range(BATCH):
     expected = _numpy_forward(config, weights, tokens[b])
     np.testing.assert_allclose(logits[b], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_features_are_the_hidden_states_of_a_forward_without_cache():
+  """return_features gives the outputs of the feature_layers blocks, concatenated in their order."""
+  config = TINY.replace(num_layers=3, feature_layers=(2, 0))
+  weights = _random_weights(config, seed=4)
+  model = Transformer.from_weights(config, weights)
+  tokens = _tokens(5)
+  positions = _arange_positions(BATCH, PROMPT)
+  graphdef, state = nnx.split(model)
+  logits, features, _ = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s)(t, p, c, return_features=True))(
+      state, jnp.asarray(tokens), positions, model.init_cache(BATCH, MAX_LENGTH))
+  assert features.shape == (BATCH, PROMPT, 2 * config.d_model) == (BATCH, PROMPT, config.feature_size)
+  plain_logits, _ = _jit(model)(jnp.asarray(tokens), positions, model.init_cache(BATCH, MAX_LENGTH))
+  np.testing.assert_array_equal(logits, plain_logits)
+  for b in range(BATCH):
+    hidden = []
+    _numpy_forward(config, weights, tokens[b], hidden)
+    np.testing.assert_allclose(features[b], np.concatenate([hidden[2], hidden[0]], -1), rtol=1e-4, atol=1e-4)
+
+
+def test_feature_layers_cost_nothing_without_the_flag():
+  """A config with feature_layers lowers to the same program as one without, when features are not asked for."""
+
+  def program(config, **kw):
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    step = jax.jit(lambda state, t, p, c: nnx.merge(graphdef, state)(t, p, c, **kw))
+    return step.lower(state, tokens, tokens, model.init_cache(2, 8)).as_text()
+
+  without = program(TINY)
+  assert program(TINY.replace(feature_layers=(0, 1))) == without
+  assert program(TINY.replace(feature_layers=(1,)), return_features=False) == without
+  assert program(TINY.replace(feature_layers=(1,)), return_features=True) != without
 
 
 @pytest.mark.parametrize("chunk", [1, 3])

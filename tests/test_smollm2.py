@@ -308,7 +308,7 @@ def _right_padded(tokenizer, texts):
   return ids, prompts, lengths
 
 
-@pytest.mark.parametrize("drafter", ["shipped_draft", "prompt_lookup"])
+@pytest.mark.parametrize("drafter", ["shipped_draft", "prompt_lookup", "shipped_eagle"])
 def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafter):
   # The shipped draft (loaded from its default path) and prompt lookup, on a
   # chat prompt and a code prompt of different lengths in one batch: float32
@@ -318,7 +318,8 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafte
   from specdec_jax.drafters import PromptLookupDrafter
 
   model, tokenizer = smollm2_model
-  draft = smollm2.load_smollm2_draft() if drafter == "shipped_draft" else PromptLookupDrafter((3, 2))
+  draft = {"shipped_draft": smollm2.load_smollm2_draft, "shipped_eagle": smollm2.load_smollm2_eagle,
+           "prompt_lookup": lambda: PromptLookupDrafter((3, 2))}[drafter]()
   texts = [smollm2.chat_prompt("Name three primary colours."), "def fibonacci(n):\n    if n < 2:\n        return n\n"]
   ids, prompts, lengths = _right_padded(tokenizer, texts)
   params = SamplingParams.greedy(len(ids))
@@ -328,8 +329,51 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafte
                               num_speculative_tokens=4, **common)
   np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
   np.testing.assert_array_equal(np.asarray(spec.lengths), np.asarray(plain.lengths))
-  if drafter == "shipped_draft":  # the draft is real: some of its tokens are accepted
+  if drafter != "prompt_lookup":  # the draft is real: some of its tokens are accepted
     assert int(np.sum(spec.stats.accepted)) > 0
+
+
+def test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts(smollm2_model):
+  """The shipped EAGLE head at K=4, greedy, float32, on prompts outside its training set.
+
+  Measured on a 2-core CPU (2026-11-23): mean accepted length 1.75 (acceptance
+  by position 0.40, 0.49, 0.58, 0.82); the shipped 2-layer draft model gives 1.68
+  on the same prompts. The floor, 1.6, leaves room for a few near-tie flips of
+  float32 rounding on another CPU; a head that lost its training (or a loop
+  that fed it the wrong features) falls to about 1.0.
+  """
+  from specdec_jax import SamplingParams, speculative_generate
+
+  model, tokenizer = smollm2_model
+  questions = ["Why do leaves change colour in autumn?", "Give me four ideas for a rainy weekend at home.",
+               "How do I read a CSV file in Python?"]
+  texts = [smollm2.chat_prompt(q) for q in questions]
+  texts.append("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n")
+  _, prompts, lengths = _right_padded(tokenizer, texts)
+  out = speculative_generate(model, smollm2.load_smollm2_eagle(), prompts, lengths, SamplingParams.greedy(4), None,
+                             max_new_tokens=48, num_speculative_tokens=4, eos_token_id=smollm2.SMOLLM2_EOS_IDS,
+                             all_greedy=True)
+  assert float(out.stats.mean_accepted_length) > 1.6, out.stats
+  assert np.all(np.asarray(out.stats.acceptance_per_position) > 0.25), out.stats
+
+
+def test_eagle_loader_errors_name_the_file(tmp_path):
+  missing = str(tmp_path / "nope.safetensors")
+  with pytest.raises(FileNotFoundError, match="no such file: .*nope.safetensors"):
+    smollm2.load_smollm2_eagle(path=missing)
+  import shutil
+
+  path = tmp_path / "head.safetensors"
+  shutil.copy(smollm2.EAGLE_WEIGHTS_PATH, path)
+  (tmp_path / "head.json").write_text("{not json")
+  with pytest.raises(ValueError, match="head.json"):
+    smollm2.load_smollm2_eagle(path=str(path))
+  shutil.copy(os.path.splitext(smollm2.EAGLE_WEIGHTS_PATH)[0] + ".json", tmp_path / "head.json")
+  path.write_bytes(path.read_bytes()[:1000])
+  with pytest.raises(ValueError, match="head.safetensors"):
+    smollm2.load_smollm2_eagle(path=str(path))
+  with pytest.raises(ValueError, match="dtype"):
+    smollm2.load_smollm2_eagle(dtype=None)
 
 
 def test_bf16_greedy_speculative_differs_from_plain_only_at_near_ties():

@@ -378,7 +378,7 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
       f: getattr(config, f)
       for f in (
           "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
-          "d_ff", "rope_theta", "rms_norm_eps", "tie_embeddings",
+          "d_ff", "rope_theta", "rms_norm_eps", "tie_embeddings", "max_length",
       )
   }
   meta = {
