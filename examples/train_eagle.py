@@ -23,12 +23,15 @@ Everything it learns from is what the target itself says and computes:
    depth: `top1` = the head's argmax equals the target's (what greedy
    acceptance needs), `1-TV` = sum_v min(p_v, q_v) at T=1.
 
-The shipped head was made on one H100 (JAX 0.11.2) by
+The shipped head (2 blocks, draft vocabulary 8192) was made on one H100 (JAX
+0.11.2) in 7.4 minutes (1.2 M generated tokens in 54 s, then 3979 training
+steps of a 5000-step schedule, stopped by a time limit of 370 s). To reproduce
+it exactly (the data generation is seeded; the same steps without the clock):
 
-    python examples/train_eagle.py --out specdec_jax/weights/smollm2_eagle.safetensors
+    python examples/train_eagle.py --num-layers 2 --steps 5000 --stop-at-step 3979 \
+        --out specdec_jax/weights/smollm2_eagle.safetensors
 
-(the command, data size, time and figures are recorded in the `.json` next to
-the weights). A smoke run on a CPU: `python examples/train_eagle.py --quick --out /tmp/eagle.safetensors`.
+(its `.json` records the command as run, data size, time and held-out figures). A smoke run on a CPU: `python examples/train_eagle.py --quick --out /tmp/eagle.safetensors`.
 """
 
 from __future__ import annotations
@@ -141,11 +144,13 @@ def draft_vocabulary(tokens, p_lens, lens, size, must_have) -> np.ndarray:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default="specdec_jax/weights/smollm2_eagle.safetensors")
-  ap.add_argument("--steps", type=int, default=3000)
+  ap.add_argument("--steps", type=int, default=5000, help="length of the learning-rate schedule")
+  ap.add_argument("--stop-at-step", type=int, default=0,
+                  help="stop after this many steps (the schedule still spans --steps; 0 = run them all)")
   ap.add_argument("--batch-size", type=int, default=32, help="sequences per step")
   ap.add_argument("--depth", type=int, default=6, help="unrolled steps (training-time test), >= the K shipped for")
   ap.add_argument("--lr", type=float, default=1e-3)
-  ap.add_argument("--num-layers", type=int, default=1)
+  ap.add_argument("--num-layers", type=int, default=2, help="decoder blocks of the head")
   ap.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head scores (0 = all 49152)")
   ap.add_argument("--samples", default="0,1,1,1,1,0.7,0.7",
                   help="temperatures of the continuations generated per prompt (0 = greedy)")
@@ -277,6 +282,8 @@ def main(argv=None):
       top1 = [round(float(d[1]), 3) for d in per_depth]
       history.append({"step": step, "loss": round(float(loss), 4), "top1": top1})
       bar.set_postfix(loss=f"{float(loss):.3f}", top1_d0=top1[0], top1_last=top1[-1])
+    if args.stop_at_step and step + 1 >= args.stop_at_step:
+      break
     if args.time_limit_s and time.time() - t_train > args.time_limit_s:
       print(f"time limit: stopping after {step + 1} of {args.steps} steps")
       break

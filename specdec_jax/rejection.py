@@ -353,8 +353,10 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
       # p - onehot(d), clipped at 0, is p with d removed (an id outside [0, V) removes nothing).
       return jnp.where(rejected & (jnp.arange(v)[None, :] == d_s), -jnp.inf, logp_row)
     q_row = _valid_probs(jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0])
-    residual = jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
-    return jnp.where(logp_row > -jnp.inf, residual, -jnp.inf)  # masked and filtered tokens stay out
+    # Masked and filtered tokens stay out without a select: there exp(logp_row) = 0 and
+    # q_row >= 0, so the residual is log(0) = -inf. (A select on logp_row here made
+    # XLA write the gathered [B, V] row to memory: 0.2x the floor on an H100.)
+    return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
 
   def row_draw():
     """Reads the stopping position's row (and draft probs): filtered or with draft_probs."""
