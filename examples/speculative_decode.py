@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.models import Transformer, load_smollm2, load_smollm2_draft
+from specdec_jax.models import load_smollm2, load_smollm2_draft
 from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, smollm2_tokenizer
 
 # SmolLM2-135M's context length (tokens): prompt, generated tokens and the K+1
@@ -207,7 +207,12 @@ def model_call_program(model, num_tokens: int, max_length: int, calls: int):
 
     def body(_, carry):
       cache, acc = carry
-      logits, cache = nnx.merge(graphdef, state)(tokens, positions, cache)
+      model = nnx.merge(graphdef, state)
+      if hasattr(model, "fuse"):  # a feature drafter: one entry from its own hidden state
+        hidden = jnp.zeros((1, num_tokens, model.config.layers.d_model), model.config.layers.dtype)
+        logits, _, cache = model(tokens, hidden, positions, cache)
+      else:
+        logits, cache = model(tokens, positions, cache)
       return cache, acc + jnp.sum(jnp.argmax(logits, axis=-1))
 
     cache = nnx.merge(graphdef, state).init_cache(1, max_length)
@@ -235,13 +240,14 @@ def measure_costs(target, drafters, k: int, max_length: int, repeats: int = 7, c
   Returns:
     (step seconds, verification cost: time of a target call on K+1 tokens over
     one on 1 token, {drafter label: time of one drafter call over one target
-    step} for the drafters that are plain model drafts). Each ratio is the median
+    step} for the drafters with weights: a draft model or an EAGLE head, whose
+    round is one catch-up call and K-1 steps, about K calls). Each ratio is the median
     of alternating runs, so a change in the machine's load hits both sides.
   """
   step = model_call_program(target, 1, max_length, calls)
   verify = model_call_program(target, k + 1, max_length, calls)
   draft_steps = {label: model_call_program(d, 1, max_length, calls)
-                 for label, d in drafters.items() if isinstance(d, Transformer)}
+                 for label, d in drafters.items() if not isinstance(d, PromptLookupDrafter)}
   for fn in (step, verify, *draft_steps.values()):
     fn()  # compile
   start = time.perf_counter()
@@ -373,7 +379,7 @@ def explain(step_s, verify_cost, draft_cost, k, runs, names) -> list[str]:
   for label, per_prompt in runs.items():
     if label == "plain generate":
       continue
-    # Prompt lookup costs next to nothing; an EAGLE head's call is not measured here (its cost is left out).
+    # Prompt lookup costs next to nothing.
     round_cost = verify_cost + k * draft_cost.get(label, 0.0)
     for r, name in enumerate(names):
       mal = float(per_prompt[r][0].stats.mean_accepted_length)
