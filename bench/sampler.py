@@ -1,6 +1,6 @@
 """How close does the rejection sampler get to its memory-traffic floor?
 
-The sampler is memory-bound (DESIGN.md, "How the sampler should spend memory
+The sampler is memory-bound (docs/sampler.md, "how the sampler spends memory
 traffic"): the floor is one read of `target_logits` [B, K+1, V]. This script
 times `rejection_sample` for several sampling mixes, plus reference kernels,
 and reports each against that floor:

@@ -1,6 +1,6 @@
 """Top-k/top-p threshold search alone: full sort vs the sort-free candidate search.
 
-DESIGN.md asks to measure the sort-based threshold first, then a sort-free one,
+The design asks to measure the sort-based threshold first, then a sort-free one,
 and keep the faster. This times, on f32 logits [B, K+1, V] with top_k=50 and
 top_p=0.9 (and top-p alone), per iteration inside one jitted fori_loop:
 

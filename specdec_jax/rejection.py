@@ -13,7 +13,7 @@ For row b with n = num_draft_tokens[b] draft tokens d_0 .. d_{n-1}:
 Greedy rows replace "accept" by "d_i == argmax(target_logits[b, i])" and the
 recovered/bonus token by that argmax.
 
-Memory traffic is the cost (DESIGN.md): the floor is one read of target_logits.
+Memory traffic is the cost (docs/sampler.md): the floor is one read of target_logits.
 The random path needs, per position, only log p_i(d_i) = x_i[d_i]/T - logsumexp(x_i/T)
 (a reduction and a gather), compared in log space; at most one full row per
 request (the stopping position) is gathered to draw the recovered/bonus token.

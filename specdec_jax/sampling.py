@@ -1,6 +1,6 @@
 """Per-request sampling parameters and plain (non-speculative) token sampling.
 
-Processing order for a random request (DESIGN.md):
+Processing order for a random request (docs/api.md):
 
     logits / temperature -> keep top_k largest -> renormalise
                          -> keep the smallest most-likely set with mass >= top_p

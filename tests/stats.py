@@ -7,7 +7,7 @@ Three groups, importable from any test file (`from tests.stats import ...`):
   count below 5 are merged, and `scipy.stats.chisquare` gives the p-value.
   `assert_gof` fails when p < ALPHA = 1e-3. `detectable_deviation` says how
   large a deviation a test of N samples detects at 80% power.
-* NumPy float64 references of the contract (DESIGN.md "SamplingParams",
+* NumPy float64 references of the contract (docs/api.md "SamplingParams",
   "rejection_sample"), written from the text and sharing no code with
   `specdec_jax`: `reference_probs` (temperature, top-k, top-p with ties kept)
   and `greedy_reference` (greedy verification).
@@ -200,7 +200,7 @@ def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1
                     *, boundary_tol: float = 0.0):
   """The processed target distribution of one random request, in float64.
 
-  Straight from DESIGN.md: divide by the temperature, keep the top_k largest
+  Straight from the contract (docs/api.md): divide by the temperature, keep the top_k largest
   (ties with the k-th kept too; top_k = 0 or >= V is off), renormalise, keep the
   smallest most-likely set whose mass reaches top_p (>=; ties with its last token
   kept), renormalise. -inf logits are never kept.

@@ -1,7 +1,7 @@
 """Tests of specdec_jax/sampling.py: SamplingParams, logit processing, plain sampling.
 
 The expected values come from `tests.stats.reference_probs`, a float64 NumPy
-reading of DESIGN.md that shares no code with the library. Statistical tests use
+reading of the contract (docs/api.md) that shares no code with the library. Statistical tests use
 fixed seeds and a chi-square test at alpha = 1e-3 (`tests.stats.ALPHA`).
 """
 

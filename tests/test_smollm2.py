@@ -377,7 +377,7 @@ def test_eagle_loader_errors_name_the_file(tmp_path):
 
 
 def test_bf16_greedy_speculative_differs_from_plain_only_at_near_ties():
-  # DESIGN.md: in bf16 a T=1 step and a T=K+1 verification round differently, so
+  # The contract (docs/api.md): in bf16 a T=1 step and a T=K+1 verification round differently, so
   # greedy speculative decoding may leave plain greedy decoding, but only where the
   # target's top-2 logits are within bf16 rounding. Where a row differs, the
   # teacher-forced logits at its first difference must be such a near-tie (gap

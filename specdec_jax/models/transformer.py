@@ -1,7 +1,7 @@
 """A Llama-style decoder-only transformer in Flax NNX with a fixed-size KV cache.
 
 The model knows nothing about speculation. It follows the model protocol of the
-decoding loop (DESIGN.md, "Decoding loop"): one call
+decoding loop (docs/models.md): one call
 
     logits, cache = model(tokens, positions, cache)   # [B, T] x2 -> [B, T, V]
 
