@@ -449,25 +449,36 @@ def test_sampled_speculative_is_lossless(monkeypatch):
                                num_speculative_tokens=2)
     return out, np.asarray(out.tokens)
 
-  out, samples = run()
+  out = assert_first_tokens_follow(run, joint, monkeypatch, "speculative_generate, first 3 tokens")
   _check_output(out, 3, 2)
   assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # the draft differs: rejections happen
-  outcomes = samples @ np.array([SMALL_V ** 2, SMALL_V, 1])
-  result = chisquare_gof(outcomes, joint, label="speculative_generate, first 3 tokens")
+
+
+def assert_first_tokens_follow(run, joint, monkeypatch, label):
+  """Chi-square of the first 3 tokens against `joint`, and a planted bug shown to fail the same check.
+
+  run() -> (GenerateOutput, int [N_ROWS, 3] first tokens). The check pools
+  sparse bins and must keep its power (detects total-variation shifts < 0.04).
+  Then `rejection_sample` is swapped for one that accepts every draft, which
+  must be rejected at ALPHA. Returns the correct run's output.
+  """
+  out, samples = run()
+  weights = np.array([SMALL_V ** 2, SMALL_V, 1])
+  result = chisquare_gof(samples @ weights, joint, label=label)
   assert_gof(result)
   _, tv_min = detectable_deviation(N_ROWS, result.num_bins)
   assert tv_min < 0.04, f"the test lost its power: {result}, detects TV >= {tv_min:.3f}"
 
   monkeypatch.setattr(decoding, "rejection_sample", _accept_every_draft)
-  # The planted bug must be traced in. (Last test of the module: clearing the
-  # cache costs the other tests nothing.)
+  # The planted bug must be traced in; the cache is cleared again afterwards.
   decoding._speculative_jit.clear_cache()
   try:
     _, wrong = run()
   finally:
     monkeypatch.undo()
     decoding._speculative_jit.clear_cache()
-  assert chisquare_gof(wrong @ np.array([SMALL_V ** 2, SMALL_V, 1]), joint).pvalue < ALPHA
+  assert chisquare_gof(wrong @ weights, joint).pvalue < ALPHA
+  return out
 
 
 # ----------------------------------------------------------------------------
