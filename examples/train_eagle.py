@@ -26,12 +26,24 @@ Everything it learns from is what the target itself says and computes:
 The shipped head (2 blocks, draft vocabulary 8192) was made on one H100 (JAX
 0.11.2) in 7.4 minutes (1.2 M generated tokens in 54 s, then 3979 training
 steps of a 5000-step schedule, stopped by a time limit of 370 s). To reproduce
-it exactly (the data generation is seeded; the same steps without the clock):
+it exactly (the data generation is seeded; the same steps without the clock;
+the code and "repeat" prompts come from the running Python's standard library,
+3.12 there, which gave 953 prompts):
 
     python examples/train_eagle.py --num-layers 2 --steps 5000 --stop-at-step 3979 \
         --out specdec_jax/weights/smollm2_eagle.safetensors
 
-(its `.json` records the command as run, data size, time and held-out figures). A smoke run on a CPU: `python examples/train_eagle.py --quick --out /tmp/eagle.safetensors`.
+(its `.json` records the command as run, data size, time and held-out figures).
+
+A longer run fits the lent GPU's 10-minute commands by spanning several runs:
+`--data-cache` keeps the generated data and `--state` the training state
+(weights, optimiser, step, data order) between them, and the result is the same
+as one uninterrupted run (checked on a CPU). For example, three commands of
+
+    python examples/train_eagle.py --more-prompts --steps 15000 --stop-at-step S \
+        --data-cache /root/eagle/data.npz --state /root/eagle/state.msgpack --out /root/eagle/smollm2_eagle.safetensors
+
+with S = 5000, 10000, 15000. A smoke run on a CPU: `python examples/train_eagle.py --quick --out /tmp/eagle.safetensors`.
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, serialization
 from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate
@@ -62,6 +74,25 @@ from train_draft import CHAT_QUESTIONS, TEMPLATES, TOPICS  # noqa: E402  (the dr
 MORE_TEMPLATES = [
     "Can you tell me about {t}?", "Write a list of five questions a student might ask about {t}.",
     "What is a common misconception about {t}?", "Describe {t} in one paragraph for a newspaper.",
+]
+
+
+# --more-prompts: more topics and requests (off for the shipped head, so its command reproduces it).
+EXTRA_TOPICS = [
+    "the Industrial Revolution", "photosynthesis in the ocean", "the history of the bicycle", "rain forests",
+    "the stock exchange", "volunteering", "first aid", "the solar system", "electricity at home", "bees and flowers",
+    "ancient Egypt", "the Olympic Games", "cloud computing", "password security", "composting", "chess openings",
+    "knitting", "the history of jazz", "deserts", "glaciers", "the human brain", "nutrition labels", "podcasts",
+    "public libraries", "city planning", "trains", "airplanes", "submarines", "the Silk Road", "vaccination history",
+    "the periodic table", "probability", "prime numbers", "linear regression", "spreadsheets", "touch typing",
+    "writing a resume", "negotiation", "saving money", "learning to swim", "yoga", "running shoes", "board games",
+    "origami", "photography", "film editing", "birdwatching", "coral reefs", "whales", "wolves", "mushrooms",
+    "volcanic islands", "the water supply", "recycling plastic", "wind turbines", "batteries", "3D printing",
+    "open source software", "the command line", "regular expressions",
+]
+EXTRA_TEMPLATES = [
+    "Write step-by-step instructions related to {t}.", "Explain {t} using an analogy.",
+    "What would a beginner need to know about {t}?", "Write a short dialogue between two friends about {t}.",
 ]
 
 
@@ -98,10 +129,13 @@ def repeat_prompts(max_files: int, rng) -> list[str]:
   return prompts
 
 
-def all_prompts(quick: bool, seed: int) -> list[str]:
+def all_prompts(quick: bool, seed: int, more: bool = False) -> list[str]:
   rng = np.random.default_rng(seed)
   chats = [smollm2.chat_prompt(q) for q in CHAT_QUESTIONS]
   chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in TOPICS for tpl in TEMPLATES + MORE_TEMPLATES]
+  if more:
+    chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in TOPICS + EXTRA_TOPICS for tpl in EXTRA_TEMPLATES]
+    chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in EXTRA_TOPICS for tpl in TEMPLATES + MORE_TEMPLATES]
   prompts = chats + code_prompts(60 if not quick else 2, 3, rng) + repeat_prompts(400 if not quick else 20, rng)
   prompts = [prompts[i] for i in rng.permutation(len(prompts))]
   return prompts[:8] if quick else prompts
@@ -141,6 +175,30 @@ def draft_vocabulary(tokens, p_lens, lens, size, must_have) -> np.ndarray:
   return np.sort(np.asarray(list(must_have) + order[:size - len(must_have)], np.int32))
 
 
+def save_state(path, drafter, optimizer, rng, step, history) -> None:
+  """Everything a run needs to continue exactly: weights, optimiser, next step, the data order's RNG, history."""
+  arrays = {"drafter": nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),
+            "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+  state = {**jax.tree.map(np.asarray, arrays), "step": step, "rng": json.dumps(rng.bit_generator.state),
+           "history": json.dumps(history)}
+  with open(path, "wb") as f:
+    f.write(serialization.msgpack_serialize(state))
+
+
+def load_state(path, drafter, optimizer, rng) -> tuple[int, list]:
+  """Restores `save_state`'s file into drafter, optimizer and rng (in place); returns (next step, history)."""
+  with open(path, "rb") as f:
+    state = serialization.msgpack_restore(f.read())
+  params = nnx.state(drafter, nnx.Param)
+  nnx.replace_by_pure_dict(params, state["drafter"])
+  nnx.update(drafter, params)
+  opt = nnx.state(optimizer)
+  nnx.replace_by_pure_dict(opt, state["optimizer"])
+  nnx.update(optimizer, opt)
+  rng.bit_generator.state = json.loads(state["rng"])
+  return int(state["step"]), json.loads(state["history"])
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default="specdec_jax/weights/smollm2_eagle.safetensors")
@@ -162,6 +220,13 @@ def main(argv=None):
   ap.add_argument("--time-limit-s", type=float, default=0.0,
                   help="stop training after this many seconds of training steps (0 = no limit; the steps done "
                        "are recorded)")
+  ap.add_argument("--data-cache", default="",
+                  help="an .npz of the generated data: loaded if it exists, else written after generating")
+  ap.add_argument("--state", default="",
+                  help="a training-state file (weights, optimiser, step, data order): resumed from if it exists, "
+                       "written when the run stops, so a long schedule can span several runs")
+  ap.add_argument("--more-prompts", action="store_true",
+                  help="about 2.2x the chat prompts (extra topics and requests); off for the shipped head")
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
   for name in ("steps", "batch_size", "depth", "num_layers", "gen_tokens", "prompt_len", "gen_batch"):
@@ -171,17 +236,24 @@ def main(argv=None):
     ap.error("--draft-vocab must be in [0, 49152]")
   samples = [float(t) for t in args.samples.split(",")]
   if args.quick:
-    args.steps, args.batch_size, args.gen_tokens, args.prompt_len, args.gen_batch = 2, 2, 8, 64, 8
+    args.steps, args.batch_size, args.gen_tokens, args.prompt_len, args.gen_batch = min(args.steps, 4), 2, 8, 64, 8
     args.depth, samples, args.draft_vocab = min(args.depth, 3), [0.0, 1.0], min(args.draft_vocab, 512)
   t_start = time.time()
   on_gpu = jax.default_backend() == "gpu"
   target_dtype = jnp.bfloat16 if on_gpu else jnp.float32
   target, tokenizer = smollm2.load_smollm2(target_dtype)
 
-  prompts = all_prompts(args.quick, args.seed)
-  tokens, p_lens, lens, prompt_of = generate_data(
-      target, tokenizer, prompts, samples=samples, gen_tokens=args.gen_tokens, prompt_len=args.prompt_len,
-      batch_size=args.gen_batch, seed=args.seed)
+  prompts = all_prompts(args.quick, args.seed, more=args.more_prompts)
+  if args.data_cache and os.path.isfile(args.data_cache):
+    with np.load(args.data_cache) as data:
+      tokens, p_lens, lens, prompt_of = (data[k] for k in ("tokens", "p_lens", "lens", "prompt_of"))
+    print(f"data: read {args.data_cache}")
+  else:
+    tokens, p_lens, lens, prompt_of = generate_data(
+        target, tokenizer, prompts, samples=samples, gen_tokens=args.gen_tokens, prompt_len=args.prompt_len,
+        batch_size=args.gen_batch, seed=args.seed)
+    if args.data_cache:
+      np.savez(args.data_cache, tokens=tokens, p_lens=p_lens, lens=lens, prompt_of=prompt_of)
   held = (prompt_of % 20 == 0) if not args.quick else (np.arange(len(tokens)) % 2 == 0)
   train = ~held
   gen_count = int(np.sum(lens - p_lens))
@@ -272,8 +344,13 @@ def main(argv=None):
   rng = np.random.default_rng(args.seed)
   train_rows = np.flatnonzero(train)
   history = []
-  bar = tqdm(range(args.steps), desc="training (TTT)")
+  first = 0
+  if args.state and os.path.isfile(args.state):
+    first, history = load_state(args.state, drafter, optimizer, rng)
+    print(f"resumed {args.state} at step {first}")
+  bar = tqdm(range(first, args.steps), desc="training (TTT)", initial=first, total=args.steps)
   t_train = time.time()
+  step = first - 1
   for step in bar:
     r = rng.choice(train_rows, args.batch_size, replace=len(train_rows) < args.batch_size)
     loss, per_depth = train_step(drafter, optimizer, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]),
@@ -291,6 +368,8 @@ def main(argv=None):
       smollm2.save_eagle(drafter, os.path.splitext(args.out)[0] + "_checkpoint.safetensors",
                          metadata={"step": step})
   train_seconds = time.time() - t_train
+  if args.state:
+    save_state(args.state, drafter, optimizer, rng, step + 1, history)
   report = held_out_report()
   print("held-out teacher-forced agreement by depth:")
   for j in range(depth):
