@@ -58,3 +58,26 @@ def test_custom_model_cache_follows_the_protocol(custom_model):
   before = np.asarray(cache)
   _, dropped = model(jnp.asarray([[3, 4]], jnp.int32), jnp.asarray([[8, -1]], jnp.int32), cache)
   np.testing.assert_array_equal(np.asarray(dropped), before)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
+  """examples/train_eagle.py --quick: 2 steps, then 2 more from --state, equal 4 steps in one run."""
+  pytest.importorskip("safetensors")
+  from safetensors.numpy import load_file
+
+  import sys
+  sys.path.insert(0, str(EXAMPLES))  # train_eagle imports train_draft's prompt lists
+  try:
+    train = _load("train_eagle")
+  finally:
+    sys.path.remove(str(EXAMPLES))
+  data, state = str(tmp_path / "data.npz"), str(tmp_path / "state.msgpack")
+  common = ["--quick", "--steps", "4", "--data-cache", data]
+  train.main(common + ["--stop-at-step", "2", "--state", state, "--out", str(tmp_path / "a.safetensors")])
+  train.main(common + ["--state", state, "--out", str(tmp_path / "resumed.safetensors")])
+  train.main(common + ["--out", str(tmp_path / "straight.safetensors")])
+  half, resumed, straight = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "resumed", "straight"))
+  assert all(np.array_equal(resumed[k], straight[k]) for k in straight)
+  assert not all(np.array_equal(half[k], straight[k]) for k in straight)  # the last two steps did change them
