@@ -379,7 +379,7 @@ def test_planted_wrong_verifier_fails_the_lossless_check(monkeypatch, mistake):
 @pytest.mark.parametrize("with_q", [False, True], ids=["guesses", "draft_probs"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_lossless_branching_tree_slow(with_q, seed):
-  first, joint, _ = _lossless_check(with_q, "T0.7_topk3", seed=seed, rows=200000)
+  first, joint, _ = _lossless_check(with_q, "T0.7_topk3", seed=seed, rows=1_000_000)
   stats.assert_gof(first, min_bins=3)
   stats.assert_gof(joint, min_bins=8)
 
