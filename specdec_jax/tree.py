@@ -1,0 +1,413 @@
+"""Trees of drafts, verified losslessly: `tree_rejection_sample`.
+
+A drafter may propose several continuations at once, as a tree of nodes, each
+node one token. Nodes come in topological order (a parent before its children);
+`parents[j]` is node j's parent, -1 for a child of the root (the context):
+
+            root                 parents = [-1, -1, 0, 0, 1, 2]
+           /    \\                 depth D = 3 (node 5 is at depth 3)
+         0        1              target_logits row 0     : p after the context
+        / \\        \\              target_logits row j + 1 : p after node j's path
+       2   3        4
+       |
+       5
+
+Walking from the root, at the current node c (row c+1 of the logits, row 0 at
+the root) with children j_1 < j_2 < ... in node order:
+
+  * greedy row:   t = argmax p; move to the first child whose token is t, else emit t and stop;
+  * random row, no draft_probs (deterministic guesses: n-gram, top-k): draw x ~ p; move to the
+    first child whose token is x, else emit x and stop;
+  * random row with draft_probs (children drawn i.i.d. from q, row c+1 of draft_probs):
+    recursive rejection sampling. r = p; for each child in order accept it with probability
+    min(1, r(x_j) / q(x_j)) and move there; on rejection r = normalise(max(r - q, 0)) (p if
+    that has no mass). Every child rejected: emit a draw from r and stop;
+  * a node without children emits a bonus token from its p (argmax if greedy).
+
+Every mode is lossless, and a chain (parents = [-1, 0, 1, ...]) has exactly the
+distribution of `rejection_sample`. p is processed as there (temperature, top-k,
+top-p; `sampling.process_logits`), with the same rules for values outside the
+ordinary range: NaN logits are masked, +inf logits share the mass, a node whose
+logits are all -inf accepts no child and emits token 0.
+
+Memory: the walk goes depth by depth (a `lax.while_loop` that stops when every row
+has stopped) and reads one [B, V] row of logits (and of draft_probs) per depth,
+the current node's; no [B, N+1, V] probability tensor is formed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax import sampling
+from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID
+from specdec_jax.sampling import SamplingParams
+
+_WHERE = "tree_rejection_sample"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeRejectionOutput:
+  """What `tree_rejection_sample` emits.
+
+  Attributes:
+    token_ids: int32[B, D+1]: the accepted path's tokens, then one recovered or
+      bonus token, then PLACEHOLDER_TOKEN_ID (-1).
+    accepted_nodes: int32[B, D]: the node accepted at each depth, then -1.
+    num_accepted: int32[B]: nodes accepted (the path's length), in [0, D].
+    num_emitted: int32[B]: num_accepted + 1.
+  """
+
+  token_ids: jax.Array  # [B, D+1]
+  accepted_nodes: jax.Array  # [B, D]
+  num_accepted: jax.Array  # [B]
+  num_emitted: jax.Array  # [B]
+
+
+def tree_rejection_sample(
+    draft_token_ids,  # int32 [B, N], nodes in topological order
+    parents,  # int32 [N] (static tree) or [B, N]; -1 = child of the root
+    target_logits,  # float [B, N+1, V]
+    params: SamplingParams,  # batch B
+    key=None,  # one key, or [B] keys (typed or raw uint32)
+    draft_probs=None,  # float [B, N+1, V] or None (deterministic drafts)
+    num_nodes=None,  # int32 [B] in [0, N]; None = N
+    all_greedy: bool = False,
+) -> TreeRejectionOutput:
+  """Verifies a tree of draft tokens against the target, losslessly.
+
+  Args:
+    draft_token_ids: int32[B, N], one token per node; nodes at or past
+      num_nodes[b] are ignored (any value).
+    parents: int32[N] or [B, N]: the parent of node j, in [-1, j) (-1 = the
+      root). A concrete [N] array (NumPy or a concrete jax array) gives a static
+      depth D, that of the deepest node; a [B, N] array, concrete or traced, gives
+      D = N and the same program for every tree of that shape.
+    target_logits: float[B, N+1, V]; row 0 scores the root's children, row j+1
+      node j's children (and its bonus token). Any float dtype; arithmetic is float32.
+    params: SamplingParams with batch B (temperature 0 = greedy).
+    key: one PRNG key or a batch of B keys, typed or raw uint32[2] (as for
+      `rejection_sample`: a single key gives row b `fold_in(key, b)`). Depth d of
+      row b uses `fold_in(row_key, d)`. May be None only with all_greedy=True.
+    draft_probs: float[B, N+1, V] or None. Row 0 (row j+1) is the distribution q
+      the root's (node j's) children were drawn from, i.i.d.; None for
+      deterministic drafts.
+    num_nodes: int32[B] in [0, N], or None for all N: nodes >= num_nodes[b] do
+      not exist for row b. Under jit it is clipped to [0, N].
+    all_greedy: static promise that every row is greedy: argmax only, no
+      exponential and no random numbers.
+
+  Returns:
+    TreeRejectionOutput(token_ids int32[B, D+1], accepted_nodes int32[B, D],
+    num_accepted int32[B], num_emitted int32[B]).
+
+  Raises:
+    ValueError: for mismatched shapes, dtypes or batch sizes (at trace time), and
+      for out-of-range concrete values: parents[j] outside [-1, j) (for [B, N]
+      parents, at existing nodes only), num_nodes outside [0, N], draft ids of
+      existing nodes outside [0, V), NaN or all -inf logits at the root or an
+      existing node, draft_probs entries that are NaN, +-inf or negative in a row
+      whose node has existing children.
+
+  Under jit nothing is checked, and a node whose parent is outside [-1, j) does
+  not exist; a draft id outside [0, V) is never accepted (with draft_probs it
+  counts as a rejected child); a draft probability that is NaN, +-inf or
+  negative counts as 0; nothing is read out of bounds.
+
+  Example:
+    >>> # root -> node 0 (token 3) -> node 2 (token 5); root -> node 1 (token 4)
+    >>> out = tree_rejection_sample(
+    ...     draft_token_ids=jnp.array([[3, 4, 5]]), parents=np.array([-1, -1, 0]),
+    ...     target_logits=logits,                 # [1, 4, V]
+    ...     params=SamplingParams.greedy(1), all_greedy=True)
+    >>> out.token_ids       # e.g. [[4, 9, -1]]: argmax 4 at the root, node 1 is a leaf, bonus 9
+    >>> out.accepted_nodes  # [[1, -1]]
+  """
+  draft = jnp.asarray(draft_token_ids)
+  logits = jnp.asarray(target_logits)
+  b, n, v = _check_args(draft, logits, params, draft_probs, num_nodes)
+  parents, depth, max_children = _tree_structure(parents, b, n)
+  if num_nodes is None:
+    num_nodes = jnp.full((b,), n, jnp.int32)
+  num_nodes = jnp.asarray(num_nodes)
+  if draft_probs is not None:
+    draft_probs = jnp.asarray(draft_probs)
+  _check_values(draft, parents, num_nodes, logits, draft_probs)
+  if key is None:
+    if not all_greedy:
+      raise ValueError(f"{_WHERE}: key is required unless all_greedy=True")
+    keys = None
+  else:
+    keys = sampling.row_keys(key, b, f"{_WHERE}: key")
+  return _tree_rejection_sample(draft.astype(jnp.int32), parents.astype(jnp.int32), logits, params, keys,
+                                draft_probs, num_nodes.astype(jnp.int32), depth=depth, max_children=max_children,
+                                all_greedy=all_greedy)
+
+
+# ----------------------------------------------------------------------------
+# Checks at the API boundary
+# ----------------------------------------------------------------------------
+
+
+def _check_args(draft, logits, params, draft_probs, num_nodes):
+  """Shapes and dtypes (trace time); returns (B, N, V)."""
+  if logits.ndim != 3:
+    raise ValueError(f"{_WHERE}: target_logits must be [B, N+1, V], got shape {logits.shape}")
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"{_WHERE}: target_logits must be a float array, got dtype {logits.dtype}")
+  b, n1, v = logits.shape
+  if n1 < 1:
+    raise ValueError(f"{_WHERE}: target_logits must have N+1 >= 1 rows, got shape {logits.shape}")
+  if draft.shape != (b, n1 - 1):
+    raise ValueError(f"{_WHERE}: draft_token_ids must be [B, N]=({b}, {n1 - 1}) to match target_logits "
+                     f"{logits.shape}, got {draft.shape}")
+  if not jnp.issubdtype(draft.dtype, jnp.integer):
+    raise ValueError(f"{_WHERE}: draft_token_ids must be an integer array, got dtype {draft.dtype}")
+  sampling.check_params(params, b, _WHERE)
+  if draft_probs is not None:
+    dp_shape, dp_dtype = jnp.shape(draft_probs), jnp.result_type(draft_probs)
+    if dp_shape != (b, n1, v):
+      raise ValueError(f"{_WHERE}: draft_probs must be [B, N+1, V]=({b}, {n1}, {v}), got {dp_shape}")
+    if not jnp.issubdtype(dp_dtype, jnp.floating):
+      raise ValueError(f"{_WHERE}: draft_probs must be a float array, got dtype {dp_dtype}")
+  if num_nodes is not None:
+    n_shape, n_dtype = jnp.shape(num_nodes), jnp.result_type(num_nodes)
+    if n_shape != (b,):
+      raise ValueError(f"{_WHERE}: num_nodes must be [B]=({b},), got {n_shape}")
+    if not jnp.issubdtype(n_dtype, jnp.integer):
+      raise ValueError(f"{_WHERE}: num_nodes must be an integer array, got dtype {n_dtype}")
+  return b, n1 - 1, v
+
+
+def _tree_structure(parents, b, n):
+  """parents as [B, N], the static depth D and the static bound on children per node.
+
+  A concrete [N] array fixes both from its values (and is checked here); [B, N]
+  parents, or traced ones, get the bounds D = N and N children.
+  """
+  shape, dtype = jnp.shape(parents), jnp.result_type(parents)
+  if shape not in ((n,), (b, n)):
+    raise ValueError(f"{_WHERE}: parents must be [N]=({n},) or [B, N]=({b}, {n}), got {shape}")
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"{_WHERE}: parents must be an integer array, got dtype {dtype}")
+  if len(shape) == 2 or isinstance(parents, jax.core.Tracer):
+    return jnp.broadcast_to(jnp.asarray(parents), (b, n)), n, n
+  p = np.asarray(parents).astype(np.int64)
+  bad = (p < -1) | (p >= np.arange(n))
+  if np.any(bad):
+    raise ValueError(f"{_WHERE}: parents[j] must be in [-1, j) (nodes in topological order, -1 = the root); "
+                     f"got parents[{np.flatnonzero(bad)[:8].tolist()}] = {p[bad][:8].tolist()}")
+  depth_of = np.zeros(n, np.int64)  # the root's children are at depth 1
+  for j in range(n):
+    depth_of[j] = 1 if p[j] < 0 else depth_of[p[j]] + 1
+  max_children = int(np.bincount(p + 1, minlength=1).max()) if n else 0
+  return jnp.broadcast_to(jnp.asarray(p, jnp.int32), (b, n)), int(depth_of.max(initial=0)), max_children
+
+
+def _check_values(draft, parents, num_nodes, logits, draft_probs):
+  """Range checks of concrete (eager) inputs, at existing nodes only; skipped under jit."""
+  if any(isinstance(a, jax.core.Tracer) for a in (draft, parents, num_nodes, logits, draft_probs)):
+    return
+  b, n = draft.shape
+  v = logits.shape[-1]
+  nn = np.asarray(num_nodes)
+  if np.any((nn < 0) | (nn > n)):
+    raise ValueError(f"{_WHERE}: num_nodes must be in [0, N={n}], got {nn}")
+  live = np.arange(n)[None, :] < nn[:, None]  # [B, N]
+  p = np.asarray(parents)
+  bad = live & ((p < -1) | (p >= np.arange(n)[None, :]))
+  if np.any(bad):
+    raise ValueError(f"{_WHERE}: parents[b, j] must be in [-1, j) at existing nodes; got {p[bad][:8].tolist()} at "
+                     f"[b, j] = {np.argwhere(bad)[:8].tolist()}")
+  d = np.asarray(draft)
+  bad = live & ((d < 0) | (d >= v))
+  if np.any(bad):
+    raise ValueError(f"{_WHERE}: draft_token_ids must be in [0, V={v}) at nodes < num_nodes; got {d[bad][:8]}")
+  rows_used = np.concatenate([np.ones((b, 1), bool), live], axis=1)  # the root and the existing nodes
+  sampling.check_logits_values(logits, jnp.asarray(rows_used), f"{_WHERE}: target_logits")
+  if draft_probs is None:
+    return
+  # q of row c+1 matters only where node c has an existing child (row 0: the root).
+  has_child = np.zeros((b, n + 1), bool)
+  rows, cols = np.nonzero(live)
+  has_child[rows, p[rows, cols] + 1] = True
+  q = draft_probs
+  bad = np.asarray(jnp.any(~jnp.isfinite(q) | (q < 0), axis=-1)) & has_child
+  if np.any(bad):
+    raise ValueError(f"{_WHERE}: draft_probs must be finite and >= 0 in the rows of nodes with children; got NaN, "
+                     f"+-inf or negative entries at [b, row] = {np.argwhere(bad)[:8].tolist()}")
+
+
+# ----------------------------------------------------------------------------
+# The walk
+# ----------------------------------------------------------------------------
+
+
+class _WalkState(NamedTuple):
+  """The walk's loop state, per row b."""
+
+  depth: jax.Array  # int32 []: the depth whose children are being decided
+  node: jax.Array  # int32 [B]: the current node, -1 = the root
+  done: jax.Array  # bool [B]: the row has emitted its last token
+  token_ids: jax.Array  # int32 [B, D+1]
+  accepted_nodes: jax.Array  # int32 [B, D]
+
+
+class _Step(NamedTuple):
+  """One depth's decision, per row."""
+
+  child: jax.Array  # int32 [B]: the accepted child, -1 = none (the row stops)
+  token: jax.Array  # int32 [B]: the emitted token when child == -1
+
+
+def _row_at(x, node):
+  """x[b, node[b] + 1] for x [B, N+1, ...]: the current node's row."""
+  idx = (node + 1).reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+def _first(mask):
+  """The first True column of mask [B, N], -1 where there is none."""
+  if mask.shape[1] == 0:
+    return jnp.full(mask.shape[:1], -1, jnp.int32)
+  return jnp.where(jnp.any(mask, axis=1), jnp.argmax(mask, axis=1), -1).astype(jnp.int32)
+
+
+def _valid_probs(q):
+  """Draft probabilities as float32, NaN, +-inf and negative entries counted as 0 (under jit)."""
+  q = q.astype(jnp.float32)
+  return jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
+
+
+def _greedy_step(row_logits, draft, children):
+  """The first child whose token is the argmax; else emit the argmax."""
+  t, best = sampling.greedy_argmax(row_logits)  # NaN counts as -inf; t = 0 for an empty row
+  match = children & (draft == t[:, None]) & (best > -jnp.inf)[:, None]
+  return _Step(_first(match), t)
+
+
+def _guess_step(logp, draft, children, key):
+  """Deterministic drafts: draw x ~ p; the first child whose token is x, else emit x."""
+  nonempty = jnp.any(logp > -jnp.inf, axis=-1)
+  x = jnp.where(nonempty, sampling.categorical_from_log_weights(key, logp), 0)
+  return _Step(_first(children & (draft == x[:, None]) & nonempty[:, None]), x)
+
+
+def _residual(r, q, p):
+  """normalise(max(r - q, 0)) per row, or p where that has no mass."""
+  res = jnp.maximum(r - q, 0.0)
+  mass = jnp.sum(res, axis=-1, keepdims=True)
+  return jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p)
+
+
+def _recursive_rejection_step(logp, q, draft, children, key, max_children):
+  """Drafts drawn i.i.d. from q: SpecInfer's recursive rejection sampling over the children.
+
+  Child slot c (the c-th child in node order) is accepted with probability
+  min(1, r(x)/q(x)), as `u * q(x) < r(x)` with u ~ U[0, 1); a loop over slots stops
+  once every row has accepted a child or run out of children.
+  """
+  b, n = draft.shape
+  v = logp.shape[-1]
+  k_accept, k_final = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(key)
+  u = jax.vmap(lambda kk: jax.random.uniform(kk, (max(max_children, 1),), jnp.float32))(k_accept)  # [B, C]
+  nonempty = jnp.any(logp > -jnp.inf, axis=-1)
+  p = jnp.exp(logp)
+  rank = jnp.cumsum(children.astype(jnp.int32), axis=1) - 1  # [B, N]: slot of each child
+  num_children = jnp.sum(children, axis=1, dtype=jnp.int32)
+
+  def pending(c, chosen):
+    return (chosen < 0) & (c < num_children)
+
+  def cond(carry):
+    c, _, chosen, _ = carry
+    return (c < max_children) & jnp.any(pending(c, chosen))
+
+  def body(carry):
+    c, r, chosen, rejected_any = carry
+    at_slot = children & (rank == c)
+    j = jnp.argmax(at_slot, axis=1).astype(jnp.int32)
+    live = pending(c, chosen)
+    x = jnp.take_along_axis(draft, j[:, None], axis=1)  # [B, 1]; may be out of range
+    valid = (x >= 0) & (x < v)
+    safe = jnp.where(valid, x, 0)
+    r_x = jnp.take_along_axis(r, safe, axis=1)[:, 0]
+    q_x = jnp.take_along_axis(q, safe, axis=1)[:, 0]
+    u_c = jax.lax.dynamic_index_in_dim(u, c, axis=1, keepdims=False)
+    accept = live & valid[:, 0] & nonempty & (u_c * q_x < r_x)
+    reject = live & ~accept
+    r = jnp.where(reject[:, None], _residual(r, q, p), r)
+    return c + 1, r, jnp.where(accept, j, chosen), rejected_any | reject
+
+  init = (jnp.int32(0), p, jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool))
+  _, r, chosen, rejected_any = jax.lax.while_loop(cond, body, init) if n and max_children else init
+  # The bonus (no child rejected) draws from logp itself, not from log(exp(logp)).
+  log_w = jnp.where(rejected_any[:, None], jnp.log(r), logp)
+  token = jnp.where(nonempty, sampling.categorical_from_log_weights(k_final, log_w), 0)
+  return _Step(chosen, token)
+
+
+def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, max_children, greedy_only):
+  """Walks every row from the root, one depth per iteration; returns TreeRejectionOutput."""
+  b, n = draft.shape
+
+  def step(s: _WalkState) -> _Step:
+    # Children of the current node; none at depth D (accepted_nodes has D columns).
+    children = exists & (parents == s.node[:, None]) & ~s.done[:, None] & (s.depth < depth)
+    row_logits = _row_at(logits, s.node)  # [B, V]
+    greedy = _greedy_step(row_logits, draft, children)
+    if greedy_only:
+      return greedy
+    k_draw = jax.vmap(lambda kk: jax.random.fold_in(kk, s.depth))(keys)
+    logp = sampling.process_logits(row_logits, params)
+    if draft_probs is None:
+      rand = _guess_step(logp, draft, children, k_draw)
+    else:
+      q = _valid_probs(_row_at(draft_probs, s.node))
+      rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children)
+    is_greedy = params.is_greedy
+    return _Step(jnp.where(is_greedy, greedy.child, rand.child), jnp.where(is_greedy, greedy.token, rand.token))
+
+  def body(s: _WalkState) -> _WalkState:
+    st = step(s)
+    moved = ~s.done & (st.child >= 0)
+    safe_child = jnp.maximum(st.child, 0)
+    child_token = jnp.take_along_axis(draft, safe_child[:, None], axis=1)[:, 0] if n else st.token
+    token = jnp.where(moved, child_token, st.token)
+    token_ids = s.token_ids.at[:, s.depth].set(jnp.where(s.done, s.token_ids[:, s.depth], token))
+    accepted = s.accepted_nodes
+    if depth:
+      d = jnp.minimum(s.depth, depth - 1)  # never past the last column (nothing is accepted at depth D)
+      accepted = accepted.at[:, d].set(jnp.where(moved, st.child, accepted[:, d]))
+    return _WalkState(s.depth + 1, jnp.where(moved, st.child, s.node), s.done | ~moved, token_ids, accepted)
+
+  init = _WalkState(jnp.int32(0), jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool),
+                    jnp.full((b, depth + 1), PLACEHOLDER_TOKEN_ID, jnp.int32),
+                    jnp.full((b, depth), PLACEHOLDER_TOKEN_ID, jnp.int32))
+  final = jax.lax.while_loop(lambda s: (s.depth <= depth) & ~jnp.all(s.done), body, init)
+  num_accepted = jnp.sum(final.accepted_nodes >= 0, axis=1, dtype=jnp.int32)
+  return TreeRejectionOutput(token_ids=final.token_ids, accepted_nodes=final.accepted_nodes,
+                             num_accepted=num_accepted, num_emitted=num_accepted + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("depth", "max_children", "all_greedy"))
+def _tree_rejection_sample(draft, parents, logits, params, keys, draft_probs, num_nodes, *, depth, max_children,
+                           all_greedy):
+  b, n = draft.shape
+  node_ids = jnp.arange(n, dtype=jnp.int32)[None, :]
+  # Under jit a node past num_nodes, or with a parent outside [-1, j), does not exist.
+  exists = (node_ids < jnp.clip(num_nodes, 0, n)[:, None]) & (parents >= -1) & (parents < node_ids)
+  walk = functools.partial(_walk, parents=parents, params=params, keys=keys, draft_probs=draft_probs,
+                           exists=exists, depth=depth, max_children=max_children)
+  if all_greedy:
+    return walk(draft, logits=logits, greedy_only=True)
+  # Run-time shortcut: an all-greedy batch skips the softmax and the random numbers.
+  return jax.lax.cond(jnp.all(params.is_greedy), lambda d, x: walk(d, logits=x, greedy_only=True),
+                      lambda d, x: walk(d, logits=x, greedy_only=False), draft, logits)
