@@ -52,7 +52,7 @@ class TinyLM:
     TinyLM.traces += 1
     b, _ = tokens.shape
     s, d = cache.shape[2], cache.shape[3]
-    freq = 1.0 / (10.0 ** (jnp.arange(d // 2) / (d // 2)))
+    freq = (1.0 / (10.0 ** (jnp.arange(d // 2) / (d // 2)))).astype(jnp.float32)  # float32 under x64 too
     ang = positions[..., None].astype(jnp.float32) * freq[None, None, :]
     x = self.embed[tokens] + jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
     q, k, v = x @ self.wqkv[0], x @ self.wqkv[1], x @ self.wqkv[2]
