@@ -146,34 +146,55 @@ def rejection_sample(
 
 def _check_args(draft, logits, params, draft_probs, n, all_greedy, all_random):
   where = "rejection_sample"
+  b, k1, _ = check_verifier_args(where, draft, logits, params, draft_probs, n, axis="K", probs_rows=0,
+                                 count_name="num_draft_tokens")
+  if all_greedy and all_random:
+    raise ValueError(f"{where}: all_greedy and all_random cannot both be True")
+  return b, k1 - 1
+
+
+def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axis, probs_rows, count_name):
+  """Shapes and dtypes a verifier checks at trace time; returns (B, R, V), R = rows of target_logits.
+
+  Shared by `rejection_sample` (axis "K": R = K+1, draft_probs [B, K, V]) and
+  `tree_rejection_sample` (axis "N": R = N+1, draft_probs [B, N+1, V]).
+
+  Args:
+    where: the function's name, for the messages.
+    draft, logits: draft_token_ids [B, R-1] and target_logits [B, R, V].
+    params: SamplingParams of batch B.
+    draft_probs: None or [B, R - 1 + probs_rows, V].
+    count: None or an int [B] (num_draft_tokens, num_nodes), named `count_name`.
+    axis: the name of draft_token_ids' second axis ("K" or "N").
+    probs_rows: 0 when draft_probs has R - 1 rows, 1 when it has R.
+  """
   if logits.ndim != 3:
-    raise ValueError(f"{where}: target_logits must be [B, K+1, V], got shape {logits.shape}")
+    raise ValueError(f"{where}: target_logits must be [B, {axis}+1, V], got shape {logits.shape}")
   if not jnp.issubdtype(logits.dtype, jnp.floating):
     raise ValueError(f"{where}: target_logits must be a float array, got dtype {logits.dtype}")
-  b, k1, v = logits.shape
-  if k1 < 1:
-    raise ValueError(f"{where}: target_logits must have K+1 >= 1 positions, got shape {logits.shape}")
-  if draft.shape != (b, k1 - 1):
-    raise ValueError(f"{where}: draft_token_ids must be [B, K]=({b}, {k1 - 1}) to match target_logits "
+  b, r, v = logits.shape
+  if r < 1:
+    raise ValueError(f"{where}: target_logits must have {axis}+1 >= 1 positions, got shape {logits.shape}")
+  if draft.shape != (b, r - 1):
+    raise ValueError(f"{where}: draft_token_ids must be [B, {axis}]=({b}, {r - 1}) to match target_logits "
                      f"{logits.shape}, got {draft.shape}")
   if not jnp.issubdtype(draft.dtype, jnp.integer):
     raise ValueError(f"{where}: draft_token_ids must be an integer array, got dtype {draft.dtype}")
   sampling.check_params(params, b, where)
   if draft_probs is not None:
     dp_shape, dp_dtype = jnp.shape(draft_probs), jnp.result_type(draft_probs)
-    if dp_shape != (b, k1 - 1, v):
-      raise ValueError(f"{where}: draft_probs must be [B, K, V]=({b}, {k1 - 1}, {v}), got {dp_shape}")
+    rows, rows_name = r - 1 + probs_rows, f"{axis}+1" if probs_rows else axis
+    if dp_shape != (b, rows, v):
+      raise ValueError(f"{where}: draft_probs must be [B, {rows_name}, V]=({b}, {rows}, {v}), got {dp_shape}")
     if not jnp.issubdtype(dp_dtype, jnp.floating):
       raise ValueError(f"{where}: draft_probs must be a float array, got dtype {dp_dtype}")
-  if n is not None:
-    n_shape, n_dtype = jnp.shape(n), jnp.result_type(n)
+  if count is not None:
+    n_shape, n_dtype = jnp.shape(count), jnp.result_type(count)
     if n_shape != (b,):
-      raise ValueError(f"{where}: num_draft_tokens must be [B]=({b},), got {n_shape}")
+      raise ValueError(f"{where}: {count_name} must be [B]=({b},), got {n_shape}")
     if not jnp.issubdtype(n_dtype, jnp.integer):
-      raise ValueError(f"{where}: num_draft_tokens must be an integer array, got dtype {n_dtype}")
-  if all_greedy and all_random:
-    raise ValueError(f"{where}: all_greedy and all_random cannot both be True")
-  return b, k1 - 1
+      raise ValueError(f"{where}: {count_name} must be an integer array, got dtype {n_dtype}")
+  return b, r, v
 
 
 def _check_values(draft, n, k, v):

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax import sampling
-from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID
+from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, check_verifier_args
 from specdec_jax.sampling import SamplingParams
 
 _WHERE = "tree_rejection_sample"
@@ -158,31 +158,8 @@ def tree_rejection_sample(
 
 def _check_args(draft, logits, params, draft_probs, num_nodes):
   """Shapes and dtypes (trace time); returns (B, N, V)."""
-  if logits.ndim != 3:
-    raise ValueError(f"{_WHERE}: target_logits must be [B, N+1, V], got shape {logits.shape}")
-  if not jnp.issubdtype(logits.dtype, jnp.floating):
-    raise ValueError(f"{_WHERE}: target_logits must be a float array, got dtype {logits.dtype}")
-  b, n1, v = logits.shape
-  if n1 < 1:
-    raise ValueError(f"{_WHERE}: target_logits must have N+1 >= 1 rows, got shape {logits.shape}")
-  if draft.shape != (b, n1 - 1):
-    raise ValueError(f"{_WHERE}: draft_token_ids must be [B, N]=({b}, {n1 - 1}) to match target_logits "
-                     f"{logits.shape}, got {draft.shape}")
-  if not jnp.issubdtype(draft.dtype, jnp.integer):
-    raise ValueError(f"{_WHERE}: draft_token_ids must be an integer array, got dtype {draft.dtype}")
-  sampling.check_params(params, b, _WHERE)
-  if draft_probs is not None:
-    dp_shape, dp_dtype = jnp.shape(draft_probs), jnp.result_type(draft_probs)
-    if dp_shape != (b, n1, v):
-      raise ValueError(f"{_WHERE}: draft_probs must be [B, N+1, V]=({b}, {n1}, {v}), got {dp_shape}")
-    if not jnp.issubdtype(dp_dtype, jnp.floating):
-      raise ValueError(f"{_WHERE}: draft_probs must be a float array, got dtype {dp_dtype}")
-  if num_nodes is not None:
-    n_shape, n_dtype = jnp.shape(num_nodes), jnp.result_type(num_nodes)
-    if n_shape != (b,):
-      raise ValueError(f"{_WHERE}: num_nodes must be [B]=({b},), got {n_shape}")
-    if not jnp.issubdtype(n_dtype, jnp.integer):
-      raise ValueError(f"{_WHERE}: num_nodes must be an integer array, got dtype {n_dtype}")
+  b, n1, v = check_verifier_args(_WHERE, draft, logits, params, draft_probs, num_nodes, axis="N", probs_rows=1,
+                                 count_name="num_nodes")
   return b, n1 - 1, v
 
 
