@@ -550,3 +550,23 @@ def test_values_of_absent_nodes_are_not_checked():
   kw["draft_probs"][1, 4:] = -1.0  # nodes 3.. have no existing children in row 1
   out = tree_rejection_sample(**kw)
   assert int(out.num_accepted[1]) <= 1
+
+
+def test_all_greedy_tree_program_has_no_exponential_or_random_numbers():
+  """all_greedy=True compiles an argmax-only walk; without the flag the random walk's exp and PRNG are there."""
+  b, n, v = 2, 5, 64
+  parents = np.array([-1, -1, 0, 0, 2])
+
+  def program(**flags):
+    def fn(draft, logits, params, key):
+      return tree_rejection_sample(draft_token_ids=draft, parents=parents, target_logits=logits, params=params,
+                                   key=key, **flags).token_ids
+    args = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n + 1, v), jnp.float32), SamplingParams.greedy(b),
+            jax.random.key(0))
+    return stats.HloProgram(jax.jit(fn).lower(*args).compile().as_text())
+
+  greedy, general = program(all_greedy=True), program()
+  assert not greedy.opcodes() & ({"exponential", "log"} | stats.RANDOM_OPCODES), greedy.opcodes()
+  assert not greedy.mentions("threefry") and not greedy.mentions("random_bits")
+  # The check sees these ops when they are there: the general program holds the random walk.
+  assert "exponential" in general.opcodes() and (general.mentions("threefry") or general.mentions("random_bits"))
