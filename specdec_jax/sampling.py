@@ -859,3 +859,30 @@ def check_logits_values(logits: jax.Array, used: jax.Array | None, where: str) -
   if bool(jnp.any(empty)):
     raise ValueError(f"{where} has no value above -inf (every token masked) at positions "
                      f"{np.argwhere(np.asarray(empty))[:8].tolist()}; under jit token 0 would be emitted there")
+
+
+def check_probs_values(probs: jax.Array, used, where: str, positions: str) -> None:
+  """Eager check (skipped for tracers): probabilities finite and >= 0 at every used position.
+
+  Args:
+    probs: [..., V] draft probabilities.
+    used: bool[...] positions that matter.
+    where: the argument's name for the message.
+    positions: which positions are checked, in words, for the message.
+  """
+  if not _is_concrete(probs):
+    return
+  bad = np.asarray(jnp.any(~jnp.isfinite(probs) | (probs < 0), axis=-1) & used)
+  if bool(np.any(bad)):
+    raise ValueError(f"{where} must be finite and >= 0 {positions}; got NaN, +-inf or negative entries at "
+                     f"{np.argwhere(bad)[:8].tolist()}; under jit they would count as 0")
+
+
+def valid_probs(probs: jax.Array) -> jax.Array:
+  """Draft probabilities as float32, with NaN, +-inf and negative entries counted as 0 (the rule under jit).
+
+  Example:
+    >>> valid_probs(jnp.array([0.5, jnp.nan, -1.0]))   # [0.5, 0., 0.]
+  """
+  q = probs.astype(jnp.float32)
+  return jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)

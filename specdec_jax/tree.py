@@ -215,11 +215,8 @@ def _check_values(draft, parents, num_nodes, logits, draft_probs):
   has_child = np.zeros((b, n + 1), bool)
   rows, cols = np.nonzero(live)
   has_child[rows, p[rows, cols] + 1] = True
-  q = draft_probs
-  bad = np.asarray(jnp.any(~jnp.isfinite(q) | (q < 0), axis=-1)) & has_child
-  if np.any(bad):
-    raise ValueError(f"{_WHERE}: draft_probs must be finite and >= 0 in the rows of nodes with children; got NaN, "
-                     f"+-inf or negative entries at [b, row] = {np.argwhere(bad)[:8].tolist()}")
+  sampling.check_probs_values(draft_probs, jnp.asarray(has_child), f"{_WHERE}: draft_probs",
+                              "in the rows of nodes with children ([b, row])")
 
 
 # ----------------------------------------------------------------------------
@@ -255,12 +252,6 @@ def _first(mask):
   if mask.shape[1] == 0:
     return jnp.full(mask.shape[:1], -1, jnp.int32)
   return jnp.where(jnp.any(mask, axis=1), jnp.argmax(mask, axis=1), -1).astype(jnp.int32)
-
-
-def _valid_probs(q):
-  """Draft probabilities as float32, NaN, +-inf and negative entries counted as 0 (under jit)."""
-  q = q.astype(jnp.float32)
-  return jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
 
 
 def _greedy_step(row_logits, draft, children):
@@ -347,7 +338,7 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
     if draft_probs is None:
       rand = _guess_step(logp, draft, children, k_draw)
     else:
-      q = _valid_probs(_row_at(draft_probs, s.node))
+      q = sampling.valid_probs(_row_at(draft_probs, s.node))
       rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children)
     is_greedy = params.is_greedy
     return _Step(jnp.where(is_greedy, greedy.child, rand.child), jnp.where(is_greedy, greedy.token, rand.token))
