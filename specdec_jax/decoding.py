@@ -312,6 +312,11 @@ def _arange(n):
   return jnp.arange(n, dtype=jnp.int32)
 
 
+def _clip_lengths(prompt_lengths, p):
+  """Under an outer jit prompt_lengths cannot be checked: every loop clips them into [1, P] once, on entry."""
+  return jnp.clip(prompt_lengths, 1, p)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Start:
   """What both loops begin with: the state after the prefill and the first new token."""
@@ -335,8 +340,6 @@ def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_n
   """
   b, p = prompt_tokens.shape
   keys = None if all_greedy else row_keys(key, b)
-  # Under an outer jit prompt_lengths cannot be checked; clip them into [1, P].
-  prompt_lengths = jnp.clip(prompt_lengths, 1, p)
   pos = jnp.broadcast_to(_arange(p), (b, p))
   # The caller's pad ids may lie outside the vocabulary: feed 0 instead.
   tokens = jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0)
@@ -363,7 +366,6 @@ def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_n
 def _outputs(state: LoopState, prompt_lengths, max_new_tokens):
   """Cuts the generated tokens out of the buffer; -1 after each row's end."""
   buf, s = state.tokens, state.tokens.shape[1]
-  prompt_lengths = jnp.clip(prompt_lengths, 1, buf.shape[1])
   i = _arange(max_new_tokens)[None, :]
   gen = jnp.take_along_axis(buf, jnp.minimum(prompt_lengths[:, None] + i, s - 1), axis=1)
   lengths = (state.length - prompt_lengths).astype(jnp.int32)
@@ -433,10 +435,10 @@ def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, 
                   all_greedy):
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
+  prompt_lengths = _clip_lengths(prompt_lengths, p)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
   start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=False, where="generate")
-  prompt_lengths = jnp.clip(prompt_lengths, 1, p)
   rows = _arange(b)
 
   def body(s: LoopState) -> LoopState:
@@ -706,10 +708,10 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
   else:
     drafter = _ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k)
 
+  prompt_lengths = _clip_lengths(prompt_lengths, p)
   start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=drafter.needs_features,
                  where=where)
-  prompt_lengths = jnp.clip(prompt_lengths, 1, p)
   zeros_k = jnp.zeros((k,), jnp.int32)
   state = dataclasses.replace(
       start.state, draft=drafter.start(start, prompt_tokens, max_length),
