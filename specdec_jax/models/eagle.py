@@ -52,7 +52,7 @@ from flax import nnx
 
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache, Transformer, _apply_rope,
-                                            _rope_tables, decoder_block, rms_norm)
+                                            _rope_tables, decoder_block, random_weights, rms_norm)
 
 # The first block's parameters: the plain block's, plus a norm for each half of its input.
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))
@@ -180,7 +180,8 @@ class EagleDrafter(nnx.Module):
     self.config = config
     c = config.layers
     shapes = eagle_weight_shapes(config)
-    weights = _random_weights(shapes, c, rngs.params())
+    weights = random_weights(tuple((k, v) for k, v in shapes.items() if k != "draft_vocab"), c.num_layers, c.dtype,
+                             rngs.params())
     self.fc = nnx.Param(weights["fc"])
     self.first = _Params({n: weights[f"first.{n}"] for n in _FIRST_PARAMS}, _FIRST_PARAMS)
     if c.num_layers > 1:
@@ -484,18 +485,3 @@ def _unrolled_block(c: TransformerConfig, x, attn_in, p, kv: list, j: int, cos, 
   x = x + out.reshape(b, t, h * dh).astype(x.dtype) @ p["wo"]
   hm = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
   return x + (jax.nn.silu(hm @ p["w_gate"]) * (hm @ p["w_up"])) @ p["w_down"]
-
-
-def _random_weights(shapes: Mapping[str, tuple[int, ...]], c: TransformerConfig, key) -> dict[str, jax.Array]:
-  """Normal(0.02) matrices (residual outputs scaled down by sqrt(2 L)), unit norms."""
-  weights = {}
-  keys = jax.random.split(key, len(shapes))
-  for (name, shape), k in zip(shapes.items(), keys):
-    if name == "draft_vocab":
-      continue
-    if name.endswith("norm"):
-      weights[name] = jnp.ones(shape, c.dtype)
-      continue
-    std = 0.02 / np.sqrt(2 * c.num_layers) if name.endswith(("wo", "w_down")) else 0.02
-    weights[name] = (std * jax.random.normal(k, shape, jnp.float32)).astype(c.dtype)
-  return weights

@@ -115,27 +115,46 @@ def weight_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _random_weights(config: TransformerConfig, key: jax.Array) -> dict[str, jax.Array]:
-  """Random weights under the keys of `weight_shapes`, in one compiled program.
+  """Random weights under the keys of `weight_shapes` (see `random_weights`)."""
+  return random_weights(tuple(weight_shapes(config).items()), config.num_layers, config.dtype, key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def random_weights(shapes: tuple[tuple[str, tuple[int, ...]], ...], num_layers: int, dtype, key: jax.Array
+                   ) -> dict[str, jax.Array]:
+  """Initial weights for the named shapes, in one compiled program (the transformer's and the EAGLE drafter's).
 
   (Drawn op by op, eagerly, each shape would compile on its own: seconds even
-  for a tiny model.) Norm scales are 1; matrices are normal with std 0.02, and
-  the projections that write into the residual stream ("wo", "w_down") are
-  scaled down by sqrt(2 L) (GPT-2) so its variance stays O(1) in depth.
+  for a tiny model.) Names ending in "norm" get scales of 1; matrices are normal
+  with std 0.02, and the projections that write into the residual stream (names
+  ending in "wo", "w_down") are scaled down by sqrt(2 L) (GPT-2) so its
+  variance stays O(1) in depth.
+
+  Args:
+    shapes: ((name, shape), ...), hashable.
+    num_layers: L of that scaling.
+    dtype: the weights' dtype.
+    key: a PRNG key.
+
+  Returns:
+    {name: array of that shape}.
+
+  Example:
+    >>> random_weights((("w", (2, 3)), ("norm", (3,))), 1, jnp.float32, jax.random.key(0))["norm"]
+    Array([1., 1., 1.], dtype=float32)
   """
-  all_shapes = weight_shapes(config)
-  shapes = {name: shape for name, shape in all_shapes.items() if not name.endswith("norm")}
-  sizes = [int(np.prod(shape)) for shape in shapes.values()]
+  matrices = [(name, shape) for name, shape in shapes if not name.endswith("norm")]
+  sizes = [int(np.prod(shape)) for _, shape in matrices]
   # One draw for all matrices: XLA compiles a single threefry instead of one per shape.
   noise = jax.random.normal(key, (sum(sizes),), jnp.float32)
   weights = {}
-  for (name, shape), chunk in zip(shapes.items(), jnp.split(noise, np.cumsum(sizes)[:-1])):
-    residual_out = name in ("layers.wo", "layers.w_down")
-    std = 0.02 / np.sqrt(2 * config.num_layers) if residual_out else 0.02
-    weights[name] = (std * chunk.reshape(shape)).astype(config.dtype)
-  for name in ("layers.attn_norm", "layers.mlp_norm", "final_norm"):
-    weights[name] = jnp.ones(all_shapes[name], config.dtype)
+  for (name, shape), chunk in zip(matrices, jnp.split(noise, np.cumsum(sizes)[:-1])):
+    std = 0.02 / np.sqrt(2 * num_layers) if name.endswith(("wo", "w_down")) else 0.02
+    weights[name] = (std * chunk.reshape(shape)).astype(dtype)
+  for name, shape in shapes:
+    if name.endswith("norm"):
+      weights[name] = jnp.ones(shape, dtype)
   return weights
 
 
