@@ -327,6 +327,17 @@ class _Start:
   prefill_features: jax.Array | None  # [B, P, F] when the draft reads features
 
 
+def _prefill_inputs(prompt_tokens, prompt_lengths):
+  """(tokens, positions) [B, P] of a prefill: the padded prompt at positions arange(P).
+
+  The caller's pad ids may lie outside the vocabulary: they are fed as 0 (their
+  slots are junk, overwritten before anyone reads them).
+  """
+  b, p = prompt_tokens.shape
+  pos = jnp.broadcast_to(_arange(p), (b, p))
+  return jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0), pos
+
+
 def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,
            all_greedy, with_features, where) -> _Start:
   """Keys, the target's prefill, the first new token, the token buffer.
@@ -340,9 +351,7 @@ def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_n
   """
   b, p = prompt_tokens.shape
   keys = None if all_greedy else row_keys(key, b)
-  pos = jnp.broadcast_to(_arange(p), (b, p))
-  # The caller's pad ids may lie outside the vocabulary: feed 0 instead.
-  tokens = jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0)
+  tokens, pos = _prefill_inputs(prompt_tokens, prompt_lengths)
   out = t_apply(tokens, pos, t_init(max_length), **({"return_features": True} if with_features else {}))
   logits, cache = out[0], out[-1]
   _check_eos(eos, logits.shape[-1], where)
@@ -489,10 +498,7 @@ class _ModelDraft:
     self.init, self.apply, self.k = init, apply, k
 
   def start(self, start: _Start, prompt_tokens, max_length):
-    b, p = prompt_tokens.shape
-    pos = jnp.broadcast_to(_arange(p), (b, p))
-    plen = start.state.length - 1
-    tokens = jnp.where(pos < plen[:, None], prompt_tokens, 0)
+    tokens, pos = _prefill_inputs(prompt_tokens, start.state.length - 1)  # length - 1: the prompt lengths
     logits, cache = self.apply(tokens, pos, self.init(max_length))
     _check_vocab(logits.shape[-1], start.vocab_size)
     return cache
