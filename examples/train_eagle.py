@@ -129,14 +129,95 @@ def repeat_prompts(max_files: int, rng) -> list[str]:
   return prompts
 
 
-def all_prompts(quick: bool, seed: int, more: bool = False) -> list[str]:
+CODE_QUESTION_TEMPLATES = [
+    "Write a Python function `{name}` that does this: {summary}",
+    "In Python's `{module}` module, what does `{name}` do? Give an example.",
+    "Explain this line from Python's documentation in simple words: \"{summary}\"",
+    "How can I use `{module}.{name}` in my own code?",
+]
+# Held-out benchmark prompts must not be trained on: bench/smollm2.py asks how to read a CSV file.
+CODE_QUESTION_SKIP = ("csv.py",)
+
+
+def code_questions(max_files: int, per_file: int, rng) -> list[str]:
+  """Chat questions about public functions of top-level stdlib modules, from the first line of their docstrings.
+
+  (Free-form programming questions, worded by the templates above; bench/smollm2.py's held-out code prompts are
+  raw completions from stdlib sub-packages.)
+  """
+  files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+  prompts = []
+  for path in files[:max_files]:
+    if os.path.basename(path) in CODE_QUESTION_SKIP or os.path.basename(path).startswith("_"):
+      continue
+    try:
+      with open(path, encoding="utf-8", errors="replace") as f:
+        tree = ast.parse(f.read())
+    except (SyntaxError, ValueError):
+      continue
+    found = []
+    for node in ast.walk(tree):
+      if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+        doc = ast.get_docstring(node)
+        summary = doc.strip().split("\n")[0].strip() if doc else ""
+        if 20 <= len(summary) <= 200:
+          found.append((node.name, summary))
+    module = os.path.splitext(os.path.basename(path))[0]
+    for n, i in enumerate(rng.permutation(len(found))[:per_file]):
+      name, summary = found[i]
+      tpl = CODE_QUESTION_TEMPLATES[(len(prompts) + n) % len(CODE_QUESTION_TEMPLATES)]
+      prompts.append(smollm2.chat_prompt(tpl.format(name=name, module=module, summary=summary)))
+  return prompts
+
+
+SELF_QUESTION_ASK = ("Write one question that a curious person might ask an AI assistant about {t}. "
+                     "Reply with the question only.")
+
+
+def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> list[str]:
+  """Questions the target itself writes about each topic (T=0.8, `samples` per topic), as chat prompts.
+
+  Self-instruct in miniature: the assistant's own wording of questions widens the chat prompts beyond the
+  templates above. Only answers that end in a question mark on their first line are kept.
+  """
+  asks = [smollm2.chat_prompt(SELF_QUESTION_ASK.format(t=t)) for t in topics for _ in range(samples)]
+  ids = [tokenizer.encode(a).ids for a in asks]
+  p = max(map(len, ids))
+  questions = []
+  for start in tqdm(range(0, len(asks), batch_size), desc="self-written questions"):
+    chunk = ids[start:start + batch_size]
+    chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))
+    x = np.zeros((batch_size, p), np.int32)
+    for r, row in enumerate(chunk):
+      x[r, :len(row)] = row
+    out = generate(target, jnp.asarray(x), jnp.asarray([len(r) for r in chunk], jnp.int32),
+                   SamplingParams.create([0.8] * batch_size), jax.random.key(seed + 7919 + start),
+                   max_new_tokens=48, eos_token_id=smollm2.SMOLLM2_EOS_IDS)
+    gen, n = np.asarray(out.tokens), np.asarray(out.lengths)
+    for r in range(min(batch_size, len(asks) - start)):
+      text = tokenizer.decode(gen[r, :n[r]].tolist()).strip().split("\n")[0].strip().strip('"')
+      if 15 <= len(text) <= 200 and text.endswith("?"):
+        questions.append(text)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from bench.smollm2 import HELD_OUT_QUESTIONS  # noqa: PLC0415  (the benchmark's prompts stay held out)
+
+  held_out = set(HELD_OUT_QUESTIONS)
+  unique = sorted({q for q in questions if q not in held_out})
+  return [smollm2.chat_prompt(q) for q in unique]
+
+
+def all_prompts(quick: bool, seed: int, more: bool = False, code_questions_per_file: int = 0,
+                extra: list[str] | None = None, code_files: int = 60, code_per_file: int = 3) -> list[str]:
   rng = np.random.default_rng(seed)
   chats = [smollm2.chat_prompt(q) for q in CHAT_QUESTIONS]
   chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in TOPICS for tpl in TEMPLATES + MORE_TEMPLATES]
   if more:
     chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in TOPICS + EXTRA_TOPICS for tpl in EXTRA_TEMPLATES]
     chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in EXTRA_TOPICS for tpl in TEMPLATES + MORE_TEMPLATES]
-  prompts = chats + code_prompts(60 if not quick else 2, 3, rng) + repeat_prompts(400 if not quick else 20, rng)
+  prompts = chats + code_prompts(code_files if not quick else 2, code_per_file, rng) + repeat_prompts(400 if not quick else 20, rng)
+  if code_questions_per_file:  # drawn after the lists above, so those stay what they were without the flag
+    prompts += code_questions(400 if not quick else 20, code_questions_per_file, rng)
+  prompts += list(extra or [])
   prompts = [prompts[i] for i in rng.permutation(len(prompts))]
   return prompts[:8] if quick else prompts
 
@@ -220,6 +301,9 @@ def main(argv=None):
   ap.add_argument("--time-limit-s", type=float, default=0.0,
                   help="stop training after this many seconds of training steps (0 = no limit; the steps done "
                        "are recorded)")
+  ap.add_argument("--wall-limit-s", type=float, default=0.0,
+                  help="stop training once this many seconds have passed since the start, data generation "
+                       "included (0 = no limit), to end inside a lent machine's command limit")
   ap.add_argument("--data-cache", default="",
                   help="an .npz of the generated data: loaded if it exists, else written after generating")
   ap.add_argument("--state", default="",
@@ -227,8 +311,19 @@ def main(argv=None):
                        "written when the run stops, so a long schedule can span several runs")
   ap.add_argument("--more-prompts", action="store_true",
                   help="about 2.2x the chat prompts (extra topics and requests); off for the shipped head")
+  ap.add_argument("--code-files", type=int, default=60,
+                  help="top-level stdlib modules whose function heads become raw code-completion prompts")
+  ap.add_argument("--code-per-file", type=int, default=3, help="code-completion prompts per such module")
+  ap.add_argument("--code-questions", type=int, default=0,
+                  help="chat questions per top-level stdlib module about its documented functions (0 = none, "
+                       "as for the shipped head)")
+  ap.add_argument("--self-questions", type=int, default=0,
+                  help="questions the target writes itself per topic (T=0.8), added as chat prompts (0 = none)")
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
+  for name in ("code_files", "code_per_file", "code_questions", "self_questions"):
+    if getattr(args, name) < 0:
+      ap.error(f"--{name.replace('_', '-')} must be >= 0")
   for name in ("steps", "batch_size", "depth", "num_layers", "gen_tokens", "prompt_len", "gen_batch"):
     if getattr(args, name) < 1:
       ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -243,21 +338,33 @@ def main(argv=None):
   target_dtype = jnp.bfloat16 if on_gpu else jnp.float32
   target, tokenizer = smollm2.load_smollm2(target_dtype)
 
-  prompts = all_prompts(args.quick, args.seed, more=args.more_prompts)
   if args.data_cache and os.path.isfile(args.data_cache):
     with np.load(args.data_cache) as data:
       tokens, p_lens, lens, prompt_of = (data[k] for k in ("tokens", "p_lens", "lens", "prompt_of"))
+      num_prompts = int(data["num_prompts"]) if "num_prompts" in data else int(prompt_of.max()) + 1
     print(f"data: read {args.data_cache}")
   else:
+    extra = []
+    if args.self_questions:
+      topics = TOPICS + EXTRA_TOPICS if args.more_prompts else TOPICS
+      extra = self_questions(target, tokenizer, topics[:4] if args.quick else topics, samples=args.self_questions,
+                             seed=args.seed, batch_size=args.gen_batch)
+      print(f"self-written questions: {len(extra)} kept, e.g. " +
+            " | ".join(q.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for q in extra[:4]))
+    prompts = all_prompts(args.quick, args.seed, more=args.more_prompts,
+                          code_questions_per_file=args.code_questions, extra=extra, code_files=args.code_files,
+                          code_per_file=args.code_per_file)
+    num_prompts = len(prompts)
     tokens, p_lens, lens, prompt_of = generate_data(
         target, tokenizer, prompts, samples=samples, gen_tokens=args.gen_tokens, prompt_len=args.prompt_len,
         batch_size=args.gen_batch, seed=args.seed)
     if args.data_cache:
-      np.savez(args.data_cache, tokens=tokens, p_lens=p_lens, lens=lens, prompt_of=prompt_of)
+      np.savez(args.data_cache, tokens=tokens, p_lens=p_lens, lens=lens, prompt_of=prompt_of,
+               num_prompts=num_prompts)
   held = (prompt_of % 20 == 0) if not args.quick else (np.arange(len(tokens)) % 2 == 0)
   train = ~held
   gen_count = int(np.sum(lens - p_lens))
-  print(f"data: {len(prompts)} prompts, {len(tokens)} continuations, {gen_count} generated tokens "
+  print(f"data: {num_prompts} prompts, {len(tokens)} continuations, {gen_count} generated tokens "
         f"({time.time() - t_start:.0f}s so far)")
 
   vocab = None
@@ -364,6 +471,9 @@ def main(argv=None):
     if args.time_limit_s and time.time() - t_train > args.time_limit_s:
       print(f"time limit: stopping after {step + 1} of {args.steps} steps")
       break
+    if args.wall_limit_s and time.time() - t_start > args.wall_limit_s:
+      print(f"wall-clock limit: stopping after {step + 1} of {args.steps} steps")
+      break
     if args.checkpoint_every and step and step % args.checkpoint_every == 0:
       smollm2.save_eagle(drafter, os.path.splitext(args.out)[0] + "_checkpoint.safetensors",
                          metadata={"step": step})
@@ -380,7 +490,7 @@ def main(argv=None):
       "device": jax.devices()[0].device_kind, "jax": jax.__version__,
       "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
       "steps": args.steps, "steps_done": step + 1, "batch_size": args.batch_size, "depth": depth, "lr": args.lr,
-      "prompts": len(prompts), "continuations": int(len(tokens)), "generated_tokens": gen_count,
+      "prompts": num_prompts, "continuations": int(len(tokens)), "generated_tokens": gen_count,
       "samples": samples, "gen_tokens": args.gen_tokens, "draft_vocab_coverage": round(coverage, 4),
       "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
       "held_out": report, "history": history,
