@@ -65,8 +65,12 @@ REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the ed
 # name -> (prompt as the model sees it, what to show the user). Chosen so the
 # 135M model answers sensibly with greedy decoding: the code prompt is a raw
 # completion (in the chat format the model writes prose about code instead).
+# None of them is a training prompt of the shipped draft or head (the chat
+# question is one of bench/smollm2.py's held-out questions), so the figures are
+# what a user's own prompts can expect.
+CHAT_QUESTION = "Why do leaves change colour in autumn?"
 PROMPTS = {
-    "chat": (chat_prompt("Why is the sky blue?"), "Why is the sky blue?"),
+    "chat": (chat_prompt(CHAT_QUESTION), CHAT_QUESTION),
     "code": ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        ",
              "(raw completion of a Python class)"),
     "repeat": (chat_prompt("Repeat the following text exactly:\n\n" + REPEAT_TEXT),

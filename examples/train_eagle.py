@@ -4,11 +4,14 @@ The head reads the target's features (outputs of blocks 2, 15 and 27) and the
 next token, and predicts the token after it (`specdec_jax.models.EagleDrafter`).
 Everything it learns from is what the target itself says and computes:
 
-1. **Data.** The target continues about 900 prompts available offline (chat
-   questions: templates x topics; code: function heads from this Python's
-   standard library, completed raw; "repeat this text" requests built from
-   stdlib docstrings), greedily and at T=1 (several samples each), with
-   `specdec_jax.generate`. Held-out: every 20th prompt.
+1. **Data.** The target continues offline prompts (chat questions:
+   templates x topics, `--more-prompts` for more; `--code-questions`: questions
+   about documented functions of this Python's standard library;
+   `--self-questions`: questions the target writes itself about the topics;
+   code: function heads from the standard library, completed raw; "repeat
+   this text" requests built from stdlib docstrings), greedily and at T=1
+   (several samples each, `--samples`), with `specdec_jax.generate`.
+   Held-out: every 20th prompt.
 2. **Draft vocabulary.** The `--draft-vocab` most frequent tokens of those
    continuations (EOS included): the head scores only them, which makes a
    draft step cheap on a CPU, and the report gives their coverage.
@@ -24,26 +27,30 @@ Everything it learns from is what the target itself says and computes:
    acceptance needs), `1-TV` = sum_v min(p_v, q_v) at T=1.
 
 The shipped head (2 blocks, draft vocabulary 8192) was made on one H100 (JAX
-0.11.2) in 7.4 minutes (1.2 M generated tokens in 54 s, then 3979 training
-steps of a 5000-step schedule, stopped by a time limit of 370 s). To reproduce
-it exactly (the data generation is seeded; the same steps without the clock;
-the code and "repeat" prompts come from the running Python's standard library,
-3.12 there, which gave 953 prompts):
+0.11.2) in 18 minutes: 4148 prompts (the code prompts come from the running
+Python's standard library, 3.12 there), 15 continuations each, 12.2 M
+generated tokens in 218 s, then 8826 training steps of a 9000-step schedule in
+816 s. It took two 10-minute commands (the second resumed the first with
+`--data-cache` and `--state`, see below); in one go the same head is
 
-    python examples/train_eagle.py --num-layers 2 --steps 5000 --stop-at-step 3979 \
-        --out specdec_jax/weights/smollm2_eagle.safetensors
+    python examples/train_eagle.py --more-prompts --code-questions 6 --code-files 400 --code-per-file 6 \
+        --self-questions 8 --samples 0,1,1,1,1,1,1,1,1,1,1,0.7,0.7,0.7,0.7 --gen-batch 1024 \
+        --steps 9000 --stop-at-step 8826 --out specdec_jax/weights/smollm2_eagle.safetensors
 
-(its `.json` records the command as run, data size, time and held-out figures).
+(its `.json` records the commands as run, data size, times and held-out
+figures). Without the data flags the script makes the first, smaller head
+(953 prompts, 1.2 M tokens: `--steps 5000 --stop-at-step 3979`).
 
-A longer run fits the lent GPU's 10-minute commands by spanning several runs:
+A long run fits the lent GPU's 10-minute commands by spanning several runs:
 `--data-cache` keeps the generated data and `--state` the training state
 (weights, optimiser, step, data order) between them, and the result is the same
-as one uninterrupted run (checked on a CPU). For example, three commands of
+as one uninterrupted run (checked on a CPU). `--wall-limit-s` ends each command
+in time (data generation included); the shipped head's two commands were the
+one above with `--stop-at-step` replaced by
 
-    python examples/train_eagle.py --more-prompts --steps 15000 --stop-at-step S \
-        --data-cache /root/eagle/data.npz --state /root/eagle/state.msgpack --out /root/eagle/smollm2_eagle.safetensors
+    --wall-limit-s 520 --data-cache /root/eagle/data.npz --state /root/eagle/state.msgpack
 
-with S = 5000, 10000, 15000. A smoke run on a CPU: `python examples/train_eagle.py --quick --out /tmp/eagle.safetensors`.
+A smoke run on a CPU: `python examples/train_eagle.py --quick --out /tmp/eagle.safetensors`.
 """
 
 from __future__ import annotations

@@ -336,11 +336,13 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafte
 def test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts(smollm2_model):
   """The shipped EAGLE head at K=4, greedy, float32, on prompts outside its training set.
 
-  Measured on a 2-core CPU (2026-11-23): mean accepted length 1.75 (acceptance
-  by position 0.40, 0.49, 0.58, 0.82); the shipped 2-layer draft model gives 1.68
-  on the same prompts. The floor, 1.6, leaves room for a few near-tie flips of
-  float32 rounding on another CPU; a head that lost its training (or a loop
-  that fed it the wrong features) falls to about 1.0.
+  Measured on a 2-core CPU (2026-11-23): mean accepted length 2.18 (acceptance
+  by position 0.55, 0.67, 0.62, 0.59); the shipped 2-layer draft model gives 1.68
+  on the same prompts, and the previous head (trained on a tenth of the data)
+  gave 1.75 (0.40 at position 0), which these floors reject. The floor, 2.0,
+  leaves room for a few near-tie flips of float32 rounding on another CPU; a
+  head that lost its training (or a loop that fed it the wrong features) falls
+  to about 1.0.
   """
   from specdec_jax import SamplingParams, speculative_generate
 
@@ -353,8 +355,8 @@ def test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts(smollm2_mod
   out = speculative_generate(model, smollm2.load_smollm2_eagle(), prompts, lengths, SamplingParams.greedy(4), None,
                              max_new_tokens=48, num_speculative_tokens=4, eos_token_id=smollm2.SMOLLM2_EOS_IDS,
                              all_greedy=True)
-  assert float(out.stats.mean_accepted_length) > 1.6, out.stats
-  assert np.all(np.asarray(out.stats.acceptance_per_position) > 0.25), out.stats
+  assert float(out.stats.mean_accepted_length) > 2.0, out.stats
+  assert np.all(np.asarray(out.stats.acceptance_per_position) > 0.45), out.stats
 
 
 def test_eagle_loader_errors_name_the_file(tmp_path):
