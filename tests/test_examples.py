@@ -81,3 +81,22 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
   half, resumed, straight = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "resumed", "straight"))
   assert all(np.array_equal(resumed[k], straight[k]) for k in straight)
   assert not all(np.array_equal(half[k], straight[k]) for k in straight)  # the last two steps did change them
+
+
+def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_path):
+  """bench/step_profile.py --tiny on the CPU: its variants' forward equals the Transformer's, every row is there."""
+  import sys  # noqa: PLC0415
+
+  sys.path.insert(0, str(EXAMPLES.parent))
+  from bench import step_profile  # noqa: PLC0415
+
+  report = step_profile.main(["--tiny", "--out", str(tmp_path), "--target-ms", "2", "--repeats", "1",
+                              "--batch-sizes", "1,2", "--variants", "before,after,after-attn"])
+  assert report["forward_check_max_abs_diff"] == {"after": 0.0, "scan+fused": 0.0}  # float32 CPU: bit-equal
+  got = {(r["B"], r["T"], r["variant"]) for r in report["rows"]}
+  assert got == {(1, 1, "before"), (1, 1, "after"), (1, 1, "after-attn"), (2, 1, "before"), (2, 1, "after"),
+                 (1, 5, "before"), (1, 5, "after"), (2, 5, "before"), (2, 5, "after")}
+  assert all(r["us"] > 0 for r in report["rows"])
+  assert (tmp_path / "step_profile.json").is_file() and (tmp_path / "step_profile.png").is_file()
+  with pytest.raises(SystemExit):  # a bad flag is refused before any model is built
+    step_profile.main(["--tiny", "--out", str(tmp_path), "--variants", "nope"])

@@ -366,11 +366,11 @@ def test_call_rejects_bad_shapes_at_trace_time():
 # --- compile cost -----------------------------------------------------------------
 
 
-def test_program_size_does_not_grow_with_depth():
-  """Layers are scanned: 8 layers lower to the same program as 2, up to shapes."""
+def test_program_size_does_not_grow_with_depth_under_scan_layers():
+  """With scan_layers=True the layers are scanned: 8 layers lower to the same program as 2, up to shapes."""
 
   def program(num_layers):
-    model = Transformer(TINY.replace(num_layers=num_layers), rngs=nnx.Rngs(0))
+    model = Transformer(TINY.replace(num_layers=num_layers, scan_layers=True), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros((2, 3), jnp.int32)
     cache = model.init_cache(2, 8)
@@ -381,3 +381,37 @@ def test_program_size_does_not_grow_with_depth():
   assert "stablehlo.while" in shallow
   assert len(deep.splitlines()) == len(shallow.splitlines())
   assert len(deep) < 1.05 * len(shallow)
+
+
+def test_unrolled_and_scanned_layers_agree():
+  """The default (unrolled, straight-line) and scan_layers=True compute the same logits, features and cache."""
+  cfg = TINY.replace(num_layers=3, feature_layers=(0, 2))
+  unrolled = Transformer(cfg, rngs=nnx.Rngs(1))
+  scanned = Transformer.from_weights(cfg.replace(scan_layers=True), unrolled.to_weights())
+  tokens = jnp.array([[3, 9, 1, 4], [7, 7, 2, 0]], jnp.int32)
+  positions = jnp.array([[0, 1, 2, 3], [0, 1, 2, -1]], jnp.int32)  # -1: dropped write
+  outs = [m(tokens, positions, m.init_cache(2, 6), return_features=True) for m in (unrolled, scanned)]
+  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  graphdef, state = nnx.split(unrolled)
+  text = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s)(t, p, c)).lower(
+      state, tokens, positions, unrolled.init_cache(2, 6)).as_text()
+  assert "stablehlo.while" not in text  # straight-line: no per-layer loop iterations at run time
+
+
+def test_fused_projections_round_trip_through_the_weights_interface():
+  """The model holds q|k|v and gate|up fused; from_weights/to_weights keep the interface's separate arrays exact."""
+  model = Transformer(TINY, rngs=nnx.Rngs(2))
+  w = model.to_weights()
+  assert set(w) == set(weight_shapes(TINY))
+  for name, shape in weight_shapes(TINY).items():
+    assert w[name].shape == shape, name
+  clone = Transformer.from_weights(TINY, w).to_weights()
+  for name in w:
+    np.testing.assert_array_equal(clone[name], w[name])
+  q, kv = TINY.num_heads * TINY.head_dim, TINY.num_kv_heads * TINY.head_dim
+  for cfg in (TINY, TINY.replace(scan_layers=True)):
+    fused = {n: np.asarray(a) for n, a in Transformer.from_weights(cfg, w).layers.stacked(cfg).items()}
+    assert fused["wqkv"].shape == (TINY.num_layers, TINY.d_model, q + 2 * kv)
+    np.testing.assert_array_equal(fused["wqkv"][..., q:q + kv], w["layers.wk"])  # k sits between q and v
+    np.testing.assert_array_equal(fused["w_gate_up"][..., TINY.d_ff:], w["layers.w_up"])

@@ -32,7 +32,8 @@ class TransformerConfig:
 
   Attributes:
     vocab_size: V, number of token ids.
-    num_layers: L, number of decoder blocks (stacked and scanned over).
+    num_layers: L, number of decoder blocks (their parameters stacked on a
+      leading L axis).
     d_model: D, width of the residual stream.
     num_heads: H, query heads.
     num_kv_heads: Hkv, key/value heads; `num_heads % num_kv_heads == 0`
@@ -53,6 +54,12 @@ class TransformerConfig:
     max_length: the longest context the model was trained for (positions
       0 .. max_length-1), or None for no limit. The decoding loops refuse a
       generation that would run past it.
+    scan_layers: how a call runs the blocks. False (the default): unrolled,
+      one straight-line program, which is what a small-batch decode step
+      wants (each iteration of an XLA loop costs microseconds, and the layers
+      cannot overlap across iterations); True: `lax.scan` over the stacked
+      blocks, whose compile time does not grow with depth. The outputs are
+      the same up to floating-point reassociation by the compiler.
 
   Example:
     >>> cfg = TransformerConfig(vocab_size=64, num_layers=2, d_model=32,
@@ -75,6 +82,7 @@ class TransformerConfig:
   dtype: Any = jnp.float32
   feature_layers: tuple[int, ...] = ()
   max_length: int | None = None
+  scan_layers: bool = False
 
   def __post_init__(self):
     for name in _POSITIVE_INT_FIELDS:
@@ -113,6 +121,8 @@ class TransformerConfig:
     m = self.max_length
     if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m <= 0):
       raise ValueError(f"TransformerConfig.max_length must be None or a positive int, got {m!r}.")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"TransformerConfig.scan_layers must be a bool, got {self.scan_layers!r}.")
     # Frozen dataclass: normalise through object.__setattr__ (so equality and
     # hashing do not depend on how the dtype was spelled).
     object.__setattr__(self, "dtype", dtype)

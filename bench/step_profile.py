@@ -1,0 +1,294 @@
+"""Where one decode step of a SmolLM2-shaped target goes: structure variants and ablations side by side.
+
+Times one target call per iteration of a jitted `fori_loop` (the way the
+decoding loops run it: no host round trip between steps), each step's greedy
+token feeding the next, at B in --batch-sizes on a cache of --cache-len slots,
+for these variants of the same weights (random, SmolLM2-135M's shape):
+
+    before        layers under lax.scan, separate q/k/v and gate/up matmuls (the model until this script)
+    scan+fused    lax.scan, one q|k|v and one gate|up matmul   (TransformerConfig(scan_layers=True))
+    unrolled      straight-line layers, separate matmuls
+    after         straight-line layers, fused matmuls           (the Transformer's default)
+    after-attn    `after` without attention (q/k/v, RoPE, cache write, attention and output projection)
+    after-mlp     `after` without the MLP
+    after-head    `after` without the final norm and LM head (the step's token comes from the residual)
+    after-bare    `after` with neither attention nor MLP: embedding, norms, head and the per-layer glue
+
+and one verification call of K+1 tokens (`--k`) for `before` and `after`. The
+variants are this script's own forward pass over `decoder_block` and friends;
+`after` is checked equal to `Transformer.__call__` (and `scan+fused` to
+`scan_layers=True`) before anything is timed. `--trace DIR` also records a
+`jax.profiler` trace of a few `after` steps at the first batch size and prints
+the kernels that took the most time (name, count per step, microseconds per
+step), read from the trace's Chrome-format JSON.
+
+    python bench/step_profile.py --out /tmp/step                 # GPU: bf16, B in 1,8,32
+    python bench/step_profile.py --tiny --out /tmp/step          # CPU smoke run (tiny model)
+
+Writes OUT/step_profile.json (every figure, device, versions) and
+OUT/step_profile.png (step time per variant and batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
+from specdec_jax.models import Transformer, TransformerConfig  # noqa: E402
+from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache,  # noqa: E402
+                                            attention_block, fuse_projections, mlp_block, rms_norm)
+
+SMOLLM2 = dict(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536,
+               rope_theta=1e5)
+TINY = dict(vocab_size=512, num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128)
+
+# name -> (scan, fused, attention, mlp, head)
+VARIANTS = {
+    "before": (True, False, True, True, True),
+    "scan+fused": (True, True, True, True, True),
+    "unrolled": (False, False, True, True, True),
+    "after": (False, True, True, True, True),
+    "after-attn": (False, True, False, True, True),
+    "after-mlp": (False, True, True, False, True),
+    "after-head": (False, True, True, True, False),
+    "after-bare": (False, True, False, False, True),
+}
+
+
+def layer_params(weights: dict, variant) -> dict | list:
+  """Per-layer parameters as `decoder_block` reads them, fused or separate: stacked [L, ...] for a scan, else
+  one dict of its own arrays per layer (as the Transformer holds them: slices of a stacked array inside the
+  step would be copies)."""
+  scan, fused = variant[:2]
+  stacked = {name: weights[f"layers.{name}"] for name in _LAYER_PARAMS}
+  stacked = fuse_projections(stacked) if fused else stacked
+  if scan:
+    return stacked
+  return [{name: jnp.array(w[i], copy=True) for name, w in stacked.items()} for i in range(len(stacked["wo"]))]
+
+
+def forward(c: TransformerConfig, weights: dict, layers: dict, tokens, positions, cache: KVCache, variant):
+  """The Transformer's forward pass with parts switched off: logits [B, T, V] (or the residual) and the cache."""
+  scan, _, attention, mlp, head = variant
+  x = jnp.take(weights["embed"], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)
+  ctx = AttentionContext.create(positions, cache.max_length, c)
+
+  def block(carry, layer):
+    x, k_cache, v_cache = carry
+    p, i = layer
+    if attention:
+      x, k_cache, v_cache = attention_block(c, x, rms_norm(x, p["attn_norm"], c.rms_norm_eps), p, k_cache, v_cache,
+                                            i, ctx)
+    if mlp:
+      x = mlp_block(c, x, p)
+    if not (attention or mlp):  # the per-layer glue alone: two norms' worth of elementwise work
+      x = x + rms_norm(x, p["attn_norm"], c.rms_norm_eps) + rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    return (x, k_cache, v_cache), None
+
+  carry = (x, cache.k, cache.v)
+  if scan:
+    carry, _ = jax.lax.scan(block, carry, (layers, jnp.arange(c.num_layers, dtype=jnp.int32)))
+  else:
+    for i in range(c.num_layers):
+      carry, _ = block(carry, (layers[i], i))
+  x, k_cache, v_cache = carry
+  if head:
+    x = rms_norm(x, weights["final_norm"], c.rms_norm_eps)
+    out = jnp.einsum("btd,vd->btv", x, weights["embed"], preferred_element_type=jnp.float32)
+  else:
+    out = x.astype(jnp.float32)
+  return out, KVCache(k=k_cache, v=v_cache)
+
+
+def step_fn(c: TransformerConfig, variant, t: int, p0: int, span: int):
+  """Loop body: one call of T tokens at a position that moves with i; its argmax feeds the next call."""
+
+  def step(i, carry, weights, layers):
+    cache, tokens = carry
+    b = tokens.shape[0]
+    pos = jnp.broadcast_to(p0 + i % span + jnp.arange(t, dtype=jnp.int32), (b, t))
+    out, cache = forward(c, weights, layers, tokens, pos, cache, variant)
+    nxt = jnp.argmax(out[:, -1], axis=-1).astype(jnp.int32) % c.vocab_size
+    return cache, jnp.broadcast_to(nxt[:, None], (b, t))
+
+  return step
+
+
+def check_against_model(c: TransformerConfig, weights: dict) -> dict:
+  """`after` equals the Transformer's default call and `scan+fused` its scan_layers=True call (max |diff|)."""
+  tokens = jnp.asarray(np.arange(10, dtype=np.int32).reshape(2, 5) % c.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+  diffs = {}
+  for name, cfg in (("after", c), ("scan+fused", c.replace(scan_layers=True))):
+    model = Transformer.from_weights(cfg, weights)
+    ref, _ = jax.jit(lambda t, p, m=model: m(t, p, m.init_cache(2, 8)))(tokens, pos)
+    mine, _ = jax.jit(lambda t, p, n=name: forward(c, weights, layer_params(weights, VARIANTS[n]), t, p,
+                                                 model.init_cache(2, 8), VARIANTS[n]))(tokens, pos)
+    diffs[name] = float(jnp.max(jnp.abs(ref - mine)))
+    # Equal on a CPU in float32; a GPU may fuse the two programs differently (bf16 rounding), not more.
+    if diffs[name] > 0.02 * float(jnp.max(jnp.abs(ref))):
+      raise AssertionError(f"{name}: this script's forward differs from the Transformer's by {diffs[name]}")
+  return diffs
+
+
+def kernel_table(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
+  """Per-kernel totals from a jax.profiler trace's Chrome-format JSON: the device events, grouped by name."""
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+                 + glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+  if not files:
+    return []
+  with gzip.open(files[-1], "rt") as f:
+    trace = json.load(f)
+  events = trace.get("traceEvents", [])
+  # Device (GPU) events live under processes whose name mentions the device; host threads are the rest.
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
+           and e.get("name") == "process_name"}
+  device_pids = {pid for pid, n in names.items() if "/device:" in n or "GPU" in n or "gpu" in n}
+  # A device has a thread per CUDA stream ("Stream #..."): kernels and copies. Its other threads ("XLA Ops",
+  # "XLA Modules", ...) repeat the same time under op and program names, so they are left out where streams exist.
+  threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device_pids}
+  streams = {key for key, n in threads.items() if n.startswith("Stream")}
+  totals, counts = defaultdict(float), defaultdict(int)
+  for e in events:
+    key = (e.get("pid"), e.get("tid"))
+    if streams and key not in streams:
+      continue
+    if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
+      totals[e["name"]] += e["dur"]
+      counts[e["name"]] += 1
+  rows = [{"kernel": k, "per_step": counts[k] / steps, "us_per_step": totals[k] / steps} for k in totals]
+  rows.sort(key=lambda r: -r["us_per_step"])
+  return rows[:top]
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", required=True, help="directory for step_profile.json and step_profile.png")
+  ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+  ap.add_argument("--batch-sizes", default=None, help="comma list (default 1,8,32; tiny 1,2)")
+  ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
+  ap.add_argument("--ablations-at", default="first", choices=("first", "all"),
+                  help="run the after-* ablations at the first batch size only (default) or at all")
+  ap.add_argument("--cache-len", type=int, default=None, help="cache slots (default 320; tiny 32)")
+  ap.add_argument("--k", type=int, default=4, help="verification calls score K+1 tokens (default 4)")
+  ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
+  ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timing loop")
+  ap.add_argument("--repeats", type=int, default=5, help="timing loops per figure (median)")
+  ap.add_argument("--trace", default="", help="also write a jax.profiler trace of `after` here and print kernels")
+  args = ap.parse_args(argv)
+  variants = [v for v in args.variants.split(",") if v]
+  bad = [v for v in variants if v not in VARIANTS]
+  if bad:
+    ap.error(f"--variants: unknown {bad}; choose from {list(VARIANTS)}")
+  try:
+    batch_sizes = [int(b) for b in (args.batch_sizes or ("1,2" if args.tiny else "1,8,32")).split(",")]
+  except ValueError:
+    ap.error(f"--batch-sizes must be a comma list of ints, got {args.batch_sizes!r}")
+  cache_len = args.cache_len or (32 if args.tiny else 320)
+  if min(batch_sizes) < 1 or cache_len < args.k + 2 or args.k < 1:
+    ap.error("--batch-sizes >= 1, --k >= 1 and --cache-len >= k + 2 are required")
+  dtype = args.dtype or ("bfloat16" if common.has_gpu() else "float32")
+  os.makedirs(args.out, exist_ok=True)
+
+  c = TransformerConfig(**(TINY if args.tiny else SMOLLM2), dtype=jnp.dtype(dtype))
+  weights = Transformer(c, rngs=__import__("flax").nnx.Rngs(0)).to_weights()
+  weights = {k: jnp.asarray(v) for k, v in weights.items()}
+  diffs = check_against_model(c, weights)
+  print(f"{dtype}, L={c.num_layers}, D={c.d_model}, V={c.vocab_size}, cache {cache_len} slots; "
+        f"forward checked against the Transformer: {diffs}")
+
+  p0 = cache_len // 4
+  rows = []
+  jobs = [(b, v, 1) for b in batch_sizes for v in variants
+          if not v.startswith("after-") or args.ablations_at == "all" or b == batch_sizes[0]]
+  jobs += [(b, v, args.k + 1) for b in batch_sizes for v in ("before", "after") if v in variants]
+  for b, name, t in jobs:
+    variant = VARIANTS[name]
+    layers = layer_params(weights, variant)
+    step = step_fn(c, variant, t, p0, max(cache_len - p0 - t, 1))
+    carry = (KVCache(k=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype),
+                     v=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype)),
+             jnp.full((b, t), 7, jnp.int32))
+    r = common.time_per_iter(common.timed_loop(step), carry, (weights, layers), target_s=args.target_ms / 1e3,
+                             repeats=args.repeats)
+    r.pop("compiled")
+    rows.append({"B": b, "T": t, "variant": name, "us": r["per_iter_s"] * 1e6, "compile_s": r["compile_s"],
+                 "scale": r["scale"], "iters": r["iters"]})
+    print(f"B={b:3d} T={t} {name:11s} {rows[-1]['us']:9.1f} us   (compile {r['compile_s']:.1f}s, "
+          f"t(2N)/t(N) {r['scale']:.2f})", flush=True)
+
+  weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in weights.values())
+  report = {"info": common.device_info(), "config": vars(args), "dtype": dtype, "cache_len": cache_len,
+            "model": {k: getattr(c, k) for k in SMOLLM2}, "weight_bytes": weight_bytes,
+            "forward_check_max_abs_diff": diffs, "rows": rows}
+
+  if args.trace:
+    b = batch_sizes[0]
+    layers = layer_params(weights, VARIANTS["after"])
+    loop = common.timed_loop(step_fn(c, VARIANTS["after"], 1, p0, max(cache_len - p0 - 1, 1)))
+    carry = (KVCache(k=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype),
+                     v=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype)),
+             jnp.full((b, 1), 7, jnp.int32))
+    jax.block_until_ready(loop(0, 4, carry, weights, layers))
+    steps = 20
+    try:  # the profiler needs CUPTI on a GPU; the timings above stand without it
+      with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+        jax.block_until_ready(loop(0, steps, carry, weights, layers))
+      table = kernel_table(args.trace, steps)
+    except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the rest)
+      table, report["trace_error"] = [], repr(e)
+      print(f"trace failed: {e!r}")
+    report["kernels"] = table
+    if table:
+      print(f"\nkernels of one `after` step at B={b} (top {len(table)} by time), from the trace in {args.trace}:")
+      for r in table:
+        print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['kernel'][:100]}")
+    else:
+      print(f"(no device kernels read from the trace in {args.trace})")
+
+  with open(os.path.join(args.out, "step_profile.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  plot(rows, batch_sizes, os.path.join(args.out, "step_profile.png"), f"{dtype}, {report['info'].get('device')}")
+  print(f"wrote {args.out}/step_profile.json and step_profile.png")
+  return report
+
+
+def plot(rows, batch_sizes, path, title):
+  import matplotlib  # noqa: PLC0415  (only for the picture)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  steps = [r for r in rows if r["T"] == 1]
+  names = list(dict.fromkeys(r["variant"] for r in steps))
+  fig, ax = plt.subplots(figsize=(9, 4))
+  width = 0.8 / max(len(batch_sizes), 1)
+  for j, b in enumerate(batch_sizes):
+    us = [next((r["us"] for r in steps if r["variant"] == n and r["B"] == b), np.nan) for n in names]
+    ax.bar(np.arange(len(names)) + j * width, us, width, label=f"B={b}")
+  ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=20)
+  ax.set_ylabel("us per decode step")
+  ax.set_title(f"one target step by structure ({title})")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  t0 = time.time()
+  main()
+  print(f"total {time.time() - t0:.0f}s")
