@@ -393,7 +393,7 @@ def explain(step_s, verify_cost, draft_cost, k, runs, names) -> list[str]:
                    f"measured {measured:4.2f}x")
   lines.append("A drafter pays only where its mean accepted length clearly exceeds the cost of its round. "
                "Verification costs up to K+1 steps where a step is bound by arithmetic, and close to 1 where it is "
-               "bound by memory traffic or kernel launches (about 1.1 on the H100 of bench/RESULTS.md at batch 1).")
+               "bound by memory traffic or kernel launches (about 1.0 on the H100 of bench/RESULTS.md at batch 1).")
   return lines
 
 
