@@ -247,15 +247,17 @@ def main(argv=None):
     try:  # the profiler needs CUPTI on a GPU; the timings above stand without it
       with jax.profiler.trace(args.trace, create_perfetto_trace=True):
         jax.block_until_ready(loop(0, steps, carry, weights, layers))
-      table = kernel_table(args.trace, steps)
+      table = kernel_table(args.trace, steps, top=80)
     except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the rest)
       table, report["trace_error"] = [], repr(e)
       print(f"trace failed: {e!r}")
     report["kernels"] = table
     if table:
-      print(f"\nkernels of one `after` step at B={b} (top {len(table)} by time), from the trace in {args.trace}:")
-      for r in table:
+      print(f"\nkernels of one `after` step at B={b} (top 25 by time), from the trace in {args.trace}:")
+      for r in table[:25]:
         print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['kernel'][:100]}")
+      print(f"  all device kernels: {sum(r['per_step'] for r in table):.0f} launches (top {len(table)} names), "
+            f"{sum(r['us_per_step'] for r in table):.0f} us per step")
     else:
       print(f"(no device kernels read from the trace in {args.trace})")
 
