@@ -52,7 +52,7 @@ from flax import nnx
 
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache, Transformer, _apply_rope,
-                                            _rope_tables, decoder_block, linear, random_weights, rms_norm)
+                                            _rope_tables, decoder_block, random_weights, rms_norm)
 
 # The first block's parameters: the plain block's, plus a norm for each half of its input.
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))
@@ -453,9 +453,9 @@ def _unrolled_block(c: TransformerConfig, x, attn_in, p, kv: list, j: int, cos, 
   """One decoder block at unroll depth j (see `EagleDrafter.unrolled_logits`); appends this depth's (k, v) to kv."""
   b, t, _ = x.shape
   h, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
-  q = _apply_rope(linear(attn_in, p["wq"]).reshape(b, t, h, dh), cos, sin).astype(jnp.float32)
-  k = _apply_rope(linear(attn_in, p["wk"]).reshape(b, t, hkv, dh), cos, sin)
-  v = linear(attn_in, p["wv"]).reshape(b, t, hkv, dh)
+  q = _apply_rope((attn_in @ p["wq"]).reshape(b, t, h, dh), cos, sin).astype(jnp.float32)
+  k = _apply_rope((attn_in @ p["wk"]).reshape(b, t, hkv, dh), cos, sin)
+  v = (attn_in @ p["wv"]).reshape(b, t, hkv, dh)
   kv.append((k, v))
   rep = h // hkv
   scale = dh ** -0.5
@@ -482,6 +482,6 @@ def _unrolled_block(c: TransformerConfig, x, attn_in, p, kv: list, j: int, cos, 
   out = jnp.einsum("bhts,bshd->bthd", weights[..., :t], heads(v0))
   for i, vd in enumerate(diag_v):
     out = out + jnp.swapaxes(weights[..., t + i], 1, 2)[..., None] * vd
-  x = x + linear(out.reshape(b, t, h * dh).astype(x.dtype), p["wo"])
+  x = x + out.reshape(b, t, h * dh).astype(x.dtype) @ p["wo"]
   hm = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-  return x + linear(jax.nn.silu(linear(hm, p["w_gate"])) * linear(hm, p["w_up"]), p["w_down"])
+  return x + (jax.nn.silu(hm @ p["w_gate"]) * (hm @ p["w_up"])) @ p["w_down"]

@@ -500,10 +500,10 @@ def attention_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ct
   b, t, _ = x.shape
   qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   if "wqkv" in p:  # one matmul
-    qkv = linear(attn_in, p["wqkv"])
+    qkv = attn_in @ p["wqkv"]
     q, k, v = qkv[..., :qd], qkv[..., qd:qd + kvd], qkv[..., qd + kvd:]
   else:
-    q, k, v = linear(attn_in, p["wq"]), linear(attn_in, p["wk"]), linear(attn_in, p["wv"])
+    q, k, v = attn_in @ p["wq"], attn_in @ p["wk"], attn_in @ p["wv"]
   q = q.reshape(b, t, c.num_heads, c.head_dim)
   k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
   v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -516,42 +516,18 @@ def attention_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ct
   k_all = jnp.swapaxes(k_cache[i], 1, 2)  # [B, S, Hkv, Dh]
   v_all = jnp.swapaxes(v_cache[i], 1, 2)
   attn = jax.nn.dot_product_attention(q, k_all, v_all, mask=ctx.mask)  # [B, T, H, Dh]
-  return x + linear(attn.reshape(b, t, qd), p["wo"]), k_cache, v_cache
+  return x + attn.reshape(b, t, qd) @ p["wo"], k_cache, v_cache
 
 
 def mlp_block(c: TransformerConfig, x, p):
   """The MLP half of `decoder_block`: x + SwiGLU(rms_norm(x))."""
   h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
   if "w_gate_up" in p:  # one matmul
-    gate_up = linear(h, p["w_gate_up"])
+    gate_up = h @ p["w_gate_up"]
     gate, up = gate_up[..., :c.d_ff], gate_up[..., c.d_ff:]
   else:
-    gate, up = linear(h, p["w_gate"]), linear(h, p["w_up"])
-  return x + linear(jax.nn.silu(gate) * up, p["w_down"])
-
-
-# None: pad single rows on GPUs only (XLA:CPU keeps a vector-matrix product a
-# GEMV, and a second row costs it arithmetic). Tests set it to check both paths.
-PAD_SINGLE_ROW: bool | None = None
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., K] @ w [K, N], with a single row (a batch-1 decode step) computed as two.
-
-  XLA:GPU rewrites a product whose left side is one row into an elementwise
-  product and a reduction, and writes the [K, N] product to memory between the
-  two kernels: on an H100 a SmolLM2 decode step at B=1 spent most of its time
-  there (bench/RESULTS.md, section 6). Appending a zero row keeps it a GEMM; the
-  zero row's outputs are exact zeros for finite weights and are added to the
-  real row, so XLA cannot drop them and the real row's values are unchanged.
-  """
-  rows = int(np.prod(x.shape[:-1]))
-  pad = PAD_SINGLE_ROW if PAD_SINGLE_ROW is not None else jax.default_backend() == "gpu"
-  if rows != 1 or not pad:
-    return x @ w
-  x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-  y2 = x2 @ w  # [2, N]
-  return (y2[0] + y2[1]).reshape(*x.shape[:-1], w.shape[-1])
+    gate, up = h @ p["w_gate"], h @ p["w_up"]
+  return x + (jax.nn.silu(gate) * up) @ p["w_down"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
