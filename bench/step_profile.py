@@ -26,7 +26,8 @@ step), read from the trace's Chrome-format JSON.
     python bench/step_profile.py --tiny --out /tmp/step          # CPU smoke run (tiny model)
 
 Writes OUT/step_profile.json (every figure, device, versions) and
-OUT/step_profile.png (step time per variant and batch size).
+OUT/step_profile.png (step time per variant and batch size; needs matplotlib,
+`pip install -e ".[bench]"`, or pass --no-plot).
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ def main(argv=None):
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
   ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timing loop")
   ap.add_argument("--repeats", type=int, default=5, help="timing loops per figure (median)")
+  ap.add_argument("--no-plot", action="store_true", help="skip the PNG (matplotlib is a bench extra)")
   ap.add_argument("--trace", default="", help="also write a jax.profiler trace of `after` here and print kernels")
   args = ap.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
@@ -263,8 +265,9 @@ def main(argv=None):
 
   with open(os.path.join(args.out, "step_profile.json"), "w") as f:
     json.dump(report, f, indent=1)
-  plot(rows, batch_sizes, os.path.join(args.out, "step_profile.png"), f"{dtype}, {report['info'].get('device')}")
-  print(f"wrote {args.out}/step_profile.json and step_profile.png")
+  if not args.no_plot:
+    plot(rows, batch_sizes, os.path.join(args.out, "step_profile.png"), f"{dtype}, {report['info'].get('device')}")
+  print(f"wrote {args.out}/step_profile.json" + ("" if args.no_plot else " and step_profile.png"))
   return report
 
 
