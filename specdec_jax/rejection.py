@@ -41,6 +41,7 @@ from specdec_jax import sampling
 from specdec_jax.sampling import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1
+LOGPROBS_MODES = (None, "raw", "processed")
 
 
 @jax.tree_util.register_dataclass
@@ -53,11 +54,15 @@ class RejectionOutput:
       then PLACEHOLDER_TOKEN_ID (-1).
     num_accepted: int32[B]: draft tokens accepted, in [0, num_draft_tokens].
     num_emitted: int32[B]: num_accepted + 1.
+    logprobs: f32[B, K+1] with `rejection_sample(..., logprobs=...)`, else None:
+      the log-probability of each emitted token under the target at its
+      position (0 past num_emitted; see `rejection_sample`).
   """
 
   token_ids: jax.Array  # [B, K+1]
   num_accepted: jax.Array  # [B]
   num_emitted: jax.Array  # [B]
+  logprobs: jax.Array | None = None  # [B, K+1]
 
 
 def rejection_sample(
@@ -69,6 +74,7 @@ def rejection_sample(
     num_draft_tokens=None,  # int32 [B] in [0, K]; None = K
     all_greedy: bool = False,
     all_random: bool = False,
+    logprobs: str | None = None,
 ) -> RejectionOutput:
   """Verifies draft tokens against the target, losslessly.
 
@@ -89,10 +95,19 @@ def rejection_sample(
       exponential, no random numbers and no probability tensor.
     all_random: static promise that no row is greedy: no argmax is computed.
       (Both flags are promises; they are not checked under jit.)
+    logprobs: static; None (default), "raw" or "processed": also return the
+      log-probability of every emitted token under the target at its position.
+      "raw" is `log_softmax` of the unmodified logits; "processed" is under the
+      distribution the row samples from (temperature, top-k, top-p), and for a
+      greedy row `log_softmax` of its logits. A recovered token gets its target
+      log-probability, not the residual's. "processed" reuses the sampler's own
+      statistics for random rows; greedy rows and "raw" need one more
+      log-normaliser pass over the logits (which brings exponentials into the
+      all_greedy program; it stays free of random numbers).
 
   Returns:
     RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
-    num_emitted int32[B]).
+    num_emitted int32[B], logprobs f32[B, K+1] or None).
 
   Raises:
     ValueError: for mismatched shapes, dtypes or batch sizes (at trace time), and
@@ -125,6 +140,8 @@ def rejection_sample(
   """
   draft_token_ids = jnp.asarray(draft_token_ids)
   target_logits = jnp.asarray(target_logits)
+  if logprobs not in LOGPROBS_MODES:
+    raise ValueError(f"rejection_sample: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
   b, k = _check_args(draft_token_ids, target_logits, params, draft_probs, num_draft_tokens, all_greedy, all_random)
   v = target_logits.shape[-1]
   if num_draft_tokens is None:
@@ -141,7 +158,8 @@ def rejection_sample(
   else:
     keys = sampling.row_keys(key, b, "rejection_sample: key")
   return _rejection_sample(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
-                           num_draft_tokens.astype(jnp.int32), all_greedy=all_greedy, all_random=all_random)
+                           num_draft_tokens.astype(jnp.int32), all_greedy=all_greedy, all_random=all_random,
+                           logprobs=logprobs)
 
 
 def _check_args(draft, logits, params, draft_probs, n, all_greedy, all_random):
@@ -414,22 +432,47 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
   final_random = jnp.where(lse_s[:, 0] > -jnp.inf, final_random, 0)  # nothing to draw from: token 0, as greedy
   final_greedy = jnp.take_along_axis(am, s[:, None], axis=1)[:, 0]
   final = jnp.where(greedy, final_greedy, final_random)
-  return _emit(draft, num_accepted, final)
+  # (shift, thr, lse) describe each position's processed distribution: what "processed" log-probs read.
+  return _emit(draft, num_accepted, final), (shift, thr, lse)
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random"))
-def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy, all_random):
+def _with_logprobs(out: RejectionOutput, logits, params, stats, mode: str, greedy) -> RejectionOutput:
+  """Adds the emitted tokens' log-probabilities (see `rejection_sample`'s `logprobs`); greedy: bool[B]."""
+  b, k1, _ = logits.shape
+  tokens = out.token_ids
+  ones = jnp.ones((b,), jnp.float32)
+  raw = lambda: sampling.token_log_probs(logits, tokens, ones, *sampling.log_softmax_stats(logits))
+  if mode == "raw":
+    lp = raw()
+  else:  # random rows: the sampler's own statistics; greedy rows: log_softmax, one more pass only if any
+    processed = sampling.token_log_probs(logits, tokens, params.temperature, *stats)
+    greedy_lp = jax.lax.cond(jnp.any(greedy), raw, lambda: jnp.zeros((b, k1), jnp.float32))
+    lp = jnp.where(greedy[:, None], greedy_lp, processed)
+  emitted = jnp.arange(k1)[None, :] < out.num_emitted[:, None]
+  return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs"))
+def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy, all_random, logprobs=None):
   b, k1, v = logits.shape
   k = k1 - 1
   n = jnp.clip(n, 0, k)
   live = jnp.arange(k)[None, :] < n[:, None]
+  no_stats = tuple(jnp.zeros((b, k1), jnp.float32) for _ in range(3))  # greedy rows need none
   if all_greedy:
-    return _greedy(draft, logits, live)
-  general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live)
-  if all_random:
-    return general(draft, logits, need_argmax=False)
-  # Run-time shortcut: an all-greedy batch skips the softmax path entirely.
-  return jax.lax.cond(jnp.all(params.is_greedy),
-                      lambda d, x: _greedy(d, x, live),
-                      lambda d, x: general(d, x, need_argmax=True),
-                      draft, logits)
+    out, stats = _greedy(draft, logits, live), no_stats
+  else:
+    general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live)
+    if all_random:
+      out, stats = general(draft, logits, need_argmax=False)
+    else:
+      # Run-time shortcut: an all-greedy batch skips the softmax path entirely.
+      out, stats = jax.lax.cond(jnp.all(params.is_greedy),
+                                lambda d, x: (_greedy(d, x, live), no_stats),
+                                lambda d, x: general(d, x, need_argmax=True),
+                                draft, logits)
+  if logprobs is None:
+    return out
+  # The static promises decide which rows count as greedy, as they do for the tokens.
+  greedy = jnp.full((b,), all_greedy) if all_greedy or all_random else params.is_greedy
+  return _with_logprobs(out, logits, params, stats, logprobs, greedy)

@@ -679,6 +679,53 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
+def log_softmax_stats(logits: jax.Array):
+  """(shift, thr, lse) of the unmodified distribution, softmax(logits) at temperature 1, for `token_log_probs`.
+
+  One pass over the logits (`max_and_sumexp`); rows whose normaliser is not
+  finite (+inf logits, overflow, nothing above -inf) are redone as in
+  `process_logits`, so +inf tokens share the mass and NaN counts as -inf.
+
+  Args:
+    logits: [B, ..., V], any float dtype.
+
+  Returns:
+    (shift, thr, lse), each f32[B, ...]; thr is -inf (nothing filtered).
+
+  Example:
+    >>> stats = log_softmax_stats(logits)   # then token_log_probs(logits, tokens, ones, *stats)
+  """
+  b = logits.shape[0]
+  t = jnp.ones((b,), jnp.float32)
+  m, s = max_and_sumexp(scale_logits(logits, t))
+  thr = jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32)
+  return shift_non_finite_rows(logits, t, jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32), thr,
+                               m + jnp.log(s))
+
+
+def token_log_probs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, shift: jax.Array, thr: jax.Array,
+                    lse: jax.Array) -> jax.Array:
+  """log p(token) under the distribution that (shift, thr, lse) describe, reading one logit per token.
+
+  Args:
+    logits: [B, ..., V], any float dtype.
+    tokens: int [B, ...]; ids outside [0, V) read id 0 (callers mask them).
+    temperature: f32[B] (greedy rows count as temperature 1, as in `scale_logits`).
+    shift, thr, lse: f32[B, ...] from `log_softmax_stats`, or the sampler's own
+      (temperature, top-k, top-p) statistics.
+
+  Returns:
+    f32[B, ...]: x - lse where the token is kept (x >= thr), -inf otherwise or
+    where the position has no logit above -inf.
+
+  Example:
+    >>> lp = token_log_probs(logits, tokens, jnp.ones(b), *log_softmax_stats(logits))
+  """
+  safe = jnp.clip(tokens, 0, logits.shape[-1] - 1)
+  x = scale_logits(jnp.take_along_axis(logits, safe[..., None], axis=-1), temperature, shift)[..., 0]
+  return jnp.where((x >= thr) & (lse > -jnp.inf), x - lse, -jnp.inf)
+
+
 def chunk_size(v: int) -> int:
   """Tokens per chunk when a pass over the vocabulary is split into chunks.
 
