@@ -95,8 +95,11 @@ SENTINEL = np.iinfo(np.int32).min  # a checksum value that (almost) never occurs
 
 
 def _checksum(out) -> jax.Array:
-  """int32 scalar that depends on every emitted token."""
-  return jnp.sum(out.token_ids) + jnp.sum(out.num_accepted)
+  """int32 scalar that depends on every emitted token (and its log-probability, when asked for)."""
+  total = jnp.sum(out.token_ids) + jnp.sum(out.num_accepted)
+  if out.logprobs is not None:
+    total = total + jax.lax.bitcast_convert_type(jnp.sum(out.logprobs), jnp.int32)
+  return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,11 @@ CASES: dict[str, Case] = {
     "mixed": Case(_sample(), _half, draft_probs=True, must_have=("reduce", "exponential")),
     "random_topk_topp": Case(_sample(), _ones, top_k=50, top_p=0.9, draft_probs=True,
                              must_have=("reduce", "exponential")),
+    # Log-probabilities of the emitted tokens (issue goal: at most +10% on the random path).
+    "logprobs_processed": Case(_sample(logprobs="processed"), _ones, must_have=("reduce", "exponential")),
+    "logprobs_raw": Case(_sample(logprobs="raw"), _ones, must_have=("reduce", "exponential")),
+    "logprobs_greedy": Case(_sample(all_greedy=True, logprobs="processed"), _zeros,
+                            must_have=("reduce", "exponential"), must_not_have=("threefry",)),
     "softmax_baseline": Case(lambda x, d, dp, p, k: jnp.sum(jnp.argmax(jax.nn.softmax(x, axis=-1), axis=-1)),
                              _zeros, must_have=("reduce", "exponential")),
     "argmax_only": Case(lambda x, d, dp, p, k: jnp.sum(jnp.argmax(x, axis=-1)), _zeros,

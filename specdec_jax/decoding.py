@@ -51,7 +51,8 @@ import numpy as np
 
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models.adapter import ModelDef, merge_model, split_model
-from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specdec_jax import sampling
+from specdec_jax.rejection import LOGPROBS_MODES, PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec_jax.sampling import SamplingParams, check_params, row_keys, sample_tokens
 
 __all__ = ["DecodeStats", "GenerateOutput", "generate", "speculative_generate"]
@@ -139,11 +140,14 @@ class GenerateOutput:
       PLACEHOLDER_TOKEN_ID (-1) after the row's end.
     lengths: int32[B] generated tokens per row (an EOS that ended the row included).
     stats: DecodeStats.
+    logprobs: f32[B, max_new_tokens] with `logprobs=...`, else None: each
+      generated token's log-probability under the target (0 after the row's end).
   """
 
   tokens: jax.Array  # [B, max_new_tokens]
   lengths: jax.Array  # [B]
   stats: DecodeStats
+  logprobs: jax.Array | None = None  # [B, max_new_tokens]
 
 
 @jax.tree_util.register_dataclass
@@ -159,6 +163,8 @@ class LoopState:
     target_cache: the target's cache (opaque).
     draft: the draft's own carry (None for `generate` and prompt lookup).
     stats: DecodeStats so far.
+    logprobs: f32[B, S] beside `tokens`, each generated token's log-probability
+      (0 elsewhere), or None when not asked for.
   """
 
   tokens: jax.Array
@@ -167,6 +173,7 @@ class LoopState:
   target_cache: Any
   draft: Any
   stats: DecodeStats
+  logprobs: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -338,8 +345,22 @@ def _prefill_inputs(prompt_tokens, prompt_lengths):
   return jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0), pos
 
 
+def _token_logprobs(logits, token, sample_log_probs, params, mode, all_greedy):
+  """log p(token) [B] under the target's logits [B, V] (see `rejection_sample`'s `logprobs`).
+
+  "processed" reads random rows' values from `sample_log_probs` (the distribution `sample_tokens` drew from);
+  greedy rows, and "raw", take log_softmax of the logits.
+  """
+  b = logits.shape[0]
+  raw = sampling.token_log_probs(logits, token, jnp.ones((b,), jnp.float32), *sampling.log_softmax_stats(logits))
+  if mode == "raw" or all_greedy:
+    return raw
+  processed = jnp.take_along_axis(sample_log_probs, token[:, None], axis=1)[:, 0]
+  return jnp.where(params.is_greedy, raw, processed)
+
+
 def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,
-           all_greedy, with_features, where) -> _Start:
+           all_greedy, with_features, where, logprobs=None) -> _Start:
   """Keys, the target's prefill, the first new token, the token buffer.
 
   The prefill feeds the padded prompt at positions arange(P) and samples the
@@ -355,16 +376,20 @@ def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_n
   out = t_apply(tokens, pos, t_init(max_length), **({"return_features": True} if with_features else {}))
   logits, cache = out[0], out[-1]
   _check_eos(eos, logits.shape[-1], where)
-  first, _ = sample_tokens(_gather_rows(logits, prompt_lengths - 1), params, _position_keys(keys, prompt_lengths),
-                           all_greedy=all_greedy)
+  first_logits = _gather_rows(logits, prompt_lengths - 1)
+  first, first_dist = sample_tokens(first_logits, params, _position_keys(keys, prompt_lengths), all_greedy=all_greedy)
 
   slot = _arange(max_length)[None, :]
   padded = jnp.pad(prompt_tokens, ((0, 0), (0, max_length - p)))
   buf = jnp.where(slot < prompt_lengths[:, None], padded, PLACEHOLDER_TOKEN_ID)
   buf = jnp.where(slot == prompt_lengths[:, None], first[:, None], buf).astype(jnp.int32)
   zeros = jnp.zeros((b,), jnp.int32)
+  lp_buf = None
+  if logprobs is not None:
+    lp = _token_logprobs(first_logits, first, first_dist, params, logprobs, all_greedy)
+    lp_buf = jnp.where(slot == prompt_lengths[:, None], lp[:, None], 0.0).astype(jnp.float32)
   state = LoopState(tokens=buf, length=prompt_lengths + 1, done=_is_eos(first, eos) | (max_new_tokens <= 1),
-                    target_cache=cache, draft=None,
+                    target_cache=cache, draft=None, logprobs=lp_buf,
                     stats=DecodeStats(target_calls=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros,
                                       accepted_per_position=jnp.zeros((0,), jnp.int32), usable_drafted=zeros,
                                       reached_per_position=jnp.zeros((0,), jnp.int32)))
@@ -379,7 +404,11 @@ def _outputs(state: LoopState, prompt_lengths, max_new_tokens):
   gen = jnp.take_along_axis(buf, jnp.minimum(prompt_lengths[:, None] + i, s - 1), axis=1)
   lengths = (state.length - prompt_lengths).astype(jnp.int32)
   tokens = jnp.where(i < lengths[:, None], gen, PLACEHOLDER_TOKEN_ID).astype(jnp.int32)
-  return GenerateOutput(tokens=tokens, lengths=lengths, stats=state.stats)
+  lp = None
+  if state.logprobs is not None:
+    lp = jnp.take_along_axis(state.logprobs, jnp.minimum(prompt_lengths[:, None] + i, s - 1), axis=1)
+    lp = jnp.where(i < lengths[:, None], lp, 0.0)
+  return GenerateOutput(tokens=tokens, lengths=lengths, stats=state.stats, logprobs=lp)
 
 
 def _run(body, state: LoopState) -> LoopState:
@@ -392,7 +421,7 @@ def _run(body, state: LoopState) -> LoopState:
 
 
 def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key, *, max_new_tokens: int,
-             eos_token_id=None, all_greedy: bool = False) -> GenerateOutput:
+             eos_token_id=None, all_greedy: bool = False, logprobs: str | None = None) -> GenerateOutput:
   """Plain autoregressive decoding: one target call per token, in one jitted loop.
 
   Args:
@@ -415,11 +444,16 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
     eos_token_id: None, an int or a tuple of ints in [0, V) (static). A row ends
       after emitting one (included).
     all_greedy: static promise that every row is greedy (argmax-only program).
+    logprobs: static; None, "raw" or "processed": also return each generated
+      token's log-probability under the target, as `rejection_sample` defines
+      them ("raw": log_softmax of the logits; "processed": under the
+      distribution the row samples from, log_softmax for greedy rows).
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens] with -1 after each row's end,
-    lengths int32[B], stats) where stats.target_calls == lengths and nothing is
-    drafted (the per-position counts have shape [0]).
+    lengths int32[B], stats, logprobs f32[B, max_new_tokens] or None) where
+    stats.target_calls == lengths and nothing is drafted (the per-position
+    counts have shape [0]).
 
   Raises:
     ValueError: on shapes, dtypes, out-of-range values, or a generation longer
@@ -431,37 +465,51 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
     >>> out.tokens[0, :out.lengths[0]]
   """
   where = "generate"
+  _check_logprobs(where, logprobs)
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
       where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy)
   _check_context(where, [("target", target)], prompt_tokens.shape[1], max_new_tokens)
   target_def, target_arrays = _split(target, "target")
   return _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, None if all_greedy else key,
-                       target_def=target_def, max_new_tokens=max_new_tokens, eos=eos, all_greedy=bool(all_greedy))
+                       target_def=target_def, max_new_tokens=max_new_tokens, eos=eos, all_greedy=bool(all_greedy),
+                       logprobs=logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy"))
+def _check_logprobs(where, logprobs):
+  if logprobs not in LOGPROBS_MODES:
+    raise ValueError(f"{where}: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy", "logprobs"))
 def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
-                  all_greedy):
+                  all_greedy, logprobs):
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
   prompt_lengths = _clip_lengths(prompt_lengths, p)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
   start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
-                 eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=False, where="generate")
+                 eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=False, where="generate",
+                 logprobs=logprobs)
   rows = _arange(b)
 
   def body(s: LoopState) -> LoopState:
     # Each row feeds its last token at its own position: rows advance independently.
     last = _gather_rows(s.tokens, s.length - 1)
     logits, cache = t_apply(last[:, None], (s.length - 1)[:, None], s.target_cache)
-    token, _ = sample_tokens(logits[:, 0], params, _position_keys(start.keys, s.length), all_greedy=all_greedy)
+    token, dist = sample_tokens(logits[:, 0], params, _position_keys(start.keys, s.length), all_greedy=all_greedy)
     live = ~s.done
     # Finished rows write nowhere (index max_length is dropped) and stay put.
-    buf = s.tokens.at[rows, jnp.where(live, s.length, max_length)].set(token, mode="drop")
+    slot = jnp.where(live, s.length, max_length)
+    buf = s.tokens.at[rows, slot].set(token, mode="drop")
+    lp = s.logprobs
+    if lp is not None:
+      lp = lp.at[rows, slot].set(_token_logprobs(logits[:, 0], token, dist, params, logprobs, all_greedy),
+                                 mode="drop")
     length = s.length + live
     done = s.done | (live & (_is_eos(token, eos) | (length - prompt_lengths >= max_new_tokens)))
     stats = dataclasses.replace(s.stats, target_calls=s.stats.target_calls + live)
-    return dataclasses.replace(s, tokens=buf, length=length, done=done, target_cache=cache, stats=stats)
+    return dataclasses.replace(s, tokens=buf, length=length, done=done, target_cache=cache, stats=stats,
+                               logprobs=lp)
 
   return _outputs(_run(body, start.state), prompt_lengths, max_new_tokens)
 
@@ -622,7 +670,7 @@ def _check_vocab(draft_v, target_v):
 
 def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: SamplingParams, key, *,
                          max_new_tokens: int, num_speculative_tokens: int, eos_token_id=None,
-                         all_greedy: bool = False) -> GenerateOutput:
+                         all_greedy: bool = False, logprobs: str | None = None) -> GenerateOutput:
   """Speculative decoding: draft K tokens, verify them in one target call, repeat.
 
   Lossless: the tokens are distributed exactly as `generate(target, ...)`'s (and
@@ -653,10 +701,14 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
     eos_token_id: None, an int or a tuple of ints in [0, V) (static).
     all_greedy: static promise that every row is greedy; reaches the draft's
       sampler and `rejection_sample`, so the program holds no softmax and no RNG.
+    logprobs: static; None, "raw" or "processed", as in `generate`: the target's
+      log-probabilities of the tokens, from the verification calls (for the
+      same tokens, the same values as `generate` up to float rounding).
 
   Returns:
-    GenerateOutput(tokens int32[B, max_new_tokens], lengths int32[B], stats)
-    with stats.accepted_per_position and reached_per_position of shape [K].
+    GenerateOutput(tokens int32[B, max_new_tokens], lengths int32[B], stats,
+    logprobs f32[B, max_new_tokens] or None) with stats.accepted_per_position
+    and reached_per_position of shape [K].
 
   Raises:
     ValueError: on shapes, dtypes, out-of-range values, mismatched vocabularies
@@ -669,6 +721,7 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
     >>> float(out.stats.mean_accepted_length), out.stats.acceptance_per_position
   """
   where = "speculative_generate"
+  _check_logprobs(where, logprobs)
   k = num_speculative_tokens
   if not _is_int(k) or k < 1:
     raise ValueError(f"{where}: num_speculative_tokens must be an int >= 1, got {k!r}")
@@ -693,13 +746,14 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   return _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params,
                           None if all_greedy else key, target_def=target_def, draft_def=draft_def,
                           feature_draft=feature_draft, num_speculative_tokens=int(k), max_new_tokens=max_new_tokens,
-                          eos=eos, all_greedy=bool(all_greedy))
+                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "feature_draft", "num_speculative_tokens",
-                                             "max_new_tokens", "eos", "all_greedy"))
+                                             "max_new_tokens", "eos", "all_greedy", "logprobs"))
 def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
-                     draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy):
+                     draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
+                     logprobs):
   b, p = prompt_tokens.shape
   k = num_speculative_tokens
   where = "speculative_generate"
@@ -717,7 +771,7 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
   prompt_lengths = _clip_lengths(prompt_lengths, p)
   start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=drafter.needs_features,
-                 where=where)
+                 where=where, logprobs=logprobs)
   zeros_k = jnp.zeros((k,), jnp.int32)
   state = dataclasses.replace(
       start.state, draft=drafter.start(start, prompt_tokens, max_length),
@@ -748,7 +802,7 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
     else:
       (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
     out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
-                           key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy)
+                           key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs)
 
     # Truncation inside the round: keep tokens up to the first EOS (included)
     # and up to max_new_tokens; finished rows keep nothing.
@@ -759,13 +813,14 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
     room = max_new_tokens - (s.length - prompt_lengths)
     kept = jnp.minimum(jnp.minimum(out.num_emitted, room), first_eos + 1)
     kept = jnp.where(live, kept, 0).astype(jnp.int32)
-    buf = s.tokens.at[rows[:, None], jnp.where(j < kept[:, None], s.length[:, None] + j, max_length)].set(
-        emitted, mode="drop")
+    slots = jnp.where(j < kept[:, None], s.length[:, None] + j, max_length)
+    buf = s.tokens.at[rows[:, None], slots].set(emitted, mode="drop")
+    lp = None if s.logprobs is None else s.logprobs.at[rows[:, None], slots].set(out.logprobs, mode="drop")
     length = s.length + kept
     done = s.done | (live & ((first_eos < kept) | (length - prompt_lengths >= max_new_tokens)))
     stats = _round_stats(s.stats, k, live, kept, out.num_emitted, room)
     return LoopState(tokens=buf, length=length, done=done, target_cache=t_cache,
-                     draft=drafter.observe(draft_carry, features, kept), stats=stats)
+                     draft=drafter.observe(draft_carry, features, kept), stats=stats, logprobs=lp)
 
   return _outputs(_run(body, state), prompt_lengths, max_new_tokens)
 

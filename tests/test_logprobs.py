@@ -140,3 +140,81 @@ def test_bad_logprobs_mode_is_a_value_error():
   draft, logits, _ = _inputs(0, with_probs=False)
   with pytest.raises(ValueError, match="logprobs must be one of"):
     rejection_sample(draft, logits, SamplingParams.greedy(B), None, all_greedy=True, logprobs="log")
+
+
+# ----------------------------------------------------------------------------
+# The loops: generate and speculative_generate
+# ----------------------------------------------------------------------------
+
+from specdec_jax import PromptLookupDrafter, generate, speculative_generate  # noqa: E402
+from tests.test_decoding import TinyLM, _prompts  # noqa: E402
+
+LV, LP, LMAX = 32, 7, 12
+LOOP_LENGTHS = [7, 3, 1, 5]
+LOOP_EOS = (28, 31)
+
+
+def _teacher_forced(model, prompts, lengths, out, params_np, mode):
+  """float64 reference [B, max_new] from one uncached call per row on prompt + generated tokens."""
+  tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
+  want = np.zeros(tokens.shape)
+  for r, plen in enumerate(np.asarray(lengths)):
+    seq = np.concatenate([np.asarray(prompts)[r, :plen], tokens[r, :n[r]]]).astype(np.int32)
+    logits, _ = model(jnp.asarray(seq)[None], jnp.arange(len(seq), dtype=jnp.int32)[None],
+                      model.init_cache(1, len(seq)))
+    logits = np.asarray(logits[0], np.float64)
+    t, k, p = params_np["temperature"][r], params_np["top_k"][r], params_np["top_p"][r]
+    for j in range(n[r]):
+      row = logits[plen - 1 + j]
+      if mode == "raw" or t == 0.0:
+        lp = _log_softmax(row)
+      else:
+        with np.errstate(divide="ignore"):
+          lp = np.log(reference_probs(row, t, k, p))
+      want[r, j] = lp[tokens[r, j]]
+  return want
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_loops_return_the_targets_logprobs_of_their_tokens(mode):
+  """Greedy: both loops give the same tokens and log-probs; sampled: each loop's log-probs are the target's own
+  (teacher-forced float64 reference), for mixed temperatures and filters, ragged prompts and EOS inside rounds."""
+  target, draft = TinyLM.create(0, LV), TinyLM.create(1, LV)
+  prompts, lengths = _prompts(0, LV, LOOP_LENGTHS, LP)
+  common = dict(max_new_tokens=LMAX, eos_token_id=LOOP_EOS, logprobs=mode)
+
+  greedy = SamplingParams.greedy(4)
+  g = {"temperature": [0.0] * 4, "top_k": [0] * 4, "top_p": [1.0] * 4}
+  plain = generate(target, prompts, lengths, greedy, None, all_greedy=True, **common)
+  spec = speculative_generate(target, draft, prompts, lengths, greedy, None, num_speculative_tokens=3,
+                              all_greedy=True, **common)
+  np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+  np.testing.assert_allclose(np.asarray(spec.logprobs), np.asarray(plain.logprobs), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(plain.logprobs), _teacher_forced(target, prompts, lengths, plain, g, mode),
+                             rtol=1e-4, atol=1e-4)
+  assert np.any(np.asarray(plain.lengths) < LMAX)  # EOS cut some rows: their tail must be 0 (checked above)
+
+  mixed = {"temperature": [1.0, 0.0, 0.7, 1.3], "top_k": [0, 0, 6, 0], "top_p": [1.0, 1.0, 1.0, 0.8]}
+  params = SamplingParams.create(**mixed)
+  for seed in range(3):
+    key = jax.random.key(seed)
+    outs = [generate(target, prompts, lengths, params, key, **common),
+            speculative_generate(target, draft, prompts, lengths, params, key, num_speculative_tokens=3, **common),
+            speculative_generate(target, PromptLookupDrafter((2, 1)), prompts, lengths, params, key,
+                                 num_speculative_tokens=2, **common)]
+    for out in outs:
+      assert out.logprobs.shape == (4, LMAX) and out.logprobs.dtype == jnp.float32
+      np.testing.assert_allclose(np.asarray(out.logprobs),
+                                 _teacher_forced(target, prompts, lengths, out, mixed, mode), rtol=1e-4, atol=1e-4)
+
+
+def test_loops_without_logprobs_return_none_and_bad_modes_are_refused():
+  target = TinyLM.create(0, LV)
+  prompts, lengths = _prompts(0, LV, LOOP_LENGTHS, LP)
+  out = generate(target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=3, all_greedy=True)
+  assert out.logprobs is None
+  with pytest.raises(ValueError, match="generate: logprobs must be one of"):
+    generate(target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=3, logprobs=True)
+  with pytest.raises(ValueError, match="speculative_generate: logprobs must be one of"):
+    speculative_generate(target, target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=3,
+                         num_speculative_tokens=2, logprobs="sampled")
