@@ -101,9 +101,11 @@ def rejection_sample(
       distribution the row samples from (temperature, top-k, top-p), and for a
       greedy row `log_softmax` of its logits. A recovered token gets its target
       log-probability, not the residual's. "processed" reuses the sampler's own
-      statistics for random rows; greedy rows and "raw" need one more
-      log-normaliser pass over the logits (which brings exponentials into the
-      all_greedy program; it stays free of random numbers).
+      statistics for random rows, and so does "raw" for random rows at
+      temperature 1 without top-k/top-p; other rows (greedy rows included) need
+      one more log-normaliser pass over the logits, run only when some row
+      needs it (it brings exponentials into the all_greedy program, which stays
+      free of random numbers).
 
   Returns:
     RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
@@ -442,12 +444,14 @@ def _with_logprobs(out: RejectionOutput, logits, params, stats, mode: str, greed
   tokens = out.token_ids
   ones = jnp.ones((b,), jnp.float32)
   raw = lambda: sampling.token_log_probs(logits, tokens, ones, *sampling.log_softmax_stats(logits))
+  processed = sampling.token_log_probs(logits, tokens, params.temperature, *stats)
+  # Rows whose processed values are the raw ones: "processed" random rows, and for "raw" the random rows at
+  # temperature 1 that filter nothing (e.g. RL rollouts). Only the others cost a log-normaliser pass.
+  own = ~greedy
   if mode == "raw":
-    lp = raw()
-  else:  # random rows: the sampler's own statistics; greedy rows: log_softmax, one more pass only if any
-    processed = sampling.token_log_probs(logits, tokens, params.temperature, *stats)
-    greedy_lp = jax.lax.cond(jnp.any(greedy), raw, lambda: jnp.zeros((b, k1), jnp.float32))
-    lp = jnp.where(greedy[:, None], greedy_lp, processed)
+    own = own & (params.temperature == 1.0) & ~sampling.filter_active(params, logits.shape[-1])
+  other = jax.lax.cond(jnp.any(~own), raw, lambda: jnp.zeros((b, k1), jnp.float32))
+  lp = jnp.where(own[:, None], processed, other)
   emitted = jnp.arange(k1)[None, :] < out.num_emitted[:, None]
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
