@@ -348,15 +348,11 @@ def _prefill_inputs(prompt_tokens, prompt_lengths):
 def _token_logprobs(logits, token, sample_log_probs, params, mode, all_greedy):
   """log p(token) [B] under the target's logits [B, V] (see `rejection_sample`'s `logprobs`).
 
-  "processed" reads random rows' values from `sample_log_probs` (the distribution `sample_tokens` drew from);
-  greedy rows, and "raw", take log_softmax of the logits.
+  `sample_log_probs` is the distribution `sample_tokens` drew from, which random rows' values are read from.
   """
-  b = logits.shape[0]
-  raw = sampling.token_log_probs(logits, token, jnp.ones((b,), jnp.float32), *sampling.log_softmax_stats(logits))
-  if mode == "raw" or all_greedy:
-    return raw
   processed = jnp.take_along_axis(sample_log_probs, token[:, None], axis=1)[:, 0]
-  return jnp.where(params.is_greedy, raw, processed)
+  greedy = jnp.full(params.is_greedy.shape, True) if all_greedy else params.is_greedy
+  return sampling.requested_log_probs(logits, token, params, processed, mode, greedy)
 
 
 def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,

@@ -440,19 +440,9 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
 
 def _with_logprobs(out: RejectionOutput, logits, params, stats, mode: str, greedy) -> RejectionOutput:
   """Adds the emitted tokens' log-probabilities (see `rejection_sample`'s `logprobs`); greedy: bool[B]."""
-  b, k1, _ = logits.shape
-  tokens = out.token_ids
-  ones = jnp.ones((b,), jnp.float32)
-  raw = lambda: sampling.token_log_probs(logits, tokens, ones, *sampling.log_softmax_stats(logits))
-  processed = sampling.token_log_probs(logits, tokens, params.temperature, *stats)
-  # Rows whose processed values are the raw ones: "processed" random rows, and for "raw" the random rows at
-  # temperature 1 that filter nothing (e.g. RL rollouts). Only the others cost a log-normaliser pass.
-  own = ~greedy
-  if mode == "raw":
-    own = own & (params.temperature == 1.0) & ~sampling.filter_active(params, logits.shape[-1])
-  other = jax.lax.cond(jnp.any(~own), raw, lambda: jnp.zeros((b, k1), jnp.float32))
-  lp = jnp.where(own[:, None], processed, other)
-  emitted = jnp.arange(k1)[None, :] < out.num_emitted[:, None]
+  processed = sampling.token_log_probs(logits, out.token_ids, params.temperature, *stats)
+  lp = sampling.requested_log_probs(logits, out.token_ids, params, processed, mode, greedy)
+  emitted = jnp.arange(logits.shape[1])[None, :] < out.num_emitted[:, None]
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
 

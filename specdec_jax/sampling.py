@@ -726,6 +726,41 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array
   return jnp.where((x >= thr) & (lse > -jnp.inf), x - lse, -jnp.inf)
 
 
+def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingParams, processed: jax.Array,
+                        mode: str, greedy: jax.Array) -> jax.Array:
+  """The log-probabilities `mode` asks for ("raw" or "processed"), given the sampled distribution's.
+
+  `processed` holds log p(token) under the distribution each row samples from
+  (temperature, top-k, top-p). Random rows keep those values for "processed",
+  and for "raw" too where they are the raw ones (temperature 1, nothing
+  filtered: e.g. RL rollouts). The other rows, greedy rows included, get
+  `log_softmax` of the logits: one more pass over them, run only when some row
+  needs it.
+
+  Args:
+    logits: [B, ..., V] the target's logits.
+    tokens: int [B, ...] the emitted tokens.
+    params: SamplingParams of batch B.
+    processed: f32[B, ...] log p(token) under the sampled distribution.
+    mode: "raw" or "processed" (static).
+    greedy: bool[B] rows that count as greedy.
+
+  Returns:
+    f32[B, ...].
+
+  Example:
+    >>> lp = requested_log_probs(logits, tokens, params, processed, "raw", params.is_greedy)
+  """
+  b = logits.shape[0]
+  own = ~greedy
+  if mode == "raw":
+    own = own & (params.temperature == 1.0) & ~filter_active(params, logits.shape[-1])
+  ones = jnp.ones((b,), jnp.float32)
+  other = jax.lax.cond(jnp.any(~own), lambda: token_log_probs(logits, tokens, ones, *log_softmax_stats(logits)),
+                       lambda: jnp.zeros(tokens.shape, jnp.float32))
+  return jnp.where(_bcast(own, processed), processed, other)
+
+
 def chunk_size(v: int) -> int:
   """Tokens per chunk when a pass over the vocabulary is split into chunks.
 

@@ -35,7 +35,8 @@ def _inputs(seed, *, with_probs):
   return jnp.asarray(draft), jnp.asarray(logits), probs
 
 
-PARAMS = dict(temperature=[0.0, 1.0, 0.6, 1.5, 0.0, 0.8], top_k=[0, 0, 5, 0, 3, 12], top_p=[1.0, 1.0, 1.0, 0.7, 1.0, 0.9])
+PARAMS = dict(temperature=[0.0, 1.0, 0.6, 1.5, 0.0, 0.8], top_k=[0, 0, 5, 0, 3, 12],
+              top_p=[1.0, 1.0, 1.0, 0.7, 1.0, 0.9])
 
 
 def _expected(logits, tokens, num_emitted, mode):
@@ -99,7 +100,7 @@ def test_recovered_token_gets_its_target_logprob_not_the_residuals():
 
 
 def test_greedy_logprobs_are_log_softmax_in_every_program():
-  """all_greedy=True, the run-time greedy cond and a mixed batch agree; the all_greedy program draws no random bits."""
+  """all_greedy=True, the run-time greedy cond and "raw" agree; the all_greedy program draws no random bits."""
   draft, logits, _ = _inputs(5, with_probs=False)
   greedy = SamplingParams.greedy(B)
   a = rejection_sample(draft, logits, greedy, None, all_greedy=True, logprobs="processed")
