@@ -205,12 +205,8 @@ class _LayerStack(nnx.Module):
 
   def __init__(self, weights: Mapping[str, jax.Array], config: TransformerConfig):
     fused = fuse_projections({name: weights[f"layers.{name}"] for name in _LAYER_PARAMS})
-    if config.scan_layers:
-      for name in _FUSED_PARAMS:
-        setattr(self, name, nnx.Param(fused[name]))
-    else:
-      for i in range(config.num_layers):
-        setattr(self, f"block{i}", _Block({name: fused[name][i] for name in _FUSED_PARAMS}))
+    for name, value in self.pure_dict(fused, config).items():  # "wqkv", ... or "block0", ...
+      setattr(self, name, nnx.Param(value) if config.scan_layers else _Block(value))
 
   @staticmethod
   def pure_dict(fused: Mapping[str, jax.Array], config: TransformerConfig) -> dict:
