@@ -189,19 +189,12 @@ def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> l
   """
   asks = [smollm2.chat_prompt(SELF_QUESTION_ASK.format(t=t)) for t in topics for _ in range(samples)]
   ids = [tokenizer.encode(a).ids for a in asks]
-  p = max(map(len, ids))
   questions = []
   for start in tqdm(range(0, len(asks), batch_size), desc="self-written questions"):
     chunk = ids[start:start + batch_size]
-    chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))
-    x = np.zeros((batch_size, p), np.int32)
-    for r, row in enumerate(chunk):
-      x[r, :len(row)] = row
-    out = generate(target, jnp.asarray(x), jnp.asarray([len(r) for r in chunk], jnp.int32),
-                   SamplingParams.create([0.8] * batch_size), jax.random.key(seed + 7919 + start),
-                   max_new_tokens=48, eos_token_id=smollm2.SMOLLM2_EOS_IDS)
-    gen, n = np.asarray(out.tokens), np.asarray(out.lengths)
-    for r in range(min(batch_size, len(asks) - start)):
+    gen, n = generate_padded(target, chunk, [0.8] * len(chunk), width=max(map(len, ids)), batch_size=batch_size,
+                             key=jax.random.key(seed + 7919 + start), max_new_tokens=48)
+    for r in range(len(chunk)):
       text = tokenizer.decode(gen[r, :n[r]].tolist()).strip().split("\n")[0].strip().strip('"')
       if 15 <= len(text) <= 200 and text.endswith("?"):
         questions.append(text)
@@ -221,12 +214,28 @@ def all_prompts(quick: bool, seed: int, more: bool = False, code_questions_per_f
   if more:
     chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in TOPICS + EXTRA_TOPICS for tpl in EXTRA_TEMPLATES]
     chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in EXTRA_TOPICS for tpl in TEMPLATES + MORE_TEMPLATES]
-  prompts = chats + code_prompts(code_files if not quick else 2, code_per_file, rng) + repeat_prompts(400 if not quick else 20, rng)
+  prompts = chats + code_prompts(code_files if not quick else 2, code_per_file, rng)
+  prompts += repeat_prompts(400 if not quick else 20, rng)
   if code_questions_per_file:  # drawn after the lists above, so those stay what they were without the flag
     prompts += code_questions(400 if not quick else 20, code_questions_per_file, rng)
   prompts += list(extra or [])
   prompts = [prompts[i] for i in rng.permutation(len(prompts))]
   return prompts[:8] if quick else prompts
+
+
+def generate_padded(target, id_rows, temperatures, *, width, batch_size, key, max_new_tokens):
+  """`generate` on up to batch_size prompts, right-padded to [batch_size, width] (the last row repeated), so every
+  call has one shape and one compiled program. Returns NumPy (tokens, lengths) of the real rows."""
+  pad = batch_size - len(id_rows)
+  id_rows, temperatures = list(id_rows) + [id_rows[-1]] * pad, list(temperatures) + [temperatures[-1]] * pad
+  x = np.zeros((batch_size, width), np.int32)
+  for r, row in enumerate(id_rows):
+    x[r, :len(row)] = row
+  out = generate(target, jnp.asarray(x), jnp.asarray([len(r) for r in id_rows], jnp.int32),
+                 SamplingParams.create(temperatures), key, max_new_tokens=max_new_tokens,
+                 eos_token_id=smollm2.SMOLLM2_EOS_IDS)
+  real = batch_size - pad
+  return np.asarray(out.tokens)[:real], np.asarray(out.lengths)[:real]
 
 
 def generate_data(target, tokenizer, prompts, *, samples, gen_tokens, prompt_len, batch_size, seed):
@@ -238,14 +247,8 @@ def generate_data(target, tokenizer, prompts, *, samples, gen_tokens, prompt_len
   p_lens, lens, prompt_of = np.zeros(len(jobs), np.int32), np.zeros(len(jobs), np.int32), np.zeros(len(jobs), int)
   for start in tqdm(range(0, len(jobs), batch_size), desc="target continuations"):
     batch = jobs[start:start + batch_size]
-    pad = batch + [batch[-1]] * (batch_size - len(batch))  # one shape: one compiled program
-    x = np.zeros((batch_size, prompt_len), np.int32)
-    for r, (i, _) in enumerate(pad):
-      x[r, :len(ids[i])] = ids[i]
-    out = generate(target, jnp.asarray(x), jnp.asarray([len(ids[i]) for i, _ in pad], jnp.int32),
-                   SamplingParams.create([t for _, t in pad]), jax.random.key(seed + start),
-                   max_new_tokens=gen_tokens, eos_token_id=smollm2.SMOLLM2_EOS_IDS)
-    gen, n = np.asarray(out.tokens), np.asarray(out.lengths)
+    gen, n = generate_padded(target, [ids[i] for i, _ in batch], [t for _, t in batch], width=prompt_len,
+                             batch_size=batch_size, key=jax.random.key(seed + start), max_new_tokens=gen_tokens)
     for r, (i, _) in enumerate(batch):
       row, pl = start + r, len(ids[i])
       tokens[row, :pl] = ids[i]
