@@ -54,6 +54,8 @@ from specdec_jax.models.adapter import ModelDef, merge_model, split_model
 from specdec_jax import sampling
 from specdec_jax.rejection import LOGPROBS_MODES, PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec_jax.sampling import SamplingParams, check_params, row_keys, sample_tokens
+from specdec_jax.tree import tree_rejection_sample
+from specdec_jax.tree_drafts import DraftTree, grow_tree, tree_attention_mask
 
 __all__ = ["DecodeStats", "GenerateOutput", "generate", "speculative_generate"]
 
@@ -204,6 +206,8 @@ def _checked_logits(logits, tokens, name):
 def _model_fns(model_def: ModelDef, arrays, name: str, batch_size: int):
   """(init_cache(max_length), apply(tokens, positions, cache, **kw)) for use inside jit.
 
+  `_copy_slots(model_def, arrays)` gives the tree extension's `copy_cache_slots` the same way.
+
   `apply` merges the model at every call site (trace-time work only), so an NNX
   module is always created inside the trace that uses it (while/scan bodies).
   """
@@ -217,6 +221,15 @@ def _model_fns(model_def: ModelDef, arrays, name: str, batch_size: int):
     return out
 
   return init_cache, apply
+
+
+def _copy_slots(model_def: ModelDef, arrays):
+  """copy_cache_slots(cache, src, dst) of the model, for use inside jit (trees of drafts)."""
+
+  def copy(cache, src, dst):
+    return merge_model(model_def, arrays).copy_cache_slots(cache, src, dst)
+
+  return copy
 
 
 # ----------------------------------------------------------------------------
@@ -529,6 +542,15 @@ class _LookupDraft:
   def propose(self, carry, s: LoopState, draft_keys, sample):
     return self.drafter.propose(s.tokens, s.length, self.k), None, carry
 
+  def propose_tree(self, carry, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy, max_length):
+    # A tree (m, 1, ..., 1): m branches, the continuations of m different earlier matches.
+    branches = self.drafter.propose_branches(s.tokens, s.length, tree.depth, tree.branching[0])  # [B, m, K]
+    b = branches.shape[0]
+    return jnp.swapaxes(branches, 1, 2).reshape(b, tree.num_nodes), None, carry
+
+  def commit_tree(self, carry, src, dst):
+    return carry
+
   def observe(self, carry, features, kept):
     return carry
 
@@ -538,8 +560,8 @@ class _ModelDraft:
 
   needs_features = False
 
-  def __init__(self, init, apply, k: int):
-    self.init, self.apply, self.k = init, apply, k
+  def __init__(self, init, apply, k: int, copy=None):
+    self.init, self.apply, self.k, self.copy = init, apply, k, copy
 
   def start(self, start: _Start, prompt_tokens, max_length):
     tokens, pos = _prefill_inputs(prompt_tokens, start.state.length - 1)  # length - 1: the prompt lengths
@@ -560,6 +582,28 @@ class _ModelDraft:
       return cache, logits[:, 0]
 
     return _draft_chain(self.k, cache, first, q_first, step, sample)
+
+  def propose_tree(self, cache, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy, max_length):
+    # Nodes are written at slot L + j (as in the target's verification) and
+    # fed depth by depth; the leaves at depth K are never fed, like dK of a chain.
+    length = s.length
+    b = length.shape[0]
+    two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
+    logits, cache = self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
+
+    def level(cache, i, tokens):
+      nodes = tree.level(i)
+      pos = jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape)
+      slots = length[:, None] + _arange(tree.num_nodes)[None, nodes]
+      mask = tree_attention_mask(length, length, tree.ancestors[nodes], max_length)
+      logits, cache = self.apply(tokens, pos, cache, cache_slots=slots, attention_mask=mask)
+      return cache, logits
+
+    return grow_tree(tree, logits[:, -1], level, cache, params, draft_keys, all_greedy=all_greedy)
+
+  def commit_tree(self, cache, src, dst):
+    # The accepted path moves to the slots of its positions, as in the target.
+    return self.copy(cache, src, dst)
 
   def observe(self, carry, features, kept):
     return carry
@@ -607,19 +651,23 @@ class _FeatureDraft:
     pending = jnp.zeros((b, self.k + 1, feats.shape[-1]), feats.dtype).at[:, 0].set(last)
     return _FeatureCarry(cache=cache, features=pending, fresh=jnp.ones((b,), jnp.int32))
 
-  def propose(self, carry: _FeatureCarry, s: LoopState, draft_keys, sample):
+  def _catch_up(self, carry: _FeatureCarry, s: LoopState):
+    """The round's first call: (logits [B, V] of d1, the drafter's hidden there [B, D], cache)."""
     model = self._model()
-    length, k = s.length, self.k
     # Catch-up: entries at base .. base+K, base = L-1-fresh; the first `fresh`
     # are the verified tokens (f_p, x_{p+1}), the rest junk that later entries
     # overwrite before anyone reads them. Entry fresh-1 (p = L-2) predicts d1.
-    base = length - 1 - carry.fresh
-    idx = base[:, None] + _arange(k + 1)[None, :]
+    base = s.length - 1 - carry.fresh
+    idx = base[:, None] + _arange(self.k + 1)[None, :]
     nxt = jnp.maximum(jnp.take_along_axis(s.tokens, idx + 1, axis=1), 0)
     logits, hidden, cache = self._apply(nxt, model.fuse(carry.features), idx, carry.cache,
                                         logits_at=carry.fresh - 1)
-    first, q_first = sample(logits[:, 0], 0)
-    h = _gather_rows(hidden, carry.fresh - 1)
+    return logits[:, 0], _gather_rows(hidden, carry.fresh - 1), cache
+
+  def propose(self, carry: _FeatureCarry, s: LoopState, draft_keys, sample):
+    length, k = s.length, self.k
+    first_logits, h, cache = self._catch_up(carry, s)
+    first, q_first = sample(first_logits, 0)
 
     def step(state, token, i):
       cache, h = state
@@ -628,6 +676,31 @@ class _FeatureDraft:
 
     tokens, probs, (cache, _) = _draft_chain(k, (cache, h), first, q_first, step, sample)
     return tokens, probs, dataclasses.replace(carry, cache=cache)
+
+  def propose_tree(self, carry: _FeatureCarry, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy,
+                   max_length):
+    # The entries of depth-i nodes sit at position L-2+i and slot L-1+j (node j),
+    # each reading its parent's hidden (the catch-up's for depth 1).
+    length = s.length
+    root_logits, h, cache = self._catch_up(carry, s)
+
+    def level(state, i, tokens):
+      cache, parent_h = state  # parent_h [B, n_{i-1}, D]; node m's parent is m // k_i
+      nodes = tree.level(i)
+      hidden = jnp.repeat(parent_h, tree.branching[i - 1], axis=1)
+      pos = jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape)
+      slots = (length - 1)[:, None] + _arange(tree.num_nodes)[None, nodes]
+      mask = tree_attention_mask(length - 1, length - 1, tree.ancestors[nodes], max_length)
+      logits, hidden, cache = self._model()(tokens, hidden, pos, cache, cache_slots=slots, attention_mask=mask)
+      return (cache, hidden), logits
+
+    tokens, probs, (cache, _) = grow_tree(tree, root_logits, level, (cache, h[:, None]), params, draft_keys,
+                                          all_greedy=all_greedy)
+    return tokens, probs, dataclasses.replace(carry, cache=cache)
+
+  def commit_tree(self, carry, src, dst):
+    # Nothing to move: the next round's catch-up rewrites the accepted path from the target's features.
+    return carry
 
   def observe(self, carry: _FeatureCarry, features, kept):
     return dataclasses.replace(carry, features=features, fresh=jnp.maximum(kept, 1).astype(jnp.int32))
@@ -653,6 +726,66 @@ def _draft_chain(k, carry, first, q_first, step, sample):
   return tokens, probs, carry
 
 
+def _tree_round(s: LoopState, drafter, tree: DraftTree, t_apply, t_copy, params, draft_keys, reject_keys, *,
+                all_greedy, logprobs, max_length):
+  """One round with a tree of drafts: draft it, verify it in one target call, move the accepted path into place.
+
+  The target sees the last context token t (the root) at slot L-1 and node j
+  at slot L+j with position L-1+depth(j), each query the context and its
+  own ancestors (`Transformer.__call__` draws the slots). The accepted path's
+  keys/values then move to slots L, L+1, ..., as a chain round would have left them.
+
+  Returns:
+    (emitted int32 [B, K+1] (path, then one token, then -1), num_emitted [B],
+    logprobs [B, K+1] or None, target cache, draft carry, features of
+    [t, path] [B, K+1, F] or None).
+  """
+  length = s.length
+  b, k, n = length.shape[0], tree.depth, tree.num_nodes
+  nodes, draft_probs, draft_carry = drafter.propose_tree(s.draft, s, draft_keys, tree, params, all_greedy,
+                                                         max_length)
+  last = _gather_rows(s.tokens, length - 1)
+  verify = jnp.concatenate([last[:, None], nodes], axis=1)  # [B, N+1]
+  positions = (length - 1)[:, None] + jnp.asarray(np.concatenate([[0], tree.depths]), jnp.int32)[None, :]
+  slots = (length - 1)[:, None] + _arange(n + 1)[None, :]
+  rows = np.concatenate([np.zeros((1, n), bool), tree.ancestors])  # t sees the context only
+  kw = dict(cache_slots=slots, attention_mask=tree_attention_mask(length, length, rows, max_length))
+  if drafter.needs_features:
+    target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True, **kw)
+  else:
+    (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache, **kw), None
+  out = tree_rejection_sample(draft_token_ids=nodes, parents=tree.parents, target_logits=target_logits,
+                              params=params, key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy)
+
+  depth = _arange(k)[None, :]
+  accepted = depth < out.num_accepted[:, None]
+  src = length[:, None] + jnp.maximum(out.accepted_nodes, 0)
+  dst = jnp.where(accepted, length[:, None] + depth, max_length)  # max_length: dropped
+  t_cache = t_copy(t_cache, src, dst)
+  draft_carry = drafter.commit_tree(draft_carry, src, dst)
+  # The logits rows (and target features) the emitted tokens came from: t's, then the path's nodes'.
+  path = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.where(accepted, out.accepted_nodes + 1, 0)], axis=1)
+  if features is not None:
+    features = jnp.take_along_axis(features, path[:, :, None], axis=1)
+  lp = None
+  if logprobs is not None:
+    path_logits = jnp.take_along_axis(target_logits, path[:, :, None], axis=1)  # [B, K+1, V]
+    lp = _path_logprobs(path_logits, out.token_ids, params, logprobs, all_greedy)
+  return out.token_ids, out.num_emitted, lp, t_cache, draft_carry, features
+
+
+def _path_logprobs(logits, tokens, params, mode, all_greedy):
+  """log p(token) [B, T] of emitted tokens under their logits [B, T, V] (`rejection_sample`'s `logprobs` modes)."""
+  greedy = jnp.full(params.is_greedy.shape, True) if all_greedy else params.is_greedy
+  if all_greedy:
+    processed = jnp.zeros(tokens.shape, jnp.float32)
+  else:
+    logp = sampling.process_logits(logits, params)
+    processed = jnp.take_along_axis(logp, jnp.clip(tokens, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+  lp = sampling.requested_log_probs(logits, tokens, params, processed, mode, greedy)
+  return jnp.where(tokens >= 0, lp, 0.0)
+
+
 def _check_vocab(draft_v, target_v):
   if draft_v != target_v:
     raise ValueError(f"speculative_generate: draft and target must share the vocabulary, got draft V={draft_v} "
@@ -666,7 +799,8 @@ def _check_vocab(draft_v, target_v):
 
 def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: SamplingParams, key, *,
                          max_new_tokens: int, num_speculative_tokens: int, eos_token_id=None,
-                         all_greedy: bool = False, logprobs: str | None = None) -> GenerateOutput:
+                         all_greedy: bool = False, logprobs: str | None = None,
+                         draft_tree: tuple[int, ...] | None = None) -> GenerateOutput:
   """Speculative decoding: draft K tokens, verify them in one target call, repeat.
 
   Lossless: the tokens are distributed exactly as `generate(target, ...)`'s (and
@@ -700,11 +834,22 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
     logprobs: static; None, "raw" or "processed", as in `generate`: the target's
       log-probabilities of the tokens, from the verification calls (for the
       same tokens, the same values as `generate` up to float rounding).
+    draft_tree: static; None (a chain of K drafts) or a tuple of K branching
+      factors (k_1, ..., k_K): each round drafts a tree in which every node at
+      depth i-1 has k_i children (greedy rows: the draft's top-k_i tokens;
+      random rows: k_i i.i.d. draws, whose probabilities the verifier uses),
+      N = k_1 + k_1 k_2 + ... nodes in all, verified in one target call by
+      `tree_rejection_sample` (`specdec_jax.tree_drafts` shows the layout).
+      `(1,) * K` is the chain. The target (and a draft model) must offer the
+      tree extension of the model protocol (`cache_slots`, `attention_mask`,
+      `copy_cache_slots`; see `Transformer`); prompt lookup takes trees
+      (m, 1, ..., 1): the continuations of m different earlier matches.
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens], lengths int32[B], stats,
     logprobs f32[B, max_new_tokens] or None) with stats.accepted_per_position
-    and reached_per_position of shape [K].
+    and reached_per_position of shape [K] (accepted depths, for a tree) and
+    `drafted` counting N nodes per round.
 
   Raises:
     ValueError: on shapes, dtypes, out-of-range values, mismatched vocabularies
@@ -721,9 +866,10 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   k = num_speculative_tokens
   if not _is_int(k) or k < 1:
     raise ValueError(f"{where}: num_speculative_tokens must be an int >= 1, got {k!r}")
+  tree = _check_tree(where, draft_tree, k, target, draft)
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
       where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
-      extra_slots=int(k) + 1)
+      extra_slots=(int(k) if tree is None else tree.num_nodes) + 1)
   feature_draft = hasattr(draft, "fuse") and hasattr(draft, "feature_layers")
   checked = [("target", target)] + ([] if feature_draft or isinstance(draft, PromptLookupDrafter) else
                                     [("draft", draft)])
@@ -742,27 +888,57 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   return _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params,
                           None if all_greedy else key, target_def=target_def, draft_def=draft_def,
                           feature_draft=feature_draft, num_speculative_tokens=int(k), max_new_tokens=max_new_tokens,
-                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs)
+                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree)
+
+
+def _check_tree(where, draft_tree, k, target, draft) -> DraftTree | None:
+  """The `DraftTree` of `draft_tree`, None for a chain; refuses a tree the models cannot serve."""
+  if draft_tree is None:
+    return None
+  if isinstance(draft_tree, list):
+    draft_tree = tuple(draft_tree)
+  try:
+    tree = DraftTree(draft_tree)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  if tree.depth != k:
+    raise ValueError(f"{where}: draft_tree must have num_speculative_tokens={k} entries (one branching factor "
+                     f"per depth), got {draft_tree!r}")
+  if tree.is_chain:
+    return None
+  models = [("target", target)] + ([] if isinstance(draft, PromptLookupDrafter) else [("draft", draft)])
+  for name, model in models:
+    if not callable(getattr(model, "copy_cache_slots", None)):
+      raise ValueError(f"{where}: draft_tree={draft_tree} needs the tree extension of the model protocol, which the "
+                       f"{name} ({type(model).__name__}) lacks: __call__(..., cache_slots=, attention_mask=) and "
+                       f"copy_cache_slots(cache, src, dst) (see Transformer)")
+  if isinstance(draft, PromptLookupDrafter) and any(b != 1 for b in tree.branching[1:]):
+    raise ValueError(f"{where}: prompt lookup drafts trees (m, 1, ..., 1) only (m earlier matches, each followed "
+                     f"to depth K), got draft_tree={draft_tree}")
+  return tree
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "feature_draft", "num_speculative_tokens",
-                                             "max_new_tokens", "eos", "all_greedy", "logprobs"))
+                                             "max_new_tokens", "eos", "all_greedy", "logprobs", "tree"))
 def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
                      draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
-                     logprobs):
+                     logprobs, tree):
   b, p = prompt_tokens.shape
   k = num_speculative_tokens
+  n = k if tree is None else tree.num_nodes  # drafts per round
   where = "speculative_generate"
-  # Headroom: a live row writes slots up to L+K-1 <= P + max_new_tokens + K - 1.
-  max_length = p + max_new_tokens + k + 1
+  # Headroom: a live row writes slots up to L+N-1 <= P + max_new_tokens + N - 1.
+  max_length = p + max_new_tokens + n + 1
   rows = _arange(b)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
+  t_copy = None if tree is None else _copy_slots(target_def, target_arrays)
   if isinstance(draft_def, PromptLookupDrafter):
     drafter = _LookupDraft(draft_def, k)
   elif feature_draft:
     drafter = _FeatureDraft(draft_def, draft_arrays, b, k)
   else:
-    drafter = _ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k)
+    drafter = _ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k,
+                          copy=None if tree is None else _copy_slots(draft_def, draft_arrays))
 
   prompt_lengths = _clip_lengths(prompt_lengths, p)
   start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
@@ -789,40 +965,45 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
       # Greedy rejection ignores draft probabilities: do not build [B, K, V] for it.
       return token, None if all_greedy else jnp.exp(log_probs)
 
-    draft_tokens, draft_probs, draft_carry = drafter.propose(s.draft, s, draft_keys, sample)  # [B, K], [B, K, V]
-    last = _gather_rows(s.tokens, s.length - 1)
-    verify = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K+1]: t, d1 .. dK
-    positions = (s.length - 1)[:, None] + _arange(k + 1)[None, :]
-    if drafter.needs_features:
-      target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True)
+    if tree is None:
+      draft_tokens, draft_probs, draft_carry = drafter.propose(s.draft, s, draft_keys, sample)  # [B, K], [B, K, V]
+      last = _gather_rows(s.tokens, s.length - 1)
+      verify = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K+1]: t, d1 .. dK
+      positions = (s.length - 1)[:, None] + _arange(k + 1)[None, :]
+      if drafter.needs_features:
+        target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True)
+      else:
+        (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
+      out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
+                             key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs)
+      emitted, num_emitted, emitted_lp = out.token_ids, out.num_emitted, out.logprobs  # [B, K+1], -1 after
     else:
-      (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
-    out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
-                           key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs)
+      emitted, num_emitted, emitted_lp, t_cache, draft_carry, features = _tree_round(
+          s, drafter, tree, t_apply, t_copy, params, draft_keys, reject_keys, all_greedy=all_greedy,
+          logprobs=logprobs, max_length=max_length)
 
     # Truncation inside the round: keep tokens up to the first EOS (included)
     # and up to max_new_tokens; finished rows keep nothing.
     j = _arange(k + 1)[None, :]
-    emitted = out.token_ids  # [B, K+1], -1 after num_emitted
-    eos_hit = _is_eos(emitted, eos) & (j < out.num_emitted[:, None])
+    eos_hit = _is_eos(emitted, eos) & (j < num_emitted[:, None])
     first_eos = jnp.min(jnp.where(eos_hit, j, k + 1), axis=1)
     room = max_new_tokens - (s.length - prompt_lengths)
-    kept = jnp.minimum(jnp.minimum(out.num_emitted, room), first_eos + 1)
+    kept = jnp.minimum(jnp.minimum(num_emitted, room), first_eos + 1)
     kept = jnp.where(live, kept, 0).astype(jnp.int32)
     slots = jnp.where(j < kept[:, None], s.length[:, None] + j, max_length)
     buf = s.tokens.at[rows[:, None], slots].set(emitted, mode="drop")
-    lp = None if s.logprobs is None else s.logprobs.at[rows[:, None], slots].set(out.logprobs, mode="drop")
+    lp = None if s.logprobs is None else s.logprobs.at[rows[:, None], slots].set(emitted_lp, mode="drop")
     length = s.length + kept
     done = s.done | (live & ((first_eos < kept) | (length - prompt_lengths >= max_new_tokens)))
-    stats = _round_stats(s.stats, k, live, kept, out.num_emitted, room)
+    stats = _round_stats(s.stats, k, n, live, kept, num_emitted, room)
     return LoopState(tokens=buf, length=length, done=done, target_cache=t_cache,
                      draft=drafter.observe(draft_carry, features, kept), stats=stats, logprobs=lp)
 
   return _outputs(_run(body, state), prompt_lengths, max_new_tokens)
 
 
-def _round_stats(stats: DecodeStats, k, live, kept, num_emitted, room) -> DecodeStats:
-  """Adds one round's counts. Every live row keeps >= 1 token; its last kept token is the pass's own."""
+def _round_stats(stats: DecodeStats, k, n, live, kept, num_emitted, room) -> DecodeStats:
+  """Adds one round's counts (K draft positions, N drafts). Every live row keeps >= 1 token; its last is the pass's own."""
   acc = jnp.maximum(kept - 1, 0)
   cut = kept < num_emitted  # EOS or the token limit ended the round early
   usable = jnp.where(cut, acc, jnp.minimum(k, room - 1))
@@ -832,7 +1013,7 @@ def _round_stats(stats: DecodeStats, k, live, kept, num_emitted, room) -> Decode
   reached = live[:, None] & ((i < acc[:, None]) | ((i == acc[:, None]) & ~cut[:, None] & (i < room[:, None] - 1)))
   return DecodeStats(
       target_calls=stats.target_calls + (kept > 0),
-      drafted=stats.drafted + k * live,
+      drafted=stats.drafted + n * live,
       accepted=stats.accepted + acc,
       accepted_per_position=stats.accepted_per_position + jnp.sum(i < acc[:, None], axis=0, dtype=jnp.int32),
       usable_drafted=stats.usable_drafted + jnp.where(live, usable, 0).astype(jnp.int32),

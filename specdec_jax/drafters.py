@@ -84,19 +84,9 @@ class PromptLookupDrafter:
     for n in self.ngram_sizes:
       if n >= s:
         continue
-      w = s - n + 1  # candidate windows tokens[j : j+n], j in [0, w)
-      suffix_idx = jnp.maximum(lengths[:, None] - n + jnp.arange(n)[None, :], 0)  # [B, n]
-      suffix = jnp.take_along_axis(tokens, suffix_idx, axis=1)
-      match = jnp.ones((b, w), bool)
-      for m in range(n):
-        match &= tokens[:, m:m + w] == suffix[:, m:m + 1]
-      j = jnp.arange(w)[None, :]
-      # Strictly earlier than the suffix itself, so the window has a follower
-      # inside the known context (j + n <= lengths - 1); with lengths < n + 1
-      # nothing qualifies.
-      match &= j + n < lengths[:, None]
-      has = jnp.any(match, axis=1)
-      start = jnp.max(jnp.where(match, j, -1), axis=1)  # most recent match, -1 if none
+      score = _match_scores(tokens, lengths, n)
+      has = jnp.any(score >= 0, axis=1)
+      start = jnp.max(score, axis=1)  # most recent match, -1 if none
       # The follower span starts at start + n; past the context it would read
       # unknown tokens, so it wraps with the match's period (lengths - n - start).
       period = jnp.maximum(lengths - n - start, 1)
@@ -105,3 +95,75 @@ class PromptLookupDrafter:
       proposal = jnp.where((has & ~found)[:, None], guess, proposal)
       found |= has
     return proposal
+
+  def propose_branches(self, tokens: jax.Array, lengths: jax.Array, num_tokens: int, num_branches: int
+                       ) -> jax.Array:
+    """Up to `num_branches` different continuations per row: the branches of a tree of drafts.
+
+    Candidates are taken in the order `propose` prefers them (the largest n
+    first, then the most recent match); two matches whose continuations start
+    at the same place count once. Branch 0 is `propose`'s proposal.
+
+    Args:
+      tokens, lengths, num_tokens: as for `propose`.
+      num_branches: m (static) >= 1.
+
+    Returns:
+      int32[B, m, K]: the continuations of the m preferred matches; a branch
+      without a match repeats the last token (a guess the sampler rejects if wrong).
+
+    Example:
+      >>> PromptLookupDrafter(1).propose_branches(jnp.array([[5, 6, 5, 7, 5]]), jnp.array([5]), 2, 2)
+      Array([[[7, 5],
+              [6, 5]]], dtype=int32)
+    """
+    b, s = tokens.shape
+    k, m = num_tokens, num_branches
+    lengths = lengths.astype(jnp.int32)
+    last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)  # [B, 1]
+    starts, valid = [], []  # where each candidate's continuation starts, in order of preference
+    for n in self.ngram_sizes:
+      if n >= s:
+        continue
+      score = _match_scores(tokens, lengths, n)  # the most recent matches score highest
+      top = jax.lax.top_k(score, min(m, score.shape[1]))[0]
+      starts.append(top + n)
+      valid.append(top >= 0)
+    if not starts:
+      return jnp.broadcast_to(last[:, :, None], (b, m, k)).astype(jnp.int32)
+    start, ok = jnp.concatenate(starts, axis=1), jnp.concatenate(valid, axis=1)  # [B, C]
+    c = start.shape[1]
+    idx = jnp.arange(c)
+    if m > 1:  # a continuation already offered by a preferred candidate is not offered again
+      earlier = idx[None, :, None] > idx[None, None, :]
+      ok &= ~jnp.any(earlier & (start[:, :, None] == start[:, None, :]) & ok[:, None, :], axis=2)
+    if c < m:
+      start = jnp.pad(start, ((0, 0), (0, m - c)))
+      ok = jnp.pad(ok, ((0, 0), (0, m - c)))
+      idx = jnp.arange(m)
+    # The first m valid candidates, in order of preference (a stable sort of valid-first).
+    order = jnp.argsort(jnp.where(ok, idx[None, :], idx[None, :] + ok.shape[1]), axis=1)[:, :m]
+    start, ok = jnp.take_along_axis(start, order, axis=1), jnp.take_along_axis(ok, order, axis=1)
+    # The follower span past the context would read unknown tokens, so it wraps
+    # with the match's period (lengths - start).
+    period = jnp.maximum(lengths[:, None] - start, 1)
+    src = start[:, :, None] + jnp.arange(k)[None, None, :] % period[:, :, None]
+    guess = jnp.take_along_axis(tokens, jnp.clip(src, 0, s - 1).reshape(b, m * k), axis=1).reshape(b, m, k)
+    return jnp.where(ok[:, :, None], guess, last[:, :, None]).astype(jnp.int32)
+
+
+def _match_scores(tokens: jax.Array, lengths: jax.Array, n: int) -> jax.Array:
+  """int [B, S-n+1]: j where the window tokens[j : j+n] equals the row's last n tokens and ends before them, else -1."""
+  b, s = tokens.shape
+  w = s - n + 1  # candidate windows tokens[j : j+n], j in [0, w)
+  suffix_idx = jnp.maximum(lengths[:, None] - n + jnp.arange(n)[None, :], 0)  # [B, n]
+  suffix = jnp.take_along_axis(tokens, suffix_idx, axis=1)
+  match = jnp.ones((b, w), bool)
+  for m in range(n):
+    match &= tokens[:, m:m + w] == suffix[:, m:m + 1]
+  j = jnp.arange(w)[None, :]
+  # Strictly earlier than the suffix itself, so the window has a follower
+  # inside the known context (j + n <= lengths - 1); with lengths < n + 1
+  # nothing qualifies.
+  match &= j + n < lengths[:, None]
+  return jnp.where(match, j, -1)

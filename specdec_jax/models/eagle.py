@@ -52,7 +52,8 @@ from flax import nnx
 
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache, Transformer, _apply_rope,
-                                            _rope_tables, decoder_block, random_weights, rms_norm)
+                                            _rope_tables, check_tree_args, copy_kv_slots, decoder_block,
+                                            random_weights, rms_norm)
 
 # The first block's parameters: the plain block's, plus a norm for each half of its input.
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))
@@ -320,6 +321,14 @@ class EagleDrafter(nnx.Module):
     shape = (c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim)
     return KVCache(k=jnp.zeros(shape, c.dtype), v=jnp.zeros(shape, c.dtype))
 
+  def copy_cache_slots(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copies keys/values from slots `src` [B, M] to `dst` [B, M], as `Transformer.copy_cache_slots`.
+
+    Example:
+      >>> cache = drafter.copy_cache_slots(cache, jnp.array([[7]]), jnp.array([[5]]))  # doctest: +SKIP
+    """
+    return copy_kv_slots(cache, src, dst)
+
   def fuse(self, features: jax.Array) -> jax.Array:
     """Target features [B, T, F] -> the drafter's hidden input [B, T, D]."""
     f = self.config.feature_size
@@ -336,6 +345,8 @@ class EagleDrafter(nnx.Module):
       cache: KVCache,
       *,
       logits_at: jax.Array | None = None,  # int32 [B]: only this entry's logits
+      cache_slots: jax.Array | None = None,  # int32 [B, T]
+      attention_mask: jax.Array | None = None,  # bool [B, T, S]
   ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Runs entries (hidden_p, token_{p+1}) at their positions; writes their keys/values.
 
@@ -350,6 +361,20 @@ class EagleDrafter(nnx.Module):
         entry per row whose logits are needed (the catch-up call of a round
         needs only its last accepted entry; skipping the head on the others
         saves most of a call's work).
+      cache_slots, attention_mask: the tree extension, as for `Transformer`:
+        where each entry writes (None: its position) and which slots each
+        entry sees (None: s <= position). Drafting a tree depth by depth, the
+        entries of the nodes at depth i sit at position L-2+i (their parents'
+        hiddens and their own tokens) and at slots L-1+j (j = node index), and
+        see the slots below L-1 plus their ancestors' and their own:
+
+            slot:         ... L-2      L-1   L     L+1   L+2     (tree root -> {n0, n1}, n0 -> {n2})
+            entry:        ... (f, t)   n0    n1    n2
+            position:     ... L-2      L-1   L-1   L
+            n2 sees:      ... x        x     .     x
+
+        The next round's catch-up rewrites the accepted path at its positions
+        from the target's features, so nothing needs to be moved afterwards.
 
     Returns:
       (logits float32 [B, T, V] (or [B, 1, V] with logits_at; -inf outside the
@@ -369,7 +394,9 @@ class EagleDrafter(nnx.Module):
     expected = (c.num_layers, b, c.num_kv_heads, cache.max_length, c.head_dim)
     if cache.k.shape != expected or cache.k.dtype != c.dtype:
       raise ValueError(f"cache.k must be {c.dtype} {expected} (from init_cache), got {cache.k.dtype} {cache.k.shape}.")
-    ctx = AttentionContext.create(positions, cache.max_length, c)
+    check_tree_args(tokens, cache_slots, attention_mask, cache.max_length)
+    ctx = AttentionContext.create(positions, cache.max_length, c, cache_slots=cache_slots,
+                                  attention_mask=attention_mask)
     emb = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)
     x = hidden.astype(c.dtype)
     p = self.first.values(_FIRST_PARAMS)

@@ -357,6 +357,8 @@ class Transformer(nnx.Module):
       cache: KVCache,  # k, v: [L, B, Hkv, S, Dh]
       *,
       return_features: bool = False,
+      cache_slots: jax.Array | None = None,  # int32 [B, T]
+      attention_mask: jax.Array | None = None,  # bool [B, T, S]
   ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, jax.Array, KVCache]:
     """Writes the tokens' keys/values at their positions and returns their logits.
 
@@ -370,6 +372,33 @@ class Transformer(nnx.Module):
       return_features: static; also return the outputs of the blocks named by
         `config.feature_layers`, concatenated (what an EAGLE-style drafter
         reads). False leaves the compiled program exactly as without it.
+      cache_slots: int [B, T] or None: the slot each token's keys/values are
+        written to (dropped outside [0, S)); None writes at `positions`.
+      attention_mask: bool [B, T, S] or None: query t of row b sees slot s iff
+        attention_mask[b, t, s]; None means s <= positions[b, t]. The call's
+        own keys are written before anyone attends, so a query may see its
+        own slot and those of other tokens of the call.
+
+    Trees of drafts. A tree verification feeds the last context token t (the
+    root) and N draft nodes in one call. A node's RoPE position is its depth
+    below the root (siblings share a position), but each node needs its own
+    slot, and a query must see the committed context and its own ancestors
+    only. For a row of context length L (t at L-1) and the tree
+    root -> {n0, n1}, n0 -> {n2}:
+
+        slot:            ... L-2   L-1   L     L+1   L+2
+        token:           ... u     t     n0    n1    n2
+        position:        ... L-2   L-1   L     L     L+1
+        query n2 sees:   ... x     x     x     .     x
+        query n1 sees:   ... x     x     .     x     .
+
+    i.e. `positions = L-1 + depth`, `cache_slots = L-1 + [0, 1, 2, 3]` and a
+    mask of the slots below L plus each node's ancestors and itself
+    (`specdec_jax.tree_drafts.tree_attention_mask` builds it). After
+    verification, `copy_cache_slots` moves the accepted path's keys/values to
+    the slots its positions name (L, L+1, ...), where the next round expects
+    them; the other nodes' slots hold junk that no later query sees. Without
+    these two arguments the call is the chain call, compiled exactly as before.
 
     Returns:
       (logits float32 [B, T, V], the updated cache), or with `return_features`
@@ -388,11 +417,13 @@ class Transformer(nnx.Module):
       >>> logits, cache = model(next_tok[:, None], lengths[:, None], cache)  # doctest: +SKIP
     """
     self._check_inputs(tokens, positions, cache)
+    check_tree_args(tokens, cache_slots, attention_mask, cache.max_length)
     c = self.config
     if return_features and not c.feature_layers:
       raise ValueError("return_features=True needs TransformerConfig.feature_layers (the blocks to return).")
     x = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)  # [B, T, D]
-    ctx = AttentionContext.create(positions, cache.max_length, c)
+    ctx = AttentionContext.create(positions, cache.max_length, c, cache_slots=cache_slots,
+                                  attention_mask=attention_mask)
 
     def block(carry, layer):
       x, k_cache, v_cache = carry
@@ -423,6 +454,17 @@ class Transformer(nnx.Module):
     features = jnp.concatenate([outs[i] for i in c.feature_layers], axis=-1)  # [B, T, F]
     return logits, features, cache
 
+  def copy_cache_slots(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copies every layer's keys/values from slots `src` to slots `dst`, per row (see `copy_kv_slots`).
+
+    The model protocol's tree extension: after a tree verification, the loop
+    moves the accepted path from its nodes' slots to the slots of its positions.
+
+    Example:
+      >>> cache = model.copy_cache_slots(cache, jnp.array([[7, 9]]), jnp.array([[5, 6]]))  # doctest: +SKIP
+    """
+    return copy_kv_slots(cache, src, dst)
+
   def _check_inputs(self, tokens, positions, cache) -> None:
     c = self.config
     if not isinstance(cache, KVCache):
@@ -451,6 +493,51 @@ class Transformer(nnx.Module):
         )
 
 
+def check_tree_args(tokens, cache_slots, attention_mask, max_length: int) -> None:
+  """Trace-time checks of `cache_slots` [B, T] and `attention_mask` [B, T, S] (None passes)."""
+  b, t = jnp.shape(tokens)
+  if cache_slots is not None and (jnp.shape(cache_slots) != (b, t) or
+                                  not jnp.issubdtype(jnp.result_type(cache_slots), jnp.integer)):
+    raise ValueError(f"cache_slots must be an integer array [B, T] = {(b, t)}, got "
+                     f"{jnp.result_type(cache_slots)} {jnp.shape(cache_slots)}.")
+  if attention_mask is not None and (jnp.shape(attention_mask) != (b, t, max_length) or
+                                     jnp.result_type(attention_mask) != jnp.bool_):
+    raise ValueError(f"attention_mask must be a bool array [B, T, S] = {(b, t, max_length)} (S = the cache's "
+                     f"max_length), got {jnp.result_type(attention_mask)} {jnp.shape(attention_mask)}.")
+
+
+def copy_kv_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+  """Copies keys/values of all layers from slots src[b, m] to dst[b, m] of row b.
+
+  All sources are read before anything is written, so sources and
+  destinations may overlap. Destinations outside [0, S) are dropped (the
+  loop sends the moves it does not want there); sources are clipped into range.
+
+  Args:
+    cache: a `KVCache` [L, B, Hkv, S, Dh].
+    src, dst: int [B, M].
+
+  Returns:
+    The updated cache.
+
+  Example:
+    >>> cache = copy_kv_slots(cache, jnp.array([[7, 9]]), jnp.array([[5, 6]]))  # doctest: +SKIP
+  """
+  b, s = cache.batch_size, cache.max_length
+  if jnp.shape(src) != jnp.shape(dst) or jnp.ndim(src) != 2 or jnp.shape(src)[0] != b:
+    raise ValueError(f"src and dst must be int arrays of one shape [B={b}, M], got {jnp.shape(src)} and "
+                     f"{jnp.shape(dst)}.")
+  rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+  src = jnp.clip(src.astype(jnp.int32), 0, s - 1)
+  dst = dst.astype(jnp.int32)
+  dst = jnp.where((dst >= 0) & (dst < s), dst, s)
+
+  def move(x):  # [L, B, Hkv, S, Dh]; the indexed shape is [B, M, L, Hkv, Dh]
+    return x.at[:, rows, :, dst].set(x[:, rows, :, src], mode="drop")
+
+  return KVCache(k=move(cache.k), v=move(cache.v))
+
+
 @flax.struct.dataclass
 class AttentionContext:
   """What every attention block of one call shares: RoPE tables, mask, write slots.
@@ -466,14 +553,20 @@ class AttentionContext:
   rows: jax.Array  # int32 [B, 1]
 
   @classmethod
-  def create(cls, positions: jax.Array, max_length: int, config: TransformerConfig) -> AttentionContext:
+  def create(cls, positions: jax.Array, max_length: int, config: TransformerConfig, *,
+             cache_slots: jax.Array | None = None, attention_mask: jax.Array | None = None) -> AttentionContext:
+    """The context of one call; `cache_slots` / `attention_mask` as in `Transformer.__call__` (None: positions)."""
     b, _ = positions.shape
     s = max_length
     cos, sin = _rope_tables(positions, config.head_dim, config.rope_theta)
-    mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-    # Out-of-range positions become slot S, which mode="drop" discards. Needed
-    # for negative positions too: JAX indexing wraps -1 to S-1 even in drop mode.
-    slots = jnp.where((positions >= 0) & (positions < s), positions, s)
+    if attention_mask is None:
+      mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    else:
+      mask = attention_mask.astype(bool)
+    slots = positions if cache_slots is None else cache_slots.astype(jnp.int32)
+    # Out-of-range slots become slot S, which mode="drop" discards. Needed for
+    # negative ones too: JAX indexing wraps -1 to S-1 even in drop mode.
+    slots = jnp.where((slots >= 0) & (slots < s), slots, s)
     return cls(cos=cos, sin=sin, mask=mask[:, None, :, :], slots=slots.astype(jnp.int32),
                rows=jnp.arange(b, dtype=jnp.int32)[:, None])
 
