@@ -275,7 +275,7 @@ def _residual(r, q, p):
   return jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p)
 
 
-def _recursive_rejection_step(logp, q, draft, children, key, max_children):
+def _recursive_rejection_step(logp, q, draft, children, key, max_children, unroll):
   """Drafts drawn i.i.d. from q: SpecInfer's recursive rejection sampling over the children.
 
   Child slot c (the c-th child in node order) is accepted with probability
@@ -315,16 +315,36 @@ def _recursive_rejection_step(logp, q, draft, children, key, max_children):
     return c + 1, r, jnp.where(accept, j, chosen), rejected_any | reject
 
   init = (jnp.int32(0), p, jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool))
-  _, r, chosen, rejected_any = jax.lax.while_loop(cond, body, init) if n and max_children else init
+  _, r, chosen, rejected_any = _loop(cond, body, init, max_children, unroll) if n and max_children else init
   # The bonus (no child rejected) draws from logp itself, not from log(exp(logp)).
   log_w = jnp.where(rejected_any[:, None], jnp.log(r), logp)
   token = jnp.where(nonempty, sampling.categorical_from_log_weights(k_final, log_w), 0)
   return _Step(chosen, token)
 
 
+# Small trees run their loops unrolled: at B=1 on an H100 each iteration of an XLA while loop
+# costs microseconds of launches and a host-visible predicate, more than the work of a
+# depth (measured: bench/tree_sampler.py, RESULTS.md section 7). Both bodies guard every
+# update with the row's own state, so unrolling (no early exit) gives bit-identical outputs.
+_UNROLL_LIMIT = 24  # (D + 1) * max children: unrolled walk bodies and rejection steps
+
+
+def _loop(cond, body, init, max_iters: int, unroll: bool):
+  """`lax.while_loop(cond, body, init)` (whose cond stops it within max_iters), or max_iters bodies unrolled.
+
+  The unrolled form runs every body: correct only for bodies that leave finished rows unchanged.
+  """
+  if not unroll:
+    return jax.lax.while_loop(cond, body, init)
+  for _ in range(max_iters):
+    init = body(init)
+  return init
+
+
 def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, max_children, greedy_only):
   """Walks every row from the root, one depth per iteration; returns TreeRejectionOutput."""
   b, n = draft.shape
+  unroll = (depth + 1) * max(max_children, 1) <= _UNROLL_LIMIT
 
   def step(s: _WalkState) -> _Step:
     # Children of the current node; none at depth D (accepted_nodes has D columns).
@@ -339,7 +359,7 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
       rand = _guess_step(logp, draft, children, k_draw)
     else:
       q = sampling.valid_probs(_row_at(draft_probs, s.node))
-      rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children)
+      rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children, unroll)
     is_greedy = params.is_greedy
     return _Step(jnp.where(is_greedy, greedy.child, rand.child), jnp.where(is_greedy, greedy.token, rand.token))
 
@@ -359,7 +379,7 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
   init = _WalkState(jnp.int32(0), jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool),
                     jnp.full((b, depth + 1), PLACEHOLDER_TOKEN_ID, jnp.int32),
                     jnp.full((b, depth), PLACEHOLDER_TOKEN_ID, jnp.int32))
-  final = jax.lax.while_loop(lambda s: (s.depth <= depth) & ~jnp.all(s.done), body, init)
+  final = _loop(lambda s: (s.depth <= depth) & ~jnp.all(s.done), body, init, depth + 1, unroll)
   num_accepted = jnp.sum(final.accepted_nodes >= 0, axis=1, dtype=jnp.int32)
   return TreeRejectionOutput(token_ids=final.token_ids, accepted_nodes=final.accepted_nodes,
                              num_accepted=num_accepted, num_emitted=num_accepted + 1)

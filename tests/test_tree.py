@@ -570,3 +570,30 @@ def test_all_greedy_tree_program_has_no_exponential_or_random_numbers():
   assert not greedy.mentions("threefry") and not greedy.mentions("random_bits")
   # The check sees these ops when they are there: the general program holds the random walk.
   assert "exponential" in general.opcodes() and (general.mentions("threefry") or general.mentions("random_bits"))
+
+
+@pytest.mark.parametrize("parents", [[-1, -1, 0, 0, 1, 2, 3], [-1, -1, -1, 0, 1, 2, 3, 4, 5]])
+def test_unrolled_walk_is_bit_identical_to_the_while_loops(monkeypatch, parents):
+  """Small trees unroll the walk and the rejection loop (no early exit): the same outputs, bit for bit."""
+  from specdec_jax import tree as tree_module
+  rng = np.random.default_rng(0)
+  b, v, n = 64, 12, len(parents)
+  logits = jnp.asarray(rng.normal(size=(b, n + 1, v)) * 2, jnp.float32)
+  draft = jnp.asarray(rng.integers(0, v, (b, n)), jnp.int32)
+  probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, n + 1, v))), -1)
+  temps = np.where(np.arange(b) % 3 == 0, 0.0, 0.9)  # mixed
+  params = SamplingParams.create(jnp.asarray(temps, jnp.float32), top_k=jnp.asarray(rng.integers(0, 5, b), jnp.int32))
+  num_nodes = jnp.asarray(rng.integers(0, n + 1, b), jnp.int32)
+  outs = []
+  for limit in (0, 10_000):  # every loop a while loop; every loop unrolled
+    monkeypatch.setattr(tree_module, "_UNROLL_LIMIT", limit)
+    tree_module._tree_rejection_sample.clear_cache()
+    for dp in (None, probs):
+      outs.append(jax.tree.map(np.asarray, tree_rejection_sample(draft, np.array(parents), logits, params,
+                                                                 jax.random.key(3), draft_probs=dp,
+                                                                 num_nodes=num_nodes)))
+  tree_module._tree_rejection_sample.clear_cache()
+  for a, c in ((outs[0], outs[2]), (outs[1], outs[3])):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)):
+      np.testing.assert_array_equal(x, y)
+  assert outs[1].num_accepted.sum() > 0  # acceptances happen, so the comparison covers the walk
