@@ -275,7 +275,7 @@ def _residual(r, q, p):
   return jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p)
 
 
-def _recursive_rejection_step(logp, q, draft, children, key, max_children, unroll):
+def _recursive_rejection_step(logp, q, draft, children, key, max_children):
   """Drafts drawn i.i.d. from q: SpecInfer's recursive rejection sampling over the children.
 
   Child slot c (the c-th child in node order) is accepted with probability
@@ -315,18 +315,22 @@ def _recursive_rejection_step(logp, q, draft, children, key, max_children, unrol
     return c + 1, r, jnp.where(accept, j, chosen), rejected_any | reject
 
   init = (jnp.int32(0), p, jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool))
-  _, r, chosen, rejected_any = _loop(cond, body, init, max_children, unroll) if n and max_children else init
+  _, r, chosen, rejected_any = jax.lax.while_loop(cond, body, init) if n and max_children else init
   # The bonus (no child rejected) draws from logp itself, not from log(exp(logp)).
   log_w = jnp.where(rejected_any[:, None], jnp.log(r), logp)
   token = jnp.where(nonempty, sampling.categorical_from_log_weights(k_final, log_w), 0)
   return _Step(chosen, token)
 
 
-# Small trees run their loops unrolled: at B=1 on an H100 each iteration of an XLA while loop
-# costs microseconds of launches and a host-visible predicate, more than the work of a
-# depth (measured: bench/tree_sampler.py, RESULTS.md section 7). Both bodies guard every
-# update with the row's own state, so unrolling (no early exit) gives bit-identical outputs.
-_UNROLL_LIMIT = 24  # (D + 1) * max children: unrolled walk bodies and rejection steps
+# A greedy walk of a small tree runs unrolled: at B=1 on an H100 each iteration of an XLA
+# while loop cost more than a depth's argmax (0.064 -> 0.028 ms per call for N=8, V=151936;
+# bench/tree_sampler.py, RESULTS.md section 7). Random walks stay while loops: unrolled, their
+# per-depth conditionals and draws ran slower (0.50 -> 0.58 ms) and compiled 5x longer. The
+# bodies guard every update with the row's own state, so unrolling gives bit-identical outputs.
+_UNROLL_LIMIT = 24  # (D + 1): unrolled greedy walk bodies
+# Random walks of small inputs process every row's logits in one pass before the walk
+# (the per-depth processing is a chain of small kernels inside the loop otherwise).
+_PREPROCESS_BYTES = 64 * 2**20
 
 
 def _loop(cond, body, init, max_iters: int, unroll: bool):
@@ -344,7 +348,12 @@ def _loop(cond, body, init, max_iters: int, unroll: bool):
 def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, max_children, greedy_only):
   """Walks every row from the root, one depth per iteration; returns TreeRejectionOutput."""
   b, n = draft.shape
-  unroll = (depth + 1) * max(max_children, 1) <= _UNROLL_LIMIT
+  unroll = greedy_only and depth + 1 <= _UNROLL_LIMIT
+  v = logits.shape[-1]
+  # [B, N+1, V] processed log-probabilities when they are small (see _PREPROCESS_BYTES).
+  pre = None
+  if not greedy_only and b * (n + 1) * v * 4 <= _PREPROCESS_BYTES:
+    pre = sampling.process_logits(logits, params)
 
   def step(s: _WalkState) -> _Step:
     # Children of the current node; none at depth D (accepted_nodes has D columns).
@@ -354,12 +363,12 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
     if greedy_only:
       return greedy
     k_draw = jax.vmap(lambda kk: jax.random.fold_in(kk, s.depth))(keys)
-    logp = sampling.process_logits(row_logits, params)
+    logp = sampling.process_logits(row_logits, params) if pre is None else _row_at(pre, s.node)
     if draft_probs is None:
       rand = _guess_step(logp, draft, children, k_draw)
     else:
       q = sampling.valid_probs(_row_at(draft_probs, s.node))
-      rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children, unroll)
+      rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children)
     is_greedy = params.is_greedy
     return _Step(jnp.where(is_greedy, greedy.child, rand.child), jnp.where(is_greedy, greedy.token, rand.token))
 

@@ -573,8 +573,9 @@ def test_all_greedy_tree_program_has_no_exponential_or_random_numbers():
 
 
 @pytest.mark.parametrize("parents", [[-1, -1, 0, 0, 1, 2, 3], [-1, -1, -1, 0, 1, 2, 3, 4, 5]])
-def test_unrolled_walk_is_bit_identical_to_the_while_loops(monkeypatch, parents):
-  """Small trees unroll the walk and the rejection loop (no early exit): the same outputs, bit for bit."""
+def test_unrolled_greedy_walk_is_bit_identical_to_the_while_loop(monkeypatch, parents):
+  """Small greedy trees unroll the walk (no early exit): the same outputs, bit for bit (mixed batches: the
+  run-time all-greedy branch is not taken, so both programs also hold the random walk)."""
   from specdec_jax import tree as tree_module
   rng = np.random.default_rng(0)
   b, v, n = 64, 12, len(parents)
@@ -588,12 +589,13 @@ def test_unrolled_walk_is_bit_identical_to_the_while_loops(monkeypatch, parents)
   for limit in (0, 10_000):  # every loop a while loop; every loop unrolled
     monkeypatch.setattr(tree_module, "_UNROLL_LIMIT", limit)
     tree_module._tree_rejection_sample.clear_cache()
-    for dp in (None, probs):
-      outs.append(jax.tree.map(np.asarray, tree_rejection_sample(draft, np.array(parents), logits, params,
-                                                                 jax.random.key(3), draft_probs=dp,
-                                                                 num_nodes=num_nodes)))
+    for greedy in (True, False):  # the static all-greedy program, and a mixed batch
+      p = SamplingParams.greedy(b) if greedy else params
+      outs.append(jax.tree.map(np.asarray, tree_rejection_sample(
+          draft, np.array(parents), logits, p, None if greedy else jax.random.key(3), draft_probs=probs,
+          num_nodes=num_nodes, all_greedy=greedy)))
   tree_module._tree_rejection_sample.clear_cache()
   for a, c in ((outs[0], outs[2]), (outs[1], outs[3])):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)):
       np.testing.assert_array_equal(x, y)
-  assert outs[1].num_accepted.sum() > 0  # acceptances happen, so the comparison covers the walk
+  assert outs[0].num_accepted.sum() > 0  # acceptances happen, so the comparison covers the walk
