@@ -40,7 +40,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -587,7 +587,6 @@ class _ModelDraft:
     # Nodes are written at slot L + j (as in the target's verification) and
     # fed depth by depth; the leaves at depth K are never fed, like dK of a chain.
     length = s.length
-    b = length.shape[0]
     two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
     logits, cache = self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
 

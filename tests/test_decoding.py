@@ -454,12 +454,13 @@ def test_sampled_speculative_is_lossless(monkeypatch):
   assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # the draft differs: rejections happen
 
 
-def assert_first_tokens_follow(run, joint, monkeypatch, label):
+def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
   """Chi-square of the first 3 tokens against `joint`, and a planted bug shown to fail the same check.
 
   run() -> (GenerateOutput, int [N_ROWS, 3] first tokens). The check pools
   sparse bins and must keep its power (detects total-variation shifts < 0.04).
-  Then `rejection_sample` is swapped for one that accepts every draft, which
+  Then the verifier is swapped for a wrong one, by default a `rejection_sample`
+  that accepts every draft (`planted`: (name in decoding, replacement)), which
   must be rejected at ALPHA. Returns the correct run's output.
   """
   out, samples = run()
@@ -469,7 +470,7 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label):
   _, tv_min = detectable_deviation(N_ROWS, result.num_bins)
   assert tv_min < 0.04, f"the test lost its power: {result}, detects TV >= {tv_min:.3f}"
 
-  monkeypatch.setattr(decoding, "rejection_sample", _accept_every_draft)
+  monkeypatch.setattr(decoding, *(planted or ("rejection_sample", _accept_every_draft)))
   # The planted bug must be traced in; the cache is cleared again afterwards.
   decoding._speculative_jit.clear_cache()
   try:

@@ -572,7 +572,8 @@ def test_all_greedy_tree_program_has_no_exponential_or_random_numbers():
   assert "exponential" in general.opcodes() and (general.mentions("threefry") or general.mentions("random_bits"))
 
 
-@pytest.mark.parametrize("parents", [[-1, -1, 0, 0, 1, 2, 3], [-1, -1, -1, 0, 1, 2, 3, 4, 5]])
+@pytest.mark.parametrize("parents", [[-1, -1, 0, 0, 1, 2, 3],
+                                     pytest.param([-1, -1, -1, 0, 1, 2, 3, 4, 5], marks=pytest.mark.slow)])
 def test_unrolled_greedy_walk_is_bit_identical_to_the_while_loop(monkeypatch, parents):
   """Small greedy trees unroll the walk (no early exit): the same outputs, bit for bit (mixed batches: the
   run-time all-greedy branch is not taken, so both programs also hold the random walk)."""

@@ -18,7 +18,7 @@ from flax import nnx
 from specdec_jax import decoding
 from specdec_jax.decoding import generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.models import Transformer, TransformerConfig
+from specdec_jax.models import TransformerConfig
 from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling import SamplingParams, sample_tokens
 from specdec_jax.tree import TreeRejectionOutput
@@ -105,16 +105,22 @@ def test_lookup_branches_are_distinct_continuations_in_order_of_preference():
 TREE = DraftTree((2, 2, 1))
 
 
-def _tree_call_inputs(tree, context_len, b, seed):
-  """Tokens [B, N+1] (root, nodes), positions, slots and mask of a target tree call after `context_len` tokens."""
+def _tree_call(target, tree, b, c, s, seed, **kw):
+  """A context of c-1 random tokens, then one tree call (root and nodes) as the loop makes it.
+
+  Returns (context [B, c-1], tokens [B, N+1], the context's cache, the tree call's outputs).
+  """
   rng = np.random.default_rng(seed)
   n = tree.num_nodes
-  tokens = rng.integers(0, V, (b, n + 1))
-  L = jnp.full((b,), context_len, jnp.int32)
+  context = jnp.asarray(rng.integers(0, V, (b, c - 1)), jnp.int32)
+  tokens = jnp.asarray(rng.integers(0, V, (b, n + 1)), jnp.int32)
+  L = jnp.full((b,), c, jnp.int32)
   positions = (L - 1)[:, None] + jnp.asarray(np.concatenate([[0], tree.depths]))[None, :]
   slots = (L - 1)[:, None] + jnp.arange(n + 1)[None, :]
   rows = np.concatenate([np.zeros((1, n), bool), tree.ancestors])
-  return jnp.asarray(tokens, jnp.int32), positions, slots, rows
+  _, cache = target(context, jnp.broadcast_to(jnp.arange(c - 1), (b, c - 1)), target.init_cache(b, s))
+  out = target(tokens, positions, cache, cache_slots=slots, attention_mask=tree_attention_mask(L, L, rows, s), **kw)
+  return context, tokens, cache, out
 
 
 def _path(tree, j):
@@ -122,17 +128,11 @@ def _path(tree, j):
   return np.flatnonzero(tree.ancestors[j]).tolist()
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_transformer_tree_call_equals_plain_calls_on_each_root_path(scan_layers):
   target = _unit_target(CONFIG.replace(scan_layers=scan_layers))
   b, c, s = 2, 5, 32
-  context = jnp.asarray(np.random.default_rng(0).integers(0, V, (b, c - 1)), jnp.int32)
-  tokens, positions, slots, rows = _tree_call_inputs(TREE, c, b, 1)
-  cache = target.init_cache(b, s)
-  _, cache = target(context, jnp.broadcast_to(jnp.arange(c - 1), (b, c - 1)), cache)
-  mask = tree_attention_mask(jnp.full((b,), c), jnp.full((b,), c), rows, s)
-  logits, feats, tree_cache = target(tokens, positions, cache, cache_slots=slots, attention_mask=mask,
-                                     return_features=True)
+  context, tokens, _, (logits, feats, _) = _tree_call(target, TREE, b, c, s, 1, return_features=True)
   leaves = range(TREE.level(TREE.depth).start, TREE.num_nodes)  # every node lies on a leaf's root path
   for j in leaves:
     path = _path(TREE, j)
@@ -150,12 +150,7 @@ def test_transformer_tree_call_equals_plain_calls_on_each_root_path(scan_layers)
 def test_copy_cache_slots_leaves_the_cache_of_a_chain_call_on_the_accepted_path():
   target = _unit_target()
   b, c, s = 2, 5, 32
-  context = jnp.asarray(np.random.default_rng(2).integers(0, V, (b, c - 1)), jnp.int32)
-  tokens, positions, slots, rows = _tree_call_inputs(TREE, c, b, 3)
-  cache = target.init_cache(b, s)
-  _, cache = target(context, jnp.broadcast_to(jnp.arange(c - 1), (b, c - 1)), cache)
-  mask = tree_attention_mask(jnp.full((b,), c), jnp.full((b,), c), rows, s)
-  _, tree_cache = target(tokens, positions, cache, cache_slots=slots, attention_mask=mask)
+  _, tokens, cache, (_, tree_cache) = _tree_call(target, TREE, b, c, s, 3)
   # Row 0 accepted the path 1 -> 5 -> 9 (depths 1..3), row 1 only node 0.
   accepted = jnp.array([[1, 5, 9], [0, -1, -1]])
   n_acc = np.array([3, 1])
@@ -252,8 +247,9 @@ def _check_tree_output(out, plain, tree, eos):
   np.testing.assert_array_equal(st.drafted, tree.num_nodes * (st.target_calls - 1))  # N nodes per round
 
 
-@pytest.mark.parametrize("drafter,branching", [("model", (2, 2, 1)), ("model", (1, 3)), ("eagle", (2, 2, 1)),
-                                               ("eagle", (3, 1, 2)), ("lookup", (3, 1, 1))])
+@pytest.mark.parametrize("drafter,branching", [
+    ("model", (2, 2, 1)), pytest.param("model", (1, 3), marks=pytest.mark.slow), ("eagle", (2, 2, 1)),
+    pytest.param("eagle", (3, 1, 2), marks=pytest.mark.slow), ("lookup", (3, 1, 1))])
 def test_greedy_tree_equals_generate(models, drafter, branching):
   """Ragged prompts, EOS inside rounds, max_new_tokens cutting a round: the tokens of plain greedy."""
   target, draft, untrained, trained = models
@@ -306,6 +302,7 @@ def test_greedy_logprobs_with_a_tree_equal_those_of_generate(models, mode):
   np.testing.assert_allclose(out.logprobs, plain.logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_logprobs_with_a_tree_are_those_of_the_processed_law(models):
   """Rows at T=0.7 with top-k 4, T=0.7, T=1 and greedy (log_softmax): teacher-forced float64 references."""
   target, _, _, trained = models
@@ -372,26 +369,6 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
       num_accepted=jnp.full((b,), d, jnp.int32), num_emitted=jnp.full((b,), d + 1, jnp.int32))
 
 
-def _assert_tree_run_follows(run, joint, monkeypatch, label):
-  """Chi-square of the first 3 tokens against `joint` (alpha 1e-3), and the planted verifier failing it."""
-  from tests.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation
-  out, samples = run()
-  weights = np.array([SMALL_V ** 2, SMALL_V, 1])
-  result = chisquare_gof(samples @ weights, joint, label=label)
-  assert_gof(result)
-  _, tv_min = detectable_deviation(N_ROWS, result.num_bins)
-  assert tv_min < 0.04, f"the test lost its power: {result}, detects TV >= {tv_min:.3f}"
-  monkeypatch.setattr(decoding, "tree_rejection_sample", _accept_first_children)
-  decoding._speculative_jit.clear_cache()
-  try:
-    _, wrong = run()
-  finally:
-    monkeypatch.undo()
-    decoding._speculative_jit.clear_cache()
-  assert chisquare_gof(wrong @ weights, joint).pvalue < ALPHA
-  return out
-
-
 @pytest.mark.parametrize("drafter", ["model", pytest.param("eagle", marks=pytest.mark.slow)])
 def test_sampled_tree_is_lossless(monkeypatch, drafter):
   """The first 3 tokens of N rows follow the target's exact joint when drafts come as i.i.d. trees.
@@ -419,7 +396,8 @@ def test_sampled_tree_is_lossless(monkeypatch, drafter):
                                num_speculative_tokens=2, draft_tree=(3, 2))
     return out, np.asarray(out.tokens)
 
-  out = _assert_tree_run_follows(run, joint, monkeypatch, f"{drafter} tree (3, 2), first 3 tokens")
+  out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} tree (3, 2), first 3 tokens",
+                                   planted=("tree_rejection_sample", _accept_first_children))
   _check_output(out, 3, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) * 3 < 2.5  # nodes are accepted and rejected
 
@@ -440,4 +418,5 @@ def test_sampled_lookup_tree_is_lossless(monkeypatch):
                                max_new_tokens=3, num_speculative_tokens=2, draft_tree=(3, 1))
     return out, np.asarray(out.tokens)
 
-  _assert_tree_run_follows(run, joint, monkeypatch, "lookup tree (3, 1), first 3 tokens")
+  assert_first_tokens_follow(run, joint, monkeypatch, "lookup tree (3, 1), first 3 tokens",
+                             planted=("tree_rejection_sample", _accept_first_children))
