@@ -20,6 +20,9 @@ Cases:
     mixed               odd rows T=0, even rows T=1, draft_probs given (at B=1
                         the one row is random)
     random_topk_topp    T=1, top_k=50, top_p=0.9, draft_probs given
+    block_ngram         random_ngram with method="block" (block verification)
+    block_draft_probs   random_draft_probs with method="block" (one more pass
+                        over positions 1..K-1 of logits and draft probs)
     softmax_baseline    jnp.argmax(jax.nn.softmax(logits)): greedy done the
                         "always softmax" way
     argmax_only         jnp.argmax over [B, K+1, V] (reference kernel)
@@ -156,6 +159,9 @@ CASES: dict[str, Case] = {
     # Log-probabilities of the emitted tokens (issue goal: at most +10% on the random path).
     "logprobs_processed": Case(_sample(logprobs="processed"), _ones, must_have=("reduce", "exponential")),
     "logprobs_raw": Case(_sample(logprobs="raw"), _ones, must_have=("reduce", "exponential")),
+    # Block verification (issue goal: within 10% of token verification, the random_* cases).
+    "block_ngram": Case(_sample(method="block"), _ones, must_have=("reduce", "exponential", "threefry")),
+    "block_draft_probs": Case(_sample(method="block"), _ones, draft_probs=True, must_have=("reduce", "exponential")),
     "logprobs_greedy": Case(_sample(all_greedy=True, logprobs="processed"), _zeros,
                             must_have=("reduce", "exponential"), must_not_have=("threefry",)),
     "softmax_baseline": Case(lambda x, d, dp, p, k: jnp.sum(jnp.argmax(jax.nn.softmax(x, axis=-1), axis=-1)),

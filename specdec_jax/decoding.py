@@ -52,7 +52,7 @@ import numpy as np
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models.adapter import ModelDef, merge_model, split_model
 from specdec_jax import sampling
-from specdec_jax.rejection import LOGPROBS_MODES, PLACEHOLDER_TOKEN_ID, rejection_sample
+from specdec_jax.rejection import LOGPROBS_MODES, METHODS, PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec_jax.sampling import SamplingParams, check_params, row_keys, sample_tokens
 from specdec_jax.tree import tree_rejection_sample
 from specdec_jax.tree_drafts import DraftTree, grow_tree, tree_attention_mask
@@ -799,7 +799,7 @@ def _check_vocab(draft_v, target_v):
 def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: SamplingParams, key, *,
                          max_new_tokens: int, num_speculative_tokens: int, eos_token_id=None,
                          all_greedy: bool = False, logprobs: str | None = None,
-                         draft_tree: tuple[int, ...] | None = None) -> GenerateOutput:
+                         draft_tree: tuple[int, ...] | None = None, verification: str = "token") -> GenerateOutput:
   """Speculative decoding: draft K tokens, verify them in one target call, repeat.
 
   Lossless: the tokens are distributed exactly as `generate(target, ...)`'s (and
@@ -843,6 +843,11 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
       tree extension of the model protocol (`cache_slots`, `attention_mask`,
       `copy_cache_slots`; see `Transformer`); prompt lookup takes trees
       (m, 1, ..., 1): the continuations of m different earlier matches.
+    verification: static; "token" (default) or "block": how random rows of a
+      chain verify their drafts (`rejection_sample`'s `method`). Block
+      verification is as lossless and accepts at least as many drafts in
+      expectation; greedy rows are unaffected. Chains only (a tree's walk is
+      its own verifier).
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens], lengths int32[B], stats,
@@ -865,7 +870,9 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   k = num_speculative_tokens
   if not _is_int(k) or k < 1:
     raise ValueError(f"{where}: num_speculative_tokens must be an int >= 1, got {k!r}")
-  tree = _check_tree(where, draft_tree, k, target, draft)
+  if verification not in METHODS:
+    raise ValueError(f"{where}: verification must be one of {METHODS}, got {verification!r}")
+  tree = _check_tree(where, draft_tree, k, target, draft, verification)
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
       where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
       extra_slots=(int(k) if tree is None else tree.num_nodes) + 1)
@@ -887,10 +894,10 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   return _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params,
                           None if all_greedy else key, target_def=target_def, draft_def=draft_def,
                           feature_draft=feature_draft, num_speculative_tokens=int(k), max_new_tokens=max_new_tokens,
-                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree)
+                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree, method=verification)
 
 
-def _check_tree(where, draft_tree, k, target, draft) -> DraftTree | None:
+def _check_tree(where, draft_tree, k, target, draft, verification="token") -> DraftTree | None:
   """The `DraftTree` of `draft_tree`, None for a chain; refuses a tree the models cannot serve."""
   if draft_tree is None:
     return None
@@ -905,6 +912,9 @@ def _check_tree(where, draft_tree, k, target, draft) -> DraftTree | None:
                      f"per depth), got {draft_tree!r}")
   if tree.is_chain:
     return None
+  if verification != "token":
+    raise ValueError(f"{where}: verification={verification!r} verifies chains; draft_tree={draft_tree} is verified "
+                     "by tree_rejection_sample (use verification='token' or a chain)")
   models = [("target", target)] + ([] if isinstance(draft, PromptLookupDrafter) else [("draft", draft)])
   for name, model in models:
     if not callable(getattr(model, "copy_cache_slots", None)):
@@ -918,10 +928,10 @@ def _check_tree(where, draft_tree, k, target, draft) -> DraftTree | None:
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "feature_draft", "num_speculative_tokens",
-                                             "max_new_tokens", "eos", "all_greedy", "logprobs", "tree"))
+                                             "max_new_tokens", "eos", "all_greedy", "logprobs", "tree", "method"))
 def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
                      draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
-                     logprobs, tree):
+                     logprobs, tree, method="token"):
   b, p = prompt_tokens.shape
   k = num_speculative_tokens
   n = k if tree is None else tree.num_nodes  # drafts per round
@@ -974,7 +984,8 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
       else:
         (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
       out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
-                             key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs)
+                             key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs,
+                             method=method)
       emitted, num_emitted, emitted_lp = out.token_ids, out.num_emitted, out.logprobs  # [B, K+1], -1 after
     else:
       emitted, num_emitted, emitted_lp, t_cache, draft_carry, features = _tree_round(

@@ -42,6 +42,7 @@ from specdec_jax.sampling import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1
 LOGPROBS_MODES = (None, "raw", "processed")
+METHODS = ("token", "block")
 
 
 @jax.tree_util.register_dataclass
@@ -75,6 +76,7 @@ def rejection_sample(
     all_greedy: bool = False,
     all_random: bool = False,
     logprobs: str | None = None,
+    method: str = "token",
 ) -> RejectionOutput:
   """Verifies draft tokens against the target, losslessly.
 
@@ -106,6 +108,12 @@ def rejection_sample(
       one more log-normaliser pass over the logits, run only when some row
       needs it (it brings exponentials into the all_greedy program, which stays
       free of random numbers).
+    method: static; "token" (default): each draft is accepted or rejected on
+      its own, left to right, as above. "block": block verification (Sun et al.,
+      ICLR 2025, arXiv 2403.10444) for random rows: the accepted prefix is
+      chosen jointly (see "Block verification" below); lossless, and it accepts
+      in expectation at least as many drafts as "token". Greedy rows are the
+      same under both.
 
   Returns:
     RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
@@ -132,6 +140,22 @@ def rejection_sample(
       overflow of logits / T;
     * a masked (-inf) target token is never emitted.
 
+  Block verification, for a random row with n drafts (w_j, R_j, h_j are [B]):
+
+      w_0 = 1,  w_j = min(w_{j-1} * p_{j-1}(d_{j-1}) / q_{j-1}(d_{j-1}), 1)    j = 1..n
+      R_j = sum_x max(w_j * p_j(x) - q_j(x), 0)   (one-hot q: R_j = w_j * (1 - p_j(d_j)))
+      h_j = R_j / (R_j + 1 - w_j)  for 1 <= j < n  (0 when R_j = 0),   h_n = w_n
+      accept tau = the largest j in 1..n with u_j <= h_j (u_j uniform), else 0;
+      emit d_0 .. d_{tau-1}, then a token from normalise(max(w_tau * p_tau - q_tau, 0))
+      if tau < n, or the bonus from p_n if tau = n.
+
+    A draft rejected on its own can still be accepted as part of the block: a
+    later draft that the target likes more than the draft did raises w_j back.
+    Without draft probabilities it costs nothing over "token" (R_j comes from the
+    same gathered p_j(d_j), and the residual is p_tau without d_tau, as before);
+    with them, R_j needs one more pass over the logits and draft_probs of
+    positions 1..K-1.
+
   Example:
     >>> out = rejection_sample(
     ...     draft_token_ids=jnp.array([[3, 1]]),
@@ -144,6 +168,8 @@ def rejection_sample(
   target_logits = jnp.asarray(target_logits)
   if logprobs not in LOGPROBS_MODES:
     raise ValueError(f"rejection_sample: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
+  if method not in METHODS:
+    raise ValueError(f"rejection_sample: method must be one of {METHODS}, got {method!r}")
   b, k = _check_args(draft_token_ids, target_logits, params, draft_probs, num_draft_tokens, all_greedy, all_random)
   v = target_logits.shape[-1]
   if num_draft_tokens is None:
@@ -161,7 +187,7 @@ def rejection_sample(
     keys = sampling.row_keys(key, b, "rejection_sample: key")
   return _rejection_sample(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
                            num_draft_tokens.astype(jnp.int32), all_greedy=all_greedy, all_random=all_random,
-                           logprobs=logprobs)
+                           logprobs=logprobs, method=method)
 
 
 def _check_args(draft, logits, params, draft_probs, n, all_greedy, all_random):
@@ -277,7 +303,42 @@ def _greedy(draft, logits, live):
   return _emit(draft, num_accepted, final)
 
 
-def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
+def _block_log_weights(log_p, log_q, ok):
+  """log w_j [B, K+1] of block verification: w_0 = 1, w_j = min(w_{j-1} p(d_{j-1}) / q(d_{j-1}), 1).
+
+  log_p, log_q: [B, K] log-probabilities of the drafts under the target and the
+  draft; ok: bool [B, K], False where a draft cannot be accepted (past n, or an
+  id outside [0, V)). p(d) = 0 makes w 0 from there on; q(d) = 0 < p(d) makes
+  the ratio infinite (w back to 1), as "token" accepts such a draft surely.
+  """
+  ratio = jnp.where(ok & (log_p > -jnp.inf), jnp.where(log_q > -jnp.inf, log_p - log_q, jnp.inf), -jnp.inf)
+  log_w = [jnp.zeros(log_p.shape[:1], jnp.float32)]
+  for j in range(log_p.shape[1]):  # K is small and static: a scan would cost more than it saves
+    prev = log_w[-1]
+    log_w.append(jnp.where(prev > -jnp.inf, jnp.minimum(prev + ratio[:, j], 0.0), -jnp.inf))
+  return jnp.stack(log_w, axis=1)
+
+
+def _block_stop_probs(w, residual_mass, n):
+  """h_j [B, K] for j = 1..K (column j-1): the chance that the block stops at j, given it does not stop later.
+
+  w: [B, K+1] block weights; residual_mass: [B, K+1], R_j for 1 <= j < n (other
+  columns unused); n: [B] drafts per row.
+  """
+  k = w.shape[1] - 1
+  j = jnp.arange(1, k + 1)[None, :]
+  w_j, r_j = w[:, 1:], residual_mass[:, 1:]
+  inner = jnp.where(r_j > 0, r_j / (r_j + (1.0 - w_j)), 0.0)
+  return jnp.where(j < n[:, None], inner, jnp.where(j == n[:, None], w_j, 0.0))
+
+
+def _block_num_accepted(h, u):
+  """tau [B]: the largest j in 1..K with u_j <= h_j (column j-1), else 0."""
+  j = jnp.arange(1, h.shape[1] + 1)[None, :]
+  return jnp.max(jnp.where(u <= h, j, 0), axis=1, initial=0).astype(jnp.int32)
+
+
+def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token"):
   """Random rows (and greedy rows of a mixed batch) in one read of the logits.
 
   Without top-k/top-p, the one pass over the logits reduces chunks of about
@@ -358,12 +419,34 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
   else:
     q_d = sampling.valid_probs(jnp.take_along_axis(draft_probs[:, :k], safe[..., None], axis=-1)[..., 0])
     log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
+
+  def block_residual_mass(log_w):
+    """R_j = sum_x max(w_j p_j(x) - q_j(x), 0), [B, K+1]; only columns 1..K-1 are computed (the rest 0)."""
+    if draft_probs is None:  # q_j one-hot at d_j: R_j = w_j (1 - p_j(d_j)), from the gathered p_j(d_j)
+      r = jnp.exp(log_w[:, :k]) * (1.0 - jnp.exp(log_p))
+    elif k > 1:  # one more read of positions 1..K-1 (logits and draft probs)
+      sl = slice(1, k)
+      x = sampling.scale_logits(logits[:, sl], params.temperature, shift[:, sl])
+      logp_all = jnp.where((x >= thr[:, sl, None]) & nonempty[:, sl, None], x - lse[:, sl, None], -jnp.inf)
+      q = sampling.valid_probs(draft_probs[:, sl])
+      r = jnp.sum(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), axis=-1)
+      r = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), r], axis=1)
+    else:
+      r = jnp.zeros((b, k), jnp.float32)
+    return jnp.concatenate([r, jnp.zeros((b, 1), jnp.float32)], axis=1)
+
   k_accept, k_final = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(keys)
   u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(k_accept)
   accept_random = jnp.log(u) + log_q < log_p
   accept_greedy = (safe == am[:, :k]) & nonempty[:, :k]
-  accept = jnp.where(greedy[:, None], accept_greedy, accept_random) & live & valid
-  num_accepted = _num_accepted(accept)
+  if method == "token":
+    accept = jnp.where(greedy[:, None], accept_greedy, accept_random) & live & valid
+    num_accepted = _num_accepted(accept)
+    log_w = None
+  else:
+    log_w = _block_log_weights(log_p, log_q, live & valid)  # [B, K+1]
+    h = _block_stop_probs(jnp.exp(log_w), block_residual_mass(log_w), n)
+    num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & live & valid), _block_num_accepted(h, u))
 
   # The one token drawn from a full distribution: at the stopping position only.
   s = num_accepted
@@ -385,6 +468,8 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax):
       # p - onehot(d), clipped at 0, is p with d removed (an id outside [0, V) removes nothing).
       return jnp.where(rejected & (jnp.arange(v)[None, :] == d_s), -jnp.inf, logp_row)
     q_row = sampling.valid_probs(jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0])
+    if log_w is not None:  # block: the residual is max(w_s p_s - q_s, 0)
+      logp_row = logp_row + jnp.take_along_axis(log_w, s[:, None], axis=1)
     # Masked and filtered tokens stay out without a select: there exp(logp_row) = 0
     # and q_row >= 0 (valid_probs), so the residual is log(0) = -inf.
     return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
@@ -446,8 +531,9 @@ def _with_logprobs(out: RejectionOutput, logits, params, stats, mode: str, greed
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs"))
-def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy, all_random, logprobs=None):
+@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method"))
+def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy, all_random, logprobs=None,
+                      method="token"):
   b, k1, v = logits.shape
   k = k1 - 1
   n = jnp.clip(n, 0, k)
@@ -456,7 +542,8 @@ def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy
   if all_greedy:
     out, stats = _greedy(draft, logits, live), no_stats
   else:
-    general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live)
+    general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live,
+                                method=method)
     if all_random:
       out, stats = general(draft, logits, need_argmax=False)
     else:

@@ -454,6 +454,36 @@ def test_sampled_speculative_is_lossless(monkeypatch):
   assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # the draft differs: rejections happen
 
 
+@pytest.mark.slow
+def test_sampled_speculative_with_block_verification_is_lossless(monkeypatch):
+  """As above, with verification="block" (the same power; the planted loop accepts every draft)."""
+  target, draft = TinyLM.create(10, SMALL_V, logit_scale=1.5), TinyLM.create(11, SMALL_V, logit_scale=1.5)
+  prompt = np.array([1, 5, 2, 7])
+  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
+  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
+  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
+  joint = _exact_joint(target, prompt)
+
+  def run():
+    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(43), max_new_tokens=3,
+                               num_speculative_tokens=2, verification="block")
+    return out, np.asarray(out.tokens)
+
+  out = assert_first_tokens_follow(run, joint, monkeypatch, "speculative_generate(verification='block')")
+  _check_output(out, 3, 2)
+
+
+def test_verification_is_checked():
+  target = TinyLM.create(10, SMALL_V)
+  prompts, lengths = jnp.ones((1, 3), jnp.int32), jnp.array([3])
+  with pytest.raises(ValueError, match="verification must be one of"):
+    speculative_generate(target, target, prompts, lengths, SamplingParams.greedy(1), None, max_new_tokens=2,
+                         num_speculative_tokens=2, all_greedy=True, verification="tokens")
+  with pytest.raises(ValueError, match="verifies chains"):
+    speculative_generate(target, target, prompts, lengths, SamplingParams.greedy(1), None, max_new_tokens=2,
+                         num_speculative_tokens=2, all_greedy=True, verification="block", draft_tree=(2, 1))
+
+
 def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
   """Chi-square of the first 3 tokens against `joint`, and a planted bug shown to fail the same check.
 
