@@ -3,7 +3,7 @@
 Public API:
   - `rejection_sample`, `RejectionOutput`, `PLACEHOLDER_TOKEN_ID` (rejection.py)
   - `tree_rejection_sample`, `TreeRejectionOutput` (tree.py): trees of drafts
-  - `SamplingParams`, `sample_tokens`, `process_logits`, `row_keys` (sampling.py)
+  - `SamplingParams`, `PenaltyState`, `sample_tokens`, `process_logits`, `row_keys` (sampling.py)
   - `generate`, `speculative_generate`, `GenerateOutput`, `DecodeStats` (decoding.py)
   - `PromptLookupDrafter` (drafters.py)
   - models: `specdec_jax.models` (Transformer, TransformerConfig, load_smollm2, ...)
@@ -12,7 +12,7 @@ Public API:
 from specdec_jax.decoding import DecodeStats, GenerateOutput, generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, rejection_sample
-from specdec_jax.sampling import SamplingParams, process_logits, row_keys, sample_tokens
+from specdec_jax.sampling import PenaltyState, SamplingParams, process_logits, row_keys, sample_tokens
 from specdec_jax.tree import TreeRejectionOutput, tree_rejection_sample
 
 __version__ = "0.1.0"

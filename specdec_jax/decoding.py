@@ -53,7 +53,7 @@ from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models.adapter import ModelDef, merge_model, split_model
 from specdec_jax import sampling
 from specdec_jax.rejection import LOGPROBS_MODES, METHODS, PLACEHOLDER_TOKEN_ID, rejection_sample
-from specdec_jax.sampling import SamplingParams, check_params, row_keys, sample_tokens
+from specdec_jax.sampling import PenaltyState, SamplingParams, check_params, row_keys, sample_tokens
 from specdec_jax.tree import tree_rejection_sample
 from specdec_jax.tree_drafts import DraftTree, grow_tree, tree_attention_mask
 
@@ -167,6 +167,8 @@ class LoopState:
     stats: DecodeStats so far.
     logprobs: f32[B, S] beside `tokens`, each generated token's log-probability
       (0 elsewhere), or None when not asked for.
+    penalties: the `PenaltyState` of the context (prompt mask, counts of the
+      generated tokens) when the parameters carry penalties, else None.
   """
 
   tokens: jax.Array
@@ -176,6 +178,7 @@ class LoopState:
   draft: Any
   stats: DecodeStats
   logprobs: jax.Array | None = None
+  penalties: PenaltyState | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -358,14 +361,14 @@ def _prefill_inputs(prompt_tokens, prompt_lengths):
   return jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0), pos
 
 
-def _token_logprobs(logits, token, sample_log_probs, params, mode, all_greedy):
-  """log p(token) [B] under the target's logits [B, V] (see `rejection_sample`'s `logprobs`).
+def _sample(logits, params, keys, all_greedy, penalties, logprobs):
+  """One token per row from [B, V] logits: (token [B], log_probs [B, V], its log-probability [B] or None).
 
-  `sample_log_probs` is the distribution `sample_tokens` drew from, which random rows' values are read from.
+  `penalties` is the context's `PenaltyState` (None without penalties);
+  `logprobs` the loop's mode (None: not asked for).
   """
-  processed = jnp.take_along_axis(sample_log_probs, token[:, None], axis=1)[:, 0]
-  greedy = jnp.full(params.is_greedy.shape, True) if all_greedy else params.is_greedy
-  return sampling.requested_log_probs(logits, token, params, processed, mode, greedy)
+  out = sample_tokens(logits, params, keys, all_greedy=all_greedy, penalty_state=penalties, logprobs=logprobs)
+  return out if logprobs is not None else out + (None,)
 
 
 def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,
@@ -386,7 +389,11 @@ def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_n
   logits, cache = out[0], out[-1]
   _check_eos(eos, logits.shape[-1], where)
   first_logits = _gather_rows(logits, prompt_lengths - 1)
-  first, first_dist = sample_tokens(first_logits, params, _position_keys(keys, prompt_lengths), all_greedy=all_greedy)
+  penalties = None
+  if params.has_penalties:  # the context's counts, kept by the loop (static: the params' structure)
+    penalties = PenaltyState.from_prompt(prompt_tokens, prompt_lengths, logits.shape[-1])
+  first, first_dist, first_lp = _sample(first_logits, params, _position_keys(keys, prompt_lengths), all_greedy,
+                                        penalties, logprobs)
 
   slot = _arange(max_length)[None, :]
   padded = jnp.pad(prompt_tokens, ((0, 0), (0, max_length - p)))
@@ -395,10 +402,11 @@ def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_n
   zeros = jnp.zeros((b,), jnp.int32)
   lp_buf = None
   if logprobs is not None:
-    lp = _token_logprobs(first_logits, first, first_dist, params, logprobs, all_greedy)
-    lp_buf = jnp.where(slot == prompt_lengths[:, None], lp[:, None], 0.0).astype(jnp.float32)
+    lp_buf = jnp.where(slot == prompt_lengths[:, None], first_lp[:, None], 0.0).astype(jnp.float32)
+  if penalties is not None:
+    penalties = penalties.add_tokens(first[:, None])
   state = LoopState(tokens=buf, length=prompt_lengths + 1, done=_is_eos(first, eos) | (max_new_tokens <= 1),
-                    target_cache=cache, draft=None, logprobs=lp_buf,
+                    target_cache=cache, draft=None, logprobs=lp_buf, penalties=penalties,
                     stats=DecodeStats(target_calls=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros,
                                       accepted_per_position=jnp.zeros((0,), jnp.int32), usable_drafted=zeros,
                                       reached_per_position=jnp.zeros((0,), jnp.int32)))
@@ -505,20 +513,21 @@ def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, 
     # Each row feeds its last token at its own position: rows advance independently.
     last = _gather_rows(s.tokens, s.length - 1)
     logits, cache = t_apply(last[:, None], (s.length - 1)[:, None], s.target_cache)
-    token, dist = sample_tokens(logits[:, 0], params, _position_keys(start.keys, s.length), all_greedy=all_greedy)
+    token, _, token_lp = _sample(logits[:, 0], params, _position_keys(start.keys, s.length), all_greedy,
+                                 s.penalties, logprobs)
     live = ~s.done
     # Finished rows write nowhere (index max_length is dropped) and stay put.
     slot = jnp.where(live, s.length, max_length)
     buf = s.tokens.at[rows, slot].set(token, mode="drop")
     lp = s.logprobs
     if lp is not None:
-      lp = lp.at[rows, slot].set(_token_logprobs(logits[:, 0], token, dist, params, logprobs, all_greedy),
-                                 mode="drop")
+      lp = lp.at[rows, slot].set(token_lp, mode="drop")
+    penalties = None if s.penalties is None else s.penalties.add_tokens(token[:, None], live[:, None])
     length = s.length + live
     done = s.done | (live & (_is_eos(token, eos) | (length - prompt_lengths >= max_new_tokens)))
     stats = dataclasses.replace(s.stats, target_calls=s.stats.target_calls + live)
     return dataclasses.replace(s, tokens=buf, length=length, done=done, target_cache=cache, stats=stats,
-                               logprobs=lp)
+                               logprobs=lp, penalties=penalties)
 
   return _outputs(_run(body, start.state), prompt_lengths, max_new_tokens)
 
@@ -708,18 +717,22 @@ class _FeatureDraft:
 def _draft_chain(k, carry, first, q_first, step, sample):
   """d1 (given) then d2 .. dK by `step(carry, token, i) -> (carry, logits)`, sampled by `sample`.
 
+  `sample(logits, i, earlier)` also gets the round's earlier drafts, int32
+  [B, K] with -1 where none is drafted yet (penalties count them as context).
+
   Returns (tokens int32 [B, K], probs [B, K, V] or None, carry).
   """
   if k == 1:
     return first[:, None], None if q_first is None else q_first[:, None], carry
 
   def body(c, i):
-    carry, token = c
+    carry, token, earlier = c
     carry, logits = step(carry, token, i)
-    nxt, q = sample(logits, i)
-    return (carry, nxt), (nxt, q)
+    nxt, q = sample(logits, i, earlier)
+    return (carry, nxt, earlier.at[:, i].set(nxt)), (nxt, q)
 
-  (carry, _), (ds, qs) = jax.lax.scan(body, (carry, first), _arange(k)[1:])
+  earlier = jnp.full((first.shape[0], k), -1, jnp.int32).at[:, 0].set(first)
+  (carry, _, _), (ds, qs) = jax.lax.scan(body, (carry, first, earlier), _arange(k)[1:])
   tokens = jnp.concatenate([first[:, None], ds.T], axis=1)
   probs = None if q_first is None else jnp.concatenate([q_first[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
   return tokens, probs, carry
@@ -873,6 +886,9 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   if verification not in METHODS:
     raise ValueError(f"{where}: verification must be one of {METHODS}, got {verification!r}")
   tree = _check_tree(where, draft_tree, k, target, draft, verification)
+  if tree is not None and isinstance(params, SamplingParams) and (params.has_penalties or params.has_logit_bias):
+    raise ValueError(f"{where}: draft_tree={draft_tree} with penalties or a logit bias in params is not supported "
+                     "yet (each node's context is its own root path); use a chain (draft_tree=None)")
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
       where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
       extra_slots=(int(k) if tree is None else tree.num_nodes) + 1)
@@ -967,10 +983,17 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
       round_keys = jax.vmap(jax.random.split)(_position_keys(start.keys, s.length))
       draft_keys, reject_keys = round_keys[:, 0], round_keys[:, 1]
 
-    def sample(logits, i):
-      """Draft token i (static or traced) from [B, V] logits, and its distribution (None if not needed)."""
+    def sample(logits, i, earlier=None):
+      """Draft token i (static or traced) from [B, V] logits, and its distribution (None if not needed).
+
+      earlier: int32 [B, K] drafts 0 .. i-1 of this round (-1 elsewhere), which
+      penalties count as context; None for draft 0.
+      """
+      penalties = s.penalties
+      if penalties is not None and earlier is not None:
+        penalties = penalties.add_tokens(earlier, earlier >= 0)
       token, log_probs = sample_tokens(logits, params, _position_keys(draft_keys, jnp.full((b,), i, jnp.int32)),
-                                       all_greedy=all_greedy)
+                                       all_greedy=all_greedy, penalty_state=penalties)
       # Greedy rejection ignores draft probabilities: do not build [B, K, V] for it.
       return token, None if all_greedy else jnp.exp(log_probs)
 
@@ -985,7 +1008,7 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
         (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
       out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
                              key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs,
-                             method=method)
+                             method=method, penalty_state=s.penalties)
       emitted, num_emitted, emitted_lp = out.token_ids, out.num_emitted, out.logprobs  # [B, K+1], -1 after
     else:
       emitted, num_emitted, emitted_lp, t_cache, draft_carry, features = _tree_round(
@@ -1006,8 +1029,10 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
     length = s.length + kept
     done = s.done | (live & ((first_eos < kept) | (length - prompt_lengths >= max_new_tokens)))
     stats = _round_stats(s.stats, k, n, live, kept, num_emitted, room)
+    penalties = None if s.penalties is None else s.penalties.add_tokens(emitted, j < kept[:, None])
     return LoopState(tokens=buf, length=length, done=done, target_cache=t_cache,
-                     draft=drafter.observe(draft_carry, features, kept), stats=stats, logprobs=lp)
+                     draft=drafter.observe(draft_carry, features, kept), stats=stats, logprobs=lp,
+                     penalties=penalties)
 
   return _outputs(_run(body, state), prompt_lengths, max_new_tokens)
 

@@ -77,6 +77,7 @@ def rejection_sample(
     all_random: bool = False,
     logprobs: str | None = None,
     method: str = "token",
+    penalty_state: sampling.PenaltyState | None = None,
 ) -> RejectionOutput:
   """Verifies draft tokens against the target, losslessly.
 
@@ -114,6 +115,15 @@ def rejection_sample(
       chosen jointly (see "Block verification" below); lossless, and it accepts
       in expectation at least as many drafts as "token". Greedy rows are the
       same under both.
+    penalty_state: a `PenaltyState` (prompt mask and counts of the tokens
+      generated before this round), needed when params carry repetition,
+      frequency or presence penalties with non-neutral values. Every position
+      applies the logit bias and the penalties before temperature, top-k,
+      top-p and min-p, with the round's earlier drafts d_0 .. d_{i-1} counted
+      in position i's context (`sampling.apply_penalties`); greedy rows take
+      the argmax of the penalised logits, and all_greedy programs stay free of
+      exponentials and random numbers. "raw" log-probabilities stay those of
+      the unmodified logits.
 
   Returns:
     RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
@@ -172,6 +182,10 @@ def rejection_sample(
     raise ValueError(f"rejection_sample: method must be one of {METHODS}, got {method!r}")
   b, k = _check_args(draft_token_ids, target_logits, params, draft_probs, num_draft_tokens, all_greedy, all_random)
   v = target_logits.shape[-1]
+  params = sampling.penalty_params(params, penalty_state, b, v, "rejection_sample")
+  if params.has_min_p:  # not wired into the one-pass statistics yet: refuse rather than ignore it
+    raise ValueError("rejection_sample: params.min_p is not supported by rejection_sample yet (sample_tokens and "
+                     "generate support it); build the params without min_p")
   if num_draft_tokens is None:
     num_draft_tokens = jnp.full((b,), k, jnp.int32)
   num_draft_tokens = jnp.asarray(num_draft_tokens)
@@ -187,7 +201,7 @@ def rejection_sample(
     keys = sampling.row_keys(key, b, "rejection_sample: key")
   return _rejection_sample(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
                            num_draft_tokens.astype(jnp.int32), all_greedy=all_greedy, all_random=all_random,
-                           logprobs=logprobs, method=method)
+                           logprobs=logprobs, method=method, penalty_state=penalty_state)
 
 
 def _check_args(draft, logits, params, draft_probs, n, all_greedy, all_random):
@@ -523,17 +537,25 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, met
   return _emit(draft, num_accepted, final), (shift, thr, lse)
 
 
-def _with_logprobs(out: RejectionOutput, logits, params, stats, mode: str, greedy) -> RejectionOutput:
-  """Adds the emitted tokens' log-probabilities (see `rejection_sample`'s `logprobs`); greedy: bool[B]."""
+def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode: str, greedy) -> RejectionOutput:
+  """Adds the emitted tokens' log-probabilities (see `rejection_sample`'s `logprobs`); greedy: bool[B].
+
+  raw_logits are the caller's; logits those the sampler used (after bias and penalties, if any).
+  """
   processed = sampling.token_log_probs(logits, out.token_ids, params.temperature, *stats)
-  lp = sampling.requested_log_probs(logits, out.token_ids, params, processed, mode, greedy)
+  lp = sampling.requested_log_probs(raw_logits if mode == "raw" else logits, out.token_ids, params, processed, mode,
+                                    greedy)
   emitted = jnp.arange(logits.shape[1])[None, :] < out.num_emitted[:, None]
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
 
 @functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method"))
 def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy, all_random, logprobs=None,
-                      method="token"):
+                      method="token", penalty_state=None):
+  raw_logits = logits
+  if params.has_logit_bias or params.has_penalties:
+    # Steps 1-3 of every position, position i counting drafts 0 .. i-1 (fused elementwise work).
+    logits = sampling.apply_penalties(logits, params, penalty_state, draft)
   b, k1, v = logits.shape
   k = k1 - 1
   n = jnp.clip(n, 0, k)
@@ -556,4 +578,4 @@ def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy
     return out
   # The static promises decide which rows count as greedy, as they do for the tokens.
   greedy = jnp.full((b,), all_greedy) if all_greedy or all_random else params.is_greedy
-  return _with_logprobs(out, logits, params, stats, logprobs, greedy)
+  return _with_logprobs(out, raw_logits, logits, params, stats, logprobs, greedy)

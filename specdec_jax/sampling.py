@@ -1,15 +1,26 @@
 """Per-request sampling parameters and plain (non-speculative) token sampling.
 
-Processing order for a random request (docs/api.md):
+Processing order for a row (docs/api.md); steps 1-3 only when the request sets
+them, and for greedy rows too:
 
-    logits / temperature -> keep top_k largest -> renormalise
-                         -> keep the smallest most-likely set with mass >= top_p
-                         -> renormalise
+    1. logits + logit_bias
+    2. repetition penalty on every token of the context (prompt, generated
+       tokens, earlier drafts of the round): x / r where x > 0, else x * r
+    3. x -= frequency_penalty * count + presence_penalty * (count > 0), count of
+       the token among the generated tokens (and earlier drafts; not the prompt)
+    4. greedy: argmax. Random:
+       logits / temperature -> keep top_k largest -> renormalise
+                            -> keep the smallest most-likely set with mass >= top_p
+                            -> renormalise
+                            -> keep tokens with probability >= min_p * the largest
+                            -> renormalise
 
-Both filters are *threshold* filters: a token is kept iff its scaled logit is
->= a per-row threshold, so tokens tied with the last kept token are kept too.
-Greedy requests (temperature below `GREEDY_TEMPERATURE`) use `argmax` of the raw
-logits, first index on ties.
+All three filters are *threshold* filters: a token is kept iff its scaled logit
+is >= a per-row threshold, so tokens tied with the last kept token are kept too.
+Renormalising keeps probability ratios, so min-p's cut is `x / T >= max + log(min_p)`
+on the scaled logits, and the kept set is `x / T >= max(top-k/top-p threshold, that)`.
+Greedy requests (temperature below `GREEDY_TEMPERATURE`) use `argmax` of the
+logits after steps 1-3, first index on ties.
 
 Values outside the ordinary range, the same rule on every path (greedy, random,
 filtered or not, alone or in any batch; a row never depends on its neighbours):
@@ -27,6 +38,10 @@ filtered or not, alone or in any batch; a row never depends on its neighbours):
   temperature near 0 behaves like greedy for every finite logit. The shifted
   recomputation runs under a run-time `lax.cond`, only for batches that need it;
   other rows keep the one-pass results bit for bit.
+* Steps 1-3 (`apply_penalties`) keep these classes: NaN stays NaN, +-inf stays
+  +-inf (with finite biases and penalties), and a finite logit stays finite (a
+  result beyond the float32 range saturates at +-3.4e38 instead of turning into
+  "this token" or "masked").
 
 Everything here is pure `jax.numpy` and works under `jit`; a "row" is one request
 and every function broadcasts the per-request parameters over any middle axes.
@@ -36,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -54,22 +70,42 @@ def _is_concrete(x) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """Per-request sampling parameters, a pytree of three `[B]` arrays.
+  """Per-request sampling parameters, a pytree of `[B]` arrays (and one `[B, M]` pair).
+
+  The first three fields are always present. The others default to None, which
+  means "absent, off": a None field holds no leaf, so the pytree structure says
+  statically which options a batch may use, and requests that use none of them
+  compile to the same programs as three-field parameters. `create` leaves a field
+  None unless its argument is given.
 
   Attributes:
     temperature: f32[B]; 0 means greedy.
     top_k: i32[B]; 0 (or >= vocabulary size) means off.
     top_p: f32[B]; 1.0 means off.
+    min_p: f32[B] or None; keep tokens whose probability is >= min_p times the
+      largest one (after temperature, top-k and top-p); 0 means off.
+    repetition_penalty: f32[B] or None; > 0, 1 means off.
+    frequency_penalty: f32[B] or None; 0 means off.
+    presence_penalty: f32[B] or None; 0 means off.
+    logit_bias_ids: i32[B, M] or None; token ids whose logits are biased, -1 (any
+      negative id) for an unused slot. Ids >= V are ignored under jit.
+    logit_bias_values: f32[B, M] or None; the bias of each slot (repeated ids add up).
 
   Example:
-    >>> params = SamplingParams.create([0.0, 0.7], top_k=[0, 50], top_p=0.9)
-    >>> params.batch_size
-    2
+    >>> params = SamplingParams.create([0.0, 0.7], top_k=[0, 50], top_p=0.9, min_p=0.05)
+    >>> params.batch_size, params.has_min_p, params.has_penalties
+    (2, True, False)
   """
 
   temperature: jax.Array  # [B]
   top_k: jax.Array  # [B]
   top_p: jax.Array  # [B]
+  min_p: jax.Array | None = None  # [B]
+  repetition_penalty: jax.Array | None = None  # [B]
+  frequency_penalty: jax.Array | None = None  # [B]
+  presence_penalty: jax.Array | None = None  # [B]
+  logit_bias_ids: jax.Array | None = None  # [B, M]
+  logit_bias_values: jax.Array | None = None  # [B, M]
 
   @classmethod
   def greedy(cls, batch_size: int) -> "SamplingParams":
@@ -83,16 +119,29 @@ class SamplingParams:
     return cls.create(np.zeros((n,), np.float32))
 
   @classmethod
-  def create(cls, temperature, top_k=None, top_p=None) -> "SamplingParams":
+  def create(cls, temperature, top_k=None, top_p=None, *, min_p=None, repetition_penalty=None,
+             frequency_penalty=None, presence_penalty=None, logit_bias=None) -> "SamplingParams":
     """Builds parameters from scalars or sequences, broadcast to one batch.
 
     Concrete values are validated; traced values (inside `jit`) only by dtype.
+    The keyword-only options stay None (absent, see the class docstring) unless
+    given.
 
     Args:
       temperature: scalar or [B] real numbers; >= 0 and finite (as float32), 0 means greedy.
       top_k: None, scalar or [B] integers (integral floats are accepted) in [0, 2**31); 0 means off.
         Values >= the vocabulary size are off too.
       top_p: None, scalar or [B] real numbers in (0, 1]; 1 means off.
+      min_p: None, scalar or [B] real numbers in [0, 1]; 0 means off.
+      repetition_penalty: None, scalar or [B] real numbers > 0 and finite; 1 means off.
+      frequency_penalty: None, scalar or [B] finite real numbers; 0 means off.
+      presence_penalty: None, scalar or [B] finite real numbers; 0 means off.
+      logit_bias: None, one mapping {token_id: bias} for every row, or a sequence
+        of B mappings (one per row). Ids are ints >= 0 (ids >= V are rejected
+        by the samplers, which know V), biases finite real numbers. Padded to
+        the longest mapping, M, with id -1 and bias 0 (M = 0 for empty mappings).
+        Concrete values only; under jit build `logit_bias_ids`/`logit_bias_values`
+        directly.
 
     Returns:
       A `SamplingParams` with float32/int32 arrays of one shared batch size.
@@ -101,11 +150,15 @@ class SamplingParams:
       ValueError: naming the argument, for values that are not real numbers (None,
         strings, complex, bool, ragged sequences), a negative or non-finite
         temperature (1e39 overflows float32 to inf), a top_k that is negative,
-        not an integer or does not fit int32, a top_p outside (0, 1], or sizes
-        that do not broadcast to one batch.
+        not an integer or does not fit int32, a top_p outside (0, 1], a min_p
+        outside [0, 1], a repetition_penalty <= 0 or not finite, a non-finite
+        frequency or presence penalty or bias, a bias id that is not an integer
+        >= 0, or sizes that do not broadcast to one batch.
 
     Example:
       >>> SamplingParams.create([0.0, 0.8], top_k=40).top_k   # [40, 40]
+      >>> SamplingParams.create(1.0, repetition_penalty=1.2, logit_bias=[{7: -5.0}, {}]).logit_bias_ids
+      ... # [[7], [-1]]
     """
     temperature = _param_array("temperature", temperature, integer=False)
     top_k = _param_array("top_k", 0 if top_k is None else top_k, integer=True)
@@ -119,6 +172,21 @@ class SamplingParams:
       raise ValueError(
           "SamplingParams.create: temperature, top_k and top_p must broadcast to one batch size, got shapes "
           f"{temperature.shape}, {top_k.shape}, {top_p.shape}") from e
+    # The options join the batch one at a time, so a size error names the option.
+    options = {}
+    for name, value in (("min_p", min_p), ("repetition_penalty", repetition_penalty),
+                        ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+      if value is None:
+        continue
+      arr = _param_array(name, value, integer=False)
+      if arr.ndim > 1:
+        raise ValueError(f"SamplingParams.create: {name} must be a scalar or 1-D [B], got shape {arr.shape}")
+      shape = _join_batch(shape, arr.shape, name)
+      options[name] = arr
+    if logit_bias is not None:
+      ids, values = _logit_bias_arrays(logit_bias)
+      shape = _join_batch(shape, ids.shape[:1], "logit_bias")
+      options["logit_bias_ids"], options["logit_bias_values"] = ids, values
     if shape == ():
       shape = (1,)
     if _is_concrete(temperature):
@@ -131,10 +199,13 @@ class SamplingParams:
       p = np.asarray(top_p)
       if bool(np.any(~((p > 0) & (p <= 1)))):
         raise ValueError(f"SamplingParams.create: top_p must be in (0, 1] (1 = off), got {p}")
+    _check_option_values(options)
+    batched = {name: jnp.broadcast_to(a, shape + a.shape[1:]) for name, a in options.items()}
     return cls(
         temperature=jnp.broadcast_to(temperature, shape),
         top_k=jnp.broadcast_to(top_k, shape),
         top_p=jnp.broadcast_to(top_p, shape),
+        **batched,
     )
 
   @property
@@ -145,6 +216,81 @@ class SamplingParams:
   def is_greedy(self) -> jax.Array:
     """bool[B]: rows sampled by argmax."""
     return self.temperature < GREEDY_TEMPERATURE
+
+  @property
+  def has_min_p(self) -> bool:
+    """Static: whether min-p may be on for some row (the field is present)."""
+    return self.min_p is not None
+
+  @property
+  def has_penalties(self) -> bool:
+    """Static: whether any of the repetition, frequency and presence penalties is present."""
+    return any(p is not None for p in (self.repetition_penalty, self.frequency_penalty, self.presence_penalty))
+
+  @property
+  def has_logit_bias(self) -> bool:
+    """Static: whether a logit bias is present (it may still have M = 0 slots)."""
+    return self.logit_bias_ids is not None or self.logit_bias_values is not None
+
+
+def _join_batch(shape: tuple, other: tuple, name: str) -> tuple:
+  try:
+    return jnp.broadcast_shapes(shape, other)
+  except ValueError as e:
+    raise ValueError(f"SamplingParams.create: {name} must broadcast to the batch size of the other arguments, got "
+                     f"shape {other} against {shape}") from e
+
+
+def _check_option_values(options: dict) -> None:
+  """Range checks of `create`'s concrete options (traced ones pass: their values are not known)."""
+  rules = {
+      "min_p": (lambda a: (a >= 0) & (a <= 1), "must be in [0, 1] (0 = off)"),
+      "repetition_penalty": (lambda a: (a > 0) & np.isfinite(a), "must be > 0 and finite (1 = off)"),
+      "frequency_penalty": (np.isfinite, "must be finite as a float32 (0 = off)"),
+      "presence_penalty": (np.isfinite, "must be finite as a float32 (0 = off)"),
+  }
+  for name, (ok, want) in rules.items():
+    if name in options and _is_concrete(options[name]):
+      a = np.asarray(options[name])
+      if not bool(np.all(ok(a))):
+        raise ValueError(f"SamplingParams.create: {name} {want}, got {a}")
+
+
+def _logit_bias_arrays(logit_bias):
+  """`create`'s logit_bias as (int32[R, M] ids, float32[R, M] biases), R = 1 for one shared mapping.
+
+  Built in NumPy: the ids are dictionary keys, so they are concrete anyway.
+  """
+  where = "SamplingParams.create: logit_bias"
+  if isinstance(logit_bias, Mapping):
+    rows = [logit_bias]
+  elif isinstance(logit_bias, (list, tuple)) and all(isinstance(r, Mapping) for r in logit_bias):
+    rows = list(logit_bias)
+  else:
+    raise ValueError(f"{where} must be a mapping {{token_id: bias}} or a sequence of B such mappings, got "
+                     f"{logit_bias!r}")
+  m = max((len(r) for r in rows), default=0)
+  ids = np.full((len(rows), m), -1, np.int32)
+  values = np.zeros((len(rows), m), np.float32)
+  for r, mapping in enumerate(rows):
+    for j, (tid, bias) in enumerate(mapping.items()):
+      try:
+        tid_a, bias_a = np.asarray(tid), np.asarray(bias)
+      except (TypeError, ValueError, jax.errors.TracerArrayConversionError) as e:
+        raise ValueError(f"{where} must hold concrete numbers (under jit, build logit_bias_ids and "
+                         f"logit_bias_values directly), got {tid!r}: {bias!r}") from e
+      if tid_a.ndim != 0 or tid_a.dtype.kind not in "iu":
+        raise ValueError(f"{where}: token ids must be integers >= 0, got {tid!r}")
+      if int(tid_a) < 0 or int(tid_a) > np.iinfo(np.int32).max:
+        raise ValueError(f"{where}: token ids must be integers >= 0 that fit int32, got {int(tid_a)}")
+      if bias_a.ndim != 0 or bias_a.dtype.kind not in "iuf":
+        raise ValueError(f"{where}: biases must be real numbers, got {bias!r} for token {int(tid_a)}")
+      with np.errstate(over="ignore", invalid="ignore"):
+        b32 = bias_a.astype(np.float32)
+      if not np.isfinite(b32):
+        raise ValueError(f"{where}: biases must be finite as a float32, got {bias!r} for token {int(tid_a)}")
+      ids[r, j], values[r, j] = int(tid_a), b32
+  return jnp.asarray(ids), jnp.asarray(values)
 
 
 def _param_array(name: str, value, *, integer: bool) -> jax.Array:
@@ -181,23 +327,73 @@ def _param_array(name: str, value, *, integer: bool) -> jax.Array:
 
 
 def check_params(params: SamplingParams, batch_size: int, where: str) -> None:
-  """Raises ValueError unless `params` holds three [batch_size] arrays of the right kinds.
+  """Raises ValueError unless `params` holds [batch_size] arrays of the right kinds.
 
-  temperature and top_p must be float arrays and top_k an integer array (a
-  directly constructed `SamplingParams` skips `create`'s conversions). Checked
-  at trace time, from shapes and dtypes only.
+  temperature, top_p and the present float options must be float arrays, top_k
+  an integer array, and a logit bias an integer [B, M] and a float [B, M] array
+  (a directly constructed `SamplingParams` skips `create`'s conversions).
+  Checked at trace time, from shapes and dtypes only.
+
+  Example:
+    >>> check_params(SamplingParams.create([0.0, 1.0]), 2, "my_sampler")   # passes
   """
   if not isinstance(params, SamplingParams):
     raise ValueError(f"{where}: params must be a SamplingParams, got {type(params).__name__}")
-  for name, kind, dtype in (("temperature", "float", jnp.floating), ("top_k", "integer", jnp.integer),
-                            ("top_p", "float", jnp.floating)):
+  fields = [("temperature", "float", jnp.floating), ("top_k", "integer", jnp.integer), ("top_p", "float", jnp.floating)]
+  fields += [(name, "float", jnp.floating) for name in _FLOAT_OPTIONS if getattr(params, name) is not None]
+  for name, kind, dtype in fields:
     value = getattr(params, name)
     shape = jnp.shape(value)
     if shape != (batch_size,):
       raise ValueError(f"{where}: params.{name} must have shape [B]=({batch_size},), got {shape}")
-    if not jnp.issubdtype(jnp.result_type(value), dtype):
-      raise ValueError(f"{where}: params.{name} must be a{'n' if kind == 'integer' else ''} {kind} array, got dtype "
-                       f"{jnp.result_type(value)} (SamplingParams.create converts)")
+    _check_kind(value, f"params.{name}", kind, dtype, where)
+  ids, values = params.logit_bias_ids, params.logit_bias_values
+  if (ids is None) != (values is None):
+    raise ValueError(f"{where}: params.logit_bias_ids and params.logit_bias_values must both be arrays or both None")
+  if ids is not None:
+    if len(jnp.shape(ids)) != 2 or jnp.shape(ids)[0] != batch_size:
+      raise ValueError(f"{where}: params.logit_bias_ids must have shape [B, M] with B={batch_size}, got "
+                       f"{jnp.shape(ids)}")
+    if jnp.shape(values) != jnp.shape(ids):
+      raise ValueError(f"{where}: params.logit_bias_values must have the shape of params.logit_bias_ids "
+                       f"{jnp.shape(ids)}, got {jnp.shape(values)}")
+    _check_kind(ids, "params.logit_bias_ids", "integer", jnp.integer, where)
+    _check_kind(values, "params.logit_bias_values", "float", jnp.floating, where)
+
+
+_FLOAT_OPTIONS = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _check_kind(value, name: str, kind: str, dtype, where: str) -> None:
+  if not jnp.issubdtype(jnp.result_type(value), dtype):
+    raise ValueError(f"{where}: {name} must be a{'n' if kind == 'integer' else ''} {kind} array, got dtype "
+                     f"{jnp.result_type(value)} (SamplingParams.create converts)")
+
+
+def check_bias_ids(params: SamplingParams, vocab_size: int, where: str) -> None:
+  """Eager check (skipped for traced ids): every logit-bias id is < vocab_size.
+
+  `create` cannot know V; under jit an id >= V is ignored, eagerly it is an error.
+
+  Args:
+    params: SamplingParams (with or without a logit bias).
+    vocab_size: V.
+    where: the caller's name for the message.
+
+  Raises:
+    ValueError: naming logit_bias, with the offending ids.
+
+  Example:
+    >>> check_bias_ids(SamplingParams.create(1.0, logit_bias={5: 1.0}), 4, "f")   # ValueError: id 5 >= V=4
+  """
+  ids = params.logit_bias_ids
+  if ids is None or not _is_concrete(ids):
+    return
+  ids = np.asarray(ids)
+  bad = ids >= vocab_size
+  if bool(np.any(bad)):
+    raise ValueError(f"{where}: logit_bias holds token ids >= the vocabulary size V={vocab_size}: "
+                     f"{sorted(set(ids[bad].tolist()))[:8]} (under jit they would be ignored)")
 
 
 # ----------------------------------------------------------------------------
@@ -291,6 +487,236 @@ def max_and_sumexp(x: jax.Array, *, with_argmax: bool = False):
 
 
 # ----------------------------------------------------------------------------
+# Logit bias and penalties (steps 1-3 of the processing order)
+# ----------------------------------------------------------------------------
+
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyState:
+  """What the penalties know of each row's context: a pytree of two [B, V] arrays.
+
+  Dense over the vocabulary, so that the penalties are elementwise operations
+  that fuse into the consumers of the logits (no gather or scatter per position).
+
+  Attributes:
+    prompt_mask: bool[B, V]; the token occurs in the row's prompt.
+    output_counts: int32[B, V]; how often the token occurs among the row's
+      generated tokens so far (the prompt is not counted).
+
+  Example:
+    >>> state = PenaltyState.from_prompt(jnp.array([[5, 2, 5, 0]]), jnp.array([3]), vocab_size=8)
+    >>> state = state.add_tokens(jnp.array([[2, 7]]), jnp.array([[True, True]]))
+    >>> int(state.output_counts[0, 2]), bool(state.prompt_mask[0, 0])   # token 0 was padding
+    (1, False)
+  """
+
+  prompt_mask: jax.Array  # bool[B, V]
+  output_counts: jax.Array  # int32[B, V]
+
+  @classmethod
+  def from_prompt(cls, prompt_tokens, prompt_lengths, vocab_size: int) -> "PenaltyState":
+    """The state of rows that have generated nothing yet.
+
+    Works under jit (vocab_size is static).
+
+    Args:
+      prompt_tokens: int[B, P] right-padded prompts.
+      prompt_lengths: int[B]; only the first prompt_lengths[b] tokens of row b count.
+      vocab_size: V, a static int >= 1.
+
+    Returns:
+      A PenaltyState with prompt_mask set for the prompt tokens (ids outside
+      [0, V) are ignored) and all output counts 0.
+
+    Example:
+      >>> PenaltyState.from_prompt(jnp.array([[3, 3, 1]]), jnp.array([2]), 4).prompt_mask   # [[F, F, F, T]]
+    """
+    try:
+      v = operator.index(vocab_size)
+    except TypeError:
+      raise ValueError(f"PenaltyState.from_prompt: vocab_size must be a static int >= 1, got {vocab_size!r}") from None
+    if v < 1:
+      raise ValueError(f"PenaltyState.from_prompt: vocab_size must be >= 1, got {v}")
+    tokens = jnp.asarray(prompt_tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"PenaltyState.from_prompt: prompt_tokens must be an integer [B, P] array, got "
+                       f"{tokens.dtype}{list(tokens.shape)}")
+    b, p = tokens.shape
+    lengths = jnp.asarray(prompt_lengths)
+    if lengths.shape != (b,):
+      raise ValueError(f"PenaltyState.from_prompt: prompt_lengths must have shape [B]=({b},), got {lengths.shape}")
+    used = jnp.arange(p, dtype=jnp.int32)[None, :] < lengths[:, None]
+    rows, idx = _scatter_index(tokens, used, v)
+    mask = jnp.zeros((b, v), jnp.bool_).at[rows, idx].set(True, mode="drop")
+    return cls(prompt_mask=mask, output_counts=jnp.zeros((b, v), jnp.int32))
+
+  def add_tokens(self, tokens, valid=None) -> "PenaltyState":
+    """A new state with `tokens` counted as generated.
+
+    Args:
+      tokens: int[B, T] (or int[B], one token a row).
+      valid: bool of the shape of `tokens`, or None for all; invalid entries,
+        negative ids (-1 placeholders) and ids >= V are not counted.
+
+    Returns:
+      A PenaltyState with output_counts incremented (prompt_mask unchanged).
+
+    Example:
+      >>> state = state.add_tokens(out.token_ids, out.token_ids >= 0)   # after a round of rejection_sample
+    """
+    b, v = self.output_counts.shape
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim == 1:
+      tokens = tokens[:, None]
+      valid = None if valid is None else jnp.asarray(valid)[:, None]
+    if tokens.ndim != 2 or tokens.shape[0] != b or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"PenaltyState.add_tokens: tokens must be an integer [B]=({b},) or [B, T] array, got "
+                       f"{tokens.dtype}{list(tokens.shape)}")
+    valid = jnp.ones(tokens.shape, jnp.bool_) if valid is None else jnp.asarray(valid)
+    if valid.shape != tokens.shape:
+      raise ValueError(f"PenaltyState.add_tokens: valid must have the shape of tokens {tokens.shape}, got "
+                       f"{valid.shape}")
+    rows, idx = _scatter_index(tokens, valid.astype(jnp.bool_), v)
+    return dataclasses.replace(self, output_counts=self.output_counts.at[rows, idx].add(1, mode="drop"))
+
+  @property
+  def vocab_size(self) -> int:
+    return self.output_counts.shape[-1]
+
+
+def _scatter_index(tokens, used, v):
+  """(rows, ids) for a scatter into [B, V]; unused or out-of-range ids become V, which mode="drop" skips.
+
+  (A negative index would wrap around to the end of the row instead of being dropped.)
+  """
+  t = tokens.astype(jnp.int32)
+  idx = jnp.where(used & (t >= 0) & (t < v), t, v)
+  rows = jnp.broadcast_to(jnp.arange(t.shape[0], dtype=jnp.int32)[:, None], t.shape)
+  return rows, idx
+
+
+def _saturate(y, finite_inputs):
+  """y, with +-inf results of finite inputs clipped to the float32 range: a finite logit stays finite."""
+  return jnp.where(finite_inputs, jnp.clip(y, -_F32_MAX, _F32_MAX), y)
+
+
+def apply_penalties(logits: jax.Array, params: SamplingParams, state: PenaltyState | None = None,
+                    draft_tokens: jax.Array | None = None) -> jax.Array:
+  """Steps 1-3 of the processing order: logit bias, repetition penalty, frequency and presence penalties.
+
+  For position i of a speculative round, the context is the prompt, the tokens
+  generated before the round (`state`) and the drafts d_0 .. d_{i-1}:
+
+      x = logits + bias
+      x = x / r if x > 0 else x * r            for tokens in the context (prompt included)
+      x = x - f * n - p * (n > 0)               n = count among generated tokens and earlier drafts
+
+  Elementwise (the draft counts are K comparisons against the broadcast drafts),
+  with no exponential and no random numbers, so it fuses into whatever reads the
+  result. Only the options present in `params` (see `SamplingParams`) are
+  computed; rows at the neutral values (bias 0, r = 1, f = p = 0) come back
+  bit for bit. NaN stays NaN (a masked token), +-inf stays +-inf, and finite
+  values stay finite (saturating at the float32 limit).
+
+  Args:
+    logits: [B, V] (one position) or [B, K+1, V] (a round), any float dtype.
+    params: SamplingParams of batch B.
+    state: PenaltyState of batch B and vocabulary V; may be None only when
+      `params` has no penalty fields (a logit bias alone needs no state).
+    draft_tokens: None, or int[B, K] with [B, K+1, V] logits: the round's drafts;
+      ids outside [0, V) (e.g. -1 placeholders) are in no context.
+
+  Returns:
+    f32 logits of the shape of `logits`.
+
+  Raises:
+    ValueError: for bad shapes, params or a missing state (at trace time).
+
+  Example:
+    >>> params = SamplingParams.create(1.0, repetition_penalty=2.0, presence_penalty=0.5)
+    >>> state = PenaltyState.from_prompt(jnp.array([[1]]), jnp.array([1]), 3).add_tokens(jnp.array([2]))
+    >>> apply_penalties(jnp.array([[1.0, 1.0, -1.0]]), params, state)   # [[1., 0.5, -2.5]]
+  """
+  where = "apply_penalties"
+  if logits.ndim not in (2, 3):
+    raise ValueError(f"{where}: logits must be [B, V] or [B, K+1, V], got shape {logits.shape}")
+  b, v = logits.shape[0], logits.shape[-1]
+  check_params(params, b, where)
+  if draft_tokens is not None:
+    if logits.ndim != 3 or jnp.shape(draft_tokens) != (b, logits.shape[1] - 1):
+      raise ValueError(f"{where}: draft_tokens must be [B, K] for logits [B, K+1, V]; got {jnp.shape(draft_tokens)} "
+                       f"for logits {logits.shape}")
+    if not jnp.issubdtype(jnp.result_type(draft_tokens), jnp.integer):
+      raise ValueError(f"{where}: draft_tokens must be an integer array, got {jnp.result_type(draft_tokens)}")
+  if params.has_penalties:
+    if state is None:
+      raise ValueError(f"{where}: params carry penalties (repetition/frequency/presence_penalty), so a "
+                       "PenaltyState (state) is needed")
+    if not isinstance(state, PenaltyState):
+      raise ValueError(f"{where}: state must be a PenaltyState, got {type(state).__name__}")
+    for name in ("prompt_mask", "output_counts"):
+      if jnp.shape(getattr(state, name)) != (b, v):
+        raise ValueError(f"{where}: state.{name} must have shape [B, V]=({b}, {v}), got "
+                         f"{jnp.shape(getattr(state, name))}")
+  x = logits.astype(jnp.float32)
+  if params.has_logit_bias and params.logit_bias_ids.shape[1] > 0:
+    # One [B, V] scatter of the M slots (repeated ids add up), broadcast over positions.
+    rows, idx = _scatter_index(params.logit_bias_ids, jnp.ones(params.logit_bias_ids.shape, jnp.bool_), v)
+    bias = jnp.zeros((b, v), jnp.float32).at[rows, idx].add(params.logit_bias_values.astype(jnp.float32),
+                                                            mode="drop")
+    bias = bias.reshape((b,) + (1,) * (x.ndim - 2) + (v,))
+    x = _saturate(x + bias, jnp.isfinite(x) & jnp.isfinite(bias))
+  if not params.has_penalties:
+    return x
+
+  lead = (b,) + (1,) * (x.ndim - 2)
+  n = state.output_counts.astype(jnp.int32).reshape(lead + (v,))
+  if draft_tokens is not None:
+    # Position i also counts drafts 0..i-1: K comparisons of broadcast values, no scatter.
+    d = jnp.asarray(draft_tokens).astype(jnp.int32)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, (1, 1, v), 2)
+    pos = jax.lax.broadcasted_iota(jnp.int32, (1, x.shape[1], 1), 1)
+    for j in range(d.shape[1]):
+      n = n + ((d[:, j].reshape(b, 1, 1) == vocab) & (pos > j)).astype(jnp.int32)
+  finite = jnp.isfinite(x)
+  if params.repetition_penalty is not None:
+    r = _bcast(params.repetition_penalty.astype(jnp.float32), x)
+    seen = state.prompt_mask.reshape(lead + (v,)) | (n > 0)
+    # NaN takes the x * r branch and stays NaN; +-inf stay +-inf for a finite r > 0.
+    x = jnp.where(seen, _saturate(jnp.where(x > 0, x / r, x * r), finite), x)
+  if params.frequency_penalty is not None or params.presence_penalty is not None:
+    terms = []
+    if params.frequency_penalty is not None:
+      terms.append(_bcast(params.frequency_penalty.astype(jnp.float32), x) * n.astype(jnp.float32))
+    if params.presence_penalty is not None:
+      terms.append(_bcast(params.presence_penalty.astype(jnp.float32), x))  # only where n > 0, below
+    pen = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    # Clipped so that +inf - pen stays +inf; tokens with count 0 are left alone (no 0 * inf).
+    pen = jnp.clip(pen, -_F32_MAX, _F32_MAX)
+    x = jnp.where(n > 0, _saturate(x - pen, finite), x)
+  return x
+
+
+def _modifies_logits(params: SamplingParams, vocab_size: int) -> jax.Array | None:
+  """bool[B]: rows whose steps 1-3 may change a logit; None when params has no such field (statically)."""
+  if not (params.has_logit_bias or params.has_penalties):
+    return None
+  on = jnp.zeros((params.batch_size,), jnp.bool_)
+  if params.has_logit_bias:
+    ids = params.logit_bias_ids
+    on = on | jnp.any((ids >= 0) & (ids < vocab_size) & (params.logit_bias_values != 0), axis=-1)
+  if params.repetition_penalty is not None:
+    on = on | (params.repetition_penalty != 1.0)
+  for pen in (params.frequency_penalty, params.presence_penalty):
+    if pen is not None:
+      on = on | (pen != 0.0)
+  return on
+
+
+# ----------------------------------------------------------------------------
 # Logit processing
 # ----------------------------------------------------------------------------
 
@@ -359,7 +785,7 @@ def greedy_argmax(logits: jax.Array):
 
 
 def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                          thr: jax.Array, lse: jax.Array):
+                          thr: jax.Array, lse: jax.Array, *, min_p: jax.Array | None = None):
   """Redoes (thr, lse) of the rows whose log-normaliser `lse` is not finite.
 
   The one-pass reductions compute `logits / T`, which overflows for a small
@@ -376,6 +802,7 @@ def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
     temperature, top_k, top_p: [B] sampling parameters.
     thr, lse: f32[B, ...] from the one-pass search (`threshold_and_lse` or
       `max_and_sumexp`).
+    min_p: f32[B] or None (off), as given to `threshold_and_lse`.
 
   Returns:
     (shift, thr, lse), each f32[B, ...]: scale with `scale_logits(logits,
@@ -392,20 +819,36 @@ def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
     m = jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1)  # only here: a second read of the logits
     empty = redo & (m == -jnp.inf)
     shift = jnp.where(redo & ~empty, m, 0.0)
-    new_thr, new_lse = _sorted_threshold_and_lse(scale_logits(raw, temperature, shift), top_k, top_p)
+    new_thr, new_lse = _sorted_threshold_and_lse(scale_logits(raw, temperature, shift), top_k, top_p, min_p=min_p)
     return shift, jnp.where(redo, new_thr, thr), jnp.where(empty, -jnp.inf, jnp.where(redo, new_lse, lse))
 
   return jax.lax.cond(jnp.any(redo), fix, lambda raw: (jnp.zeros_like(lse), thr, lse), logits)
 
 
-def filter_active(params: SamplingParams, vocab_size: int) -> jax.Array:
-  """bool[B]: rows whose top-k or top-p actually removes tokens."""
+def filter_active(params: SamplingParams, vocab_size: int, *, min_p: jax.Array | None = None) -> jax.Array:
+  """bool[B]: random rows whose top-k, top-p or min-p may remove tokens.
+
+  Args:
+    params: SamplingParams of batch B.
+    vocab_size: V (top_k >= V is off).
+    min_p: f32[B] to use instead of `params.min_p`; None reads `params.min_p`,
+      which is itself None (off) unless the request set it.
+
+  Example:
+    >>> filter_active(SamplingParams.create([1.0, 1.0, 0.0], top_k=[0, 5, 5], min_p=[0.1, 0.0, 0.0]), 100)
+    ... # [True, True, False]
+  """
   k_on = (params.top_k > 0) & (params.top_k < vocab_size)
-  return (k_on | (params.top_p < 1.0)) & ~params.is_greedy
+  on = k_on | (params.top_p < 1.0)
+  min_p = params.min_p if min_p is None else min_p
+  if min_p is not None:
+    on = on | (min_p > 0)
+  return on & ~params.is_greedy
 
 
-def sorted_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """Top-k/top-p threshold by a full descending sort of the vocabulary.
+def sorted_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+                     min_p: jax.Array | None = None) -> jax.Array:
+  """Top-k/top-p(/min-p) threshold by a full descending sort of the vocabulary.
 
   The reference method: exact, but a sort of [B, ..., V] costs tens of passes
   over the logits. `top_k_top_p_threshold` uses it only as a fallback.
@@ -414,26 +857,31 @@ def sorted_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
     scaled: f32[B, ..., V] temperature-scaled logits.
     top_k: i32[B], 0 or >= V means off.
     top_p: f32[B], 1 means off.
+    min_p: f32[B] or None; 0 (or None) means off.
 
   Returns:
     f32[B, ...] thresholds (-inf where nothing is filtered): keep iff x >= it.
+
+  Example:
+    >>> sorted_threshold(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), jnp.array([0]), jnp.array([0.7]))   # [log 0.3]
   """
-  return _sorted_threshold_and_lse(scaled, top_k, top_p)[0]
+  return _sorted_threshold_and_lse(scaled, top_k, top_p, min_p=min_p)[0]
 
 
-def _sorted_threshold_and_lse(scaled, top_k, top_p):
+def _sorted_threshold_and_lse(scaled, top_k, top_p, *, min_p=None):
   xs = -jnp.sort(-scaled, axis=-1)
-  thr, _, mass = _threshold_from_sorted(xs, top_k, top_p, scaled.shape[-1])
+  thr, _, mass = _threshold_from_sorted(xs, top_k, top_p, scaled.shape[-1], min_p=min_p)
   return thr, xs[..., 0] + jnp.log(mass)
 
 
-def _threshold_from_sorted(xs, top_k, top_p, v, total_mass=None, m=None):
+def _threshold_from_sorted(xs, top_k, top_p, v, total_mass=None, m=None, *, min_p=None):
   """Threshold from values sorted descending along the last axis.
 
   xs may hold only the largest candidates of each row; then `total_mass` (sum of
   exp(x - m) over the whole row) and `m` (the row max) must be given, and the
   caller checks for which rows the candidates sufficed (see
   `top_k_top_p_threshold`). With the full sorted row, both are computed here.
+  min_p (f32[B] or None) raises the threshold to m + log(min_p) where it is > 0.
 
   Returns:
     (thr, kth, kept_mass), each f32[B, ...]: the threshold (-inf when nothing is
@@ -460,7 +908,15 @@ def _threshold_from_sorted(xs, top_k, top_p, v, total_mass=None, m=None):
   first = jnp.minimum(first, jnp.sum(kept_k, axis=-1) - 1)
   pth = jnp.take_along_axis(xs, first[..., None], axis=-1)[..., 0]
   thr = jnp.where(p_on, jnp.maximum(kth, pth), kth)
-  kept_mass = jnp.where(k_on | p_on, jnp.sum(jnp.where(xs >= thr[..., None], e, 0.0), axis=-1), row_mass)
+  on = k_on | p_on
+  if min_p is not None:
+    # Top-k and top-p keep the max and renormalising keeps probability ratios, so
+    # "p >= min_p * p_max" is x >= m + log(min_p) whatever they removed.
+    mp_on = _bcast(min_p > 0, thr)
+    mth = jnp.where(mp_on, m + jnp.log(jnp.where(mp_on, _bcast(min_p, thr), 1.0)), -jnp.inf)
+    thr = jnp.maximum(thr, mth)
+    on = on | mp_on
+  kept_mass = jnp.where(on, jnp.sum(jnp.where(xs >= thr[..., None], e, 0.0), axis=-1), row_mass)
   return thr, kth, kept_mass
 
 
@@ -543,7 +999,7 @@ def group_top(x: jax.Array, group_size: int | None = None, per_group: int = _PER
 
 
 def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                          *, group_size: int | None = None) -> jax.Array:
+                          *, group_size: int | None = None, min_p: jax.Array | None = None) -> jax.Array:
   """Per-row-and-position threshold on scaled logits: keep iff x >= threshold.
 
   The top-k threshold is the k-th largest value; the top-p threshold is the value
@@ -564,6 +1020,7 @@ def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
     top_k: i32[B], 0 or >= V means off.
     top_p: f32[B], 1 means off.
     group_size: static group size of the candidate search (default: about V/1024).
+    min_p: f32[B] or None; also keep only x >= max + log(min_p) (0 or None: off).
 
   Returns:
     f32[B, ...] thresholds (-inf where nothing is filtered).
@@ -571,12 +1028,12 @@ def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
   Example:
     >>> thr = top_k_top_p_threshold(x, jnp.array([50]), jnp.array([0.9]))  # x: [1, V]
   """
-  return threshold_and_lse(scaled, None, top_k, top_p, group_size=group_size)[0]
+  return threshold_and_lse(scaled, None, top_k, top_p, group_size=group_size, min_p=min_p)[0]
 
 
 def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: jax.Array, top_p: jax.Array,
-                      *, group_size: int | None = None):
-  """Top-k/top-p threshold and the log-normaliser of the kept set, sort-free.
+                      *, group_size: int | None = None, min_p: jax.Array | None = None):
+  """Top-k/top-p(/min-p) threshold and the log-normaliser of the kept set, sort-free.
 
   Like `top_k_top_p_threshold`, but on raw logits with the temperature applied
   inside every consumer (so a lazily scaled copy is never written to memory,
@@ -584,12 +1041,20 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   lse = logsumexp(x over x >= thr), read off the candidates: the log-probability
   of a kept token is then x - lse, with no further pass over the vocabulary.
 
+  With min_p, the threshold is max(top-k/top-p threshold, max + log(min_p)) and
+  lse that of the final kept set. A row is exact from the candidates when that
+  final threshold exceeds every group's 4th largest value (and, when top-k and
+  top-p are both on, the top-k value does too, as top-p's mass is that of the
+  top-k set); other rows are sorted, as without min_p.
+
   Args:
     logits: [B, ..., V], any float dtype (already scaled if temperature is None).
     temperature: f32[B] or None.
     top_k: i32[B], 0 or >= V means off.
     top_p: f32[B], 1 means off.
     group_size: static group size of the candidate search (default: about V/1024).
+    min_p: f32[B] in [0, 1] or None; 0 or None means off (None compiles exactly
+      the program without min-p).
 
   Returns:
     (thr, lse), each f32[B, ...].
@@ -601,17 +1066,24 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   v = logits.shape[-1]
   group_size = _group_size(v) if group_size is None else group_size
   if v <= 2 * group_size * _PER_GROUP:  # small vocabularies: a sort is cheap
-    return _sorted_threshold_and_lse(scale(logits), top_k, top_p)
+    return _sorted_threshold_and_lse(scale(logits), top_k, top_p, min_p=min_p)
   tops, group_mass = group_top(scale(logits), group_size, with_sumexp=True)  # [..., G, 4], [..., G]
   cand = -jnp.sort(-tops.reshape(tops.shape[:-2] + (-1,)), axis=-1)  # [..., 4G]
   floor = jnp.max(tops[..., -1], axis=-1)  # tokens outside the candidates are <= this
   m = cand[..., 0]
   total = jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0), axis=-1)
-  thr, kth, kept_mass = _threshold_from_sorted(cand, top_k, top_p, v, total, m)
+  thr, kth, kept_mass = _threshold_from_sorted(cand, top_k, top_p, v, total, m, min_p=min_p)
   k_on = _bcast((top_k > 0) & (top_k < v), thr)
   p_on = _bcast(top_p < 1.0, thr)
-  exact = jnp.where(k_on, (_bcast(top_k, thr) <= cand.shape[-1]) & (kth > floor),
-                    jnp.where(p_on, thr > floor, True))
+  kth_exact = (_bcast(top_k, thr) <= cand.shape[-1]) & (kth > floor)
+  if min_p is None:
+    exact = jnp.where(k_on, kth_exact, jnp.where(p_on, thr > floor, True))
+  else:
+    # A candidate top-k (top-p) value <= floor means the true one is <= floor too,
+    # so a final threshold above the floor is the true one; but top-p's cut
+    # depends on the top-k set's mass, which needs an exact top-k value.
+    mp_on = _bcast(min_p > 0, thr)
+    exact = jnp.where(k_on | p_on | mp_on, (thr > floor) & (kth_exact | ~(k_on & p_on)), True)
   lse = m + jnp.log(kept_mass)
 
   # Rows whose candidates did not suffice: sort just those (a fixed number of
@@ -628,7 +1100,8 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
     sub = raw.reshape(-1, v)[safe].astype(jnp.float32)
     if temperature is not None:
       sub = scale_logits(sub, temperature[b_of])
-    fixed_thr, fixed_lse = _sorted_threshold_and_lse(sub, top_k[b_of], top_p[b_of])
+    fixed_thr, fixed_lse = _sorted_threshold_and_lse(sub, top_k[b_of], top_p[b_of],
+                                                     min_p=None if min_p is None else min_p[b_of])
     put = lambda a, new: a.reshape(-1).at[bad].set(new, mode="drop").reshape(a.shape)
     return put(thr, fixed_thr), put(lse, fixed_lse)
 
@@ -636,13 +1109,16 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   return jax.lax.switch(
       jnp.where(num_bad == 0, 0, jnp.where(num_bad <= n_fix, 1, 2)),
       [lambda thr, lse, raw: (thr, lse), fix_rows,
-       lambda thr, lse, raw: _sorted_threshold_and_lse(scale(raw), top_k, top_p)],
+       lambda thr, lse, raw: _sorted_threshold_and_lse(scale(raw), top_k, top_p, min_p=min_p)],
       thr, lse, logits)
 
 
 def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-  """Log-probabilities after temperature, top-k and top-p (every row as random).
+  """Log-probabilities after temperature, top-k, top-p and min-p (every row as random).
 
+  Step 4 of the processing order only: the logit bias and the penalties
+  (`apply_penalties`) are the caller's, before this. min-p is read from
+  `params.min_p` (None: off, and the program is the one without min-p).
   Greedy rows are processed at temperature 1; callers pick argmax for them.
   NaN logits count as -inf, +inf logits share all the mass, and a row with no
   logit above -inf comes out all -inf (see the module docstring).
@@ -658,6 +1134,7 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     >>> logp = process_logits(jnp.zeros((2, 5)), SamplingParams.create(1.0, top_k=2))
   """
   t = params.temperature
+  min_p = params.min_p
 
   def unfiltered(raw):
     m, s = max_and_sumexp(scale_logits(raw, t))
@@ -666,9 +1143,9 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
   # The threshold search is the costliest step: skip it at run time when no row
   # filters anything. (The raw logits go into the cond, so scaling stays fusible.)
   thr, lse = jax.lax.cond(jnp.any(filter_active(params, logits.shape[-1])),
-                          lambda raw: threshold_and_lse(raw, t, params.top_k, params.top_p),
+                          lambda raw: threshold_and_lse(raw, t, params.top_k, params.top_p, min_p=min_p),
                           unfiltered, logits)
-  shift, thr, lse = shift_non_finite_rows(logits, t, params.top_k, params.top_p, thr, lse)
+  shift, thr, lse = shift_non_finite_rows(logits, t, params.top_k, params.top_p, thr, lse, min_p=min_p)
   scaled = scale_logits(logits, t, shift)
   keep = (scaled >= thr[..., None]) & (lse[..., None] > -jnp.inf)
   return jnp.where(keep, scaled - lse[..., None], -jnp.inf)
@@ -731,14 +1208,16 @@ def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingPa
   """The log-probabilities `mode` asks for ("raw" or "processed"), given the sampled distribution's.
 
   `processed` holds log p(token) under the distribution each row samples from
-  (temperature, top-k, top-p). Random rows keep those values for "processed",
-  and for "raw" too where they are the raw ones (temperature 1, nothing
-  filtered: e.g. RL rollouts). The other rows, greedy rows included, get
-  `log_softmax` of the logits: one more pass over them, run only when some row
-  needs it.
+  (bias, penalties, temperature, top-k, top-p, min-p). Random rows keep those
+  values for "processed", and for "raw" too where they are the raw ones
+  (temperature 1, nothing filtered, no bias or penalty: e.g. RL rollouts). The
+  other rows, greedy rows included, get `log_softmax` of `logits`: one more pass
+  over them, run only when some row needs it.
 
   Args:
-    logits: [B, ..., V] the target's logits.
+    logits: [B, ..., V] the target's logits: the raw ones for "raw"; for
+      "processed", those after the logit bias and penalties (`apply_penalties`),
+      which greedy rows read (they are the raw ones when params has neither).
     tokens: int [B, ...] the emitted tokens.
     params: SamplingParams of batch B.
     processed: f32[B, ...] log p(token) under the sampled distribution.
@@ -755,6 +1234,9 @@ def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingPa
   own = ~greedy
   if mode == "raw":
     own = own & (params.temperature == 1.0) & ~filter_active(params, logits.shape[-1])
+    modified = _modifies_logits(params, logits.shape[-1])
+    if modified is not None:
+      own = own & ~modified
   ones = jnp.ones((b,), jnp.float32)
   other = jax.lax.cond(jnp.any(~own), lambda: token_log_probs(logits, tokens, ones, *log_softmax_stats(logits)),
                        lambda: jnp.zeros(tokens.shape, jnp.float32))
@@ -871,11 +1353,14 @@ def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weight
   return (chunk * inside.shape[-1] + jnp.argmax(inside + g_tok, axis=-1)).astype(jnp.int32)
 
 
-def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy: bool = False):
+def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy: bool = False,
+                  penalty_state: PenaltyState | None = None, logprobs: str | None = None):
   """Plain sampling of one token per row, plus the distribution it came from.
 
-  Greedy rows take `argmax(logits)` (first index on ties); random rows draw from
-  the processed (temperature, top-k, top-p) distribution.
+  When params carry a logit bias or penalties, each row's logits first go
+  through `apply_penalties` (steps 1-3, context = `penalty_state`). Greedy rows
+  then take the argmax (first index on ties); random rows draw from the
+  processed (temperature, top-k, top-p, min-p) distribution.
 
   Under jit, NaN logits count as -inf on every path, and a row with no logit
   above -inf emits token 0 (greedy or random) with an all -inf log_probs row.
@@ -887,35 +1372,118 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
     key: one PRNG key or a batch of B keys (see `row_keys`).
     all_greedy: static promise that every row is greedy: argmax only, no
       softmax and no random numbers for the token (log_probs is one-hot).
+    penalty_state: PenaltyState of batch B and vocabulary V (the rows' prompts
+      and generated tokens). Needed when params carry penalties, unless they
+      are concrete and all neutral (r = 1, f = p = 0).
+    logprobs: static; None (default), "raw" or "processed": also return the
+      log-probability of each sampled token, "raw" under log_softmax of the
+      unmodified logits, "processed" under the distribution it was drawn from
+      (for greedy rows: log_softmax of the logits after steps 1-3).
 
   Returns:
     (tokens int32[B], log_probs f32[B, V]): log_probs is the log of the
     distribution each row's token was drawn from (log one-hot for greedy rows).
+    With `logprobs`, a third value f32[B]: the tokens' log-probabilities.
 
   Raises:
-    ValueError: for a bad shape or params, and for concrete logits holding a NaN
-      or a row with no logit above -inf.
+    ValueError: for a bad shape, params or logprobs mode, penalties without a
+      penalty_state, concrete logit-bias ids >= V, and for concrete logits
+      holding a NaN or a row with no logit above -inf.
 
   Example:
     >>> tok, logp = sample_tokens(logits, SamplingParams.create([0.0, 1.0]), jax.random.key(0))
+    >>> params = SamplingParams.create(0.8, min_p=0.05, repetition_penalty=1.1)
+    >>> tok, logp, lp = sample_tokens(logits, params, key, penalty_state=state, logprobs="processed")
   """
+  where = "sample_tokens"
   if logits.ndim != 2:
-    raise ValueError(f"sample_tokens: logits must be [B, V], got shape {logits.shape}")
+    raise ValueError(f"{where}: logits must be [B, V], got shape {logits.shape}")
   b, v = logits.shape
-  check_params(params, b, "sample_tokens")
-  check_logits_values(logits, None, "sample_tokens: logits")
-  greedy_tok, best = greedy_argmax(logits)
+  check_params(params, b, where)
+  if logprobs not in (None, "raw", "processed"):
+    raise ValueError(f"{where}: logprobs must be None, 'raw' or 'processed', got {logprobs!r}")
+  check_logits_values(logits, None, f"{where}: logits")
+  steps = penalty_params(params, penalty_state, b, v, where)
+  # Without bias and penalty fields, x is the caller's array: the program is the plain one.
+  x = apply_penalties(logits, steps, penalty_state) if steps.has_logit_bias or steps.has_penalties else logits
+  greedy_tok, best = greedy_argmax(x)
   # float32 constants: weakly typed Python floats would make it float64 under jax_enable_x64.
   one_hot = jnp.where(jax.nn.one_hot(greedy_tok, v, dtype=jnp.bool_) & (best > -jnp.inf)[:, None], np.float32(0),
                       np.float32(-np.inf))
   if all_greedy:
-    return greedy_tok, one_hot
+    if logprobs is None:
+      return greedy_tok, one_hot
+    every = jnp.ones((b,), jnp.bool_)
+    lp = requested_log_probs(logits if logprobs == "raw" else x, greedy_tok, params, jnp.zeros((b,), jnp.float32),
+                             logprobs, every)
+    return greedy_tok, one_hot, lp
   keys = row_keys(key, b)
-  logp = process_logits(logits, params)
+  logp = process_logits(x, params)
   # A row of all -inf draws index 0 (every Gumbel-perturbed weight is -inf), as greedy does.
   tok = categorical_from_log_weights(keys, logp)
   greedy = params.is_greedy
-  return jnp.where(greedy, greedy_tok, tok), jnp.where(greedy[:, None], one_hot, logp)
+  tokens, dist = jnp.where(greedy, greedy_tok, tok), jnp.where(greedy[:, None], one_hot, logp)
+  if logprobs is None:
+    return tokens, dist
+  processed = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
+  lp = requested_log_probs(logits if logprobs == "raw" else x, tokens, params, processed, logprobs, greedy)
+  return tokens, dist, lp
+
+
+def penalty_params(params: SamplingParams, penalty_state: PenaltyState | None, batch_size: int, vocab_size: int,
+                   where: str) -> SamplingParams:
+  """A sampler's checks of its options against V and its penalty state; returns the params to sample with.
+
+  Raises (eagerly, for concrete values) on logit-bias ids >= V, and on penalties
+  without a state unless they are concrete and neutral (r = 1, f = p = 0):
+  those fields are then dropped, so that `apply_penalties` needs no state.
+  Traced penalties need a state. A given state must be a PenaltyState of
+  [batch_size, vocab_size] arrays (checked at trace time).
+
+  Args:
+    params: SamplingParams of batch `batch_size`.
+    penalty_state: PenaltyState or None.
+    batch_size, vocab_size: B and V of the logits.
+    where: the caller's name for messages.
+
+  Returns:
+    params, or params without its (neutral) penalty fields.
+
+  Raises:
+    ValueError: naming logit_bias or penalty_state.
+
+  Example:
+    >>> params = penalty_params(params, state, b, v, "my_sampler")
+    >>> x = apply_penalties(logits, params, state) if params.has_penalties or params.has_logit_bias else logits
+  """
+  check_params(params, batch_size, where)
+  check_bias_ids(params, vocab_size, where)
+  if not params.has_penalties:
+    return params
+  if penalty_state is None:
+    _check_neutral_penalties(params, where)
+    return dataclasses.replace(params, repetition_penalty=None, frequency_penalty=None, presence_penalty=None)
+  if not isinstance(penalty_state, PenaltyState):
+    raise ValueError(f"{where}: penalty_state must be a PenaltyState, got {type(penalty_state).__name__}")
+  for name in ("prompt_mask", "output_counts"):
+    shape = jnp.shape(getattr(penalty_state, name))
+    if shape != (batch_size, vocab_size):
+      raise ValueError(f"{where}: penalty_state.{name} must have shape [B, V]=({batch_size}, {vocab_size}), got "
+                       f"{shape}")
+  return params
+
+
+def _check_neutral_penalties(params: SamplingParams, where: str) -> None:
+  """Raises unless every penalty field of params is concrete and neutral (then no state is needed)."""
+  for name, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+    value = getattr(params, name)
+    if value is None:
+      continue
+    if not _is_concrete(value):
+      raise ValueError(f"{where}: params.{name} is set (traced), so penalty_state (a PenaltyState) is needed")
+    if bool(np.any(np.asarray(value) != neutral)):
+      raise ValueError(f"{where}: params.{name} = {np.asarray(value)} needs penalty_state (a PenaltyState of the "
+                       "rows' prompts and generated tokens)")
 
 
 def check_logits_values(logits: jax.Array, used: jax.Array | None, where: str) -> None:

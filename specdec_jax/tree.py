@@ -133,6 +133,10 @@ def tree_rejection_sample(
   draft = jnp.asarray(draft_token_ids)
   logits = jnp.asarray(target_logits)
   b, n, v = _check_args(draft, logits, params, draft_probs, num_nodes)
+  if params.has_penalties or params.has_logit_bias:
+    # Each node's context is its own root path: not built yet. Refuse rather than ignore them.
+    raise ValueError(f"{_WHERE}: params carry repetition/frequency/presence penalties or a logit bias, which trees "
+                     "of drafts do not support yet (rejection_sample does); use a chain (draft_tree=None)")
   parents, depth, max_children = _tree_structure(parents, b, n)
   if num_nodes is None:
     num_nodes = jnp.full((b,), n, jnp.int32)
