@@ -427,14 +427,16 @@ def _accept_every_draft(draft_token_ids, target_logits, params, key=None, draft_
                          num_accepted=jnp.full((b,), k, jnp.int32), num_emitted=jnp.full((b,), k + 1, jnp.int32))
 
 
-def test_sampled_speculative_is_lossless(monkeypatch):
+@pytest.mark.parametrize("verification", ["token", pytest.param("block", marks=pytest.mark.slow)])
+def test_sampled_speculative_is_lossless(monkeypatch, verification):
   """The first 3 tokens of N rows (each with its own key) follow the target's exact joint.
 
   Sparse bins (expected count < 5) are pooled; alpha = 1e-3 with a fixed seed.
   Power (tests/stats.py `detectable_deviation`): N = 20000 samples over the
   ~200 pooled bins detect, with 80% power, every deviation of Cohen's w >= ~0.06,
   so every total-variation shift >= ~0.03. The planted loop below, which
-  accepts every draft, is rejected with a p-value far below alpha.
+  accepts every draft, is rejected with a p-value far below alpha. Both
+  verification methods ("token", "block") face the same check.
   """
   target, draft = TinyLM.create(10, SMALL_V, logit_scale=1.5), TinyLM.create(11, SMALL_V, logit_scale=1.5)
   prompt = np.array([1, 5, 2, 7])
@@ -446,31 +448,12 @@ def test_sampled_speculative_is_lossless(monkeypatch):
 
   def run():
     out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(42), max_new_tokens=3,
-                               num_speculative_tokens=2)
+                               num_speculative_tokens=2, verification=verification)
     return out, np.asarray(out.tokens)
 
-  out = assert_first_tokens_follow(run, joint, monkeypatch, "speculative_generate, first 3 tokens")
+  out = assert_first_tokens_follow(run, joint, monkeypatch, f"speculative_generate({verification}), first 3 tokens")
   _check_output(out, 3, 2)
   assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # the draft differs: rejections happen
-
-
-@pytest.mark.slow
-def test_sampled_speculative_with_block_verification_is_lossless(monkeypatch):
-  """As above, with verification="block" (the same power; the planted loop accepts every draft)."""
-  target, draft = TinyLM.create(10, SMALL_V, logit_scale=1.5), TinyLM.create(11, SMALL_V, logit_scale=1.5)
-  prompt = np.array([1, 5, 2, 7])
-  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
-  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
-  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  joint = _exact_joint(target, prompt)
-
-  def run():
-    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(43), max_new_tokens=3,
-                               num_speculative_tokens=2, verification="block")
-    return out, np.asarray(out.tokens)
-
-  out = assert_first_tokens_follow(run, joint, monkeypatch, "speculative_generate(verification='block')")
-  _check_output(out, 3, 2)
 
 
 def test_verification_is_checked():
