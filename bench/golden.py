@@ -18,6 +18,7 @@ bit (NaN equal to NaN); the first difference is reported with its case.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -96,6 +97,46 @@ def cases():
         return {"tok": tok, "logp": logp, "proc": jax.jit(sampling.process_logits)(logits, params)}
 
       yield f"sample_tokens V={v} {kind} filt={filt}", st
+    if k > 0:
+      yield from _option_cases(v, k, b, logits, probs, draft, n)
+
+
+def _option_cases(v, k, b, logits, probs, draft, n):
+  """Bias, penalties and min-p (second-generation options) on both samplers."""
+  rng = np.random.default_rng(v)
+  prompt = rng.integers(0, v, size=(b, 6)).astype(np.int32)
+  state = sampling.PenaltyState.from_prompt(prompt, np.full(b, 6), v).add_tokens(draft[:, ::-1])
+  bias = {int(draft[0, 0]): -2.0, 1: 3.0}
+  for kind, with_dp, lp, min_p in itertools.product(("greedy", "random", "mixed"), (False, True),
+                                                     (None, "processed"), (None, 0.1)):
+    if kind == "greedy" and (with_dp or min_p):
+      continue
+    params = SamplingParams.create(_params(kind, b), repetition_penalty=1.3, frequency_penalty=0.4,
+                                   presence_penalty=0.2, logit_bias=bias, min_p=min_p)
+    name = f"rs-options V={v} K={k} {kind} dp={with_dp} lp={lp} min_p={min_p}"
+
+    def fn(params=params, with_dp=with_dp, lp=lp, min_p=min_p):
+      run = jax.jit(lambda d, x, p, key, dp, st: rejection_sample(d, x, p, key, draft_probs=dp, logprobs=lp,
+                                                                  penalty_state=st))
+      try:
+        out = run(draft, logits, params, jax.random.key(5), probs if with_dp else None, state)
+      except ValueError:  # rejection_sample refused min_p before the second generation
+        assert min_p is not None
+        return {}
+      res = {"ids": out.token_ids, "na": out.num_accepted}
+      if lp is not None:
+        res["lp"] = out.logprobs
+      return res
+
+    yield name, fn
+    x = np.where(np.isfinite(logits[:, 0]), logits[:, 0], 0.0)
+
+    def st(params=params, lp=lp, x=x):
+      res = jax.jit(functools.partial(sampling.sample_tokens, logprobs=lp))(x, params, jax.random.key(9),
+                                                                            penalty_state=state)
+      return dict(zip(("tok", "logp", "lp"), res))
+
+    yield f"sample_tokens-options V={v} {kind} lp={lp} min_p={min_p}", st
 
 
 def main(argv=None):

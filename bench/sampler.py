@@ -83,7 +83,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from specdec_jax.rejection import rejection_sample  # noqa: E402
-from specdec_jax.sampling import SamplingParams, chunk_size, max_and_sumexp  # noqa: E402
+from specdec_jax.sampling import (  # noqa: E402
+    PenaltyState, SamplingParams, chunk_size, group_top, max_and_sumexp, threshold_and_lse)
 
 FULL_BATCH_SIZES = (1, 32, 256, 1024)
 FULL_VOCAB_SIZES = (32000, 151936)
@@ -116,6 +117,8 @@ class Case:
   top_k: int = 0
   top_p: float = 1.0
   draft_probs: bool = False
+  min_p: float = 0.0  # 0 = off (the params then carry no min_p field)
+  penalties: bool = False  # repetition/frequency/presence penalties and a logit bias, with a [B, V] state
   must_have: tuple = ()  # HLO ops the optimised program must contain
   must_not_have: tuple = ()  # ... and must not
 
@@ -137,6 +140,30 @@ def _sample(**flags):
     return _checksum(rejection_sample(draft_token_ids=draft, target_logits=logits, params=params,
                                       key=None if flags.get("all_greedy") else key, draft_probs=dp, **flags))
   return fn
+
+
+def _sample_penalized(**flags):
+  def fn(logits, draft, dp, params_and_state, key):
+    params, state = params_and_state
+    return _checksum(rejection_sample(draft_token_ids=draft, target_logits=logits, params=params, key=key,
+                                      draft_probs=dp, penalty_state=state, **flags))
+  return fn
+
+
+def _penalty_state(b, v):
+  """A PenaltyState as a long request would have it: some prompt tokens, small output counts."""
+  k1, k2 = jax.random.split(jax.random.key(3))
+  return PenaltyState(prompt_mask=jax.random.bernoulli(k1, 0.002, (b, v)),
+                      output_counts=jax.random.poisson(k2, 0.002, (b, v)).astype(jnp.int32))
+
+
+def _threshold_checksum(x, d, params, full):
+  x = jnp.where(d[0, 0] == -1, 0.0, x)  # never true (d >= 0), but ties each call to the last: no hoisting
+  if full:
+    thr, lse = threshold_and_lse(x, params.temperature, params.top_k, params.top_p)
+    return jax.lax.bitcast_convert_type(jnp.sum(thr) + jnp.sum(lse), jnp.int32)
+  tops, mass = group_top(x, with_sumexp=True)
+  return jax.lax.bitcast_convert_type(jnp.sum(tops[..., -1]) + jnp.sum(mass), jnp.int32)
 
 
 def _stats_checksum(x, d, c):
@@ -162,6 +189,15 @@ CASES: dict[str, Case] = {
     # Block verification (issue goal: within 10% of token verification, the random_* cases).
     "block_ngram": Case(_sample(method="block"), _ones, must_have=("reduce", "exponential", "threefry")),
     "block_draft_probs": Case(_sample(method="block"), _ones, draft_probs=True, must_have=("reduce", "exponential")),
+    # Second-generation options (issue goals: min-p at most +10% on the random path,
+    # penalties within 1.5x of it; the penalty state's [B, V] bytes count in the floor).
+    "min_p": Case(_sample(), _ones, min_p=0.05, must_have=("reduce", "exponential")),
+    "min_p_draft_probs": Case(_sample(), _ones, min_p=0.05, draft_probs=True, must_have=("reduce", "exponential")),
+    "penalties_ngram": Case(_sample_penalized(), _ones, penalties=True, must_have=("reduce", "exponential")),
+    "penalties_draft_probs": Case(_sample_penalized(), _ones, penalties=True, draft_probs=True,
+                                  must_have=("reduce", "exponential")),
+    "penalties_greedy": Case(_sample_penalized(all_greedy=True), _zeros, penalties=True,
+                             must_have=("reduce",), must_not_have=("exponential", "threefry")),
     "logprobs_greedy": Case(_sample(all_greedy=True, logprobs="processed"), _zeros,
                             must_have=("reduce", "exponential"), must_not_have=("threefry",)),
     "softmax_baseline": Case(lambda x, d, dp, p, k: jnp.sum(jnp.argmax(jax.nn.softmax(x, axis=-1), axis=-1)),
@@ -174,6 +210,11 @@ CASES: dict[str, Case] = {
                          must_have=("reduce", "exponential")),
     "onepass_chunks": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, chunk_size(x.shape[-1])), _ones,
                            must_have=("reduce", "exponential")),
+    # The top-k/top-p threshold search alone, and its first stage (the group top-4 pass) alone.
+    "threshold_search": Case(lambda x, d, dp, p, k: _threshold_checksum(x, d, p, full=True), _ones, top_k=50,
+                             top_p=0.9, must_have=("reduce", "sort")),
+    "group_top_pass": Case(lambda x, d, dp, p, k: _threshold_checksum(x, d, p, full=False), _ones,
+                           must_have=("reduce",)),
     "logsumexp_only": Case(lambda x, d, dp, p, k: jax.lax.bitcast_convert_type(
         jnp.sum(jax.nn.logsumexp(x, axis=-1)), jnp.int32), _zeros, must_have=("reduce", "exponential")),
 }
@@ -261,7 +302,12 @@ def run_case(name, b, v, args, inputs, bandwidth):
   case = CASES[name]
   logits_stack, dp_stack, draft0 = inputs
   n_buf = len(logits_stack)
-  params = SamplingParams.create(jnp.asarray(case.temperature(b)), top_k=case.top_k, top_p=case.top_p)
+  params = SamplingParams.create(jnp.asarray(case.temperature(b)), top_k=case.top_k, top_p=case.top_p,
+                                 min_p=case.min_p or None)
+  if case.penalties:
+    params = (SamplingParams.create(jnp.asarray(case.temperature(b)), top_k=case.top_k, top_p=case.top_p,
+                                    repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
+                                    logit_bias={5: -1.0, 17: 2.0}), _penalty_state(b, v))
   operands = (logits_stack, dp_stack if case.draft_probs else None, draft0, params, jax.random.key(1))
   loop = common.timed_loop(make_step(case, n_buf, v))
   carry = jnp.int32(0)
@@ -278,6 +324,8 @@ def run_case(name, b, v, args, inputs, bandwidth):
   r = common.time_per_iter(compiled, carry, operands, iters=args.iters, target_s=args.target_ms / 1e3,
                            repeats=args.repeats)
   logit_bytes = b * (args.k + 1) * v * 4  # float32
+  if case.penalties:  # the state (bool mask, int32 counts) is read too: it belongs to the floor
+    logit_bytes += b * v * 5
   all_bytes = logit_bytes + (b * args.k * v * 4 if case.draft_probs else 0)
   ms = r["per_iter_s"] * 1e3 / n_buf  # one loop iteration runs the sampler once per buffer
   floor_ms = logit_bytes / bandwidth * 1e3

@@ -19,6 +19,38 @@ The random path needs, per position, only log p_i(d_i) = x_i[d_i]/T - logsumexp(
 request (the stopping position) is gathered to draw the recovered/bonus token.
 A mixed batch computes the argmax and the logsumexp in the same single pass.
 
+Every path, when it is taken, what it reads, and what it costs (H100, B=1024,
+K=4, V=151936, float32; time / floor, floor = one read of the logits, 1.05 ms;
+bench/RESULTS.md, section 8, 2026-11-24):
+
+| path                    | taken when                             | reads                                   | x floor |
+| ----------------------- | -------------------------------------- | --------------------------------------- | ------: |
+| `_greedy`               | all_greedy=True (or, at run time, all  | one argmax pass; no exp, no RNG         |    1.01 |
+|                         | rows greedy: a `lax.cond`)             |                                         |         |
+| `_general`, chunk draw  | random rows, nothing filtered, no      | one pass of (max, sum exp) per chunk of |    1.29 |
+|                         | draft probs                            | ~4.7k tokens; one chunk of the stop row |         |
+| `_general`, row draw    | with draft probs                       | + the stop row of logits and probs      |    1.87 |
+| (argmax rides along)    | mixed batch: some greedy, some random  | the same pass also keeps the argmax     |    1.95 |
+| threshold search        | some row has top-k or top-p            | group top-4 pass, candidates narrowed   |    5.19 |
+|                         | (`sampling.filter_active`)             | and sorted; + argmax pass if greedy     |         |
+| min-p only              | some row has min-p, none top-k/top-p   | the plain pass + a kept-mass pass       |    2.79 |
+| block, no draft probs   | method="block"                         | as "token"                              |    1.32 |
+| block, with draft probs | method="block"                         | + positions 1..K-1 of logits and probs  |    3.13 |
+| overflow redo           | some row's normaliser not finite       | + a max pass and a sort, those batches  |  (rare) |
+| empty-residual redraw   | a residual with no mass (rounding)     | + the stop row once more                |  (rare) |
+| bias / penalties        | params carry them (n-gram drafts)      | + the [B, V] state, fused into reads    |    2.25 |
+| logprobs "processed"    | logprobs="processed"                   | gathers only (the sampler's statistics) |    1.40 |
+| logprobs "raw"          | logprobs="raw"; rows not at T=1 or     | + a log-normaliser pass for those rows  |    1.31 |
+|                         | filtered (greedy rows too) pay a pass  | (run only when some row needs it)       |         |
+
+(The penalties row counts the state's [B, V] bytes in its floor, 1.31 ms.)
+
+The code follows the table: `_rejection_sample` picks `_greedy` or `_general`;
+`_general` runs four named steps: `sampling.position_stats` (threshold,
+normaliser, argmax, chunk masses in one pass), `_score_drafts` (gathers),
+the acceptance rule (token or block), `_draw_final` (chunk draw, row draw or
+redraw).
+
 Inputs outside the ordinary range (the rules of `specdec_jax.sampling`, the same
 for greedy, random and mixed batches; a row never depends on its neighbours):
 NaN logits count as -inf; +inf logits share all of a position's mass; finite
@@ -32,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -183,9 +216,6 @@ def rejection_sample(
   b, k = _check_args(draft_token_ids, target_logits, params, draft_probs, num_draft_tokens, all_greedy, all_random)
   v = target_logits.shape[-1]
   params = sampling.penalty_params(params, penalty_state, b, v, "rejection_sample")
-  if params.has_min_p:  # not wired into the one-pass statistics yet: refuse rather than ignore it
-    raise ValueError("rejection_sample: params.min_p is not supported by rejection_sample yet (sample_tokens and "
-                     "generate support it); build the params without min_p")
   if num_draft_tokens is None:
     num_draft_tokens = jnp.full((b,), k, jnp.int32)
   num_draft_tokens = jnp.asarray(num_draft_tokens)
@@ -352,129 +382,72 @@ def _block_num_accepted(h, u):
   return jnp.max(jnp.where(u <= h, j, 0), axis=1, initial=0).astype(jnp.int32)
 
 
-def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token"):
-  """Random rows (and greedy rows of a mixed batch) in one read of the logits.
+class _DraftScores(NamedTuple):
+  """Each draft as the target and the draft see it; all [B, K]."""
 
-  Without top-k/top-p, the one pass over the logits reduces chunks of about
-  1024 tokens (`sampling.chunk_size`) to (max, sum of exps, argmax) per chunk.
-  Row normalisers come from the chunk sums, and so does the recovered or bonus
-  token of an n-gram draft: pick a chunk by its mass, then read only that
-  chunk. With draft probabilities, or with filters, the stopping position's row
-  is read once more.
+  ids: jax.Array  # int32: the draft ids, 0 where out of [0, V) (never read out of bounds)
+  valid: jax.Array  # bool: the id is in [0, V)
+  log_p: jax.Array  # f32: log p_i(d_i) under the processed target distribution (-inf: removed or masked)
+  log_q: jax.Array  # f32: log q_i(d_i) (0 for drafts without probabilities: one-hot q)
+
+
+def _score_drafts(draft, logits, params, stats: sampling.PositionStats, draft_probs) -> _DraftScores:
+  """Gathers one logit (and one draft probability) per draft: no pass over the vocabulary."""
+  k, v = draft.shape[1], logits.shape[-1]
+  valid = (draft >= 0) & (draft < v)
+  ids = jnp.where(valid, draft, 0)
+  x_d = sampling.scale_logits(jnp.take_along_axis(sampling.values(logits)[:, :k], ids[..., None], axis=-1),
+                              params.temperature, stats.shift[:, :k])[..., 0]
+  log_p = jnp.where((x_d >= stats.thr[:, :k]) & (stats.lse[:, :k] > -jnp.inf), x_d - stats.lse[:, :k], -jnp.inf)
+  if draft_probs is None:
+    log_q = jnp.zeros_like(log_p)
+  else:
+    q_d = sampling.valid_probs(jnp.take_along_axis(draft_probs[:, :k], ids[..., None], axis=-1)[..., 0])
+    log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
+  return _DraftScores(ids=ids, valid=valid, log_p=log_p, log_q=log_q)
+
+
+def _block_residual_mass(logits, params, stats, draft_probs, scores: _DraftScores, log_w):
+  """R_j = sum_x max(w_j p_j(x) - q_j(x), 0), [B, K+1]; only columns 1..K-1 are computed (the rest 0)."""
+  b, k = scores.log_p.shape
+  if draft_probs is None:  # q_j one-hot at d_j: R_j = w_j (1 - p_j(d_j)), from the gathered p_j(d_j)
+    r = jnp.exp(log_w[:, :k]) * (1.0 - jnp.exp(scores.log_p))
+  elif k > 1:  # one more read of positions 1..K-1 (logits and draft probs)
+    sl = slice(1, k)
+    x = sampling.scale_logits(sampling.values(logits)[:, sl], params.temperature, stats.shift[:, sl])
+    logp_all = jnp.where((x >= stats.thr[:, sl, None]) & (stats.lse[:, sl, None] > -jnp.inf),
+                         x - stats.lse[:, sl, None], -jnp.inf)
+    q = sampling.valid_probs(draft_probs[:, sl])
+    r = jnp.sum(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), axis=-1)
+    r = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), r], axis=1)
+  else:
+    r = jnp.zeros((b, k), jnp.float32)
+  return jnp.concatenate([r, jnp.zeros((b, 1), jnp.float32)], axis=1)
+
+
+def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_probs, s, n, log_w, any_filtered):
+  """The recovered or bonus token of every row, drawn at its stopping position s [B] (random rows' rule).
+
+  Three ways to draw, from the cheapest (see the decision table above):
+  * chunk draw (nothing filtered, no draft probabilities, V a multiple of the
+    chunk size): pick a chunk by the masses the one pass left, read one chunk;
+  * row draw (filtered, or with draft probabilities, or a row redone by the
+    overflow shift): read the stopping row (and its draft probabilities) once;
+  * redraw from p (a residual with no mass, possible only through rounding):
+    read the row once more, under a `lax.cond` run only when some row needs it.
   """
   b, k1, v = logits.shape
   k = k1 - 1
-  greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
-  no_argmax = jnp.zeros((b, k1), jnp.int32)
-  c = sampling.chunk_size(v)
-  chunked = v % c == 0  # else reshaping into chunks would copy the logits
-  n_ch = v // c if chunked else 1
-  # Scaling happens inside each consumer (reductions, gathers) so it fuses there:
-  # a scaled copy passed into lax.cond would be materialised, tripling the traffic.
-  scale = lambda x: sampling.scale_logits(x, params.temperature)
-
-  def plain_stats(raw, with_argmax):
-    # Greedy rows are scaled by 1, so the argmax of the scaled logits is theirs.
-    x = scale(raw)
-    if not chunked:
-      stats = sampling.max_and_sumexp(x, with_argmax=with_argmax)
-      lse = stats[0] + jnp.log(stats[1])
-      return lse, (stats[2] if with_argmax else no_argmax), jnp.zeros((b, k1, 1), jnp.float32)
-    stats = sampling.max_and_sumexp(x.reshape(b, k1, n_ch, c), with_argmax=with_argmax)  # [B, K+1, n]
-    m_c, s_c = stats[0], stats[1]
-    chunk_logw = jnp.where(s_c > 0, m_c + jnp.log(s_c), -jnp.inf)
-    lse = jax.nn.logsumexp(chunk_logw, axis=-1)
-    am = no_argmax
-    if with_argmax:  # first chunk holding the max, first index inside it
-      ch = jnp.argmax(m_c, axis=-1)
-      am = (ch * c + jnp.take_along_axis(stats[2], ch[..., None], axis=-1)[..., 0]).astype(jnp.int32)
-    return lse, am, chunk_logw
-
-  def plain(raw):
-    no_thr = jnp.full((b, k1), -jnp.inf, jnp.float32)
-    if not need_argmax:
-      return (no_thr,) + plain_stats(raw, False)
-    # The argmax rides along in the same pass, but only when some row is greedy.
-    return (no_thr,) + jax.lax.cond(jnp.any(greedy), lambda r: plain_stats(r, True),
-                                    lambda r: plain_stats(r, False), raw)
-
-  def filtered(raw):
-    thr, lse = sampling.threshold_and_lse(raw, params.temperature, params.top_k, params.top_p)
-    am = no_argmax
-    if need_argmax:  # one more read of the logits, only if some row is greedy
-      am = jax.lax.cond(jnp.any(greedy), lambda r: sampling.greedy_argmax(r)[0], lambda r: no_argmax, raw)
-    return thr, lse, am, jnp.full((b, k1, n_ch), -jnp.inf, jnp.float32)
-
-  # thr: keep iff x >= thr, lse: log normaliser of the kept set, am: argmax  [B, K+1];
-  # chunk_logw: log mass of each chunk [B, K+1, n] (unfiltered only).
-  # Under all_random a zero-temperature row is random too, so its filters count
-  # (else its output would depend on whether a neighbour filters).
-  filters_on = ((params.top_k > 0) & (params.top_k < v) | (params.top_p < 1.0)) & ~greedy
-  any_filtered = jnp.any(filters_on)
-  thr, lse, am, chunk_logw = jax.lax.cond(any_filtered, filtered, plain, logits)
-  # Rows whose one-pass lse is not finite (overflow of x / T, +inf logits, all masked)
-  # are redone on logits shifted by their max; only they get a nonzero shift, so the
-  # other rows' values stay as computed. chunk_logw is not redone: those rows draw
-  # from their full stopping row instead (row_draw).
-  redone = ~jnp.isfinite(lse)  # [B, K+1]
-  shift, thr, lse = sampling.shift_non_finite_rows(
-      logits, params.temperature, jnp.where(filters_on, params.top_k, 0), jnp.where(filters_on, params.top_p, 1.0),
-      thr, lse)
-  nonempty = lse > -jnp.inf  # False: no logit above -inf at that position
-
-  # Acceptance, in log space: accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
-  valid = (draft >= 0) & (draft < v)
-  safe = jnp.where(valid, draft, 0)  # never read out of bounds
-  x_d = sampling.scale_logits(jnp.take_along_axis(logits[:, :k], safe[..., None], axis=-1), params.temperature,
-                              shift[:, :k])[..., 0]
-  log_p = jnp.where((x_d >= thr[:, :k]) & nonempty[:, :k], x_d - lse[:, :k], -jnp.inf)
-  if draft_probs is None:
-    log_q = jnp.zeros_like(log_p)  # one-hot draft distribution
-  else:
-    q_d = sampling.valid_probs(jnp.take_along_axis(draft_probs[:, :k], safe[..., None], axis=-1)[..., 0])
-    log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
-
-  def block_residual_mass(log_w):
-    """R_j = sum_x max(w_j p_j(x) - q_j(x), 0), [B, K+1]; only columns 1..K-1 are computed (the rest 0)."""
-    if draft_probs is None:  # q_j one-hot at d_j: R_j = w_j (1 - p_j(d_j)), from the gathered p_j(d_j)
-      r = jnp.exp(log_w[:, :k]) * (1.0 - jnp.exp(log_p))
-    elif k > 1:  # one more read of positions 1..K-1 (logits and draft probs)
-      sl = slice(1, k)
-      x = sampling.scale_logits(logits[:, sl], params.temperature, shift[:, sl])
-      logp_all = jnp.where((x >= thr[:, sl, None]) & nonempty[:, sl, None], x - lse[:, sl, None], -jnp.inf)
-      q = sampling.valid_probs(draft_probs[:, sl])
-      r = jnp.sum(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), axis=-1)
-      r = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), r], axis=1)
-    else:
-      r = jnp.zeros((b, k), jnp.float32)
-    return jnp.concatenate([r, jnp.zeros((b, 1), jnp.float32)], axis=1)
-
-  k_accept, k_final = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(keys)
-  u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(k_accept)
-  accept_random = jnp.log(u) + log_q < log_p
-  accept_greedy = (safe == am[:, :k]) & nonempty[:, :k]
-  if method == "token":
-    accept = jnp.where(greedy[:, None], accept_greedy, accept_random) & live & valid
-    num_accepted = _num_accepted(accept)
-    log_w = None
-  else:
-    log_w = _block_log_weights(log_p, log_q, live & valid)  # [B, K+1]
-    h = _block_stop_probs(jnp.exp(log_w), block_residual_mass(log_w), n)
-    num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & live & valid), _block_num_accepted(h, u))
-
-  # The one token drawn from a full distribution: at the stopping position only.
-  s = num_accepted
-  thr_s = jnp.take_along_axis(thr, s[:, None], axis=1)
-  lse_s = jnp.take_along_axis(lse, s[:, None], axis=1)
-  shift_s = jnp.take_along_axis(shift, s[:, None], axis=1)[:, 0]
+  at_s = lambda a: jnp.take_along_axis(a, s[:, None], axis=1)  # [B, K+1] -> [B, 1]
+  thr_s, lse_s, shift_s = at_s(stats.thr), at_s(stats.lse), at_s(stats.shift)[:, 0]
   rejected = (s < n)[:, None]
   s_draft = jnp.minimum(s, max(k - 1, 0))
   d_s = jnp.take_along_axis(draft, s_draft[:, None], axis=1)  # [B, 1]; may be out of range
 
   def stop_log_weights(residual):
     """[B, V] log-weights at the stopping position, built from the inputs (fusible)."""
-    row = sampling.scale_logits(jnp.take_along_axis(logits, s[:, None, None], axis=1)[:, 0], params.temperature,
-                                shift_s)
+    row = sampling.scale_logits(jnp.take_along_axis(sampling.values(logits), s[:, None, None], axis=1)[:, 0],
+                                params.temperature, shift_s)
     logp_row = jnp.where((row >= thr_s) & (lse_s > -jnp.inf), row - lse_s, -jnp.inf)
     if not residual or k == 0:
       return logp_row
@@ -483,58 +456,76 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, met
       return jnp.where(rejected & (jnp.arange(v)[None, :] == d_s), -jnp.inf, logp_row)
     q_row = sampling.valid_probs(jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0])
     if log_w is not None:  # block: the residual is max(w_s p_s - q_s, 0)
-      logp_row = logp_row + jnp.take_along_axis(log_w, s[:, None], axis=1)
+      logp_row = logp_row + at_s(log_w)
     # Masked and filtered tokens stay out without a select: there exp(logp_row) = 0
     # and q_row >= 0 (valid_probs), so the residual is log(0) = -inf.
     return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
 
   def row_draw():
-    """Reads the stopping position's row (and draft probs): filtered or with draft_probs."""
-    tok, empty = sampling.categorical_with_empty(k_final, stop_log_weights(True))
-    # A residual with no mass (possible only through rounding) falls back to p. The
-    # check comes from the draw's own chunk masses; the redraw runs only if needed.
+    tok, empty = sampling.categorical_with_empty(key, stop_log_weights(True))
+    # A residual with no mass falls back to p. The check comes from the draw's own
+    # chunk masses; the redraw runs only if needed.
     return jax.lax.cond(
         jnp.any(empty),
-        lambda: jnp.where(empty, sampling.categorical_from_log_weights(k_final, stop_log_weights(False)), tok),
+        lambda: jnp.where(empty, sampling.categorical_from_log_weights(key, stop_log_weights(False)), tok),
         lambda: tok)
 
   def chunk_draw():
-    """Unfiltered, no draft probs: chunk masses are known; read one chunk of c tokens."""
-    log_pc = jnp.take_along_axis(chunk_logw, s[:, None, None], axis=1)[:, 0] - lse_s  # [B, n]
-    remove = jnp.zeros((b, 1), bool)
-    if k > 0:
-      # Residual p - onehot(d): take p(d) off d's chunk. A chunk left with (almost)
-      # nothing but d's own mass is emptied, so rounding never picks a chunk whose
-      # other tokens are impossible; an empty residual falls back to p.
-      remove = rejected & (d_s >= 0) & (d_s < v)
-      p_d = jnp.exp(jnp.take_along_axis(log_p, s_draft[:, None], axis=1))
-      w = jnp.exp(log_pc)
-      w_res = w - jnp.where(remove & (jnp.arange(n_ch)[None, :] == d_s // c), p_d, 0.0)
-      w_res = jnp.where(w_res > 1e-6 * w, w_res, 0.0)
-      remove = remove & jnp.any(w_res > 0, axis=-1, keepdims=True)
-      log_pc = jnp.where(remove, jnp.log(w_res), log_pc)
+    c = sampling.chunk_size(v)
+    n_ch = v // c
+    log_pc = jnp.take_along_axis(stats.chunk_log_mass, s[:, None, None], axis=1)[:, 0] - lse_s  # [B, n]
+    if k > 0:  # residual p - onehot(d) of a rejected draft
+      exclude = jnp.where(rejected[:, 0], d_s[:, 0], -1)
+      p_d = jnp.exp(jnp.take_along_axis(scores.log_p, s_draft[:, None], axis=1))[:, 0]
+    else:
+      exclude, p_d = jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), jnp.float32)
 
-    def chunk_log_weights(ch):  # [B] -> [B, c]: the chosen chunk of the stopping row
-      inside = jnp.take_along_axis(jnp.take_along_axis(logits, s[:, None, None], axis=1).reshape(b, n_ch, c),
-                                   ch[:, None, None], axis=1)[:, 0]
-      ids = ch[:, None] * c + jnp.arange(c)[None, :]
-      return jnp.where(remove & (ids == d_s), -jnp.inf, scale(inside))
+    def chunk_log_weights(ch):  # [B] -> [B, c]: the chosen chunk of the stopping row, under p
+      row = jnp.take_along_axis(sampling.values(logits), s[:, None, None], axis=1).reshape(b, n_ch, c)
+      return sampling.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature)
 
-    return sampling.draw_from_chunks(k_final, log_pc, chunk_log_weights)
+    return sampling.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c)
 
-  if chunked and draft_probs is None:
+  if stats.chunk_log_mass is not None and draft_probs is None:
     # Rows redone by the shift have no chunk masses: they draw from their full row.
-    redone_s = jnp.take_along_axis(redone, s[:, None], axis=1)[:, 0]
+    redone_s = at_s(stats.redone)[:, 0]
     mixed_draw = lambda: jax.lax.cond(jnp.any(redone_s), lambda: jnp.where(redone_s, row_draw(), chunk_draw()),
                                       chunk_draw)
-    final_random = jax.lax.cond(any_filtered, row_draw, mixed_draw)
+    tok = jax.lax.cond(any_filtered, row_draw, mixed_draw)
   else:
-    final_random = row_draw()
-  final_random = jnp.where(lse_s[:, 0] > -jnp.inf, final_random, 0)  # nothing to draw from: token 0, as greedy
-  final_greedy = jnp.take_along_axis(am, s[:, None], axis=1)[:, 0]
-  final = jnp.where(greedy, final_greedy, final_random)
-  # (shift, thr, lse) describe each position's processed distribution: what "processed" log-probs read.
-  return _emit(draft, num_accepted, final), (shift, thr, lse)
+    tok = row_draw()
+  return jnp.where(lse_s[:, 0] > -jnp.inf, tok, 0)  # nothing to draw from: token 0, as greedy
+
+
+def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token"):
+  """Random rows (and greedy rows of a mixed batch) in one read of the logits, in four steps."""
+  b, k1, v = logits.shape
+  k = k1 - 1
+  greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
+  # 1. Every position's processed distribution: threshold, normaliser, argmax, chunk masses.
+  stats = sampling.position_stats(logits, params, greedy=greedy if need_argmax else None, argmax=need_argmax,
+                                  chunks=True)
+  any_filtered = jnp.any(sampling.filter_active(params, v, greedy=greedy))
+  # 2. Each draft's log-probability under the target and the draft (gathers only).
+  scores = _score_drafts(draft, logits, params, stats, draft_probs)
+  # 3. The accepted prefix: in log space, accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
+  k_accept, k_final = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(keys)
+  u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(k_accept)
+  usable = live & scores.valid
+  accept_greedy = (scores.ids == stats.argmax[:, :k]) & (stats.lse[:, :k] > -jnp.inf)
+  if method == "token":
+    accept_random = jnp.log(u) + scores.log_q < scores.log_p
+    num_accepted = _num_accepted(jnp.where(greedy[:, None], accept_greedy, accept_random) & usable)
+    log_w = None
+  else:
+    log_w = _block_log_weights(scores.log_p, scores.log_q, usable)  # [B, K+1]
+    h = _block_stop_probs(jnp.exp(log_w), _block_residual_mass(logits, params, stats, draft_probs, scores, log_w), n)
+    num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & usable), _block_num_accepted(h, u))
+  # 4. One token from a full distribution, at the stopping position only.
+  final_random = _draw_final(k_final, draft, logits, params, stats, scores, draft_probs, num_accepted, n, log_w,
+                             any_filtered)
+  final = jnp.where(greedy, jnp.take_along_axis(stats.argmax, num_accepted[:, None], axis=1)[:, 0], final_random)
+  return _emit(draft, num_accepted, final), dataclasses.replace(stats, chunk_log_mass=None)
 
 
 def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode: str, greedy) -> RejectionOutput:
@@ -542,7 +533,7 @@ def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode
 
   raw_logits are the caller's; logits those the sampler used (after bias and penalties, if any).
   """
-  processed = sampling.token_log_probs(logits, out.token_ids, params.temperature, *stats)
+  processed = stats.token_log_probs(logits, out.token_ids, params.temperature)
   lp = sampling.requested_log_probs(raw_logits if mode == "raw" else logits, out.token_ids, params, processed, mode,
                                     greedy)
   emitted = jnp.arange(logits.shape[1])[None, :] < out.num_emitted[:, None]
@@ -554,13 +545,16 @@ def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy
                       method="token", penalty_state=None):
   raw_logits = logits
   if params.has_logit_bias or params.has_penalties:
-    # Steps 1-3 of every position, position i counting drafts 0 .. i-1 (fused elementwise work).
-    logits = sampling.apply_penalties(logits, params, penalty_state, draft)
+    # Steps 1-3 of every position, position i counting drafts 0 .. i-1: a view, so that
+    # every read of the logits applies them itself (fused) instead of reading a copy.
+    logits = sampling.penalized_view(logits, params, penalty_state, draft)
   b, k1, v = logits.shape
   k = k1 - 1
   n = jnp.clip(n, 0, k)
   live = jnp.arange(k)[None, :] < n[:, None]
-  no_stats = tuple(jnp.zeros((b, k1), jnp.float32) for _ in range(3))  # greedy rows need none
+  zeros = jnp.zeros((b, k1), jnp.float32)
+  no_stats = sampling.PositionStats(shift=zeros, thr=zeros, lse=zeros, argmax=jnp.zeros((b, k1), jnp.int32),
+                                    redone=jnp.zeros((b, k1), jnp.bool_))  # greedy rows need none
   if all_greedy:
     out, stats = _greedy(draft, logits, live), no_stats
   else:

@@ -15,11 +15,11 @@ import optax
 import pytest
 from flax import nnx
 
-from specdec_jax import decoding
 from specdec_jax.decoding import generate, speculative_generate
 from specdec_jax.models import Transformer, TransformerConfig, weight_shapes
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter, eagle_weight_shapes
 from specdec_jax.sampling import SamplingParams
+from tests.compiles import count_compiles
 from tests.test_decoding import (N_ROWS, SMALL_V, TEMPERATURE, TOP_K, _check_output, _exact_joint, _prompts,
                                  assert_first_tokens_follow)
 
@@ -199,10 +199,10 @@ def test_mixed_batch_and_no_recompilation(pair):
     return out, prompts, lengths
 
   call(0, [0.0, 1.0, 0.5, 0.0])
-  compiled = decoding._speculative_jit._cache_size()
-  out, prompts, lengths = call(1, [0.0, 0.8, 1.0, 0.0])
-  call(2, [1.0, 0.0, 0.7, 0.3])
-  assert decoding._speculative_jit._cache_size() == compiled
+  with count_compiles("_speculative_jit") as compiled:
+    out, prompts, lengths = call(1, [0.0, 0.8, 1.0, 0.0])
+    call(2, [1.0, 0.0, 0.7, 0.3])
+  assert not compiled, compiled
   plain = generate(target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=10, all_greedy=True)
   np.testing.assert_array_equal(np.asarray(out.tokens)[[0, 3]], np.asarray(plain.tokens)[[0, 3]])
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import chex
 import hypothesis
@@ -32,6 +31,7 @@ import pytest
 from specdec_jax import PLACEHOLDER_TOKEN_ID, RejectionOutput, SamplingParams, rejection_sample
 from specdec_jax.sampling import GREEDY_TEMPERATURE
 from tests import stats
+from tests.compiles import count_compiles
 
 K, V, B = 3, 8, 4  # the shared small shape: draft [4, 3], logits [4, 4, 8]
 
@@ -736,52 +736,61 @@ def test_single_key_equals_batch_of_fold_in_keys_and_raw_equals_typed():
 
 
 @functools.lru_cache(maxsize=None)
-def _traced_sampler():
+def _sampler_under_jit():
+  """One jitted program shared by the tests below (one compile between them)."""
   @jax.jit
-  @chex.assert_max_traces(n=1)
-  def fn(draft, logits, params, key, n):
+  def rejection_sample_under_jit(draft, logits, params, key, n):
     return rejection_sample(draft_token_ids=draft, target_logits=logits, params=params, key=key,
                             num_draft_tokens=n)
-  return fn
+  return rejection_sample_under_jit
 
 
 def test_no_retrace_for_new_values_under_jit():
-  fn = _traced_sampler()
+  fn = _sampler_under_jit()
   rng = np.random.default_rng(9)
+  calls = []
   for i in range(5):
     draft, logits, _ = _random_inputs(i, probs=False)
     t = rng.choice(np.float32([0.0, 0.5, 1.0]), B) if i != 2 else np.zeros(B, np.float32)  # i=2: all greedy
     params = SamplingParams.create(t, top_k=rng.integers(0, 4, B), top_p=rng.choice(np.float32([0.6, 1.0]), B))
-    fn(draft, logits, params, _keys(i), rng.integers(0, K + 1, B).astype(np.int32))
+    calls.append((draft, logits, params, _keys(i), rng.integers(0, K + 1, B).astype(np.int32)))
+  fn(*calls[0])  # compiles, unless another test compiled the shared program first
+  with count_compiles("rejection_sample_under_jit") as compiled:
+    for args in calls[1:]:
+      fn(*args)
+  assert not compiled, compiled
 
 
 def test_under_jit_out_of_range_values_are_clipped_and_never_accepted():
-  fn = _traced_sampler()  # the same jitted program (shared trace budget of 1)
+  fn = _sampler_under_jit()  # the same jitted program as test_no_retrace_for_new_values_under_jit
   _, logits, _ = _random_inputs(10, probs=False)
   # Random rows 1 and 3: every position (the bonus too) nearly certain of token 2,
   # so a bonus drawn as if the last draft had been rejected would show.
   logits[[1, 3]] = np.where(np.arange(V) == 2, 12.0, 0.0)
   am = np.argmax(logits, -1).astype(np.int32)
   params = SamplingParams.create([0.0, 1.0, 0.0, 1.0])
-  # n beyond [0, K] is clipped: K + 2 -> K, -3 -> 0.
-  out = jax.tree_util.tree_map(np.asarray, fn(am[:, :K], logits, params, _keys(0), np.int32([K + 2, K + 2, -3, -3])))
-  np.testing.assert_array_equal(out.num_accepted[[0, 2]], [K, 0])
-  np.testing.assert_array_equal(out.token_ids[0], am[0])  # bonus from position K
-  np.testing.assert_array_equal(out.token_ids[2, 0], am[2, 0])
-  np.testing.assert_array_equal(out.num_accepted[[1, 3]], [K, 0])
-  np.testing.assert_array_equal(out.token_ids[[1, 3]], [[2, 2, 2, 2], [2, -1, -1, -1]])
-  # Same keys: random rows too behave exactly as with n clipped by hand.
   clipped = jax.tree_util.tree_map(np.asarray, fn(am[:, :K], logits, params, _keys(0), np.int32([K, K, 0, 0])))
-  np.testing.assert_array_equal(out.token_ids, clipped.token_ids)
-  # Out-of-range draft ids are never accepted, and nothing crashes.
-  for bad in (V, -1, 10**6, -(10**6)):
-    draft = am[:, :K].copy()
-    draft[:, 1] = bad
-    out = jax.tree_util.tree_map(np.asarray, fn(draft, logits, params, _keys(1), np.full(B, K, np.int32)))
-    assert np.all(out.num_accepted <= 1)
-    emitted = out.token_ids >= 0
-    assert np.all(out.token_ids[emitted] < V)
-    np.testing.assert_array_equal(out.num_accepted[[0, 2]], 1)  # greedy rows: position 0 matches
+  with count_compiles("rejection_sample_under_jit") as compiled:  # out-of-range values reuse the program
+    # n beyond [0, K] is clipped: K + 2 -> K, -3 -> 0.
+    out = jax.tree_util.tree_map(np.asarray, fn(am[:, :K], logits, params, _keys(0),
+                                                np.int32([K + 2, K + 2, -3, -3])))
+    np.testing.assert_array_equal(out.num_accepted[[0, 2]], [K, 0])
+    np.testing.assert_array_equal(out.token_ids[0], am[0])  # bonus from position K
+    np.testing.assert_array_equal(out.token_ids[2, 0], am[2, 0])
+    np.testing.assert_array_equal(out.num_accepted[[1, 3]], [K, 0])
+    np.testing.assert_array_equal(out.token_ids[[1, 3]], [[2, 2, 2, 2], [2, -1, -1, -1]])
+    # Same keys: random rows too behave exactly as with n clipped by hand.
+    np.testing.assert_array_equal(out.token_ids, clipped.token_ids)
+    # Out-of-range draft ids are never accepted, and nothing crashes.
+    for bad in (V, -1, 10**6, -(10**6)):
+      draft = am[:, :K].copy()
+      draft[:, 1] = bad
+      out = jax.tree_util.tree_map(np.asarray, fn(draft, logits, params, _keys(1), np.full(B, K, np.int32)))
+      assert np.all(out.num_accepted <= 1)
+      emitted = out.token_ids >= 0
+      assert np.all(out.token_ids[emitted] < V)
+      np.testing.assert_array_equal(out.num_accepted[[0, 2]], 1)  # greedy rows: position 0 matches
+  assert not compiled, compiled
 
 
 def test_under_jit_rejected_out_of_range_ngram_draft_recovers_from_p():
@@ -801,22 +810,21 @@ def test_under_jit_rejected_out_of_range_ngram_draft_recovers_from_p():
   assert set(np.unique(out.token_ids[:, 0])) <= {0, 1}
 
 
-def test_eager_calls_with_new_values_do_not_recompile(caplog):
+def test_eager_calls_with_new_values_do_not_recompile():
   draft, logits, q, params, n = _batch_problem()
   _run(draft, logits, params, key=_keys(0), draft_probs=q, n=n)  # warm
   rng = np.random.default_rng(12)
-  with caplog.at_level(logging.WARNING), jax.log_compiles():
+  with count_compiles("jit(_rejection_sample)") as compiled:
     for i in range(3):
       draft2, logits2, q2 = _random_inputs(20 + i)
       params2 = SamplingParams.create(rng.choice(np.float32([0.0, 0.3, 1.0]), B), top_k=rng.integers(0, 3, B),
                                       top_p=rng.choice(np.float32([0.5, 1.0]), B))
       _run(draft2, logits2, params2, key=_keys(i), draft_probs=q2, n=rng.integers(0, K + 1, B).astype(np.int32))
     _run(draft, logits, SamplingParams.greedy(B), key=jax.random.key(5), draft_probs=q, n=n)
-  compiles = [r.getMessage() for r in caplog.records if "_rejection_sample" in r.getMessage()]
-  assert not compiles, compiles
-  with caplog.at_level(logging.WARNING), jax.log_compiles():  # control: a new shape does compile
+  assert not compiled, compiled
+  with count_compiles("jit(_rejection_sample)") as compiled:  # control: a new shape does compile
     _run(draft[:, :2] % 5, logits[:, :3, :5], params, key=None, n=np.minimum(n, 2), all_greedy=True)
-  assert any("_rejection_sample" in r.getMessage() for r in caplog.records)
+  assert compiled, "the control call compiled nothing: count_compiles saw no compilation"
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specdec_jax import decoding
 from specdec_jax.decoding import generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models import TransformerConfig
@@ -23,6 +22,7 @@ from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling import SamplingParams, sample_tokens
 from specdec_jax.tree import TreeRejectionOutput
 from specdec_jax.tree_drafts import DraftTree, child_tokens, tree_attention_mask
+from tests.compiles import count_compiles
 from tests.test_decoding import (N_ROWS, SMALL_V, TEMPERATURE, TOP_K, TinyLM, _check_output, _exact_joint,
                                  _prompts, assert_first_tokens_follow)
 from tests.test_eagle import _distil, _unit_target
@@ -282,9 +282,9 @@ def test_mixed_batch_tree_and_no_recompilation(models):
     return out, prompts, lengths
 
   call(0, [0.0, 1.0, 0.5, 0.0])
-  compiled = decoding._speculative_jit._cache_size()
-  out, prompts, lengths = call(1, [0.0, 0.8, 1.0, 0.0])
-  assert decoding._speculative_jit._cache_size() == compiled
+  with count_compiles("_speculative_jit") as compiled:
+    out, prompts, lengths = call(1, [0.0, 0.8, 1.0, 0.0])
+  assert not compiled, compiled
   plain = generate(target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=10, all_greedy=True)
   np.testing.assert_array_equal(np.asarray(out.tokens)[[0, 3]], np.asarray(plain.tokens)[[0, 3]])
 

@@ -1,0 +1,398 @@
+"""The top-k / top-p / min-p threshold search, sort-free, and the overflow-safe redo of rows.
+
+Every filter is a threshold on the scaled logits (keep x >= thr); these
+functions find thr and the log-normaliser of the kept set from one pass over
+the logits plus a sort of a few thousand candidates.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.reductions import _bcast, _lse_combine, scale_logits, values
+from specdec_jax.sampling_params import SamplingParams
+
+
+def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                          thr: jax.Array, lse: jax.Array, *, min_p: jax.Array | None = None):
+  """Redoes (thr, lse) of the rows whose log-normaliser `lse` is not finite.
+
+  The one-pass reductions compute `logits / T`, which overflows for a small
+  temperature or logits near the float32 limit (or meets a +inf logit, or finds
+  no finite logit at all); then lse is +-inf or NaN. For those rows only, this
+  subtracts the row's max before dividing (`scale_logits` with a shift): every
+  value is then <= 0, and an overflow can only give -inf, i.e. a probability
+  that rounds to 0 anyway. It sorts the batch, an extra pass or two, run only
+  under a `lax.cond` when some row needs it; other rows keep shift 0, so their
+  values are those of the one pass.
+
+  Args:
+    logits: [B, ..., V], any float dtype (raw).
+    temperature, top_k, top_p: [B] sampling parameters.
+    thr, lse: f32[B, ...] from the one-pass search (`threshold_and_lse` or
+      `max_and_sumexp`).
+    min_p: f32[B] or None (off), as given to `threshold_and_lse`.
+
+  Returns:
+    (shift, thr, lse), each f32[B, ...]: scale with `scale_logits(logits,
+    temperature, shift)`; lse is -inf exactly for rows with no logit above -inf
+    (no NaN anywhere).
+
+  Example:
+    >>> shift, thr, lse = shift_non_finite_rows(logits, t, k, p, *threshold_and_lse(logits, t, k, p))
+  """
+  redo = ~jnp.isfinite(lse)
+
+  def fix(raw):
+    x = values(raw).astype(jnp.float32)
+    m = jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1)  # only here: a second read of the logits
+    empty = redo & (m == -jnp.inf)
+    shift = jnp.where(redo & ~empty, m, 0.0)
+    new_thr, new_lse = _sorted_threshold_and_lse(scale_logits(raw, temperature, shift), top_k, top_p, min_p=min_p)
+    return shift, jnp.where(redo, new_thr, thr), jnp.where(empty, -jnp.inf, jnp.where(redo, new_lse, lse))
+
+  return jax.lax.cond(jnp.any(redo), fix, lambda raw: (jnp.zeros_like(lse), thr, lse), logits)
+
+
+def filter_active(params: SamplingParams, vocab_size: int, *, greedy: jax.Array | None = None) -> jax.Array:
+  """bool[B]: the rows whose top-k, top-p or min-p may remove tokens (the one "filters active" predicate).
+
+  Greedy rows never filter: they take the argmax.
+
+  Args:
+    params: SamplingParams of batch B.
+    vocab_size: V (top_k >= V is off).
+    greedy: bool[B], the rows that count as greedy; None reads
+      `params.is_greedy`. (Under `all_random=True` a sampler passes all False:
+      a temperature-0 row is then random, and its filters count.)
+
+  Example:
+    >>> filter_active(SamplingParams.create([1.0, 1.0, 0.0], top_k=[0, 5, 5], min_p=[0.1, 0.0, 0.0]), 100)
+    ... # [True, True, False]
+  """
+  on = ((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1.0)
+  if params.min_p is not None:
+    on = on | (params.min_p > 0)
+  return on & ~(params.is_greedy if greedy is None else greedy)
+
+
+def sorted_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+                     min_p: jax.Array | None = None) -> jax.Array:
+  """Top-k/top-p(/min-p) threshold by a full descending sort of the vocabulary.
+
+  The reference method: exact, but a sort of [B, ..., V] costs tens of passes
+  over the logits. `top_k_top_p_threshold` uses it only as a fallback.
+
+  Args:
+    scaled: f32[B, ..., V] temperature-scaled logits.
+    top_k: i32[B], 0 or >= V means off.
+    top_p: f32[B], 1 means off.
+    min_p: f32[B] or None; 0 (or None) means off.
+
+  Returns:
+    f32[B, ...] thresholds (-inf where nothing is filtered): keep iff x >= it.
+
+  Example:
+    >>> sorted_threshold(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), jnp.array([0]), jnp.array([0.7]))   # [log 0.3]
+  """
+  return _sorted_threshold_and_lse(scaled, top_k, top_p, min_p=min_p)[0]
+
+
+def _sorted_threshold_and_lse(scaled, top_k, top_p, *, min_p=None):
+  xs = -jnp.sort(-scaled, axis=-1)
+  thr, _, mass = _threshold_from_sorted(xs, top_k, top_p, scaled.shape[-1], min_p=min_p)
+  return thr, xs[..., 0] + jnp.log(mass)
+
+
+def _threshold_from_sorted(xs, top_k, top_p, v, total_mass=None, m=None, *, min_p=None):
+  """Threshold from values sorted descending along the last axis.
+
+  xs may hold only the largest candidates of each row; then `total_mass` (sum of
+  exp(x - m) over the whole row) and `m` (the row max) must be given, and the
+  caller checks for which rows the candidates sufficed (see
+  `top_k_top_p_threshold`). With the full sorted row, both are computed here.
+  min_p (f32[B] or None) raises the threshold to m + log(min_p) where it is > 0.
+
+  Returns:
+    (thr, kth, kept_mass), each f32[B, ...]: the threshold (-inf when nothing is
+    filtered), the top-k value (-inf when top-k is off) and the mass of the
+    kept set, sum of exp(x - m) over x >= thr.
+  """
+  c = xs.shape[-1]
+  m = xs[..., 0] if m is None else m
+  k_on = _bcast((top_k > 0) & (top_k < v), xs[..., 0])
+  p_on = _bcast(top_p < 1.0, xs[..., 0])
+  k = _bcast(jnp.clip(top_k, 1, c), xs[..., 0])
+  kth = jnp.where(k_on, jnp.take_along_axis(xs, (k - 1)[..., None], axis=-1)[..., 0], -jnp.inf)
+  e = jnp.exp(xs - m[..., None])
+  kept_k = xs >= kth[..., None]
+  cum = jnp.cumsum(jnp.where(kept_k, e, 0.0), axis=-1)
+  row_mass = cum[..., -1] if total_mass is None else total_mass  # all tokens (top-k off)
+  # Mass of the top-k set: from the candidates when top-k is on (all kept tokens
+  # are among them), else the whole row's mass.
+  z = jnp.where(k_on, cum[..., -1], row_mass)
+  p = _bcast(top_p, kth)
+  # First sorted position whose cumulative mass reaches top_p, clipped into the
+  # kept set (rounding can leave the total a hair under top_p).
+  first = jnp.sum(cum < (p * z)[..., None], axis=-1)
+  first = jnp.minimum(first, jnp.sum(kept_k, axis=-1) - 1)
+  pth = jnp.take_along_axis(xs, first[..., None], axis=-1)[..., 0]
+  thr = jnp.where(p_on, jnp.maximum(kth, pth), kth)
+  on = k_on | p_on
+  if min_p is not None:
+    # Top-k and top-p keep the max and renormalising keeps probability ratios, so
+    # "p >= min_p * p_max" is x >= m + log(min_p) whatever they removed.
+    mp_on = _bcast(min_p > 0, thr)
+    mth = jnp.where(mp_on, m + jnp.log(jnp.where(mp_on, _bcast(min_p, thr), 1.0)), -jnp.inf)
+    thr = jnp.maximum(thr, mth)
+    on = on | mp_on
+  kept_mass = jnp.where(on, jnp.sum(jnp.where(xs >= thr[..., None], e, 0.0), axis=-1), row_mass)
+  return thr, kth, kept_mass
+
+
+# The sort-free threshold search keeps the _PER_GROUP largest values of each
+# group of tokens; about _NUM_GROUPS groups per row make it rare that a row's
+# kept set puts more than _PER_GROUP tokens into one group (odds about
+# C(k, 4) / G^3 for top-k: 2e-4 at k=50). Up to _MAX_SORTED_ROWS rows that
+# still fail are sorted individually.
+_PER_GROUP = 4
+_NUM_GROUPS = 1024
+_MAX_SORTED_ROWS = 64
+# The candidates then shrink once more: the _NARROW_PER_GROUP largest of every
+# _NARROW_GROUP candidates (0 turns this stage off; bench/threshold_variants.py).
+_NARROW_GROUP = 128
+_NARROW_PER_GROUP = 8
+
+
+def _group_size(v: int) -> int:
+  """About V / 1024 tokens a group, in [16, 128]; a divisor of V if one is near
+  (a padded copy of the logits would cost a write and a read)."""
+  want = int(np.clip(v // _NUM_GROUPS, 16, 128))
+  divisors = [g for g in range(16, 129) if v % g == 0 and want / 2 <= g <= 2 * want]
+  return min(divisors, key=lambda g: abs(g - want)) if divisors else want
+
+
+def _merge_top(a, b):
+  """Largest len(a) of two descending lists (tuples of arrays), multiset-wise.
+
+  The i-th largest of the union is max_j min(a_j, b_{i-j}) with a_0 = b_0 = +inf.
+  """
+  n = len(a)
+  inf = jnp.full_like(a[0], jnp.inf)
+  aa, bb = (inf,) + tuple(a), (inf,) + tuple(b)
+  out = []
+  for i in range(1, n + 1):
+    best = jnp.minimum(aa[0], bb[i])
+    for j in range(1, i + 1):
+      best = jnp.maximum(best, jnp.minimum(aa[j], bb[i - j]))
+    out.append(best)
+  return tuple(out)
+
+
+def group_top(x: jax.Array, group_size: int | None = None, per_group: int = _PER_GROUP, *,
+              with_sumexp: bool = False):
+  """The `per_group` largest values of every `group_size` block of the last axis.
+
+  One fused variadic reduction (a single read of x): each element enters as the
+  list (x, -inf, ..., -inf) and lists are merged by `_merge_top`.
+
+  Args:
+    x: f32[..., V].
+    group_size: tokens per group (default: about V / 1024, in [16, 128]).
+    per_group: values kept per group.
+    with_sumexp: also return each group's sum of exp(x - group max), from the
+      same pass (the whole row's mass then needs no second read).
+
+  Returns:
+    f32[..., ceil(V / group_size), per_group], descending within each group;
+    with `with_sumexp`, a pair (that, f32[..., G] sums).
+
+  Example:
+    >>> tops = group_top(jnp.arange(64.0)[None], group_size=16, per_group=2)  # [[[15, 14], [31, 30], ...]]
+  """
+  v = x.shape[-1]
+  group_size = _group_size(v) if group_size is None else group_size
+  g = -(-v // group_size)
+  xg = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, g * group_size - v)], constant_values=-jnp.inf)
+  xg = xg.reshape(x.shape[:-1] + (g, group_size))
+  fill = jnp.full_like(xg, -jnp.inf)
+  operands = (xg,) + (fill,) * (per_group - 1)
+  init = tuple(np.float32(-np.inf) for _ in range(per_group))
+  if with_sumexp:
+    operands, init = operands + (jnp.ones_like(xg),), init + (np.float32(0),)
+
+  def combine(a, b):
+    top = _merge_top(a[:per_group], b[:per_group])
+    if not with_sumexp:
+      return top
+    return top + (_lse_combine(a[0], a[-1], b[0], b[-1])[1],)
+
+  out = jax.lax.reduce(operands, init, combine, (xg.ndim - 1,))
+  tops = jnp.stack(out[:per_group], axis=-1)
+  return (tops, out[-1]) if with_sumexp else tops
+
+
+def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                          *, group_size: int | None = None, min_p: jax.Array | None = None) -> jax.Array:
+  """Per-row-and-position threshold on scaled logits: keep iff x >= threshold.
+
+  The top-k threshold is the k-th largest value; the top-p threshold is the value
+  of the first token, in descending order, at which the cumulative mass (within
+  the top-k set) reaches top_p. Tokens tied with a threshold are kept.
+
+  Sort-free over the vocabulary: one pass keeps the 4 largest values of every
+  group of tokens (about 1024 groups) and each group's mass, and only those
+  candidates are sorted. Any token outside the candidates is <= its group's 4th
+  largest, so a row's answer is exact whenever its threshold exceeds every
+  group's 4th largest value (for language-model logits: top-k up to about 100,
+  and top-p sets of similar size). Rows where that fails (e.g. top-p over a
+  flat distribution) are sorted individually, up to 64 of them; beyond that a
+  `lax.switch` sorts the whole batch. The result is always exact.
+
+  Args:
+    scaled: f32[B, ..., V] temperature-scaled logits.
+    top_k: i32[B], 0 or >= V means off.
+    top_p: f32[B], 1 means off.
+    group_size: static group size of the candidate search (default: about V/1024).
+    min_p: f32[B] or None; also keep only x >= max + log(min_p) (0 or None: off).
+
+  Returns:
+    f32[B, ...] thresholds (-inf where nothing is filtered).
+
+  Example:
+    >>> thr = top_k_top_p_threshold(x, jnp.array([50]), jnp.array([0.9]))  # x: [1, V]
+  """
+  return threshold_and_lse(scaled, None, top_k, top_p, group_size=group_size, min_p=min_p)[0]
+
+
+def _threshold_from_candidates(flat, floor, *, top_k, top_p, v, total, m, min_p):
+  """(thr, lse, exact) from unsorted candidates [..., C]: every token outside them is <= floor.
+
+  `exact` is False for the rows whose answer the candidates cannot vouch for.
+  """
+  cand = -jnp.sort(-flat, axis=-1)
+  thr, kth, kept_mass = _threshold_from_sorted(cand, top_k, top_p, v, total, m, min_p=min_p)
+  k_on = _bcast((top_k > 0) & (top_k < v), thr)
+  p_on = _bcast(top_p < 1.0, thr)
+  kth_exact = (_bcast(top_k, thr) <= cand.shape[-1]) & (kth > floor)
+  if min_p is None:
+    exact = jnp.where(k_on, kth_exact, jnp.where(p_on, thr > floor, True))
+  else:
+    # A candidate top-k (top-p) value <= floor means the true one is <= floor too,
+    # so a final threshold above the floor is the true one; but top-p's cut
+    # depends on the top-k set's mass, which needs an exact top-k value.
+    mp_on = _bcast(min_p > 0, thr)
+    exact = jnp.where(k_on | p_on | mp_on, (thr > floor) & (kth_exact | ~(k_on & p_on)), True)
+  return thr, m + jnp.log(kept_mass), exact
+
+
+def _redo_rows(ok, results, operand, redo_some, redo_all):
+  """Recomputes `results` (arrays [B, ...]) where `ok` [B, ...] is False, from `operand` [B, ..., C].
+
+  Up to _MAX_SORTED_ROWS failing rows are redone one by one: `redo_some(idx,
+  operand)` gets their flat indices [n] (unused slots repeat the last row) and
+  returns their new values, each [n]. More failing rows redo the whole batch
+  with `redo_all(operand)`.
+  All under a `lax.switch`, so a batch where every row is fine pays nothing.
+  """
+  rows = ok.size
+  n_fix = min(_MAX_SORTED_ROWS, rows)
+  bad = jnp.nonzero(~ok.reshape(-1), size=n_fix, fill_value=rows)[0]  # [n_fix], `rows` = unused slot
+  safe = jnp.minimum(bad, rows - 1)
+
+  def some(res, op):
+    new = redo_some(safe, op)
+    return tuple(a.reshape(-1).at[bad].set(n, mode="drop").reshape(a.shape) for a, n in zip(res, new))
+
+  num_bad = jnp.sum(~ok)
+  return jax.lax.switch(jnp.where(num_bad == 0, 0, jnp.where(num_bad <= n_fix, 1, 2)),
+                        [lambda res, op: res, some, lambda res, op: tuple(redo_all(op))], results, operand)
+
+
+def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: jax.Array, top_p: jax.Array,
+                      *, group_size: int | None = None, min_p: jax.Array | None = None):
+  """Top-k/top-p(/min-p) threshold and the log-normaliser of the kept set, sort-free.
+
+  Like `top_k_top_p_threshold`, but on raw logits with the temperature applied
+  inside every consumer (so a lazily scaled copy is never written to memory,
+  not even as a branch operand), and it also returns
+  lse = logsumexp(x over x >= thr), read off the candidates: the log-probability
+  of a kept token is then x - lse, with no further pass over the vocabulary.
+
+  With min_p, the threshold is max(top-k/top-p threshold, max + log(min_p)) and
+  lse that of the final kept set. A row is exact from the candidates when that
+  final threshold exceeds every group's 4th largest value (and, when top-k and
+  top-p are both on, the top-k value does too, as top-p's mass is that of the
+  top-k set); other rows are sorted, as without min_p.
+
+  Args:
+    logits: [B, ..., V], any float dtype (already scaled if temperature is None).
+    temperature: f32[B] or None.
+    top_k: i32[B], 0 or >= V means off.
+    top_p: f32[B], 1 means off.
+    group_size: static group size of the candidate search (default: about V/1024).
+    min_p: f32[B] in [0, 1] or None; 0 or None means off (None compiles exactly
+      the program without min-p).
+
+  Returns:
+    (thr, lse), each f32[B, ...].
+
+  Example:
+    >>> thr, lse = threshold_and_lse(logits, params.temperature, params.top_k, params.top_p)
+  """
+  scale = (lambda x: values(x).astype(jnp.float32)) if temperature is None else (lambda x: scale_logits(x, temperature))
+  v = logits.shape[-1]
+  group_size = _group_size(v) if group_size is None else group_size
+  if v <= 2 * group_size * _PER_GROUP:  # small vocabularies: a sort is cheap
+    return _sorted_threshold_and_lse(scale(logits), top_k, top_p, min_p=min_p)
+  tops, group_mass = group_top(scale(logits), group_size, with_sumexp=True)  # [..., G, 4], [..., G]
+  flat = tops.reshape(tops.shape[:-2] + (-1,))  # [..., 4G]
+  floor = jnp.max(tops[..., -1], axis=-1)  # tokens outside the candidates are <= this
+  m = jnp.max(tops[..., 0], axis=-1)
+  row_batch = jnp.broadcast_to(jnp.arange(logits.shape[0]).reshape((-1,) + (1,) * (m.ndim - 1)), m.shape).reshape(-1)
+  row_of = lambda idx: row_batch[idx]  # flat (row, position) index -> batch row
+  # The row's whole mass (top-p without top-k, unfiltered rows) from the group masses
+  # of the same pass. (A separate (max, sum of exps) pass run only when some row
+  # needs it measured faster alone but not inside the sampler; bench/RESULTS.md.)
+  total = jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0), axis=-1)
+  from_candidates = functools.partial(_threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m,
+                                      min_p=min_p)
+  if _NARROW_GROUP and flat.shape[-1] > 2 * _NARROW_GROUP:
+    # Fewer candidates to sort first: only the 8 largest of every 128 (32 groups'
+    # top-4s) can be kept when the threshold clears the 8th largest of each such
+    # block (the exactness check sees that through the raised floor). Batches where
+    # some row needs more (top-k in the hundreds, wide top-p) redo the search on all
+    # 4G candidates, with no new read of the logits. On an H100 this cut the search
+    # from 7.6 to 4.7 ms at B=1024, K=4, V=151936, top-k 50 (bench/RESULTS.md).
+    tops2 = group_top(flat, _NARROW_GROUP, _NARROW_PER_GROUP)  # [..., 4G/128, 8]
+    narrow_floor = jnp.maximum(floor, jnp.max(tops2[..., -1], axis=-1))
+    thr, lse, exact = from_candidates(tops2.reshape(tops2.shape[:-2] + (-1,)), narrow_floor)
+
+    def rows_from_all_candidates(idx, f):
+      r = row_of(idx)
+      return _threshold_from_candidates(f.reshape(-1, f.shape[-1])[idx], floor.reshape(-1)[idx], top_k=top_k[r],
+                                        top_p=top_p[r], v=v, total=total.reshape(-1)[idx], m=m.reshape(-1)[idx],
+                                        min_p=None if min_p is None else min_p[r])
+
+    # Rows the narrowed candidates cannot vouch for: from all 4G candidates (no new read of the logits).
+    thr, lse, exact = _redo_rows(exact, (thr, lse, exact), flat, rows_from_all_candidates,
+                                 lambda f: from_candidates(f, floor))
+  else:
+    thr, lse, exact = from_candidates(flat, floor)
+
+  # Rows whose candidates did not suffice: sort just those (a fixed number of
+  # them, so shapes stay static), or the whole batch if there are too many.
+  # The logits are the operand (raw, or a view), never a closure over a scaled copy.
+  def sort_rows(idx, raw):
+    sub = values(raw).reshape(-1, v)[idx].astype(jnp.float32)
+    if temperature is not None:
+      sub = scale_logits(sub, temperature[row_of(idx)])
+    return _sorted_threshold_and_lse(sub, top_k[row_of(idx)], top_p[row_of(idx)],
+                                     min_p=None if min_p is None else min_p[row_of(idx)])
+
+  return _redo_rows(exact, (thr, lse), logits, sort_rows,
+                    lambda raw: _sorted_threshold_and_lse(scale(raw), top_k, top_p, min_p=min_p))
