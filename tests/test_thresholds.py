@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,11 +99,12 @@ def test_rejection_sample_through_the_view_equals_materialised_penalised_logits(
   dp = None
   if with_dp:
     dp = np.random.default_rng(2).dirichlet(np.ones(v), (b, k1 - 1)).astype(np.float32)
-  penalised = apply_penalties(jnp.asarray(logits), params, state, jnp.asarray(draft))
+  penalised = jax.jit(apply_penalties)(jnp.asarray(logits), params, state, jnp.asarray(draft))
+  run = jax.jit(functools.partial(rejection_sample, logprobs="processed"))  # jitted: eager calls are slow
   for seed in range(8):
     key = jax.random.key(seed)
-    got = rejection_sample(draft, logits, params, key, draft_probs=dp, penalty_state=state, logprobs="processed")
-    want = rejection_sample(draft, penalised, plain, key, draft_probs=dp, logprobs="processed")
+    got = run(draft, logits, params, key, draft_probs=dp, penalty_state=state)
+    want = run(draft, penalised, plain, key, draft_probs=dp)
     np.testing.assert_array_equal(got.token_ids, want.token_ids)
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
 
@@ -109,10 +112,11 @@ def test_rejection_sample_through_the_view_equals_materialised_penalised_logits(
 def test_sample_tokens_through_the_view_equals_materialised_penalised_logits():
   logits, _, state, params, plain = _penalty_problem(3)
   x = logits[:, 0]
-  penalised = apply_penalties(jnp.asarray(x), params, state)
+  penalised = jax.jit(apply_penalties)(jnp.asarray(x), params, state)
+  run = jax.jit(functools.partial(sample_tokens, logprobs="processed"))  # jitted: eager op-by-op calls are slow
   for seed in range(5):
-    got = sample_tokens(x, params, jax.random.key(seed), penalty_state=state, logprobs="processed")
-    want = sample_tokens(penalised, plain, jax.random.key(seed), logprobs="processed")
+    got = run(x, params, jax.random.key(seed), penalty_state=state)
+    want = run(penalised, plain, jax.random.key(seed))
     for g, w in zip(got, want):
       np.testing.assert_array_equal(g, w)
 
