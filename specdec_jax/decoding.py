@@ -34,6 +34,11 @@ Three kinds of draft share the loop (`_ModelDraft`, `_LookupDraft`, `_FeatureDra
   K+1 entries, the rest junk), which also yields d1; then it drafts d2 .. dK
   from its own hiddens (see `specdec_jax.models.eagle`).
 
+On a mesh (`with jax.set_mesh(mesh):`, axes "data" and "model"), the loop
+splits its row-major state (token buffer, lengths, flags) over "data", the
+sharded models split their caches and weights themselves, and a mesh with
+Explicit axes is made Auto for the program (`specdec_jax.mesh`).
+
 Nothing is donated: the caches, the token buffer and the statistics are born
 inside the program (XLA updates the while-loop carry in place), and every
 argument belongs to the caller (weights, prompts, parameters, keys).
@@ -50,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.mesh import auto_axes_if_explicit, constrain_rows
 from specdec_jax.models.adapter import ModelDef, merge_model, split_model
 from specdec_jax import sampling
 from specdec_jax.rejection import LOGPROBS_MODES, METHODS, PLACEHOLDER_TOKEN_ID, rejection_sample
@@ -295,6 +301,23 @@ def _check_context(where, models, p, max_new_tokens):
                        f"lower max_new_tokens to at most {limit - p}")
 
 
+def _check_bias_vocab(where, target, params, prompt_tokens):
+  """Concrete logit-bias ids must be < V, as `sample_tokens` and `rejection_sample` require eagerly.
+
+  Inside the loop's jit they would be ignored silently, so V is found here: from
+  the target's `config.vocab_size`, or else from the shape of one traced call.
+  """
+  ids = params.logit_bias_ids
+  if ids is None or isinstance(ids, jax.core.Tracer):
+    return
+  v = getattr(getattr(target, "config", None), "vocab_size", None)
+  if v is None:
+    b = prompt_tokens.shape[0]
+    one = jnp.zeros((b, 1), jnp.int32)
+    v = jax.eval_shape(lambda: target(one, one, target.init_cache(b, 2))[0]).shape[-1]
+  sampling.check_bias_ids(params, int(v), where)
+
+
 def _check_eos(eos, vocab_size, where):
   """At trace time, once V is known from the logits."""
   if any(e >= vocab_size for e in eos):
@@ -410,6 +433,11 @@ def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_n
                     stats=DecodeStats(target_calls=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros,
                                       accepted_per_position=jnp.zeros((0,), jnp.int32), usable_drafted=zeros,
                                       reached_per_position=jnp.zeros((0,), jnp.int32)))
+  # Under a mesh, the row-major state lives split by rows over the data axis, as
+  # the caches do (the models constrain those); a no-op without a mesh.
+  state = dataclasses.replace(state, tokens=constrain_rows(state.tokens), length=constrain_rows(state.length),
+                              done=constrain_rows(state.done),
+                              logprobs=None if lp_buf is None else constrain_rows(lp_buf))
   return _Start(state=state, keys=keys, vocab_size=logits.shape[-1],
                 prefill_features=out[1] if with_features else None)
 
@@ -440,6 +468,12 @@ def _run(body, state: LoopState) -> LoopState:
 def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key, *, max_new_tokens: int,
              eos_token_id=None, all_greedy: bool = False, logprobs: str | None = None) -> GenerateOutput:
   """Plain autoregressive decoding: one target call per token, in one jitted loop.
+
+  Many devices: under `with jax.set_mesh(mesh):` (mesh axes "data" and
+  "model", see `specdec_jax.models.shard`) the loop keeps its per-row state
+  split over "data" and a sharded model splits itself over "model"; with
+  Explicit mesh axes the program runs under `jax.sharding.auto_axes`. Tokens
+  are those of one device (float32 greedy: identical).
 
   Args:
     target: a model: `init_cache(batch_size, max_length)` and
@@ -486,6 +520,7 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
       where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy)
   _check_context(where, [("target", target)], prompt_tokens.shape[1], max_new_tokens)
+  _check_bias_vocab(where, target, params, prompt_tokens)
   target_def, target_arrays = _split(target, "target")
   return _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, None if all_greedy else key,
                        target_def=target_def, max_new_tokens=max_new_tokens, eos=eos, all_greedy=bool(all_greedy),
@@ -500,6 +535,14 @@ def _check_logprobs(where, logprobs):
 @functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy", "logprobs"))
 def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
                   all_greedy, logprobs):
+  # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
+  program = functools.partial(_generate_program, target_def=target_def, max_new_tokens=max_new_tokens, eos=eos,
+                              all_greedy=all_greedy, logprobs=logprobs)
+  return auto_axes_if_explicit(program)(target_arrays, prompt_tokens, prompt_lengths, params, key)
+
+
+def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
+                      all_greedy, logprobs):
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
   prompt_lengths = _clip_lengths(prompt_lengths, p)
@@ -819,7 +862,8 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   with all_greedy=True and float32 models they are the same tokens). The whole
   generation is one jitted `lax.while_loop`. Row b advances by its own number
   of emitted tokens each round (1 .. K+1), ends after `max_new_tokens` tokens or
-  an EOS, and nothing follows its end, even inside a round.
+  an EOS, and nothing follows its end, even inside a round. It runs on a mesh
+  as `generate` does (shard a draft model or EAGLE drafter like the target).
 
   Args:
     target: the model whose distribution is sampled (see `generate` for the
@@ -896,6 +940,7 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   checked = [("target", target)] + ([] if feature_draft or isinstance(draft, PromptLookupDrafter) else
                                     [("draft", draft)])
   _check_context(where, checked, prompt_tokens.shape[1], max_new_tokens)
+  _check_bias_vocab(where, target, params, prompt_tokens)
   target_def, target_arrays = _split(target, "target")
   if isinstance(draft, PromptLookupDrafter):
     draft_def, draft_arrays = draft, None
@@ -948,6 +993,17 @@ def _check_tree(where, draft_tree, k, target, draft, verification="token") -> Dr
 def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
                      draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
                      logprobs, tree, method="token"):
+  # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
+  program = functools.partial(_speculative_program, target_def=target_def, draft_def=draft_def,
+                              feature_draft=feature_draft, num_speculative_tokens=num_speculative_tokens,
+                              max_new_tokens=max_new_tokens, eos=eos, all_greedy=all_greedy, logprobs=logprobs,
+                              tree=tree, method=method)
+  return auto_axes_if_explicit(program)(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key)
+
+
+def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
+                         draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
+                         logprobs, tree, method="token"):
   b, p = prompt_tokens.shape
   k = num_speculative_tokens
   n = k if tree is None else tree.num_nodes  # drafts per round

@@ -1,12 +1,15 @@
-"""Tests of the per-request options of specdec_jax/sampling.py: logit bias, the three penalties, min-p.
+"""Tests of the per-request options (logit bias, the three penalties, min-p) in sampling.py and rejection_sample.
 
 Expected values come from `tests.sampling_reference`, a float64 NumPy reading of
 the processing order that shares no code with the library. Statistical tests
 use fixed seeds and a chi-square test at alpha = 1e-3 (`tests.stats.ALPHA`);
 each also shows that a plausible wrong implementation is rejected by the same
-samples at that level.
+samples at that level. The `rejection_sample` section checks every position of
+a round, the bonus included, with the round's earlier drafts in the context
+(the loops' use of the options: tests/test_option_loops.py).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -14,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import PenaltyState, SamplingParams, sampling
+from specdec_jax import PenaltyState, SamplingParams, rejection_sample, sampling
 from specdec_jax.sampling import apply_penalties, process_logits, sample_tokens, threshold_and_lse
 from tests import sampling_reference as ref
 from tests import stats
@@ -631,3 +634,375 @@ def test_sample_tokens_logprobs_match_float64_references(mode):
     x = logits[b] if mode == "raw" else _ref_penalized(logits[b], row)
     assert tokens[b] == ref.greedy_token(_ref_penalized(logits[b], row))
     np.testing.assert_allclose(lp[b], ref.log_softmax(x)[tokens[b]], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# rejection_sample: the options at every position of a round, drafts in the context
+# ----------------------------------------------------------------------------
+#
+# Position i of a round sees the prompt, the tokens generated before the round
+# and the drafts d_0 .. d_{i-1}: p_i depends on the drafts. Given that a row
+# reached position j with drafts `prefix` accepted, the token it emits there
+# (accepted draft, recovered or bonus token) is distributed as p_j(. | prefix),
+# with or without draft probabilities; so among all rows that reach j it follows
+# the mixture of p_j(. | prefix) weighted by P(reach j with prefix). `_round_law`
+# enumerates the prefixes (V^K of them at most) in float64.
+
+_RK, _RV = 3, 8
+_PEAKS = [2, 4, 1, 6]  # the most likely token at positions 0 .. K
+
+
+def _round_logits():
+  """[K+1, V]: position j peaks at _PEAKS[j], with the earlier peaks (the likely drafts) next.
+
+  So drafts are mostly accepted (rows reach the bonus often enough to test it)
+  and the tokens that earlier drafts put into the context keep real mass at
+  the later positions, where the penalties move it. -inf masks token 7 at
+  position 1.
+  """
+  x = np.random.default_rng(5).normal(0, 0.6, (_RK + 1, _RV))
+  for j, peak in enumerate(_PEAKS):
+    x[j, peak] += 2.5
+    if j >= 1:
+      x[j, _PEAKS[j - 1]] += 1.5
+    if j >= 2:
+      x[j, _PEAKS[j - 2]] += 0.8
+  x[1, 7] = -np.inf
+  return x.astype(np.float32)
+
+
+_RLOGITS = _round_logits()
+# Draft distributions given to the sampler: half the target's softmax, half
+# fixed noise (acceptance ~0.75 a position); q_0(5) = 0, so token 5 comes at
+# position 0 only from a residual.
+_RQ = np.exp(_RLOGITS[:_RK]) / np.exp(_RLOGITS[:_RK]).sum(-1, keepdims=True)
+_RQ = 0.5 * _RQ + 0.5 * np.random.default_rng(21).dirichlet(np.ones(_RV), _RK)
+_RQ[0, 5] = 0.0
+_RQ = (_RQ / _RQ.sum(-1, keepdims=True)).astype(np.float32)
+# Drafts without probabilities (n-gram style) are drawn from this, which the
+# sampler never sees: the peak 9 times in 10, so rows reach the bonus.
+_RQ_NGRAM = (0.9 * np.eye(_RV)[_PEAKS[:_RK]] + 0.1 / _RV).astype(np.float32)
+
+# (label, options): one block of rows each in one batch. Greedy rows are checked exactly.
+_PENALTY_GROUPS = [
+    ("presence + frequency", dict(temperature=1.0, frequency_penalty=0.6, presence_penalty=0.8, prompt=[4],
+                                  generated=[0])),
+    ("repetition + bias + top_k", dict(temperature=0.8, top_k=5, repetition_penalty=1.8, bias={1: 1.0, 6: -2.0},
+                                       prompt=[0, 3], generated=[3])),
+    ("all + top_p", dict(temperature=1.2, top_p=0.9, repetition_penalty=1.3, frequency_penalty=-0.3,
+                         presence_penalty=1.2, bias={4: 0.7}, prompt=[5], generated=[7, 7])),
+]
+_MIN_P_GROUPS = [
+    ("min_p", dict(temperature=1.0, min_p=0.1)),
+    ("min_p + top_k", dict(temperature=0.7, top_k=6, min_p=0.05)),
+    ("min_p + top_p + penalties", dict(temperature=1.0, top_p=0.9, min_p=0.15, repetition_penalty=1.4,
+                                       presence_penalty=0.7, bias={3: 0.5}, prompt=[0], generated=[3])),
+]
+_GREEDY_ROW = dict(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, bias={3: 0.6}, prompt=[1],
+                   min_p=0.5)  # min_p is ignored by greedy rows
+_ROUND_ROWS = 20_000  # rows per group
+_GREEDY_ROWS = 500
+
+
+def _round_law(dist, q, accept):
+  """The per-position law of one round, by enumerating the draft prefixes (float64).
+
+  Args:
+    dist: dist(j, prefix) -> [V], the processed target distribution at position j
+      given the drafts `prefix` = (d_0, .., d_{j-1}) before it.
+    q: [K, V]: each draft d_j is drawn from q[j], independently.
+    accept: accept(q_d, p_d): probability of drafting d and accepting it; min(q, p)
+      with draft probabilities (accept w.p. min(1, p / q)), q * p without (the
+      sampler takes q as the one-hot of the draft).
+
+  Returns:
+    (reach [K+1]: P(a row reaches position j), probs [K+1, V]: law of the token
+    emitted at j by the rows that reach it).
+  """
+  k = q.shape[0]
+  level, reach, probs = {(): 1.0}, [], []
+  for j in range(k + 1):
+    mix, nxt = 0.0, {}
+    for prefix, w in level.items():
+      p = dist(j, prefix)
+      mix = mix + w * p
+      for d in (np.flatnonzero(q[j] > 0) if j < k else ()):
+        a = accept(float(q[j, d]), float(p[d]))
+        if a > 0:
+          nxt[prefix + (int(d),)] = w * a
+    total = sum(level.values())
+    reach.append(total)
+    probs.append(mix / total)
+    level = nxt
+  return np.array(reach), np.stack(probs)
+
+
+def _ref_dist(row, *, drafts_counted=True, **changes):
+  """dist(j, prefix) of the float64 reference for a row's options; `drafts_counted=False` plants the bug
+  of a sampler that forgets the round's drafts (every position sees only the state)."""
+  opts = _ref_options(dict(row, **changes))
+  cache = {}
+
+  def dist(j, prefix):
+    prefix = prefix if drafts_counted else ()
+    if (j, prefix) not in cache:
+      o = dict(opts, generated_tokens=list(opts["generated_tokens"]) + list(prefix))
+      cache[j, prefix] = np.exp(ref.processed_log_probs(_RLOGITS[j], **o))
+    return cache[j, prefix]
+  return dist
+
+
+def _min_p_absolute_dist(row):
+  """Planted: min_p as an absolute probability floor instead of relative to the largest."""
+  plain = _ref_dist(row, min_p=0.0)
+
+  def dist(j, prefix):
+    p = plain(j, prefix)
+    p = np.where(p >= row["min_p"], p, 0.0)
+    return p / p.sum()
+  return dist
+
+
+def _greedy_round_reference(logits, drafts, row, n=None, *, drafts_counted=True):
+  """(token_ids [K+1], num_accepted) of a greedy row: argmax of the penalised logits, drafts in the context.
+
+  n: drafts verified (None: all K). drafts_counted=False: the planted sampler
+  whose positions see only the state, not the round's earlier drafts.
+  """
+  o = _ref_options(row)
+  k = len(drafts)
+  n = k if n is None else n
+  pen = ref.round_penalized_logits(logits, drafts if drafts_counted else [-1] * k,
+                                   generated_tokens=o["generated_tokens"],
+                                   **{m: o[m] for m in ("repetition_penalty", "frequency_penalty",
+                                                        "presence_penalty", "bias", "prompt_tokens") if m in o})
+  out = [-1] * (k + 1)
+  a = 0
+  while a < n and drafts[a] == ref.greedy_token(pen[a]):
+    out[a] = int(drafts[a])
+    a += 1
+  out[a] = ref.greedy_token(pen[a])
+  return out, a
+
+
+def _accept_rule(with_probs):
+  return (lambda q, p: min(q, p)) if with_probs else (lambda q, p: q * p)
+
+
+def _run_round_groups(groups, with_probs, seed, per_group=_ROUND_ROWS):
+  """Every group's rows and the greedy rows in one batch: (rows, drafts, token_ids, num_accepted)."""
+  rows = [opts for _, opts in groups for _ in range(per_group)] + [_GREEDY_ROW] * _GREEDY_ROWS
+  n = len(rows)
+  rng = np.random.default_rng(seed)
+  q64 = (_RQ if with_probs else _RQ_NGRAM).astype(np.float64)
+  q64 /= q64.sum(-1, keepdims=True)
+  drafts = np.stack([rng.choice(_RV, n, p=q64[i]) for i in range(_RK)], 1).astype(np.int32)
+  params = _rows_params(rows)
+  if not any("min_p" in opts for _, opts in groups):
+    params = dataclasses.replace(params, min_p=None)  # the program without min-p
+  out = rejection_sample(drafts, jnp.broadcast_to(jnp.asarray(_RLOGITS), (n, _RK + 1, _RV)), params,
+                         jax.random.split(jax.random.key(seed), n),
+                         draft_probs=jnp.broadcast_to(jnp.asarray(_RQ), (n, _RK, _RV)) if with_probs else None,
+                         penalty_state=_rows_state(rows, _RV))
+  return rows, drafts, np.asarray(out.token_ids), np.asarray(out.num_accepted)
+
+
+def _positionwise(token_ids, num_accepted, reach, probs, label):
+  """One chi-square per position (the bonus included) and one of num_accepted, against a round law."""
+  results = []
+  for j in range(_RK + 1):
+    at = num_accepted >= j
+    r = stats.chisquare_gof(token_ids[at, j], probs[j], label=f"{label}, position {j}")
+    if r.num_bins >= 2:
+      _, tv = stats.detectable_deviation(r.num_samples, r.num_bins)
+      r = dataclasses.replace(r, label=f"{r.label} (detects TV>={tv:.3f})")
+    results.append(r)
+  accepted_law = np.append(reach[:-1] - reach[1:], reach[-1])
+  results.append(stats.chisquare_gof(num_accepted, accepted_law, label=f"{label}, num_accepted"))
+  return results
+
+
+def _check_round_groups(groups, wrong_variants, with_probs, seed, per_group=_ROUND_ROWS):
+  rows, drafts, token_ids, num_accepted = _run_round_groups(groups, with_probs, seed, per_group)
+  accept, q = _accept_rule(with_probs), (_RQ if with_probs else _RQ_NGRAM)
+  right, wrong = [], []
+  for g, (label, opts) in enumerate(groups):
+    sel = slice(g * per_group, (g + 1) * per_group)
+    reach, probs = _round_law(_ref_dist(opts), q, accept)
+    results = _positionwise(token_ids[sel], num_accepted[sel], reach, probs, label)
+    for r in results[:-1]:  # every position, the bonus included, gets a useful sample
+      assert r.num_samples >= 1400 and r.num_bins >= 2, r
+    right += results
+    for wlabel, make in wrong_variants:
+      w_reach, w_probs = _round_law(make(opts), q, accept)
+      tv = 0.5 * np.abs(w_probs - probs).sum(-1).max()
+      assert tv > 0.07, f"{label}: {wlabel} moves no position by more than the test detects (TV {tv:.3f})"
+      results = _positionwise(token_ids[sel], num_accepted[sel], w_reach, w_probs, f"{label} ({wlabel})")
+      wrong.append(min(results, key=lambda r: r.pvalue))
+  stats.assert_gof(right)
+  # The same samples reject every planted variant at the same level.
+  accepted = [str(r) for r in wrong if r.pvalue >= stats.ALPHA]
+  assert not accepted, "wrong variants not rejected:\n  " + "\n  ".join(accepted)
+  # Greedy rows of the same batch: exact, min_p ignored, drafts in the context.
+  for b in range(len(rows) - _GREEDY_ROWS, len(rows)):
+    want, a = _greedy_round_reference(_RLOGITS, drafts[b], rows[b])
+    np.testing.assert_array_equal(token_ids[b], want, err_msg=f"greedy row {b}, drafts {drafts[b]}")
+    assert num_accepted[b] == a
+
+
+@pytest.mark.parametrize("with_probs", [True, False], ids=["draft_probs", "no_draft_probs"])
+def test_rejection_sample_penalties_chisquare_every_position(with_probs):
+  # 20,000 rows a group, alpha = 1e-3 (stats.ALPHA), fixed seeds. Every position's
+  # test has >= 1,400 samples over <= 8 bins: it detects TV >= 0.07 at 80% power
+  # (stats.detectable_deviation(1400, 8)); position 0 (20,000 samples) TV >= 0.018.
+  # The planted sampler that forgets the drafts moves some position by TV > 0.07.
+  _check_round_groups(_PENALTY_GROUPS, [("drafts not counted", functools.partial(_ref_dist, drafts_counted=False))],
+                      with_probs, seed=3)
+
+
+@pytest.mark.parametrize("with_probs", [True, False], ids=["draft_probs", "no_draft_probs"])
+def test_rejection_sample_min_p_chisquare_every_position(with_probs):
+  # As above (power and level); planted: min-p ignored, and min-p as an absolute
+  # floor instead of relative to the largest probability.
+  wrong = [("min_p ignored", functools.partial(_ref_dist, min_p=0.0)), ("min_p absolute", _min_p_absolute_dist)]
+  _check_round_groups(_MIN_P_GROUPS, wrong, with_probs, seed=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_probs", [True, False], ids=["draft_probs", "no_draft_probs"])
+def test_rejection_sample_options_chisquare_every_position_slow(with_probs):
+  # 200,000 rows a group (10x the fast tests): every position detects TV >= ~0.022.
+  _check_round_groups(_PENALTY_GROUPS, [("drafts not counted", functools.partial(_ref_dist, drafts_counted=False))],
+                      with_probs, seed=13, per_group=200_000)
+  _check_round_groups(_MIN_P_GROUPS, [("min_p ignored", functools.partial(_ref_dist, min_p=0.0))], with_probs,
+                      seed=14, per_group=200_000)
+
+
+_G = [2.0, 1.5, 0.0, -1.0]  # one position's logits: 0 leads 1 by 0.5
+# (label, logits of every position, drafts, n, options, emitted, emitted by a sampler that forgets the drafts)
+_ROUND_GREEDY_TABLE = [
+    ("presence: d0 penalised at position 1", _G, [0, 0], 2, dict(presence_penalty=1.0), [0, 1, -1], [0, 0, 0]),
+    ("frequency: two drafts at the bonus", _G, [0, 0], 2, dict(frequency_penalty=0.3), [0, 0, 1], [0, 0, 0]),
+    ("frequency: generated + draft", _G, [0, 0], 2, dict(frequency_penalty=0.3, generated=[0]), [0, 1, -1],
+     [0, 0, 0]),
+    ("repetition: accepted d1 thanks to d0", _G, [0, 1], 2, dict(repetition_penalty=2.0), [0, 1, 0], [0, 0, -1]),
+    ("repetition of a negative logit", [-1.0, -1.5, -3.0, -4.0], [0, 0], 2, dict(repetition_penalty=2.0),
+     [0, 1, -1], [0, 0, 0]),
+    ("prompt: presence ignores it, drafts count", _G, [0, 0], 2, dict(presence_penalty=1.0, prompt=[0]),
+     [0, 1, -1], [0, 0, 0]),
+    ("bias, then presence on the biased draft", _G, [2, 2], 2, dict(bias={2: 2.5}, presence_penalty=0.8),
+     [2, 0, -1], [2, 2, 2]),
+    ("ragged n=1: the bonus counts d0", _G, [0, 0], 1, dict(presence_penalty=1.0), [0, 1, -1], [0, 0, -1]),
+    ("n=0: no draft counted", _G, [0, 0], 0, dict(presence_penalty=1.0), [0, -1, -1], [0, -1, -1]),
+    ("rejected d0: later drafts never matter", _G, [1, 0], 2, dict(presence_penalty=1.0), [0, -1, -1],
+     [0, -1, -1]),
+]
+
+
+@pytest.mark.parametrize("mode", ["all_greedy_flag", "runtime_all_temperatures_zero", "greedy_rows_of_mixed_batch"])
+def test_rejection_sample_greedy_table_penalties_count_earlier_drafts(mode):
+  k = 2
+  rows = [dict(opts, temperature=0.0) for _, _, _, _, opts, _, _ in _ROUND_GREEDY_TABLE]
+  logits = np.array([[lg] * (k + 1) for _, lg, _, _, _, _, _ in _ROUND_GREEDY_TABLE], np.float32)
+  drafts = np.array([d for _, _, d, _, _, _, _ in _ROUND_GREEDY_TABLE], np.int32)
+  n = np.array([m for _, _, _, m, _, _, _ in _ROUND_GREEDY_TABLE], np.int32)
+  if mode == "greedy_rows_of_mixed_batch":  # one random row beside them
+    rows.append(dict(temperature=1.0, presence_penalty=1.0))
+    logits, drafts, n = np.concatenate([logits, logits[:1]]), np.concatenate([drafts, drafts[:1]]), np.append(n, k)
+  params = dataclasses.replace(_rows_params(rows), min_p=None)
+  out = rejection_sample(drafts, logits, params, None if mode == "all_greedy_flag" else jax.random.key(0),
+                         num_draft_tokens=n, all_greedy=mode == "all_greedy_flag",
+                         penalty_state=_rows_state(rows, logits.shape[-1]))
+  for b, (label, lg, d, m, opts, want, forgetful) in enumerate(_ROUND_GREEDY_TABLE):
+    # The table agrees with the float64 reference, and the drafts' context matters
+    # in every row where the two columns differ.
+    assert _greedy_round_reference(logits[b], d, rows[b], m)[0] == want, label
+    assert _greedy_round_reference(logits[b], d, rows[b], m, drafts_counted=False)[0] == forgetful, label
+    np.testing.assert_array_equal(out.token_ids[b], want, err_msg=label)
+    assert int(out.num_accepted[b]) == sum(t >= 0 for t in want) - 1, label
+  assert sum(w != f for *_, w, f in _ROUND_GREEDY_TABLE) >= 7
+
+
+def test_rejection_sample_greedy_rows_ignore_min_p():
+  # min_p filters the distribution a random row samples from; a greedy row's argmax
+  # is never filtered, and its "processed" log-probability stays log_softmax of the
+  # (penalised) logits, not renormalised over the min-p set.
+  rng = np.random.default_rng(9)
+  b, k, v = 8, 3, 16
+  logits = rng.normal(0, 1.5, (b, k + 1, v)).astype(np.float32)
+  drafts = np.argmax(logits[:, :k], -1).astype(np.int32)
+  drafts[::3, 1] = (drafts[::3, 1] + 1) % v  # some rows reject at position 1
+  temperature = np.array([0.0, 0.0, 0.0, 1.0, 0.0, 0.7, 0.0, 0.0])
+  rows = [dict(temperature=t, min_p=m) for t, m in zip(temperature, [0.9, 0.5, 0.0, 0.3, 1.0, 0.2, 0.9, 0.9])]
+  rows[6].update(presence_penalty=1.0, bias={3: 1.0})  # a greedy row with steps 1-3 as well
+  params, state = _rows_params(rows), _rows_state(rows, v)
+
+  def check_greedy_rows(out, idx):
+    for i, r in enumerate(idx):
+      if temperature[r] > 0:
+        continue
+      tokens, a = _greedy_round_reference(logits[r], drafts[r], rows[r])
+      np.testing.assert_array_equal(out.token_ids[i], tokens, err_msg=f"row {r}")
+      o = _ref_options(rows[r])
+      pen = ref.round_penalized_logits(logits[r], drafts[r], generated_tokens=o["generated_tokens"],
+                                       **{m: o[m] for m in ("presence_penalty", "bias", "prompt_tokens") if m in o})
+      lp = np.asarray(out.logprobs[i, :a + 1])
+      np.testing.assert_allclose(lp, [ref.log_softmax(pen[j])[tokens[j]] for j in range(a + 1)], rtol=1e-5,
+                                 atol=1e-5, err_msg=f"row {r}")
+      assert np.all(lp < -1e-3), f"row {r}: renormalised over the min-p set? {lp}"
+
+  # Mixed batch: the greedy rows are the reference's, and the same as without min_p.
+  key = jax.random.key(1)
+  got = rejection_sample(drafts, logits, params, key, logprobs="processed", penalty_state=state)
+  want = rejection_sample(drafts, logits, dataclasses.replace(params, min_p=None), key, logprobs="processed",
+                          penalty_state=state)
+  check_greedy_rows(got, range(b))
+  greedy = np.flatnonzero(temperature == 0)
+  np.testing.assert_array_equal(np.asarray(got.token_ids)[greedy], np.asarray(want.token_ids)[greedy])
+  # all_greedy, min_p present: the same tokens, from a program with no exponential and no random bits.
+  sub = jax.tree.map(lambda x: x[greedy], (drafts, logits, params, state))
+  fn = jax.jit(lambda d, x, p, s: rejection_sample(d, x, p, None, all_greedy=True, penalty_state=s))
+  compiled = fn.lower(*sub).compile()
+  ops = stats.HloProgram(compiled.as_text()).opcodes()
+  assert "exponential" not in ops and not ops & stats.RANDOM_OPCODES, ops
+  np.testing.assert_array_equal(compiled(*sub).token_ids, np.asarray(got.token_ids)[greedy])
+
+
+def _min_p_zero_case(with_probs, penalties):
+  rng = np.random.default_rng(10)
+  b, k, v = 64, 3, 50
+  logits = rng.normal(0, 2.0, (b, k + 1, v)).astype(np.float32)
+  drafts = np.argmax(logits[:, :k], -1).astype(np.int32)  # likely drafts: rows stop at every position
+  drafts[::5, 2] = rng.integers(0, v, len(drafts[::5]))
+  probs = rng.dirichlet(np.ones(v), (b, k)).astype(np.float32) if with_probs else None
+  base = dict(temperature=np.tile([0.0, 1.0, 0.7, 1.3], b // 4), top_k=np.tile([0, 0, 10, 0], b // 4),
+              top_p=np.tile([1.0, 1.0, 1.0, 0.8], b // 4))
+  extra, state = {}, None
+  if penalties:
+    extra = dict(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.4, logit_bias={7: 1.5})
+    state = PenaltyState.from_prompt(rng.integers(0, v, (b, 6)), np.full(b, 6), v).add_tokens(
+        rng.integers(0, v, (b, 4)))
+  on = np.arange(b) % 8 >= 4  # rows 4-7 of every 8 use min-p in the mixed batch
+  plain = SamplingParams.create(**base, **extra)
+  zero = SamplingParams.create(**base, **extra, min_p=0.0)
+  mixed = SamplingParams.create(**base, **extra, min_p=np.where(on, 0.2, 0.0))
+  changed = 0
+  for seed in range(3):
+    want, got, some = (rejection_sample(drafts, logits, p, jax.random.key(seed), draft_probs=probs,
+                                        logprobs="processed", penalty_state=state) for p in (plain, zero, mixed))
+    for name in ("token_ids", "num_accepted", "logprobs"):
+      np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+      # A min_p = 0 row is untouched by its neighbours' min-p, bit for bit.
+      np.testing.assert_array_equal(np.asarray(getattr(some, name))[~on], np.asarray(getattr(want, name))[~on],
+                                    err_msg=name)
+    changed += int(np.sum(np.asarray(some.logprobs)[on] != np.asarray(want.logprobs)[on]))
+  assert changed > 0, "min_p = 0.2 changed nothing: the comparison above would not see min-p at all"
+
+
+def test_rejection_sample_min_p_zero_is_bit_identical_to_no_min_p():
+  _min_p_zero_case(with_probs=True, penalties=True)
+
+
+@pytest.mark.slow
+def test_rejection_sample_min_p_zero_is_bit_identical_to_no_min_p_without_draft_probs():
+  _min_p_zero_case(with_probs=False, penalties=False)

@@ -7,6 +7,8 @@ decoding loops do not pull in Flax):
     cache pytree and the shapes of its weights interface.
   - `EagleDrafter`, `EagleConfig` (eagle.py): the feature drafter.
   - `load_smollm2`, `load_smollm2_draft`, `load_smollm2_eagle` (smollm2.py).
+  - `shard`, `make_mesh`, `Partitioning` (sharding.py): the models on a device
+    mesh, tensor parallel over "model", data parallel over "data".
 """
 
 import importlib
@@ -21,6 +23,9 @@ _EXPORTS = {
     "load_smollm2": "smollm2",
     "load_smollm2_draft": "smollm2",
     "load_smollm2_eagle": "smollm2",
+    "shard": "sharding",
+    "make_mesh": "sharding",
+    "Partitioning": "sharding",
 }
 
 __all__ = sorted(_EXPORTS)

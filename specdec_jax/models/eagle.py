@@ -50,10 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specdec_jax.models import sharding
 from specdec_jax.models.config import TransformerConfig
+from specdec_jax.models.sharding import Partitioning
 from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache, Transformer, _apply_rope,
-                                            _rope_tables, check_tree_args, copy_kv_slots, decoder_block,
-                                            random_weights, rms_norm)
+                                            _make_param, _rope_tables, check_tree_args, constrain_cache,
+                                            copy_kv_slots, decoder_block, random_weights, rms_norm)
 
 # The first block's parameters: the plain block's, plus a norm for each half of its input.
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))
@@ -140,11 +142,14 @@ def eagle_weight_shapes(config: EagleConfig) -> dict[str, tuple[int, ...]]:
 
 
 class _Params(nnx.Module):
-  """A group of named parameters (one decoder block, or a stack of them)."""
+  """A group of named parameters (one decoder block, or a stack of them).
 
-  def __init__(self, weights: Mapping[str, jax.Array], names):
+  `placement` = (mesh, Partitioning, leading axes) places and annotates them (`sharding.shard`).
+  """
+
+  def __init__(self, weights: Mapping[str, jax.Array], names, placement=None):
     for name in names:
-      setattr(self, name, nnx.Param(weights[name]))
+      setattr(self, name, _make_param(weights[name], name, placement))
 
   def values(self, names) -> dict[str, jax.Array]:
     return {name: getattr(self, name)[...] for name in names}
@@ -162,6 +167,11 @@ class EagleDrafter(nnx.Module):
     - `fuse(features [B, T, F]) -> hidden [B, T, D]`.
     - `__call__(tokens [B, T], hidden [B, T, D], positions [B, T], cache, *, logits_at=None)
       -> (logits float32 [B, T or 1, V], hidden [B, T, D], cache)`.
+
+  Many devices: `specdec_jax.models.shard(drafter, mesh)` places it like the
+  target (heads, MLP and the head's vocabulary rows over "model"; the
+  borrowed embedding and head become the drafter's own placed copies);
+  `partitioning` then says what is split, as for `Transformer`.
 
   Args:
     config: an `EagleConfig`.
@@ -194,6 +204,8 @@ class EagleDrafter(nnx.Module):
     if vd:
       self.draft_vocab = nnx.Variable(jnp.arange(vd, dtype=jnp.int32))  # [Vd] token ids
     self.head = TargetWeight(self.embed[...][:vd] if vd else self.embed[...])  # [Vd or V, D] rows of the head
+    # What `sharding.shard` split over a mesh's model axis; None: never sharded (the program has no constraints).
+    self.partitioning: Partitioning | None = None
 
   # --- construction ----------------------------------------------------------
 
@@ -301,6 +313,34 @@ class EagleDrafter(nnx.Module):
       out["draft_vocab"] = self.draft_vocab[...]
     return {k: np.asarray(v) for k, v in out.items()}
 
+  # --- many devices --------------------------------------------------------------
+
+  def _shard(self, mesh: jax.sharding.Mesh) -> EagleDrafter:
+    """`sharding.shard` for the drafter: its parameters and the target's embedding/head placed on `mesh`.
+
+    The same rules as the transformer's (`specdec_jax.models.sharding`); the
+    drafter's projections are separate matrices already. The head's rows (the
+    draft vocabulary, Vd) are split only when both V and Vd divide.
+    """
+    config, c = self.config, self.config.layers
+    m = sharding.model_axis_size(mesh)
+    part = Partitioning.for_shapes(model_size=m, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, d_ff=c.d_ff,
+                                   vocab_size=c.vocab_size)
+    part = dataclasses.replace(part, vocab=part.vocab and self.head[...].shape[0] % m == 0)
+    placement = (mesh, part, 0)
+    drafter = nnx.eval_shape(lambda: EagleDrafter(config, rngs=nnx.Rngs(0)))  # the structure, no random numbers
+    drafter.fc = _make_param(self.fc[...], "fc", placement)
+    drafter.first = _Params(self.first.values(_FIRST_PARAMS), _FIRST_PARAMS, placement)
+    if c.num_layers > 1:
+      drafter.rest = _Params(self.rest.values(_LAYER_PARAMS), _LAYER_PARAMS, (mesh, part, 1))
+    drafter.final_norm = _make_param(self.final_norm[...], "final_norm", placement)
+    drafter.embed = sharding.param(self.embed[...], mesh, part.param_spec("embed"), TargetWeight)
+    drafter.head = sharding.param(self.head[...], mesh, part.param_spec("head"), TargetWeight)
+    if config.draft_vocab_size:
+      drafter.draft_vocab = sharding.param(self.draft_vocab[...], mesh, (), nnx.Variable)
+    drafter.partitioning = part
+    return drafter
+
   # --- protocol ----------------------------------------------------------------
 
   @property
@@ -319,7 +359,7 @@ class EagleDrafter(nnx.Module):
         raise ValueError(f"{name} must be a positive int, got {value!r}.")
     c = self.config.layers
     shape = (c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim)
-    return KVCache(k=jnp.zeros(shape, c.dtype), v=jnp.zeros(shape, c.dtype))
+    return constrain_cache(self.partitioning, KVCache(k=jnp.zeros(shape, c.dtype), v=jnp.zeros(shape, c.dtype)))
 
   def copy_cache_slots(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copies keys/values from slots `src` [B, M] to `dst` [B, M], as `Transformer.copy_cache_slots`.
@@ -398,6 +438,8 @@ class EagleDrafter(nnx.Module):
     ctx = AttentionContext.create(positions, cache.max_length, c, cache_slots=cache_slots,
                                   attention_mask=attention_mask)
     emb = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)
+    if self.partitioning is not None:
+      emb = sharding.constrain_rows(emb)  # whole on the model axis, as in Transformer
     x = hidden.astype(c.dtype)
     p = self.first.values(_FIRST_PARAMS)
     attn_in = jnp.concatenate([rms_norm(emb, p["input_norm"], c.rms_norm_eps),
@@ -415,7 +457,11 @@ class EagleDrafter(nnx.Module):
       ids = jnp.arange(1, c.num_layers, dtype=jnp.int32)
       (x, k_cache, v_cache), _ = jax.lax.scan(block, (x, k_cache, v_cache), (self.rest.values(_LAYER_PARAMS), ids))
     out = x if logits_at is None else jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
-    return self.full_logits(self.head_logits(out)), x, KVCache(k=k_cache, v=v_cache)
+    logits = self.full_logits(self.head_logits(out))
+    # Vocabulary-split like the target's logits.
+    if self.partitioning is not None:
+      logits = sharding.constrain(logits, self.partitioning.logits_spec())
+    return logits, x, constrain_cache(self.partitioning, KVCache(k=k_cache, v=v_cache))
 
   def head_logits(self, x: jax.Array) -> jax.Array:
     """Final norm and head on hiddens [..., D] -> float32 logits over the draft vocabulary [..., Vd or V]."""

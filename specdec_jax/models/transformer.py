@@ -33,6 +33,14 @@ updated in place. Inside the model the query/key/value projections are one
 matrix `wqkv` and the gate/up projections one matrix `w_gate_up` (one matmul
 each instead of three and two); the weights interface (`weight_shapes`,
 `from_weights`, `to_weights`, the files) keeps them separate.
+
+Many devices: `specdec_jax.models.shard(model, mesh)` returns the model placed
+on a mesh, tensor parallel over its "model" axis (heads, MLP, vocabulary) and
+replicated over "data"; a projection it splits is held as separate matrices
+(`wq`, `wk`, `wv`; `w_gate`, `w_up`). Such a model (`partitioning` set)
+constrains its KV cache to rows over "data" and heads over "model", and its
+logits to `P("data", None, "model")`, under the ambient `jax.set_mesh`
+(`specdec_jax/models/sharding.py` has the rules and why).
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specdec_jax.models import sharding
 from specdec_jax.models.config import TransformerConfig
+from specdec_jax.models.sharding import Partitioning, relayout
 
 # Per-layer parameters, in the order of the weights interface ("layers.<name>").
 _LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -64,13 +74,9 @@ def fuse_projections(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def split_projections(fused: Mapping[str, np.ndarray], config: TransformerConfig) -> dict[str, np.ndarray]:
-  """The inverse of `fuse_projections` (exact: slicing)."""
-  q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-  out = {name: fused[name] for name in _FUSED_PARAMS if name not in _FUSED_FROM}
-  wqkv, w_gate_up = fused["wqkv"], fused["w_gate_up"]
-  out.update(wq=wqkv[..., :q], wk=wqkv[..., q:q + kv], wv=wqkv[..., q + kv:],
-             w_gate=w_gate_up[..., :config.d_ff], w_up=w_gate_up[..., config.d_ff:])
-  return out
+  """The inverse of `fuse_projections` (exact: slicing); projections already separate pass through."""
+  return relayout(fused, q_width=config.num_heads * config.head_dim, kv_width=config.num_kv_heads * config.head_dim,
+                  d_ff=config.d_ff, fuse_attention=False, fuse_mlp=False)
 
 
 @flax.struct.dataclass
@@ -184,16 +190,32 @@ def random_weights(shapes: tuple[tuple[str, tuple[int, ...]], ...], num_layers: 
   return weights
 
 
-class _Block(nnx.Module):
-  """One decoder block's parameters (`_FUSED_PARAMS`), for the unrolled layout."""
+def _make_param(value, name: str, placement):
+  """An `nnx.Param`, placed and annotated by `placement` = (mesh, Partitioning, leading axes) when sharding."""
+  if placement is None:
+    return nnx.Param(value)
+  mesh, part, lead = placement
+  return sharding.param(value, mesh, (None,) * lead + part.param_spec(name))
 
-  def __init__(self, weights: Mapping[str, jax.Array]):
-    for name in _FUSED_PARAMS:
-      setattr(self, name, nnx.Param(weights[name]))
+
+class _Block(nnx.Module):
+  """One decoder block's parameters, for the unrolled layout.
+
+  Projections fused (`_FUSED_PARAMS`) as the model builds them, or some of them
+  separate (`wq`, `wk`, `wv`; `w_gate`, `w_up`) where `sharding.shard` splits them.
+  """
+
+  def __init__(self, weights: Mapping[str, jax.Array], placement=None):
+    self.names = tuple(weights)  # static: which layout this block holds
+    for name, value in weights.items():
+      setattr(self, name, _make_param(value, name, placement))
+
+  def values(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name)[...] for name in self.names}
 
 
 class _LayerStack(nnx.Module):
-  """All decoder blocks' parameters, projections fused (`_FUSED_PARAMS`).
+  """All decoder blocks' parameters, projections fused (`_FUSED_PARAMS`) unless sharding split them.
 
   Under `scan_layers` each parameter is one array with a leading [L] axis,
   which `lax.scan` slices. Unrolled, each block owns its arrays (`block0`,
@@ -201,12 +223,26 @@ class _LayerStack(nnx.Module):
   of every layer's weights per step on XLA:CPU (a SmolLM2 step on a 2-core
   CPU: 46 ms under scan, 126 ms unrolled over slices, 31 ms unrolled over
   per-block arrays).
+
+  Args:
+    layers: the stacked [L, ...] parameters by name, or (unrolled layout
+      only) one dict of unstacked parameters per block.
+    config: the model configuration.
+    placement: None, or (mesh, Partitioning, 0) to place and annotate every
+      parameter (`sharding.shard`).
   """
 
-  def __init__(self, weights: Mapping[str, jax.Array], config: TransformerConfig):
-    fused = fuse_projections({name: weights[f"layers.{name}"] for name in _LAYER_PARAMS})
-    for name, value in self.pure_dict(fused, config).items():  # "wqkv", ... or "block0", ...
-      setattr(self, name, nnx.Param(value) if config.scan_layers else _Block(value))
+  def __init__(self, layers, config: TransformerConfig, placement=None):
+    if config.scan_layers:
+      self.names = tuple(layers)
+      lead = None if placement is None else placement[:2] + (1,)  # the [L] axis stays whole
+      for name, value in layers.items():
+        setattr(self, name, _make_param(value, name, lead))
+      return
+    if isinstance(layers, Mapping):
+      layers = [{name: value[i] for name, value in layers.items()} for i in range(config.num_layers)]
+    for i, block in enumerate(layers):
+      setattr(self, f"block{i}", _Block(block, placement))
 
   @staticmethod
   def pure_dict(fused: Mapping[str, jax.Array], config: TransformerConfig) -> dict:
@@ -216,15 +252,19 @@ class _LayerStack(nnx.Module):
     return {f"block{i}": {name: fused[name][i] for name in _FUSED_PARAMS} for i in range(config.num_layers)}
 
   def stacked(self, config: TransformerConfig) -> dict[str, jax.Array]:
-    """The fused parameters stacked on a leading [L] axis (what `lax.scan` reads; a copy when unrolled)."""
+    """The parameters stacked on a leading [L] axis (what `lax.scan` reads; a copy when unrolled)."""
     if config.scan_layers:
-      return {name: getattr(self, name)[...] for name in _FUSED_PARAMS}
-    return {name: jnp.stack([self.block(i)[name] for i in range(config.num_layers)]) for name in _FUSED_PARAMS}
+      return {name: getattr(self, name)[...] for name in self.names}
+    blocks = self.blocks(config)
+    return {name: jnp.stack([block[name] for block in blocks]) for name in blocks[0]}
+
+  def blocks(self, config: TransformerConfig) -> list[dict[str, jax.Array]]:
+    """Every block's parameters (unrolled layout)."""
+    return [self.block(i) for i in range(config.num_layers)]
 
   def block(self, i: int) -> dict[str, jax.Array]:
     """Block i's parameters (unrolled layout)."""
-    blk = getattr(self, f"block{i}")
-    return {name: getattr(blk, name)[...] for name in _FUSED_PARAMS}
+    return getattr(self, f"block{i}").values()
 
 
 class Transformer(nnx.Module):
@@ -232,6 +272,12 @@ class Transformer(nnx.Module):
 
   Implements the model protocol of the decoding loop: `init_cache` and
   `__call__(tokens, positions, cache)`.
+
+  Attributes:
+    config: the `TransformerConfig`.
+    partitioning: None, or for a model from `specdec_jax.models.shard` the
+      `Partitioning` saying what is split over the mesh's "model" axis (heads,
+      MLP, vocabulary). Static: it rides in the NNX graph definition.
 
   Args:
     config: the model configuration.
@@ -254,10 +300,12 @@ class Transformer(nnx.Module):
     self.config = config
     weights = _random_weights(config, rngs.params())
     self.embed = nnx.Param(weights["embed"])  # [V, D]
-    self.layers = _LayerStack(weights, config)
+    self.layers = _LayerStack(fuse_projections({name: weights[f"layers.{name}"] for name in _LAYER_PARAMS}), config)
     self.final_norm = nnx.Param(weights["final_norm"])  # [D]
     if not config.tie_embeddings:
       self.lm_head = nnx.Param(weights["lm_head"])  # [D, V]
+    # What `sharding.shard` split over a mesh's model axis; None: never sharded (the program has no constraints).
+    self.partitioning: Partitioning | None = None
 
   # --- weights interface (shared with the GGUF loader) ----------------------
 
@@ -323,6 +371,30 @@ class Transformer(nnx.Module):
     out.update({f"layers.{name}": w for name, w in split_projections(fused, self.config).items()})
     return out
 
+  # --- many devices --------------------------------------------------------------
+
+  def _shard(self, mesh: jax.sharding.Mesh) -> Transformer:
+    """`sharding.shard` for a transformer: the parameters placed on `mesh` (a new model; self is unchanged)."""
+    c = self.config
+    part = Partitioning.for_shapes(model_size=sharding.model_axis_size(mesh), num_heads=c.num_heads,
+                                   num_kv_heads=c.num_kv_heads, d_ff=c.d_ff, vocab_size=c.vocab_size)
+    placement = (mesh, part, 0)
+    # A projection split over devices is held as separate matrices (the sharding module explains why).
+    layout = {"q_width": c.num_heads * c.head_dim, "kv_width": c.num_kv_heads * c.head_dim, "d_ff": c.d_ff,
+              "fuse_attention": not part.heads, "fuse_mlp": not part.mlp}
+    if c.scan_layers:
+      layers = relayout(self.layers.stacked(c), **layout)
+    else:
+      layers = [relayout(block, **layout) for block in self.layers.blocks(c)]
+    model = nnx.eval_shape(lambda: Transformer(c, rngs=nnx.Rngs(0)))  # the structure, without random numbers
+    model.embed = _make_param(self.embed[...], "embed", placement)
+    model.layers = _LayerStack(layers, c, placement)
+    model.final_norm = _make_param(self.final_norm[...], "final_norm", placement)
+    if not c.tie_embeddings:
+      model.lm_head = _make_param(self.lm_head[...], "lm_head", placement)
+    model.partitioning = part
+    return model
+
   # --- model protocol ---------------------------------------------------------
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -343,7 +415,7 @@ class Transformer(nnx.Module):
         raise ValueError(f"{name} must be a positive int, got {value!r}.")
     c = self.config
     shape = (c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim)
-    return KVCache(k=jnp.zeros(shape, c.dtype), v=jnp.zeros(shape, c.dtype))
+    return constrain_cache(self.partitioning, KVCache(k=jnp.zeros(shape, c.dtype), v=jnp.zeros(shape, c.dtype)))
 
   @property
   def max_length(self) -> int | None:
@@ -421,7 +493,11 @@ class Transformer(nnx.Module):
     c = self.config
     if return_features and not c.feature_layers:
       raise ValueError("return_features=True needs TransformerConfig.feature_layers (the blocks to return).")
+    # With a vocabulary-parallel embedding each device looks up the ids in its rows and
+    # XLA sums the partial lookups; the result is whole on the model axis, split by rows.
     x = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)  # [B, T, D]
+    if self.partitioning is not None:
+      x = sharding.constrain_rows(x)
     ctx = AttentionContext.create(positions, cache.max_length, c, cache_slots=cache_slots,
                                   attention_mask=attention_mask)
 
@@ -448,7 +524,10 @@ class Transformer(nnx.Module):
     lm_head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]  # [D, V]
     # Accumulate the logits in float32 whatever the compute dtype.
     logits = jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
-    cache = KVCache(k=k_cache, v=v_cache)
+    # Vocabulary-parallel logits stay split, [B, T, V] as P("data", None, "model"), for the sampler.
+    if self.partitioning is not None:
+      logits = sharding.constrain(logits, self.partitioning.logits_spec())
+    cache = constrain_cache(self.partitioning, KVCache(k=k_cache, v=v_cache))
     if not return_features:
       return logits, cache
     features = jnp.concatenate([outs[i] for i in c.feature_layers], axis=-1)  # [B, T, F]
@@ -491,6 +570,17 @@ class Transformer(nnx.Module):
         raise ValueError(
             f"{name} must have dtype {c.dtype} (config.dtype), got {jnp.result_type(a)}."
         )
+
+
+def constrain_cache(part: Partitioning | None, cache: KVCache) -> KVCache:
+  """A sharded model's cache: rows over "data", heads over "model" where they are split (`Partitioning.cache_spec`).
+
+  `part` None (a model never sharded): the cache as it is, so that model's program does not change.
+  """
+  if part is None:
+    return cache
+  spec = part.cache_spec()
+  return KVCache(k=sharding.constrain(cache.k, spec), v=sharding.constrain(cache.v, spec))
 
 
 def check_tree_args(tokens, cache_slots, attention_mask, max_length: int) -> None:
@@ -598,15 +688,25 @@ def attention_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ct
   k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
   v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
   q, k = _apply_rope(q, ctx.cos, ctx.sin), _apply_rope(k, ctx.cos, ctx.sin)
-  # Scatter into the loop-carried cache: B*T rows are written and XLA
-  # updates the carry in place. (Indices split by a slice, so the indexed
-  # shape is [B, T, Hkv, Dh], like k's.)
-  k_cache = k_cache.at[i, ctx.rows, :, ctx.slots].set(k, mode="drop")
-  v_cache = v_cache.at[i, ctx.rows, :, ctx.slots].set(v, mode="drop")
+  k_cache = _write_slots(k_cache, i, ctx, k)
+  v_cache = _write_slots(v_cache, i, ctx, v)
   k_all = jnp.swapaxes(k_cache[i], 1, 2)  # [B, S, Hkv, Dh]
   v_all = jnp.swapaxes(v_cache[i], 1, 2)
   attn = jax.nn.dot_product_attention(q, k_all, v_all, mask=ctx.mask)  # [B, T, H, Dh]
   return x + attn.reshape(b, t, qd) @ p["wo"], k_cache, v_cache
+
+
+def _write_slots(cache: jax.Array, i, ctx: AttentionContext, new: jax.Array) -> jax.Array:
+  """cache[i, b, :, ctx.slots[b, t]] = new[b, t] for cache [L, B, Hkv, S, Dh], new [B, T, Hkv, Dh] (slot S: dropped)."""
+  if sharding.axis_size(sharding.DATA_AXIS) == 1:
+    # One scatter of B*T rows into the loop-carried cache, which XLA updates in
+    # place. (Indices split by a slice, so the indexed shape is [B, T, Hkv, Dh], like new's.)
+    return cache.at[i, ctx.rows, :, ctx.slots].set(new, mode="drop")
+  # Rows split over the data axis: the same writes as a scatter batched over rows
+  # (vmap gives it batching dimensions), which XLA partitions row by row; the
+  # scatter above made every device all-gather every row's keys and values.
+  layer = jax.vmap(lambda c, s, n: c.at[:, s].set(jnp.swapaxes(n, 0, 1), mode="drop"))(cache[i], ctx.slots, new)
+  return cache.at[i].set(layer)
 
 
 def mlp_block(c: TransformerConfig, x, p):

@@ -1,0 +1,268 @@
+"""The models on a device mesh: data parallel over rows, tensor parallel inside the models.
+
+A mesh has up to two axes, named in `specdec_jax.mesh` (re-exported here):
+
+  - `DATA_AXIS = "data"`: the batch. Rows of the prompts, the KV caches and the
+    decoding loops' state are split over it; every device group holds a whole
+    model (or its tensor-parallel share).
+  - `MODEL_AXIS = "model"`: tensor parallelism (Megatron-style) inside each
+    model, as the table below says.
+
+`shard(model, mesh)` returns the model with every parameter placed by a
+`NamedSharding` on `mesh` and annotated (Flax NNX `out_sharding` metadata, so
+`nnx.get_partition_spec(nnx.state(model))` reports the layout). It works on any
+`Transformer` or `EagleDrafter`, freshly built or loaded (`load_smollm2`,
+`load_smollm2_eagle`), so checkpoints are loaded on one device and then
+sharded. The decoding loops need nothing else: call them under
+`with jax.set_mesh(mesh):` with the sharded models.
+
+What is split over the model axis (m devices), per parameter:
+
+    parameter          shape               split when               spec
+    embed              [V, D]              V % m == 0               ("model", None): vocabulary-parallel
+    lm_head (untied)   [D, V]              V % m == 0               (None, "model")
+    EAGLE head rows    [Vd, D]             V % m == Vd % m == 0     ("model", None)
+    wq, wk, wv         [D, H*Dh|Hkv*Dh]    H % m == Hkv % m == 0    (None, "model"): whole heads per device
+    wo                 [H*Dh, D]           same                     ("model", None)
+    w_gate, w_up       [D, F]              F % m == 0               (None, "model")
+    w_down             [F, D]              same                     ("model", None)
+    norms, EAGLE's fc  -                   never (small)            replicated
+    KV cache           [L, B, Hkv, S, Dh]  rows always, heads when split   (None, "data", "model" | None, None, None)
+
+so the logits, `x @ embed.T` (or `x @ lm_head`), come out split over the
+vocabulary, `[B, T, V]` as `P("data", None, "model")`, and go to the sampler
+as they are. The row-parallel matmuls (`wo` where heads are split, `w_down`)
+end in a sum over devices that XLA inserts (an all-reduce of `[B, T, D]`):
+the only collectives of a block; the embedding lookup adds one per call.
+
+Heads that do not divide. Attention is split only when both the query heads
+and the KV heads divide by m; otherwise every device keeps all heads (the
+attention weights and the KV cache are replicated over the model axis, their
+work repeated) while the MLP and the vocabulary are still split. SmolLM2 has 9
+query and 3 KV heads, which no m in {2, 4, 8} divides, so on those meshes its
+attention is replicated: about 20% of its 135M parameters (wqkv, wo: 26.5M) and the
+whole KV cache on every model-axis device. The alternatives were worse:
+padding the heads (to 12 and 4 for m = 4) changes the parameters' shapes
+(checkpoints, `to_weights`) and spends a third more attention work on zeros,
+and splitting query heads while repeating KV heads needs H % m == 0 too.
+
+Fused projections. On one device the transformer keeps q|k|v as one matrix
+`wqkv` and gate|up as one `w_gate_up` (one matmul each). Split evenly over m
+devices, a fused matrix would give device 0 all the queries and device 1 the
+keys and values, so `shard` keeps a projection fused only where it is not
+split, and otherwise holds its parts (`wq`, `wk`, `wv`; `w_gate`, `w_up`) as
+separate matrices, each split by heads or hidden units. With m = 1 nothing
+changes: a 1-device mesh runs today's program.
+
+Mesh axis types. The models and loops rely on XLA's sharding propagation
+(`jax.sharding.AxisType.Auto`). `make_mesh` builds such a mesh; a mesh with
+Explicit axes (the default of `jax.make_mesh`) works too with the decoding
+loops, which run their program under `jax.sharding.auto_axes`.
+
+Example:
+  >>> mesh = make_mesh(data=2, model=4)  # 8 devices  # doctest: +SKIP
+  >>> model = shard(load_smollm2()[0], mesh)  # doctest: +SKIP
+  >>> with jax.set_mesh(mesh):  # doctest: +SKIP
+  ...   out = generate(model, prompts, lengths, params, key, max_new_tokens=32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+# Re-exported: the axis names and constraints belong to every layer, the models included.
+from specdec_jax.mesh import (
+  AXIS_NAMES,
+  DATA_AXIS,
+  MODEL_AXIS,
+  axis_size,
+  constrain,
+  constrain_rows,
+)
+
+__all__ = ["AXIS_NAMES", "DATA_AXIS", "MODEL_AXIS", "Partitioning", "axis_size", "check_mesh", "constrain",
+           "constrain_rows", "make_mesh", "shard"]
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Partitioning:
+  """What a sharded model splits over the model axis (static: it rides on the model through jit).
+
+  Attributes:
+    model_size: m, devices on the model axis (1: nothing is split).
+    heads: attention heads (wq, wk, wv, wo) and the KV cache's heads are split.
+    mlp: the SwiGLU hidden units (w_gate, w_up, w_down) are split.
+    vocab: the embedding's rows and the output head's columns are split.
+
+  Example:
+    >>> Partitioning.for_shapes(model_size=4, num_heads=9, num_kv_heads=3, d_ff=1536, vocab_size=49152)
+    Partitioning(model_size=4, heads=False, mlp=True, vocab=True)
+  """
+
+  model_size: int
+  heads: bool
+  mlp: bool
+  vocab: bool
+
+  @classmethod
+  def for_shapes(cls, *, model_size: int, num_heads: int, num_kv_heads: int, d_ff: int, vocab_size: int
+                 ) -> Partitioning:
+    """The module docstring's rules: split a part over m devices only where it divides evenly."""
+    m = model_size
+    split = m > 1
+    return cls(model_size=m, heads=split and num_heads % m == 0 and num_kv_heads % m == 0,
+               mlp=split and d_ff % m == 0, vocab=split and vocab_size % m == 0)
+
+  def param_spec(self, name: str) -> tuple[str | None, ...]:
+    """The spec of a per-layer or top-level parameter by name (without a leading layer axis)."""
+    h = MODEL_AXIS if self.heads else None
+    f = MODEL_AXIS if self.mlp else None
+    v = MODEL_AXIS if self.vocab else None
+    specs = {"embed": (v, None), "head": (v, None), "lm_head": (None, v),
+             "wq": (None, h), "wk": (None, h), "wv": (None, h), "wo": (h, None),
+             "w_gate": (None, f), "w_up": (None, f), "w_down": (f, None)}
+    return specs.get(name, ())  # () = replicated (norms, fused projections, fc, draft ids)
+
+  def cache_spec(self) -> tuple[str | None, ...]:
+    """The spec of a `KVCache`'s k and v [L, B, Hkv, S, Dh]."""
+    return (None, DATA_AXIS, MODEL_AXIS if self.heads else None, None, None)
+
+  def logits_spec(self) -> tuple[str | None, ...]:
+    """The spec of logits [B, T, V]: rows over "data", the vocabulary over "model" where it is split."""
+    return (DATA_AXIS, None, MODEL_AXIS if self.vocab else None)
+
+
+def make_mesh(data: int = 1, model: int = 1, *, devices=None) -> jax.sharding.Mesh:
+  """A `data` x `model` mesh of the first data*model devices, with Auto axes (XLA propagates shardings).
+
+  Args:
+    data: devices on the data axis (rows of the batch).
+    model: devices on the model axis (tensor parallelism).
+    devices: the devices to use (default `jax.devices()`); exactly data*model of them are taken.
+
+  Returns:
+    `jax.sharding.Mesh` with axis names ("data", "model").
+
+  Raises:
+    ValueError: a size is not a positive int, or there are fewer than data*model devices.
+
+  Example:
+    >>> make_mesh(data=1, model=1).shape  # doctest: +SKIP
+    OrderedDict([('data', 1), ('model', 1)])
+  """
+  for name, value in (("data", data), ("model", model)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"make_mesh: {name} must be a positive int, got {value!r}.")
+  devices = list(jax.devices() if devices is None else devices)
+  if len(devices) < data * model:
+    raise ValueError(f"make_mesh: data={data} x model={model} needs {data * model} devices, found {len(devices)} "
+                     f"(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices; set it before "
+                     f"JAX starts).")
+  grid = np.asarray(devices[:data * model], dtype=object).reshape(data, model)
+  return jax.sharding.Mesh(grid, AXIS_NAMES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def check_mesh(mesh, where: str = "shard") -> None:
+  """Raises ValueError unless `mesh` is a concrete `jax.sharding.Mesh` whose axes are among ("data", "model")."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(  # noqa: TRY004 (the project's contract: bad arguments are ValueErrors)
+        f"{where}: mesh must be a jax.sharding.Mesh (e.g. specdec_jax.models.make_mesh(data=2, model=4)), "
+        f"got {type(mesh).__name__}.")
+  unknown = [a for a in mesh.axis_names if a not in AXIS_NAMES]
+  if unknown:
+    raise ValueError(f"{where}: mesh axis names must be among {AXIS_NAMES} (batch rows over 'data', tensor "
+                     f"parallelism over 'model'), got {tuple(mesh.axis_names)}.")
+
+
+def model_axis_size(mesh) -> int:
+  """Devices on the model axis of `mesh` (1 when it has none)."""
+  return int(dict(mesh.shape).get(MODEL_AXIS, 1))
+
+
+def place(value: jax.Array, mesh: jax.sharding.Mesh, spec: tuple[str | None, ...]) -> jax.Array:
+  """`value` put on `mesh` split as `spec` (axes the mesh lacks are replicated)."""
+  return jax.device_put(value, NamedSharding(mesh, _spec_on(spec, mesh.axis_names)))
+
+
+def param(value: jax.Array, mesh: jax.sharding.Mesh, spec: tuple[str | None, ...], kind=None):
+  """An NNX variable (`kind`, default `nnx.Param`) holding `value` placed as `spec`, annotated with it.
+
+  The annotation is Flax's `out_sharding` metadata (via `nnx.with_partitioning`),
+  so `nnx.get_partition_spec` reports it; `eager_sharding=False` because the
+  value is already placed, and an NNX merge inside a program must not need a mesh.
+  """
+  from flax import nnx  # the models already import it
+
+  spec = tuple(spec) + (None,) * (np.ndim(value) - len(spec))
+  placed = place(value, mesh, spec)
+  kind = nnx.Param if kind is None else kind
+  return kind(nnx.with_partitioning(lambda: placed, spec, eager_sharding=False)())
+
+
+def _spec_on(spec, axis_names) -> PartitionSpec:
+  return PartitionSpec(*(a if a in axis_names else None for a in spec))
+
+
+def shard(model, mesh: jax.sharding.Mesh):
+  """Places a model's parameters on `mesh`: tensor parallel over "model", replicated over "data".
+
+  Args:
+    model: a `Transformer` or an `EagleDrafter` (built, loaded, or already
+      sharded on another mesh). Not modified.
+    mesh: a `jax.sharding.Mesh` whose axis names are among ("data", "model")
+      (`make_mesh` builds one). Which parts are split follows the module
+      docstring's table: a part whose size the model axis does not divide
+      stays whole on every device.
+
+  Returns:
+    A model of the same class and config holding the placed parameters, with
+    `partitioning` (a `Partitioning`) saying what is split. Its KV caches
+    (`init_cache` under `jax.set_mesh(mesh)`) are split by rows over "data"
+    and, where the heads are, by heads over "model".
+
+  Raises:
+    ValueError: `mesh` is not a Mesh or has other axis names; `model` is not a
+      `Transformer` or `EagleDrafter`.
+
+  Example:
+    >>> mesh = make_mesh(data=2, model=4)  # doctest: +SKIP
+    >>> target = shard(target, mesh)  # doctest: +SKIP
+    >>> target.embed.sharding.spec  # doctest: +SKIP
+    PartitionSpec('model', None)
+  """
+  check_mesh(mesh)
+  shard_fn = getattr(type(model), "_shard", None)
+  if shard_fn is None:
+    raise ValueError(f"shard: model must be a specdec_jax.models Transformer or EagleDrafter, got "
+                     f"{type(model).__name__} (shard your own model's arrays with jax.device_put and "
+                     f"NamedSharding; the loops accept any sharded model).")
+  return shard_fn(model, mesh)
+
+
+def relayout(params: Mapping[str, jax.Array], *, q_width: int, kv_width: int, d_ff: int, fuse_attention: bool,
+             fuse_mlp: bool) -> dict[str, jax.Array]:
+  """One block's (or a stack's) projections fused or separate, as asked (columns on the last axis).
+
+  Fused: "wqkv" = q|k|v and "w_gate_up" = gate|up; separate: "wq", "wk", "wv",
+  "w_gate", "w_up". Exact either way (concatenation and slicing).
+  """
+  import jax.numpy as jnp
+
+  out = dict(params)
+  if "wqkv" in out and not fuse_attention:
+    wqkv = out.pop("wqkv")
+    out.update(wq=wqkv[..., :q_width], wk=wqkv[..., q_width:q_width + kv_width], wv=wqkv[..., q_width + kv_width:])
+  elif "wqkv" not in out and fuse_attention:
+    out["wqkv"] = jnp.concatenate([out.pop("wq"), out.pop("wk"), out.pop("wv")], axis=-1)
+  if "w_gate_up" in out and not fuse_mlp:
+    w = out.pop("w_gate_up")
+    out.update(w_gate=w[..., :d_ff], w_up=w[..., d_ff:])
+  elif "w_gate_up" not in out and fuse_mlp:
+    out["w_gate_up"] = jnp.concatenate([out.pop("w_gate"), out.pop("w_up")], axis=-1)
+  return out
