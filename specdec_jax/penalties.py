@@ -8,14 +8,13 @@ position by position.
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.reductions import LogitsView, _bcast
-from specdec_jax.sampling_params import SamplingParams, _is_concrete, check_bias_ids, check_params
+from specdec_jax.sampling_params import SamplingParams, _is_concrete, check_bias_ids, check_params, static_int
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -61,12 +60,7 @@ class PenaltyState:
     Example:
       >>> PenaltyState.from_prompt(jnp.array([[3, 3, 1]]), jnp.array([2]), 4).prompt_mask   # [[F, F, F, T]]
     """
-    try:
-      v = operator.index(vocab_size)
-    except TypeError:
-      raise ValueError(f"PenaltyState.from_prompt: vocab_size must be a static int >= 1, got {vocab_size!r}") from None
-    if v < 1:
-      raise ValueError(f"PenaltyState.from_prompt: vocab_size must be >= 1, got {v}")
+    v = static_int(vocab_size, "PenaltyState.from_prompt: vocab_size", minimum=1)
     tokens = jnp.asarray(prompt_tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"PenaltyState.from_prompt: prompt_tokens must be an integer [B, P] array, got "

@@ -68,12 +68,7 @@ class SamplingParams:
   @classmethod
   def greedy(cls, batch_size: int) -> "SamplingParams":
     """All-greedy parameters for `batch_size` (an int >= 0) requests."""
-    try:
-      n = operator.index(batch_size)
-    except TypeError:
-      raise ValueError(f"SamplingParams.greedy: batch_size must be an int >= 0, got {batch_size!r}") from None
-    if n < 0:
-      raise ValueError(f"SamplingParams.greedy: batch_size must be an int >= 0, got {n}")
+    n = static_int(batch_size, "SamplingParams.greedy: batch_size", minimum=0)
     return cls.create(np.zeros((n,), np.float32))
 
   @classmethod
@@ -189,6 +184,21 @@ class SamplingParams:
   def has_logit_bias(self) -> bool:
     """Static: whether a logit bias is present (it may still have M = 0 slots)."""
     return self.logit_bias_ids is not None or self.logit_bias_values is not None
+
+
+def static_int(value, name: str, *, minimum: int) -> int:
+  """`value` as a Python int >= minimum, or a ValueError naming `name` (a static size, never a traced array).
+
+  Example:
+    >>> static_int(np.int64(4), "f: vocab_size", minimum=1)   # 4
+  """
+  try:
+    n = operator.index(value)
+  except TypeError:
+    raise ValueError(f"{name} must be an int >= {minimum} (static: not an array), got {value!r}") from None
+  if n < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {n}")
+  return n
 
 
 def _join_batch(shape: tuple, other: tuple, name: str) -> tuple:

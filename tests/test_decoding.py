@@ -506,6 +506,7 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 17 s on 2 cores: both loops compiled again under x64
 def test_loops_run_under_x64_with_the_same_tokens(greedy_setup):
   target, draft, prompts, lengths, _, _ = greedy_setup
   sampled_prompts, sampled_lengths, params, keys = _sampled_inputs(3)

@@ -212,6 +212,7 @@ def test_explain_predicts_speedup_from_measured_costs(demo):
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # 10 s: times the real model; the cost formula is tested on fakes above
 def test_costs_on_smollm2(demo):
   """Smoke test: the measurement runs on SmolLM2 and its draft (timings are too load-dependent to assert ratios)."""
   import jax.numpy as jnp

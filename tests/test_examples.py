@@ -83,6 +83,7 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
   assert not all(np.array_equal(half[k], straight[k]) for k in straight)  # the last two steps did change them
 
 
+@pytest.mark.slow  # a bench script's smoke run (7 s); CI keeps the examples' own runs
 def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_path):
   """bench/step_profile.py --tiny on the CPU: its variants' forward equals the Transformer's, every row is there."""
   import sys  # noqa: PLC0415

@@ -176,7 +176,8 @@ def _teacher_forced(model, prompts, lengths, out, params_np, mode):
   return want
 
 
-@pytest.mark.parametrize("mode", ["raw", "processed"])
+# "raw" is slow-marked: CI checks it in the loops with options (test_option_loops.py).
+@pytest.mark.parametrize("mode", [pytest.param("raw", marks=pytest.mark.slow), "processed"])
 def test_loops_return_the_targets_logprobs_of_their_tokens(mode):
   """Greedy: both loops give the same tokens and log-probs; sampled: each loop's log-probs are the target's own
   (teacher-forced float64 reference), for mixed temperatures and filters, ragged prompts and EOS inside rounds."""

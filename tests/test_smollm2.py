@@ -166,6 +166,7 @@ def test_greedy_capital_of_france_is_paris(smollm2_model, prompt_ids, prompt_log
   assert tokenizer.decode([next_id]) == " Paris"
 
 
+@pytest.mark.slow  # 8 s; CI checks the loaded model through the greedy equalities and the NumPy reference
 def test_loss_on_python_source_is_sane_and_discriminates(smollm2_model, forward):
   """~2 nats/token on real code; a model that skips the Q/K un-permute is far worse."""
   model, tokenizer = smollm2_model
@@ -308,7 +309,9 @@ def _right_padded(tokenizer, texts):
   return ids, prompts, lengths
 
 
-@pytest.mark.parametrize("drafter", ["shipped_draft", "prompt_lookup", "shipped_eagle"])
+# The shipped draft model is the slowest drafter here and the least used: CI runs the other two.
+@pytest.mark.parametrize("drafter", [pytest.param("shipped_draft", marks=pytest.mark.slow), "prompt_lookup",
+                                     "shipped_eagle"])
 def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafter):
   # The shipped draft (loaded from its default path) and prompt lookup, on a
   # chat prompt and a code prompt of different lengths in one batch: float32
@@ -378,6 +381,7 @@ def test_eagle_loader_errors_name_the_file(tmp_path):
     smollm2.load_smollm2_eagle(dtype=None)
 
 
+@pytest.mark.slow  # 20 s on 2 cores; the float32 greedy equalities above run in CI
 def test_bf16_greedy_speculative_differs_from_plain_only_at_near_ties():
   # The contract (docs/api.md): in bf16 a T=1 step and a T=K+1 verification round differently, so
   # greedy speculative decoding may leave plain greedy decoding, but only where the
