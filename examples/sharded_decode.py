@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models import load_smollm2, load_smollm2_eagle, make_mesh, shard
-from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, smollm2_tokenizer
+from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
 
 # SmolLM2-135M's context (tokens); tests/test_demo.py checks the other demo's copy against the config.
 MAX_CONTEXT = 8192
@@ -153,15 +153,6 @@ def difference_note(greedy: bool, dtype: str) -> str:
   if greedy:
     return f" ({dtype}: the different order of sums flipped a near-tie between the top two logits)"
   return " (sampled: a near-tie flipped by float rounding; the distribution is the same)"
-
-
-def encode_prompts(tokenizer, texts):
-  """Right-padded int32 [B, P] tokens and int32 [B] lengths."""
-  ids = [tokenizer.encode(t).ids for t in texts]
-  tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
-  for r, x in enumerate(ids):
-    tokens[r, :len(x)] = x
-  return tokens, np.asarray([len(x) for x in ids], np.int32)
 
 
 def timed(label, fn):

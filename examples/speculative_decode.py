@@ -52,7 +52,7 @@ from tqdm import tqdm
 from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models import load_smollm2, load_smollm2_draft
-from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, smollm2_tokenizer
+from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
 
 # SmolLM2-135M's context length (tokens): prompt, generated tokens and the K+1
 # verification slots must fit in it. The same as `smollm2_config().max_length`
@@ -184,15 +184,6 @@ def load_drafters(names, dtype) -> dict:
     print("[using the prompt-lookup drafter, which needs no weights]")
     drafters["prompt lookup"] = PromptLookupDrafter(ngram_size=(3, 2))
   return drafters
-
-
-def encode_prompts(tokenizer, texts):
-  """Right-padded int32 [B, P] tokens and int32 [B] lengths."""
-  ids = [tokenizer.encode(t).ids for t in texts]
-  tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
-  for r, x in enumerate(ids):
-    tokens[r, :len(x)] = x
-  return tokens, np.asarray([len(x) for x in ids], np.int32)
 
 
 def model_call_program(model, num_tokens: int, max_length: int, calls: int):

@@ -181,12 +181,7 @@ def _check_penalty_args(shape, params, state, draft_tokens, where):
     if state is None:
       raise ValueError(f"{where}: params carry penalties (repetition/frequency/presence_penalty), so a "
                        "PenaltyState (state) is needed")
-    if not isinstance(state, PenaltyState):
-      raise ValueError(f"{where}: state must be a PenaltyState, got {type(state).__name__}")
-    for name in ("prompt_mask", "output_counts"):
-      if jnp.shape(getattr(state, name)) != (b, v):
-        raise ValueError(f"{where}: state.{name} must have shape [B, V]=({b}, {v}), got "
-                         f"{jnp.shape(getattr(state, name))}")
+    _check_state(state, b, v, where, "state")
 
 
 def penalized_view(logits: jax.Array, params: SamplingParams, state: PenaltyState | None = None,
@@ -307,14 +302,18 @@ def penalty_params(params: SamplingParams, penalty_state: PenaltyState | None, b
   if penalty_state is None:
     _check_neutral_penalties(params, where)
     return dataclasses.replace(params, repetition_penalty=None, frequency_penalty=None, presence_penalty=None)
-  if not isinstance(penalty_state, PenaltyState):
-    raise ValueError(f"{where}: penalty_state must be a PenaltyState, got {type(penalty_state).__name__}")
-  for name in ("prompt_mask", "output_counts"):
-    shape = jnp.shape(getattr(penalty_state, name))
-    if shape != (batch_size, vocab_size):
-      raise ValueError(f"{where}: penalty_state.{name} must have shape [B, V]=({batch_size}, {vocab_size}), got "
-                       f"{shape}")
+  _check_state(penalty_state, batch_size, vocab_size, where, "penalty_state")
   return params
+
+
+def _check_state(state, b: int, v: int, where: str, name: str) -> None:
+  """Trace-time check that `state` (the argument called `name`) is a PenaltyState of [b, v] arrays."""
+  if not isinstance(state, PenaltyState):
+    raise ValueError(f"{where}: {name} must be a PenaltyState, got {type(state).__name__}")
+  for field in ("prompt_mask", "output_counts"):
+    shape = jnp.shape(getattr(state, field))
+    if shape != (b, v):
+      raise ValueError(f"{where}: {name}.{field} must have shape [B, V]=({b}, {v}), got {shape}")
 
 
 def _check_neutral_penalties(params: SamplingParams, where: str) -> None:

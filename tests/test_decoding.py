@@ -408,16 +408,26 @@ def test_outputs_are_pytrees():
 SMALL_V, N_ROWS, TEMPERATURE, TOP_K = 8, 20000, 0.8, 6
 
 
-def _exact_joint(target, prompt):
-  """p(x1, x2, x3 | prompt), flattened [V^3], from full forwards without cache reuse."""
+def continuation_logits(target, prompt):
+  """The target's logits at positions P-1, P, P+1 of prompt + (x1, x2), for every (x1, x2): [V*V, 3, V].
+
+  Rows are x1-major; from full forwards without cache reuse. Position P-1 scores
+  x1, P scores x2 given x1, P+1 scores x3 given x1 and x2.
+  """
   v = SMALL_V
   x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
   seqs = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], axis=1)
   n, t = seqs.shape
   logits, _ = target(jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(t)[None, :], (n, t)),
                      target.init_cache(n, t))
-  # Positions P-1, P, P+1 give p(x1), p(x2 | x1), p(x3 | x1, x2); float64 reference processing.
-  probs = reference_probs(np.asarray(logits)[:, -3:], TEMPERATURE, top_k=TOP_K)
+  return np.asarray(logits)[:, -3:]
+
+
+def _exact_joint(target, prompt):
+  """p(x1, x2, x3 | prompt), flattened [V^3], from full forwards without cache reuse."""
+  v = SMALL_V
+  # p(x1), p(x2 | x1), p(x3 | x1, x2) with float64 reference processing.
+  probs = reference_probs(continuation_logits(target, prompt), TEMPERATURE, top_k=TOP_K)
   p1 = probs[0, 0]  # [V]
   p2 = probs[:, 1].reshape(v, v, v)[:, 0]  # [x1, x2]: any x2 row serves, it is not yet seen
   p3 = probs[:, 2].reshape(v, v, v)  # [x1, x2, x3]

@@ -32,7 +32,8 @@ from specdec_jax import PromptLookupDrafter, SamplingParams, decoding, generate,
 from specdec_jax.sampling import apply_penalties
 from tests import sampling_reference as ref
 from tests.stats import ALPHA, assert_gof, chisquare_gof
-from tests.test_decoding import N_ROWS, SMALL_V, TinyLM, _check_output, _prompts, assert_first_tokens_follow
+from tests.test_decoding import (N_ROWS, SMALL_V, TinyLM, _check_output, _prompts, assert_first_tokens_follow,
+                                 continuation_logits)
 from tests.test_sampling_options import _rows_params
 
 V, P, MAX_NEW, K = 32, 7, 16, 3
@@ -300,12 +301,7 @@ def _exact_joint_with_penalties(target, options=SAMPLED_OPTIONS):
   speculative loop, x2 is a draft of the round that emits x3).
   """
   v = SMALL_V
-  x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
-  seqs = np.concatenate([np.tile(PROMPT, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], axis=1)
-  n, t = seqs.shape
-  logits, _ = target(jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(t)[None, :], (n, t)),
-                     target.init_cache(n, t))
-  logits = np.asarray(logits, np.float64)[:, -3:].reshape(v, v, 3, v)  # [x1, x2, position, V]
+  logits = continuation_logits(target, PROMPT).astype(np.float64).reshape(v, v, 3, v)  # [x1, x2, position, V]
 
   def law(row, generated):
     return np.exp(ref.processed_log_probs(row, temperature=1.0, prompt_tokens=PROMPT, generated_tokens=generated,

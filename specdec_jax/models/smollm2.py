@@ -209,6 +209,19 @@ def smollm2_tokenizer():
     return gguf_loader.tokenizer_from_gguf(smollm2_gguf_path())
 
 
+def encode_prompts(tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+  """Texts as a right-padded prompt batch: int32 [B, P] tokens (0 after each row's end) and int32 [B] lengths.
+
+  Example:
+    >>> tokens, lengths = encode_prompts(smollm2_tokenizer(), ["Hi", "The capital of France is"])  # doctest: +SKIP
+  """
+  ids = [tokenizer.encode(t).ids for t in texts]
+  tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
+  for r, x in enumerate(ids):
+    tokens[r, :len(x)] = x
+  return tokens, np.asarray([len(x) for x in ids], np.int32)
+
+
 def load_smollm2(dtype: Any = jnp.float32) -> tuple[Transformer, Any]:
   """Loads SmolLM2-135M-Instruct as a `Transformer` and its tokenizer.
 
