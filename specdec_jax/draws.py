@@ -34,7 +34,7 @@ def categorical_from_log_weights(key: jax.Array, log_w: jax.Array) -> jax.Array:
   return categorical_with_empty(key, log_w)[0]
 
 
-def categorical_with_empty(key: jax.Array, log_w: jax.Array):
+def categorical_with_empty(key: jax.Array, log_w: jax.Array, shards=None):
   """`categorical_from_log_weights`, plus bool[B]: rows with no finite weight.
 
   An empty row's index is meaningless; the flag comes from the chunk masses
@@ -42,7 +42,12 @@ def categorical_with_empty(key: jax.Array, log_w: jax.Array):
 
   Args:
     key: typed keys [B] (one per row).
-    log_w: f32[B, V] unnormalised log-weights; -inf = impossible.
+    log_w: f32[B, V] unnormalised log-weights; -inf = impossible (this
+      device's [B, V/m] under `shards`).
+    shards: a `vocab_parallel.VocabShards` inside the samplers' shard_map, or
+      None. Split, each device reduces its own chunks; the chunk masses are
+      gathered and the chosen chunk's owner draws inside it: the same token
+      as one device.
 
   Returns:
     (int32[B] indices in [0, V), bool[B] empty-row flags).
@@ -51,19 +56,22 @@ def categorical_with_empty(key: jax.Array, log_w: jax.Array):
     >>> tok, empty = categorical_with_empty(row_keys(jax.random.key(0), 1), jnp.full((1, 4), -jnp.inf))
     >>> empty   # [True]: redraw that row from another distribution
   """
-  b, v = log_w.shape
+  b, v = log_w.shape[0], (log_w.shape[1] if shards is None else shards.vocab)
   c = chunk_size(v)
-  n = -(-v // c)
-  if n * c != v:
+  n = -(-log_w.shape[1] // c)
+  if n * c != log_w.shape[1]:  # (a split vocabulary is always whole chunks)
     log_w = jnp.pad(log_w, ((0, 0), (0, n * c - v)), constant_values=-jnp.inf)
   chunks = log_w.reshape(b, n, c)
   m, s = max_and_sumexp(chunks)
   chunk_logw = jnp.where(s > 0, m + jnp.log(s), -jnp.inf)  # [B, n]
-  tok = draw_from_chunks(key, chunk_logw, lambda ch: jnp.take_along_axis(chunks, ch[:, None, None], axis=1)[:, 0])
+  if shards is not None:
+    chunk_logw = shards.gather(chunk_logw)
+  tok = draw_from_chunks(key, chunk_logw, lambda ch: jnp.take_along_axis(chunks, ch[:, None, None], axis=1)[:, 0],
+                         shards)
   return tok, jnp.all(chunk_logw == -jnp.inf, axis=-1)
 
 
-def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weights) -> jax.Array:
+def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weights, shards=None) -> jax.Array:
   """Two-stage Gumbel-max: a chunk by its mass, then a token inside that chunk.
 
   Exact when `chunk_log_mass` holds each chunk's total weight; only the chosen
@@ -75,6 +83,11 @@ def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weight
     chunk_log_mass: f32[B, n] log of each chunk's total weight.
     chunk_log_weights: function from the chosen chunks int32[B] to their
       unnormalised log-weights f32[B, c] (chunk j covers tokens j*c .. j*c+c-1).
+      Under `shards` it gets this device's local chunk index (chunk - the
+      device's first chunk; 0 where another device owns the chunk).
+    shards: a `vocab_parallel.VocabShards`, or None. The chunk masses are
+      the whole vocabulary's (the same on every device); the owner of the
+      chosen chunk draws inside it and the others add 0.
 
   Returns:
     int32[B] token indices, chunk * c + position inside it.
@@ -88,13 +101,22 @@ def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weight
   k_chunk, k_tok = jax.vmap(lambda k: tuple(jax.random.split(k)), out_axes=(0, 0))(key)
   g_chunk = jax.vmap(lambda k: jax.random.gumbel(k, (n,), jnp.float32))(k_chunk)
   chunk = jnp.argmax(chunk_log_mass + g_chunk, axis=-1)
-  inside = chunk_log_weights(chunk)
+  if shards is None:
+    inside = chunk_log_weights(chunk)
+  else:
+    n_local = n // shards.size
+    local = chunk - jax.lax.axis_index(shards.axis) * n_local
+    mine = (local >= 0) & (local < n_local)
+    inside = chunk_log_weights(jnp.where(mine, local, 0))
   g_tok = jax.vmap(lambda k: jax.random.gumbel(k, (inside.shape[-1],), jnp.float32))(k_tok)
-  return (chunk * inside.shape[-1] + jnp.argmax(inside + g_tok, axis=-1)).astype(jnp.int32)
+  pos = jnp.argmax(inside + g_tok, axis=-1).astype(jnp.int32)
+  if shards is not None:
+    pos = shards.sum(jnp.where(mine, pos, 0))
+  return (chunk * inside.shape[-1] + pos).astype(jnp.int32)
 
 
 def draw_from_chunks_excluding(key: jax.Array, chunk_log_probs: jax.Array, chunk_log_weights, exclude: jax.Array,
-                               exclude_prob: jax.Array, chunk: int) -> jax.Array:
+                               exclude_prob: jax.Array, chunk: int, shards=None) -> jax.Array:
   """`draw_from_chunks` from a distribution with one token per row taken out: p - onehot(d), clipped at 0.
 
   This is the residual of a rejected draft that came without probabilities
@@ -113,6 +135,7 @@ def draw_from_chunks_excluding(key: jax.Array, chunk_log_probs: jax.Array, chunk
       take out nothing.
     exclude_prob: f32[B], p(exclude).
     chunk: c, tokens per chunk (static).
+    shards: as for `draw_from_chunks`.
 
   Returns:
     int32[B] token ids.
@@ -129,8 +152,9 @@ def draw_from_chunks_excluding(key: jax.Array, chunk_log_probs: jax.Array, chunk
   remove = remove & jnp.any(w_res > 0, axis=-1, keepdims=True)  # empty residual: fall back to p
   log_mass = jnp.where(remove, jnp.log(w_res), chunk_log_probs)
 
-  def weights(ch):
-    ids = ch[:, None] * chunk + jnp.arange(chunk)[None, :]
+  def weights(ch):  # ch: the chunk (this device's local index under shards)
+    first = 0 if shards is None else shards.offset()
+    ids = first + ch[:, None] * chunk + jnp.arange(chunk)[None, :]
     return jnp.where(remove & (ids == d), -jnp.inf, chunk_log_weights(ch))
 
-  return draw_from_chunks(key, log_mass, weights)
+  return draw_from_chunks(key, log_mass, weights, shards)

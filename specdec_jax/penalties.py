@@ -185,15 +185,19 @@ def _check_penalty_args(shape, params, state, draft_tokens, where):
 
 
 def penalized_view(logits: jax.Array, params: SamplingParams, state: PenaltyState | None = None,
-                   draft_tokens: jax.Array | None = None) -> LogitsView:
+                   draft_tokens: jax.Array | None = None, vocab_offset: jax.Array | None = None) -> LogitsView:
   """`apply_penalties` as a `LogitsView`: each reader applies steps 1-3 itself, fused into its read.
 
   Same arguments (checked here, at trace time) and values as `apply_penalties`.
+  With `vocab_offset` (int32 scalar), `logits` and the state hold the slice of
+  the vocabulary that starts at that id (inside the samplers' shard_map).
 
   Example:
     >>> view = penalized_view(logits, params, state, draft)      # then sampling.values(view) inside a reader
   """
   _check_penalty_args(logits.shape, params, state, draft_tokens, "penalized_view")
+  if vocab_offset is not None:
+    return LogitsView(raw=logits, args=(params, state, draft_tokens, vocab_offset), fn=_penalize)
   return LogitsView(raw=logits, args=(params, state, draft_tokens), fn=_penalize)
 
 
@@ -202,22 +206,22 @@ def penalized_view(logits: jax.Array, params: SamplingParams, state: PenaltyStat
 _MAX_COMPARED_BIAS = 16
 
 
-def _penalize(logits, params, state, draft_tokens):
-  """The body of `apply_penalties`, without its checks."""
+def _penalize(logits, params, state, draft_tokens, offset=0):
+  """The body of `apply_penalties`, without its checks; logits hold tokens offset .. offset + V - 1."""
   b, v = logits.shape[0], logits.shape[-1]
   x = logits.astype(jnp.float32)
   m = 0 if not params.has_logit_bias else params.logit_bias_ids.shape[1]
   if 0 < m <= _MAX_COMPARED_BIAS:
     # M comparisons against the token id (repeated ids add up): elementwise, so
     # it fuses into the reader instead of writing a [B, V] array.
-    vocab = jax.lax.broadcasted_iota(jnp.int32, (1, v), 1)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, (1, v), 1) + offset
     ids, vals = params.logit_bias_ids.astype(jnp.int32), params.logit_bias_values.astype(jnp.float32)
     bias = sum(jnp.where(ids[:, j:j + 1] == vocab, vals[:, j:j + 1], np.float32(0)) for j in range(m))
     bias = bias.reshape((b,) + (1,) * (x.ndim - 2) + (v,))
     x = _saturate(x + bias, jnp.isfinite(x) & jnp.isfinite(bias))
   elif m > 0:
     # One [B, V] scatter of the M slots (repeated ids add up), broadcast over positions.
-    rows, idx = _scatter_index(params.logit_bias_ids, jnp.ones(params.logit_bias_ids.shape, jnp.bool_), v)
+    rows, idx = _scatter_index(params.logit_bias_ids - offset, jnp.ones(params.logit_bias_ids.shape, jnp.bool_), v)
     bias = jnp.zeros((b, v), jnp.float32).at[rows, idx].add(params.logit_bias_values.astype(jnp.float32),
                                                             mode="drop")
     bias = bias.reshape((b,) + (1,) * (x.ndim - 2) + (v,))
@@ -230,7 +234,7 @@ def _penalize(logits, params, state, draft_tokens):
   if draft_tokens is not None:
     # Position i also counts drafts 0..i-1: K comparisons of broadcast values, no scatter.
     d = jnp.asarray(draft_tokens).astype(jnp.int32)
-    vocab = jax.lax.broadcasted_iota(jnp.int32, (1, 1, v), 2)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, (1, 1, v), 2) + offset
     pos = jax.lax.broadcasted_iota(jnp.int32, (1, x.shape[1], 1), 1)
     for j in range(d.shape[1]):
       n = n + ((d[:, j].reshape(b, 1, 1) == vocab) & (pos > j)).astype(jnp.int32)

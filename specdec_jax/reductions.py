@@ -133,18 +133,19 @@ def scale_logits(logits: jax.Array, temperature: jax.Array, shift: jax.Array | N
   return jnp.where(jnp.isnan(y), -jnp.inf, y)
 
 
-def greedy_argmax(logits: jax.Array):
+def greedy_argmax(logits: jax.Array, shards=None):
   """First index of the largest logit, NaN counted as -inf; 0 for a row with none above -inf.
 
   A single variadic reduction (like `jnp.argmax`, which would pick a NaN): the
   NaN rule lives in the combiner, so no masked copy of the logits is formed.
 
   Args:
-    logits: [..., V], any float dtype.
+    logits: [..., V], any float dtype (this device's slice [..., V/m] under `shards`).
+    shards: a `vocab_parallel.VocabShards` inside the samplers' shard_map, or None.
 
   Returns:
     (int32[...] indices, [...] the max in the logits' dtype; -inf for a row without
-    a usable logit).
+    a usable logit). Under `shards`: global ids and the global max, on every device.
 
   Example:
     >>> greedy_argmax(jnp.array([[1.0, jnp.nan, 3.0]]))[0]   # [2]
@@ -160,7 +161,64 @@ def greedy_argmax(logits: jax.Array):
   iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
   best, idx = jax.lax.reduce((x, iota), (neg_inf, np.int32(np.iinfo(np.int32).max)), combine, (x.ndim - 1,))
   # Every entry -inf or NaN: the index is the first one, 0.
-  return idx.astype(jnp.int32), best
+  idx = idx.astype(jnp.int32)
+  if shards is None:
+    return idx, best
+  # The largest max wins, then the first device holding it (max and min are exact).
+  top = shards.max(best)
+  ids = jnp.where(best == top, idx + shards.offset(), np.int32(np.iinfo(np.int32).max))
+  return shards.min(ids), top
+
+
+def chunk_stats(x: jax.Array, *, with_argmax: bool = False, shards=None):
+  """(max, lse, argmax or None, chunk log-masses [..., n]) of x over its last axis in chunks of `chunk_size(V)`.
+
+  The per-chunk (max, sum of exps[, argmax]) come from one pass (`max_and_sumexp`
+  on [..., n, c]); everything after reads only those n partials. Under
+  `shards` each device reduces its own chunks and the partials are gathered,
+  so the results are bit for bit those of one device.
+
+  Args:
+    x: f32[..., V] (this device's [..., V/m] under `shards`), V a multiple of the chunk size.
+    with_argmax: also the first index of the max.
+    shards: a `vocab_parallel.VocabShards`, or None.
+
+  Returns:
+    (max f32[...], lse f32[...], argmax int32[...] or None, chunk_logw f32[..., n]).
+
+  Example:
+    >>> m, lse, _, chunk_logw = chunk_stats(jnp.zeros((2, 4096)))   # lse = log 4096
+  """
+  v = x.shape[-1] if shards is None else shards.vocab
+  c = chunk_size(v)
+  stats = max_and_sumexp(x.reshape(x.shape[:-1] + (x.shape[-1] // c, c)), with_argmax=with_argmax)
+  m_c, s_c = stats[0], stats[1]
+  chunk_logw = jnp.where(s_c > 0, m_c + jnp.log(s_c), -jnp.inf)
+  first = stats[2] if with_argmax else None
+  if shards is not None:
+    m_c, chunk_logw = shards.gather(m_c), shards.gather(chunk_logw)
+    first = shards.gather(first) if with_argmax else None
+  lse = jax.nn.logsumexp(chunk_logw, axis=-1)
+  am = None
+  if with_argmax:  # first chunk holding the max, first index inside it
+    ch = jnp.argmax(m_c, axis=-1)
+    am = (ch * c + jnp.take_along_axis(first, ch[..., None], axis=-1)[..., 0]).astype(jnp.int32)
+  return jnp.max(m_c, axis=-1), lse, am, chunk_logw
+
+
+def sum_over_vocab(x: jax.Array, shards=None) -> jax.Array:
+  """sum(x, axis=-1), in chunks of `chunk_size(V)` when V is a multiple of it (so that a vocabulary split
+  over devices sums to the same bits: per-chunk sums, gathered, then summed).
+
+  Example:
+    >>> sum_over_vocab(jnp.ones((2, 4096)))   # [4096., 4096.]
+  """
+  v = x.shape[-1] if shards is None else shards.vocab
+  c = chunk_size(v)
+  if x.shape[-1] % c:
+    return jnp.sum(x, axis=-1)
+  part = jnp.sum(x.reshape(x.shape[:-1] + (x.shape[-1] // c, c)), axis=-1)
+  return jnp.sum(part if shards is None else shards.gather(part), axis=-1)
 
 
 def chunk_size(v: int) -> int:

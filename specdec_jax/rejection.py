@@ -69,8 +69,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from specdec_jax import sampling
+from specdec_jax import sampling, vocab_parallel
+from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -229,9 +231,15 @@ def rejection_sample(
     keys = None
   else:
     keys = sampling.row_keys(key, b, "rejection_sample: key")
-  return _rejection_sample(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
-                           num_draft_tokens.astype(jnp.int32), all_greedy=all_greedy, all_random=all_random,
-                           logprobs=logprobs, method=method, penalty_state=penalty_state)
+  shards = vocab_parallel.shards_for(v, b)
+  # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
+  # with Explicit axes made Auto (XLA moves the data).
+  program = functools.partial(_rejection_sample, all_greedy=all_greedy, all_random=all_random, logprobs=logprobs,
+                              method=method, shards=shards)
+  if shards is None:
+    program = auto_axes_if_explicit(program)
+  return program(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
+                 num_draft_tokens.astype(jnp.int32), penalty_state)
 
 
 def _check_args(draft, logits, params, draft_probs, n, all_greedy, all_random):
@@ -338,9 +346,9 @@ def _num_accepted(accept):
   return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
 
 
-def _greedy(draft, logits, live):
+def _greedy(draft, logits, live, shards=None):
   """Argmax-only verification: no exponential, no random numbers."""
-  t, best = sampling.greedy_argmax(logits)  # [B, K+1]; NaN counts as -inf
+  t, best = sampling.greedy_argmax(logits, shards)  # [B, K+1]; NaN counts as -inf
   # A position without any logit above -inf accepts nothing (its "argmax" 0 is no choice).
   num_accepted = _num_accepted((draft == t[:, :-1]) & (best[:, :-1] > -jnp.inf) & live)
   final = jnp.take_along_axis(t, num_accepted[:, None], axis=1)[:, 0]
@@ -391,23 +399,28 @@ class _DraftScores(NamedTuple):
   log_q: jax.Array  # f32: log q_i(d_i) (0 for drafts without probabilities: one-hot q)
 
 
-def _score_drafts(draft, logits, params, stats: sampling.PositionStats, draft_probs) -> _DraftScores:
+def _take(x, ids, shards):
+  """take_along_axis(x, ids, axis=-1); under `shards` from the owner of each id (x: this device's slice)."""
+  return jnp.take_along_axis(x, ids, axis=-1) if shards is None else shards.take(x, ids)
+
+
+def _score_drafts(draft, logits, params, stats: sampling.PositionStats, draft_probs, shards=None) -> _DraftScores:
   """Gathers one logit (and one draft probability) per draft: no pass over the vocabulary."""
-  k, v = draft.shape[1], logits.shape[-1]
+  k, v = draft.shape[1], (logits.shape[-1] if shards is None else shards.vocab)
   valid = (draft >= 0) & (draft < v)
   ids = jnp.where(valid, draft, 0)
-  x_d = sampling.scale_logits(jnp.take_along_axis(sampling.values(logits)[:, :k], ids[..., None], axis=-1),
+  x_d = sampling.scale_logits(_take(sampling.values(logits)[:, :k], ids[..., None], shards),
                               params.temperature, stats.shift[:, :k])[..., 0]
   log_p = jnp.where((x_d >= stats.thr[:, :k]) & (stats.lse[:, :k] > -jnp.inf), x_d - stats.lse[:, :k], -jnp.inf)
   if draft_probs is None:
     log_q = jnp.zeros_like(log_p)
   else:
-    q_d = sampling.valid_probs(jnp.take_along_axis(draft_probs[:, :k], ids[..., None], axis=-1)[..., 0])
+    q_d = sampling.valid_probs(_take(draft_probs[:, :k], ids[..., None], shards)[..., 0])
     log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
   return _DraftScores(ids=ids, valid=valid, log_p=log_p, log_q=log_q)
 
 
-def _block_residual_mass(logits, params, stats, draft_probs, scores: _DraftScores, log_w):
+def _block_residual_mass(logits, params, stats, draft_probs, scores: _DraftScores, log_w, shards=None):
   """R_j = sum_x max(w_j p_j(x) - q_j(x), 0), [B, K+1]; only columns 1..K-1 are computed (the rest 0)."""
   b, k = scores.log_p.shape
   if draft_probs is None:  # q_j one-hot at d_j: R_j = w_j (1 - p_j(d_j)), from the gathered p_j(d_j)
@@ -418,14 +431,15 @@ def _block_residual_mass(logits, params, stats, draft_probs, scores: _DraftScore
     logp_all = jnp.where((x >= stats.thr[:, sl, None]) & (stats.lse[:, sl, None] > -jnp.inf),
                          x - stats.lse[:, sl, None], -jnp.inf)
     q = sampling.valid_probs(draft_probs[:, sl])
-    r = jnp.sum(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), axis=-1)
+    r = sampling.sum_over_vocab(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), shards)
     r = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), r], axis=1)
   else:
     r = jnp.zeros((b, k), jnp.float32)
   return jnp.concatenate([r, jnp.zeros((b, 1), jnp.float32)], axis=1)
 
 
-def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_probs, s, n, log_w, any_filtered):
+def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_probs, s, n, log_w, any_filtered,
+                shards=None):
   """The recovered or bonus token of every row, drawn at its stopping position s [B] (random rows' rule).
 
   Three ways to draw, from the cheapest (see the decision table above):
@@ -435,9 +449,13 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
     overflow shift): read the stopping row (and its draft probabilities) once;
   * redraw from p (a residual with no mass, possible only through rounding):
     read the row once more, under a `lax.cond` run only when some row needs it.
+
+  Under `shards` every draw reads only this device's slice (`sampling.draws`).
   """
-  b, k1, v = logits.shape
+  b, k1, v = logits.shape  # v: this device's tokens under shards
   k = k1 - 1
+  any_ = lambda x: vocab_parallel.any_rows(x, shards)
+  token_ids = jnp.arange(v)[None, :] + (0 if shards is None else shards.offset())
   at_s = lambda a: jnp.take_along_axis(a, s[:, None], axis=1)  # [B, K+1] -> [B, 1]
   thr_s, lse_s, shift_s = at_s(stats.thr), at_s(stats.lse), at_s(stats.shift)[:, 0]
   rejected = (s < n)[:, None]
@@ -453,7 +471,7 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
       return logp_row
     if draft_probs is None:
       # p - onehot(d), clipped at 0, is p with d removed (an id outside [0, V) removes nothing).
-      return jnp.where(rejected & (jnp.arange(v)[None, :] == d_s), -jnp.inf, logp_row)
+      return jnp.where(rejected & (token_ids == d_s), -jnp.inf, logp_row)
     q_row = sampling.valid_probs(jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0])
     if log_w is not None:  # block: the residual is max(w_s p_s - q_s, 0)
       logp_row = logp_row + at_s(log_w)
@@ -462,17 +480,17 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
     return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
 
   def row_draw():
-    tok, empty = sampling.categorical_with_empty(key, stop_log_weights(True))
+    tok, empty = sampling.categorical_with_empty(key, stop_log_weights(True), shards)
     # A residual with no mass falls back to p. The check comes from the draw's own
     # chunk masses; the redraw runs only if needed.
     return jax.lax.cond(
-        jnp.any(empty),
-        lambda: jnp.where(empty, sampling.categorical_from_log_weights(key, stop_log_weights(False)), tok),
+        any_(empty),
+        lambda: jnp.where(empty, sampling.categorical_with_empty(key, stop_log_weights(False), shards)[0], tok),
         lambda: tok)
 
   def chunk_draw():
-    c = sampling.chunk_size(v)
-    n_ch = v // c
+    c = sampling.chunk_size(v if shards is None else shards.vocab)
+    n_ch = v // c  # this device's chunks under shards
     log_pc = jnp.take_along_axis(stats.chunk_log_mass, s[:, None, None], axis=1)[:, 0] - lse_s  # [B, n]
     if k > 0:  # residual p - onehot(d) of a rejected draft
       exclude = jnp.where(rejected[:, 0], d_s[:, 0], -1)
@@ -484,12 +502,12 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
       row = jnp.take_along_axis(sampling.values(logits), s[:, None, None], axis=1).reshape(b, n_ch, c)
       return sampling.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature)
 
-    return sampling.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c)
+    return sampling.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c, shards)
 
   if stats.chunk_log_mass is not None and draft_probs is None:
     # Rows redone by the shift have no chunk masses: they draw from their full row.
     redone_s = at_s(stats.redone)[:, 0]
-    mixed_draw = lambda: jax.lax.cond(jnp.any(redone_s), lambda: jnp.where(redone_s, row_draw(), chunk_draw()),
+    mixed_draw = lambda: jax.lax.cond(any_(redone_s), lambda: jnp.where(redone_s, row_draw(), chunk_draw()),
                                       chunk_draw)
     tok = jax.lax.cond(any_filtered, row_draw, mixed_draw)
   else:
@@ -497,17 +515,18 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
   return jnp.where(lse_s[:, 0] > -jnp.inf, tok, 0)  # nothing to draw from: token 0, as greedy
 
 
-def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token"):
+def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token", shards=None):
   """Random rows (and greedy rows of a mixed batch) in one read of the logits, in four steps."""
-  b, k1, v = logits.shape
+  b, k1 = logits.shape[:2]
+  v = logits.shape[-1] if shards is None else shards.vocab
   k = k1 - 1
   greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
   # 1. Every position's processed distribution: threshold, normaliser, argmax, chunk masses.
   stats = sampling.position_stats(logits, params, greedy=greedy if need_argmax else None, argmax=need_argmax,
-                                  chunks=True)
-  any_filtered = jnp.any(sampling.filter_active(params, v, greedy=greedy))
+                                  chunks=True, shards=shards)
+  any_filtered = vocab_parallel.any_rows(sampling.filter_active(params, v, greedy=greedy), shards)
   # 2. Each draft's log-probability under the target and the draft (gathers only).
-  scores = _score_drafts(draft, logits, params, stats, draft_probs)
+  scores = _score_drafts(draft, logits, params, stats, draft_probs, shards)
   # 3. The accepted prefix: in log space, accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
   k_accept, k_final = jax.vmap(lambda kk: tuple(jax.random.split(kk)), out_axes=(0, 0))(keys)
   u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(k_accept)
@@ -519,36 +538,55 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, met
     log_w = None
   else:
     log_w = _block_log_weights(scores.log_p, scores.log_q, usable)  # [B, K+1]
-    h = _block_stop_probs(jnp.exp(log_w), _block_residual_mass(logits, params, stats, draft_probs, scores, log_w), n)
+    r = _block_residual_mass(logits, params, stats, draft_probs, scores, log_w, shards)
+    h = _block_stop_probs(jnp.exp(log_w), r, n)
     num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & usable), _block_num_accepted(h, u))
   # 4. One token from a full distribution, at the stopping position only.
   final_random = _draw_final(k_final, draft, logits, params, stats, scores, draft_probs, num_accepted, n, log_w,
-                             any_filtered)
+                             any_filtered, shards)
   final = jnp.where(greedy, jnp.take_along_axis(stats.argmax, num_accepted[:, None], axis=1)[:, 0], final_random)
   return _emit(draft, num_accepted, final), dataclasses.replace(stats, chunk_log_mass=None)
 
 
-def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode: str, greedy) -> RejectionOutput:
+def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode: str, greedy,
+                   shards=None) -> RejectionOutput:
   """Adds the emitted tokens' log-probabilities (see `rejection_sample`'s `logprobs`); greedy: bool[B].
 
   raw_logits are the caller's; logits those the sampler used (after bias and penalties, if any).
   """
-  processed = stats.token_log_probs(logits, out.token_ids, params.temperature)
+  processed = stats.token_log_probs(logits, out.token_ids, params.temperature, shards)
   lp = sampling.requested_log_probs(raw_logits if mode == "raw" else logits, out.token_ids, params, processed, mode,
-                                    greedy)
+                                    greedy, shards)
   emitted = jnp.arange(logits.shape[1])[None, :] < out.num_emitted[:, None]
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method"))
-def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy, all_random, logprobs=None,
-                      method="token", penalty_state=None):
+@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method", "shards"))
+def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state=None, *, all_greedy, all_random,
+                      logprobs=None, method="token", shards=None):
+  program = functools.partial(_program, all_greedy=all_greedy, all_random=all_random, logprobs=logprobs,
+                              method=method, shards=shards)
+  if shards is None:
+    return program(draft, logits, params, keys, draft_probs, n, penalty_state)
+  # Each device runs the program on its rows and its slice of the vocabulary.
+  rows = lambda a, ndim=1: P() if a is None else vocab_parallel.row_spec(shards, ndim)
+  vocab = lambda a, ndim: P() if a is None else vocab_parallel.row_spec(shards, ndim, vocab_last=True)
+  in_specs = (rows(draft), vocab(logits, 3), rows(params), rows(keys), vocab(draft_probs, 3), rows(n),
+              vocab(penalty_state, 2))
+  sharded = vocab_parallel.sharded_call(program, in_specs, rows(draft))
+  return sharded(draft, logits, params, keys, draft_probs, n, penalty_state)
+
+
+def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, all_greedy, all_random, logprobs,
+             method, shards):
+  """The whole sampler on one device, or on this device's rows and vocabulary slice under `shards`."""
   raw_logits = logits
   if params.has_logit_bias or params.has_penalties:
     # Steps 1-3 of every position, position i counting drafts 0 .. i-1: a view, so that
     # every read of the logits applies them itself (fused) instead of reading a copy.
-    logits = sampling.penalized_view(logits, params, penalty_state, draft)
-  b, k1, v = logits.shape
+    logits = sampling.penalized_view(logits, params, penalty_state, draft,
+                                     vocab_offset=None if shards is None else shards.offset())
+  b, k1 = logits.shape[:2]
   k = k1 - 1
   n = jnp.clip(n, 0, k)
   live = jnp.arange(k)[None, :] < n[:, None]
@@ -556,20 +594,20 @@ def _rejection_sample(draft, logits, params, keys, draft_probs, n, *, all_greedy
   no_stats = sampling.PositionStats(shift=zeros, thr=zeros, lse=zeros, argmax=jnp.zeros((b, k1), jnp.int32),
                                     redone=jnp.zeros((b, k1), jnp.bool_))  # greedy rows need none
   if all_greedy:
-    out, stats = _greedy(draft, logits, live), no_stats
+    out, stats = _greedy(draft, logits, live, shards), no_stats
   else:
     general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live,
-                                method=method)
+                                method=method, shards=shards)
     if all_random:
       out, stats = general(draft, logits, need_argmax=False)
     else:
       # Run-time shortcut: an all-greedy batch skips the softmax path entirely.
-      out, stats = jax.lax.cond(jnp.all(params.is_greedy),
-                                lambda d, x: (_greedy(d, x, live), no_stats),
+      out, stats = jax.lax.cond(~vocab_parallel.any_rows(~params.is_greedy, shards),
+                                lambda d, x: (_greedy(d, x, live, shards), no_stats),
                                 lambda d, x: general(d, x, need_argmax=True),
                                 draft, logits)
   if logprobs is None:
     return out
   # The static promises decide which rows count as greedy, as they do for the tokens.
   greedy = jnp.full((b,), all_greedy) if all_greedy or all_random else params.is_greedy
-  return _with_logprobs(out, raw_logits, logits, params, stats, logprobs, greedy)
+  return _with_logprobs(out, raw_logits, logits, params, stats, logprobs, greedy, shards)

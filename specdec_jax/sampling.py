@@ -50,10 +50,12 @@ and every function broadcasts the per-request parameters over any middle axes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 # The building blocks live in their own modules (parameters, reductions, penalties,
 # thresholds, draws); the names the rest of the library reads are re-exported here.
@@ -62,12 +64,14 @@ from specdec_jax.draws import (  # noqa: F401
 from specdec_jax.penalties import (  # noqa: F401
     PenaltyState, _modifies_logits, apply_penalties, penalized_view, penalty_params)
 from specdec_jax.reductions import (  # noqa: F401
-    LogitsView, _bcast, chunk_size, greedy_argmax, max_and_sumexp, scale_logits, values)
+    LogitsView, _bcast, chunk_size, chunk_stats, greedy_argmax, max_and_sumexp, scale_logits, sum_over_vocab, values)
 from specdec_jax.sampling_params import (  # noqa: F401
     GREEDY_TEMPERATURE, SamplingParams, check_bias_ids, check_logits_values, check_params, check_probs_values,
     row_keys, valid_probs)
 from specdec_jax.thresholds import (  # noqa: F401
     filter_active, group_top, shift_non_finite_rows, sorted_threshold, threshold_and_lse, top_k_top_p_threshold)
+from specdec_jax.mesh import auto_axes_if_explicit
+from specdec_jax.vocab_parallel import any_rows, row_spec, sharded_call, shards_for
 
 
 # ----------------------------------------------------------------------------
@@ -107,13 +111,13 @@ class PositionStats:
   redone: jax.Array
   chunk_log_mass: jax.Array | None = None
 
-  def token_log_probs(self, logits: jax.Array, tokens: jax.Array, temperature: jax.Array) -> jax.Array:
+  def token_log_probs(self, logits: jax.Array, tokens: jax.Array, temperature: jax.Array, shards=None) -> jax.Array:
     """log p(token) under these statistics, reading one logit per token (see `token_log_probs`)."""
-    return token_log_probs(logits, tokens, temperature, self.shift, self.thr, self.lse)
+    return token_log_probs(logits, tokens, temperature, self.shift, self.thr, self.lse, shards=shards)
 
 
 def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Array | None = None,
-                   argmax: bool = False, chunks: bool = False) -> PositionStats:
+                   argmax: bool = False, chunks: bool = False, shards=None) -> PositionStats:
   """Threshold, normaliser, argmax and chunk masses of every position, in one read of the logits.
 
   The paths, chosen at run time for the whole batch (a row's numbers never
@@ -139,6 +143,9 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
       reduces per chunk of `chunk_size(V)` tokens, which on an H100 is also the
       faster pass; bench/RESULTS.md). Needs V to be a multiple of the chunk
       size, else chunk_log_mass stays None.
+    shards: a `vocab_parallel.VocabShards` inside the samplers' shard_map (the
+      logits are then this device's slice [B, ..., V/m]), or None. The
+      results are the whole vocabulary's, the same on every device.
 
   Returns:
     PositionStats.
@@ -147,15 +154,17 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
     >>> stats = position_stats(logits, params)                    # logits [B, V]
     >>> logp = jnp.where(scale_logits(logits, params.temperature, stats.shift) >= stats.thr[:, None], ...)
   """
-  b, v = logits.shape[0], logits.shape[-1]
+  b, v = logits.shape[0], (logits.shape[-1] if shards is None else shards.vocab)
   lead = logits.shape[:-1]
   need_argmax = argmax and greedy is not None
   greedy = jnp.zeros((b,), jnp.bool_) if greedy is None else greedy
   no_argmax = jnp.zeros(lead, jnp.int32)
   c = chunk_size(v)
-  chunked = chunks and v % c == 0  # else reshaping into chunks would copy the logits
+  # Else reshaping into chunks would copy the logits. A split vocabulary is always chunked.
+  chunked = (chunks and v % c == 0) or shards is not None
   n_ch = v // c if chunked else 1
   t = params.temperature
+  any_ = lambda x: any_rows(x, shards)
   # One predicate decides which rows filter; greedy rows never do.
   filters_on = filter_active(params, v, greedy=greedy)
   min_p = None if params.min_p is None else jnp.where(filters_on, params.min_p, 0.0)
@@ -169,21 +178,14 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
       stats = max_and_sumexp(x, with_argmax=with_argmax)
       lse = stats[0] + jnp.log(stats[1])
       return stats[0], lse, (stats[2] if with_argmax else no_argmax), jnp.zeros(lead + (1,), jnp.float32)
-    stats = max_and_sumexp(x.reshape(lead + (n_ch, c)), with_argmax=with_argmax)
-    m_c, s_c = stats[0], stats[1]
-    chunk_logw = jnp.where(s_c > 0, m_c + jnp.log(s_c), -jnp.inf)
-    lse = jax.nn.logsumexp(chunk_logw, axis=-1)
-    am = no_argmax
-    if with_argmax:  # first chunk holding the max, first index inside it
-      ch = jnp.argmax(m_c, axis=-1)
-      am = (ch * c + jnp.take_along_axis(stats[2], ch[..., None], axis=-1)[..., 0]).astype(jnp.int32)
-    return jnp.max(m_c, axis=-1), lse, am, chunk_logw
+    m, lse, am, chunk_logw = chunk_stats(x, with_argmax=with_argmax, shards=shards)
+    return m, lse, (am if with_argmax else no_argmax), chunk_logw
 
   def plain_with_max(raw):
     if not need_argmax:
       return plain_stats(raw, False)
     # The argmax rides along in the same pass, but only when some row is greedy.
-    return jax.lax.cond(jnp.any(greedy), lambda r: plain_stats(r, True), lambda r: plain_stats(r, False), raw)
+    return jax.lax.cond(any_(greedy), lambda r: plain_stats(r, True), lambda r: plain_stats(r, False), raw)
 
   def plain(raw):
     _, lse, am, chunk_logw = plain_with_max(raw)
@@ -197,30 +199,31 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
     on = _bcast(mp_rows, m)
     thr = jnp.where(on, m + jnp.log(jnp.where(on, _bcast(params.min_p, m), 1.0)), -jnp.inf)
     x = scale_logits(raw, t)
-    kept = jnp.sum(jnp.where(x >= thr[..., None], jnp.exp(x - m[..., None]), 0.0), axis=-1)
+    kept = sum_over_vocab(jnp.where(x >= thr[..., None], jnp.exp(x - m[..., None]), 0.0), shards)
     return thr, jnp.where(on, m + jnp.log(kept), lse), am, jnp.full_like(chunk_logw, -jnp.inf)
 
   def filtered(raw):
-    thr, lse = threshold_and_lse(raw, t, params.top_k, params.top_p, min_p=params.min_p)
+    thr, lse = threshold_and_lse(raw, t, params.top_k, params.top_p, min_p=params.min_p, shards=shards)
     am = no_argmax
     if need_argmax:  # one more read of the logits, only if some row is greedy
-      am = jax.lax.cond(jnp.any(greedy), lambda r: greedy_argmax(r)[0], lambda r: no_argmax, raw)
+      am = jax.lax.cond(any_(greedy), lambda r: greedy_argmax(r, shards)[0], lambda r: no_argmax, raw)
     return thr, lse, am, jnp.full(lead + (n_ch,), -jnp.inf, jnp.float32)
 
   if params.min_p is None:
-    thr, lse, am, chunk_logw = jax.lax.cond(jnp.any(filters_on), filtered, plain, logits)
+    thr, lse, am, chunk_logw = jax.lax.cond(any_(filters_on), filtered, plain, logits)
   else:
     mp_rows = (params.min_p > 0) & ~greedy
     top_on = (((params.top_k > 0) & (params.top_k < v)) | (params.top_p < 1.0)) & ~greedy  # top-k/top-p rows
-    branch = jnp.where(jnp.any(top_on), 2, jnp.where(jnp.any(mp_rows), 1, 0))
+    branch = jnp.where(any_(top_on), 2, jnp.where(any_(mp_rows), 1, 0))
     thr, lse, am, chunk_logw = jax.lax.switch(branch, [plain, min_p_only, filtered], logits)
   # Rows whose one-pass lse is not finite are redone on logits shifted by their max;
   # only they get a nonzero shift, so the other rows' values stay as computed.
   redone = ~jnp.isfinite(lse)
   shift, thr, lse = shift_non_finite_rows(logits, t, jnp.where(filters_on, params.top_k, 0),
-                                          jnp.where(filters_on, params.top_p, 1.0), thr, lse, min_p=min_p)
+                                          jnp.where(filters_on, params.top_p, 1.0), thr, lse, min_p=min_p,
+                                          shards=shards)
   return PositionStats(shift=shift, thr=thr, lse=lse, argmax=am, redone=redone,
-                       chunk_log_mass=chunk_logw if chunked else None)
+                       chunk_log_mass=chunk_logw if chunked and chunks else None)
 
 
 def log_probs_from_stats(logits: jax.Array, params: SamplingParams, stats: PositionStats) -> jax.Array:
@@ -264,7 +267,7 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
-def log_softmax_stats(logits: jax.Array):
+def log_softmax_stats(logits: jax.Array, shards=None):
   """(shift, thr, lse) of the unmodified distribution, softmax(logits) at temperature 1, for `token_log_probs`.
 
   One pass over the logits (`max_and_sumexp`); rows whose normaliser is not
@@ -272,7 +275,10 @@ def log_softmax_stats(logits: jax.Array):
   `process_logits`, so +inf tokens share the mass and NaN counts as -inf.
 
   Args:
-    logits: [B, ..., V], any float dtype.
+    logits: [B, ..., V], any float dtype (this device's slice under `shards`).
+    shards: a `vocab_parallel.VocabShards`, or None. Split (or when V is a
+      multiple of `chunk_size(V)`), the pass reduces per chunk, as
+      `position_stats` does, so both give the same bits.
 
   Returns:
     (shift, thr, lse), each f32[B, ...]; thr is -inf (nothing filtered).
@@ -282,14 +288,19 @@ def log_softmax_stats(logits: jax.Array):
   """
   b = logits.shape[0]
   t = jnp.ones((b,), jnp.float32)
-  m, s = max_and_sumexp(scale_logits(logits, t))
+  v = logits.shape[-1] if shards is None else shards.vocab
+  if shards is None and v % chunk_size(v):
+    m, s = max_and_sumexp(scale_logits(logits, t))
+    lse = m + jnp.log(s)
+  else:
+    lse = chunk_stats(scale_logits(logits, t), shards=shards)[1]
   thr = jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32)
-  return shift_non_finite_rows(logits, t, jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32), thr,
-                               m + jnp.log(s))
+  return shift_non_finite_rows(logits, t, jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32), thr, lse,
+                               shards=shards)
 
 
 def token_log_probs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, shift: jax.Array, thr: jax.Array,
-                    lse: jax.Array) -> jax.Array:
+                    lse: jax.Array, *, shards=None) -> jax.Array:
   """log p(token) under the distribution that (shift, thr, lse) describe, reading one logit per token.
 
   Args:
@@ -298,6 +309,8 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array
     temperature: f32[B] (greedy rows count as temperature 1, as in `scale_logits`).
     shift, thr, lse: f32[B, ...] from `log_softmax_stats`, or the sampler's own
       (temperature, top-k, top-p) statistics.
+    shards: a `vocab_parallel.VocabShards` (logits: this device's slice; the
+      owner of each token reads it), or None.
 
   Returns:
     f32[B, ...]: x - lse where the token is kept (x >= thr), -inf otherwise or
@@ -306,13 +319,17 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array
   Example:
     >>> lp = token_log_probs(logits, tokens, jnp.ones(b), *log_softmax_stats(logits))
   """
-  safe = jnp.clip(tokens, 0, logits.shape[-1] - 1)
-  x = scale_logits(jnp.take_along_axis(values(logits), safe[..., None], axis=-1), temperature, shift)[..., 0]
+  if shards is None:
+    safe = jnp.clip(tokens, 0, logits.shape[-1] - 1)
+    x = jnp.take_along_axis(values(logits), safe[..., None], axis=-1)
+  else:
+    x = shards.take(values(logits), jnp.clip(tokens, 0, shards.vocab - 1)[..., None])
+  x = scale_logits(x, temperature, shift)[..., 0]
   return jnp.where((x >= thr) & (lse > -jnp.inf), x - lse, -jnp.inf)
 
 
 def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingParams, processed: jax.Array,
-                        mode: str, greedy: jax.Array) -> jax.Array:
+                        mode: str, greedy: jax.Array, shards=None) -> jax.Array:
   """The log-probabilities `mode` asks for ("raw" or "processed"), given the sampled distribution's.
 
   `processed` holds log p(token) under the distribution each row samples from
@@ -331,6 +348,7 @@ def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingPa
     processed: f32[B, ...] log p(token) under the sampled distribution.
     mode: "raw" or "processed" (static).
     greedy: bool[B] rows that count as greedy.
+    shards: a `vocab_parallel.VocabShards` (logits: this device's slice), or None.
 
   Returns:
     f32[B, ...].
@@ -339,14 +357,16 @@ def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingPa
     >>> lp = requested_log_probs(logits, tokens, params, processed, "raw", params.is_greedy)
   """
   b = logits.shape[0]
+  v = logits.shape[-1] if shards is None else shards.vocab
   own = ~greedy
   if mode == "raw":
-    own = own & (params.temperature == 1.0) & ~filter_active(params, logits.shape[-1])
-    modified = _modifies_logits(params, logits.shape[-1])
+    own = own & (params.temperature == 1.0) & ~filter_active(params, v)
+    modified = _modifies_logits(params, v)
     if modified is not None:
       own = own & ~modified
   ones = jnp.ones((b,), jnp.float32)
-  other = jax.lax.cond(jnp.any(~own), lambda: token_log_probs(logits, tokens, ones, *log_softmax_stats(logits)),
+  other = jax.lax.cond(any_rows(~own, shards),
+                       lambda: token_log_probs(logits, tokens, ones, *log_softmax_stats(logits, shards), shards=shards),
                        lambda: jnp.zeros(tokens.shape, jnp.float32))
   return jnp.where(_bcast(own, processed), processed, other)
 
@@ -402,28 +422,51 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
     raise ValueError(f"{where}: logprobs must be None, 'raw' or 'processed', got {logprobs!r}")
   check_logits_values(logits, None, f"{where}: logits")
   steps = penalty_params(params, penalty_state, b, v, where)
+  keys = None if all_greedy else row_keys(key, b)
+  body = functools.partial(_sample_tokens, all_greedy=all_greedy, logprobs=logprobs)
+  shards = shards_for(v, b)
+  if shards is None:  # (a vocabulary that does not split into whole chunks: XLA moves the data)
+    return auto_axes_if_explicit(functools.partial(body, shards=None))(logits, steps, keys, penalty_state)
+  # Each device samples from its rows and its slice of the vocabulary (see `rejection_sample`).
+  rows, split = row_spec(shards, 1), row_spec(shards, 2, vocab_last=True)
+  out_specs = (rows, split) + ((rows,) if logprobs else ())
+  program = functools.partial(body, shards=shards)
+  return sharded_call(program, (split, rows, P() if keys is None else rows,
+                                        P() if penalty_state is None else split), out_specs)(
+      logits, steps, keys, penalty_state)
+
+
+def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs, shards):
+  """`sample_tokens` after its checks, on one device or on this device's rows and vocabulary slice."""
+  b, v_here = logits.shape  # v_here: this device's tokens under shards
+  offset = 0 if shards is None else shards.offset()
   # Without bias and penalty fields, x is the caller's array: the program is the plain one.
-  x = penalized_view(logits, steps, penalty_state) if steps.has_logit_bias or steps.has_penalties else logits
-  greedy_tok, best = greedy_argmax(x)
+  x = logits
+  if params.has_logit_bias or params.has_penalties:
+    x = penalized_view(logits, params, penalty_state, vocab_offset=None if shards is None else offset)
+  greedy_tok, best = greedy_argmax(x, shards)
   # float32 constants: weakly typed Python floats would make it float64 under jax_enable_x64.
-  one_hot = jnp.where(jax.nn.one_hot(greedy_tok, v, dtype=jnp.bool_) & (best > -jnp.inf)[:, None], np.float32(0),
-                      np.float32(-np.inf))
+  one_hot = jnp.where(jax.nn.one_hot(greedy_tok - offset, v_here, dtype=jnp.bool_) & (best > -jnp.inf)[:, None],
+                      np.float32(0), np.float32(-np.inf))
   if all_greedy:
     if logprobs is None:
       return greedy_tok, one_hot
     every = jnp.ones((b,), jnp.bool_)
     lp = requested_log_probs(logits if logprobs == "raw" else x, greedy_tok, params, jnp.zeros((b,), jnp.float32),
-                             logprobs, every)
+                             logprobs, every, shards)
     return greedy_tok, one_hot, lp
-  keys = row_keys(key, b)
   # Greedy rows' filters are ignored: their distribution is the one-hot below.
-  logp = log_probs_from_stats(x, params, position_stats(x, params, greedy=params.is_greedy))
+  logp = log_probs_from_stats(x, params, position_stats(x, params, greedy=params.is_greedy, chunks=True,
+                                                        shards=shards))
   # A row of all -inf draws index 0 (every Gumbel-perturbed weight is -inf), as greedy does.
-  tok = categorical_from_log_weights(keys, logp)
+  tok = categorical_with_empty(keys, logp, shards)[0]
   greedy = params.is_greedy
   tokens, dist = jnp.where(greedy, greedy_tok, tok), jnp.where(greedy[:, None], one_hot, logp)
   if logprobs is None:
     return tokens, dist
-  processed = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
-  lp = requested_log_probs(logits if logprobs == "raw" else x, tokens, params, processed, logprobs, greedy)
+  if shards is None:
+    processed = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
+  else:
+    processed = shards.take(logp, tokens[:, None])[:, 0]
+  lp = requested_log_probs(logits if logprobs == "raw" else x, tokens, params, processed, logprobs, greedy, shards)
   return tokens, dist, lp

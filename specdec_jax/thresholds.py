@@ -15,10 +15,11 @@ import numpy as np
 
 from specdec_jax.reductions import _bcast, _lse_combine, scale_logits, values
 from specdec_jax.sampling_params import SamplingParams
+from specdec_jax.vocab_parallel import any_rows
 
 
 def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                          thr: jax.Array, lse: jax.Array, *, min_p: jax.Array | None = None):
+                          thr: jax.Array, lse: jax.Array, *, min_p: jax.Array | None = None, shards=None):
   """Redoes (thr, lse) of the rows whose log-normaliser `lse` is not finite.
 
   The one-pass reductions compute `logits / T`, which overflows for a small
@@ -36,6 +37,10 @@ def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
     thr, lse: f32[B, ...] from the one-pass search (`threshold_and_lse` or
       `max_and_sumexp`).
     min_p: f32[B] or None (off), as given to `threshold_and_lse`.
+    shards: a `vocab_parallel.VocabShards` (logits: this device's slice), or
+      None. Split, the redone rows are searched by bisection
+      (`_bisect_threshold_and_lse`) instead of sorted: the same thresholds,
+      normalisers equal to rounding.
 
   Returns:
     (shift, thr, lse), each f32[B, ...]: scale with `scale_logits(logits,
@@ -50,12 +55,18 @@ def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
   def fix(raw):
     x = values(raw).astype(jnp.float32)
     m = jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1)  # only here: a second read of the logits
+    if shards is not None:
+      m = shards.max(m)
     empty = redo & (m == -jnp.inf)
     shift = jnp.where(redo & ~empty, m, 0.0)
-    new_thr, new_lse = _sorted_threshold_and_lse(scale_logits(raw, temperature, shift), top_k, top_p, min_p=min_p)
+    scaled = scale_logits(raw, temperature, shift)
+    if shards is None:
+      new_thr, new_lse = _sorted_threshold_and_lse(scaled, top_k, top_p, min_p=min_p)
+    else:
+      new_thr, new_lse = _bisect_batch(scaled, top_k, top_p, min_p, shards)
     return shift, jnp.where(redo, new_thr, thr), jnp.where(empty, -jnp.inf, jnp.where(redo, new_lse, lse))
 
-  return jax.lax.cond(jnp.any(redo), fix, lambda raw: (jnp.zeros_like(lse), thr, lse), logits)
+  return jax.lax.cond(any_rows(redo, shards), fix, lambda raw: (jnp.zeros_like(lse), thr, lse), logits)
 
 
 def filter_active(params: SamplingParams, vocab_size: int, *, greedy: jax.Array | None = None) -> jax.Array:
@@ -290,7 +301,7 @@ def _threshold_from_candidates(flat, floor, *, top_k, top_p, v, total, m, min_p)
   return thr, m + jnp.log(kept_mass), exact
 
 
-def _redo_rows(ok, results, operand, redo_some, redo_all):
+def _redo_rows(ok, results, operand, redo_some, redo_all, shards=None):
   """Recomputes `results` (arrays [B, ...]) where `ok` [B, ...] is False, from `operand` [B, ..., C].
 
   Up to _MAX_SORTED_ROWS failing rows are redone one by one: `redo_some(idx,
@@ -298,6 +309,8 @@ def _redo_rows(ok, results, operand, redo_some, redo_all):
   returns their new values, each [n]. More failing rows redo the whole batch
   with `redo_all(operand)`.
   All under a `lax.switch`, so a batch where every row is fine pays nothing.
+  Under `shards` the branch follows the whole batch's count, so every device
+  takes the same one (its own rows are then at most as many).
   """
   rows = ok.size
   n_fix = min(_MAX_SORTED_ROWS, rows)
@@ -309,12 +322,14 @@ def _redo_rows(ok, results, operand, redo_some, redo_all):
     return tuple(a.reshape(-1).at[bad].set(n, mode="drop").reshape(a.shape) for a, n in zip(res, new))
 
   num_bad = jnp.sum(~ok)
+  if shards is not None and shards.row_axes:
+    num_bad = jax.lax.psum(num_bad, shards.row_axes)
   return jax.lax.switch(jnp.where(num_bad == 0, 0, jnp.where(num_bad <= n_fix, 1, 2)),
                         [lambda res, op: res, some, lambda res, op: tuple(redo_all(op))], results, operand)
 
 
 def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: jax.Array, top_p: jax.Array,
-                      *, group_size: int | None = None, min_p: jax.Array | None = None):
+                      *, group_size: int | None = None, min_p: jax.Array | None = None, shards=None):
   """Top-k/top-p(/min-p) threshold and the log-normaliser of the kept set, sort-free.
 
   Like `top_k_top_p_threshold`, but on raw logits with the temperature applied
@@ -337,6 +352,8 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
     group_size: static group size of the candidate search (default: about V/1024).
     min_p: f32[B] in [0, 1] or None; 0 or None means off (None compiles exactly
       the program without min-p).
+    shards: a `vocab_parallel.VocabShards` (logits: this device's slice), or
+      None; see `_sharded_threshold_and_lse`.
 
   Returns:
     (thr, lse), each f32[B, ...].
@@ -344,6 +361,8 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   Example:
     >>> thr, lse = threshold_and_lse(logits, params.temperature, params.top_k, params.top_p)
   """
+  if shards is not None:
+    return _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   scale = (lambda x: values(x).astype(jnp.float32)) if temperature is None else (lambda x: scale_logits(x, temperature))
   v = logits.shape[-1]
   group_size = _group_size(v) if group_size is None else group_size
@@ -396,3 +415,153 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
 
   return _redo_rows(exact, (thr, lse), logits, sort_rows,
                     lambda raw: _sorted_threshold_and_lse(scale(raw), top_k, top_p, min_p=min_p))
+
+
+# ----------------------------------------------------------------------------
+# The search on a vocabulary split over devices
+# ----------------------------------------------------------------------------
+
+
+def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards):
+  """`threshold_and_lse` with the vocabulary split over `shards`: each device keeps its own candidates.
+
+  Each device finds the 4 largest values of every group of its slice and
+  narrows them to the 8 largest of every 128 (`group_top`, as on one device);
+  only those few hundred candidates per position are gathered, with the
+  maxima, floors and masses reduced over the devices. Rows the narrowed
+  candidates cannot vouch for are redone from the 32 largest of every 128
+  (gathered for those rows only), and rows that still fail by bisection over
+  the logits (`_bisect_threshold_and_lse`). No gather grows with V beyond
+  V/64 values a position. Thresholds are exact, as on one
+  device; a normaliser may differ from one device's in its last bits (sums in
+  another order).
+  """
+  scale = (lambda x: values(x).astype(jnp.float32)) if temperature is None else (lambda x: scale_logits(x, temperature))
+  v, v_local = shards.vocab, logits.shape[-1]
+  want = int(np.clip(v // _NUM_GROUPS, 16, 128))
+  fits = [g for g in range(1, 129) if v_local % g == 0 and g <= 2 * want]
+  group_size = max(fits, key=lambda g: (-abs(np.log(g / want)), g))
+  tops, group_mass = group_top(scale(logits), group_size, with_sumexp=True)  # [..., G_l, 4], [..., G_l]
+  flat = tops.reshape(tops.shape[:-2] + (-1,))  # [..., 4 G_l]
+  m = shards.max(jnp.max(tops[..., 0], axis=-1))
+  floor = shards.max(jnp.max(tops[..., -1], axis=-1))  # tokens outside the candidates are <= this
+  total = shards.sum(jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0),
+                             axis=-1))
+  row_batch = jnp.broadcast_to(jnp.arange(logits.shape[0]).reshape((-1,) + (1,) * (m.ndim - 1)), m.shape).reshape(-1)
+  row_of = lambda idx: row_batch[idx]
+  from_candidates = functools.partial(_threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m,
+                                      min_p=min_p)
+  # Two rounds of candidates, both narrowed on the device before the gather so that no
+  # gather grows with the vocabulary: the 8, then the 32, largest of every 128.
+  narrowed = []
+  for per_group in (_NARROW_PER_GROUP, 4 * _NARROW_PER_GROUP):
+    if flat.shape[-1] > _NARROW_GROUP:
+      tops2 = group_top(flat, _NARROW_GROUP, per_group)
+      narrowed.append((tops2.reshape(tops2.shape[:-2] + (-1,)),
+                       jnp.maximum(floor, shards.max(jnp.max(tops2[..., -1], axis=-1)))))
+    else:
+      narrowed.append((flat, floor))
+  (cand, cand_floor), (wide, wide_floor) = narrowed
+  thr, lse, exact = from_candidates(shards.gather(cand), cand_floor)
+
+  def rows_from_wide_candidates(idx, f):
+    r = row_of(idx)
+    return _threshold_from_candidates(shards.gather(f.reshape(-1, f.shape[-1])[idx]), wide_floor.reshape(-1)[idx],
+                                      top_k=top_k[r], top_p=top_p[r], v=v, total=total.reshape(-1)[idx],
+                                      m=m.reshape(-1)[idx], min_p=None if min_p is None else min_p[r])
+
+  if wide is not cand:
+    thr, lse, exact = _redo_rows(exact, (thr, lse, exact), wide, rows_from_wide_candidates,
+                                 lambda f: from_candidates(shards.gather(f), wide_floor), shards)
+
+  def bisect_rows(idx, raw):
+    sub = values(raw).reshape(-1, v_local)[idx].astype(jnp.float32)
+    if temperature is not None:
+      sub = scale_logits(sub, temperature[row_of(idx)])
+    return _bisect_threshold_and_lse(sub, top_k[row_of(idx)], top_p[row_of(idx)],
+                                     None if min_p is None else min_p[row_of(idx)], shards)
+
+  return _redo_rows(exact, (thr, lse), logits, bisect_rows,
+                    lambda raw: _bisect_batch(scale(raw), top_k, top_p, min_p, shards), shards)
+
+
+def _bisect_batch(scaled, top_k, top_p, min_p, shards):
+  """`_bisect_threshold_and_lse` of every row and position of scaled [B, ..., V/m]; (thr, lse) [B, ...]."""
+  lead = scaled.shape[:-1]
+  per = int(np.prod(lead[1:], dtype=np.int64))
+  rows = lambda a: None if a is None else jnp.repeat(a, per)
+  thr, lse = _bisect_threshold_and_lse(scaled.reshape(-1, scaled.shape[-1]), rows(top_k), rows(top_p), rows(min_p),
+                                       shards)
+  return thr.reshape(lead), lse.reshape(lead)
+
+
+def _ordered(x):
+  """uint32 keys in the order of the float32 values (-inf lowest, +inf highest)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | np.uint32(1 << 31))
+
+
+def _from_ordered(u):
+  """Inverse of `_ordered`."""
+  bits = jnp.where(u >> 31 == 1, u & np.uint32(0x7FFFFFFF), ~u)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_key(weight_at_least, enough, shape):
+  """The largest uint32 t [shape] with enough(weight_at_least(t)), bit by bit from the top: 32 steps, exact.
+
+  weight_at_least(t) must not increase with t; rows where even t = 0 is not
+  enough get 0 (the caller checks).
+  """
+
+  def step(i, ans):
+    cand = ans | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+    return jnp.where(enough(weight_at_least(cand)), cand, ans)
+
+  return jax.lax.fori_loop(0, 32, step, jnp.zeros(shape, jnp.uint32))
+
+
+def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
+  """Exact top-k/top-p/min-p thresholds of rows x [R, V/m] split over `shards`, by bisection: no sort, no gather.
+
+  The top-k value is the largest t with at least k tokens >= t; the top-p value
+  the largest t whose tokens >= t (within the top-k set) hold at least
+  top_p of its mass, which is the sorted search's answer. Each of the (up to)
+  64 steps counts or sums over this device's slice and adds the devices'
+  partials ([R] values). Cost: about 64 passes over x, for the rare rows the
+  candidates cannot settle.
+
+  Returns:
+    (thr, lse) f32[R].
+  """
+  v = shards.vocab
+  u = _ordered(x)
+  m = shards.max(jnp.max(x, axis=-1))
+  e = jnp.exp(x - m[:, None])
+  k_on = (top_k > 0) & (top_k < v)
+  p_on = top_p < 1.0
+  count_at_least = lambda t: shards.sum(jnp.sum((u >= t[:, None]).astype(jnp.int32), axis=-1))
+  kth = jax.lax.cond(shards.any(k_on),
+                     lambda: jnp.where(k_on, _from_ordered(_largest_key(count_at_least, lambda n: n >= top_k,
+                                                                        m.shape)), -jnp.inf),
+                     lambda: jnp.full(m.shape, -jnp.inf, jnp.float32))
+  in_top_k = x >= kth[:, None]
+  row_mass = shards.sum(jnp.sum(e, axis=-1))
+  z = jnp.where(k_on, shards.sum(jnp.sum(jnp.where(in_top_k, e, 0.0), axis=-1)), row_mass)
+  target = top_p * z
+
+  def top_p_value():
+    mass_at_least = lambda t: shards.sum(jnp.sum(jnp.where(in_top_k & (u >= t[:, None]), e, 0.0), axis=-1))
+    key = _largest_key(mass_at_least, lambda w: w >= target, m.shape)
+    found = mass_at_least(key) >= target  # else rounding left the total under top_p: keep the top-k set
+    return jnp.where(found, _from_ordered(key), -jnp.inf)
+
+  pth = jax.lax.cond(shards.any(p_on), top_p_value, lambda: jnp.full(m.shape, -jnp.inf, jnp.float32))
+  thr = jnp.where(p_on, jnp.maximum(kth, pth), kth)
+  on = k_on | p_on
+  if min_p is not None:
+    mp_on = min_p > 0
+    thr = jnp.maximum(thr, jnp.where(mp_on, m + jnp.log(jnp.where(mp_on, min_p, 1.0)), -jnp.inf))
+    on = on | mp_on
+  kept = jnp.where(on, shards.sum(jnp.sum(jnp.where(x >= thr[:, None], e, 0.0), axis=-1)), row_mass)
+  return thr, m + jnp.log(kept)

@@ -1,0 +1,152 @@
+"""The vocabulary axis split over a mesh axis: what each device knows and the small collectives that combine it.
+
+Inside the samplers' `shard_map` (see `sharded_call`) every device holds a
+contiguous slice of the vocabulary, tokens [offset, offset + V/m) of every
+row it holds. A `VocabShards` (static, hashable) tells the reductions of
+`reductions`, `thresholds`, `draws` and `sampling` how to finish: each reduces
+its slice, then combines per-chunk or per-row partials ([B, K+1, n_chunks] at
+most) across the model axis. No collective ever carries the vocabulary axis.
+
+Bit-identity with one device: the per-chunk partials are exactly those a single
+device computes (the same reduction over the same `chunk_size(V)` tokens)
+whenever V/m is a whole number of chunks, which `shards_for` requires; the
+combination that follows runs the single device's own code on the gathered
+partials. Max, argmax and one-owner gathers are exact in any order.
+
+Without a mesh (or with a model axis of one device) `shards_for` returns None
+and every function of the samplers compiles exactly its single-device program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from specdec_jax.mesh import DATA_AXIS, MODEL_AXIS, ambient_mesh
+from specdec_jax.reductions import chunk_size
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShards:
+  """The vocabulary split into `size` equal slices along mesh axis `axis` (used inside `shard_map`).
+
+  Attributes:
+    axis: the mesh axis over the vocabulary ("model").
+    size: m, devices on it.
+    vocab: V, the whole vocabulary.
+    row_axes: mesh axes the rows are split over (() or ("data",)): a
+      batch-wide decision (`any`) also reduces over them, so that every
+      device takes the branch one device would take for the whole batch.
+  """
+
+  axis: str
+  size: int
+  vocab: int
+  row_axes: tuple = ()
+
+  @property
+  def local(self) -> int:
+    """V / m, tokens per device."""
+    return self.vocab // self.size
+
+  def offset(self) -> jax.Array:
+    """int32 scalar: the first token id of this device's slice."""
+    return (jax.lax.axis_index(self.axis) * self.local).astype(jnp.int32)
+
+  def gather(self, x: jax.Array) -> jax.Array:
+    """[..., n_local] -> [..., m * n_local]: per-slice partials laid out as one device's (in vocabulary order)."""
+    return jax.lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)
+
+  def max(self, x: jax.Array) -> jax.Array:
+    """Elementwise max over the slices (exact)."""
+    return jax.lax.pmax(x, self.axis)
+
+  def min(self, x: jax.Array) -> jax.Array:
+    """Elementwise min over the slices (exact)."""
+    return jax.lax.pmin(x, self.axis)
+
+  def sum(self, x: jax.Array) -> jax.Array:
+    """Elementwise sum over the slices."""
+    return jax.lax.psum(x, self.axis)
+
+  def any(self, x: jax.Array) -> jax.Array:
+    """bool scalar: any(x) over the whole batch (every row on every device)."""
+    hit = jnp.any(x).astype(jnp.int32)
+    axes = (self.axis,) + tuple(self.row_axes)
+    return jax.lax.pmax(hit, axes) > 0
+
+  def owned(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(bool: the id is in this device's slice, int32: its local index, 0 where not owned)."""
+    local = ids - self.offset()
+    mine = (local >= 0) & (local < self.local)
+    return mine, jnp.where(mine, local, 0)
+
+  def take(self, x: jax.Array, ids: jax.Array) -> jax.Array:
+    """`take_along_axis(x, ids, axis=-1)` with x's last axis split: the owner's value, summed with zeros (exact).
+
+    Args:
+      x: [..., V/m] this device's slice (any dtype; returned as it is).
+      ids: int [..., n] global token ids in [0, V).
+    """
+    mine, local = self.owned(ids)
+    got = jnp.take_along_axis(x, local, axis=-1)
+    return self.sum(jnp.where(mine, got, jnp.zeros((), got.dtype)))
+
+
+def any_rows(x: jax.Array, shards: VocabShards | None) -> jax.Array:
+  """bool scalar: any(x), over the whole batch under `shards` (every device the same)."""
+  return jnp.any(x) if shards is None else shards.any(x)
+
+
+def shards_for(vocab: int, batch: int) -> VocabShards | None:
+  """The `VocabShards` a sampler call uses under the ambient mesh, or None for the single-device program.
+
+  None without a mesh, without a "model" axis of more than one device, or when
+  the vocabulary does not split into whole chunks per device (V % m != 0 or
+  (V / m) % chunk_size(V) != 0; e.g. 151936 and 32000 split over 2, 4 or 8
+  devices qualify, 49152 over 2 to 16): then the single-device program runs and
+  XLA moves data as it must. Rows are split over "data" when it divides B.
+
+  Example:
+    >>> with jax.set_mesh(make_mesh(1, 4)):  # doctest: +SKIP
+    ...   shards_for(151936, 8)   # VocabShards(axis='model', size=4, vocab=151936, row_axes=())
+  """
+  mesh = ambient_mesh()
+  if mesh.empty:
+    return None
+  sizes = dict(mesh.shape)
+  m = int(sizes.get(MODEL_AXIS, 1))
+  if m <= 1 or vocab % m or (vocab // m) % chunk_size(vocab):
+    return None
+  d = int(sizes.get(DATA_AXIS, 1))
+  rows = (DATA_AXIS,) if d > 1 and batch % d == 0 else ()
+  return VocabShards(axis=MODEL_AXIS, size=m, vocab=vocab, row_axes=rows)
+
+
+def row_spec(shards: VocabShards, ndim: int, vocab_last: bool = False) -> P:
+  """PartitionSpec of a per-row array [B, ...] (rows over "data" if split; the last axis over "model" if V)."""
+  spec = [shards.row_axes[0] if shards.row_axes else None] + [None] * (ndim - 1)
+  if vocab_last:
+    spec[-1] = shards.axis
+  return P(*spec)
+
+
+def sharded_call(fn, in_specs, out_specs):
+  """`fn` as a `jax.shard_map` over the ambient mesh, with check_vma off (the samplers mix replicated and
+  per-device values by design: every combine above makes them agree).
+
+  Under a mesh with Explicit axes the call runs with them made Auto
+  (`jax.sharding.auto_axes`), so inputs laid out otherwise are moved to
+  `in_specs` instead of refused, and the outputs come back as `out_specs`.
+
+  Example:
+    >>> tokens = sharded_call(program, (P("data", "model"),), P("data"))(logits)  # doctest: +SKIP
+  """
+  program = lambda *args: jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+  mesh = ambient_mesh()
+  if not mesh.explicit_axes:
+    return program
+  return jax.sharding.auto_axes(program, axes=tuple(mesh.explicit_axes), out_sharding=out_specs)
