@@ -206,6 +206,24 @@ def hlo_ops(text: str, ops=HLO_OPS) -> dict[str, int]:
   return counts
 
 
+_COLLECTIVE = re.compile(r"= (\([^()]*\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                         r"(?:-start)?\(")
+
+
+def hlo_collectives(text: str) -> dict[str, int]:
+  """Collective instructions in HLO text, counted by "opcode result-shape" (async -start forms included).
+
+  Example:
+    >>> hlo_collectives("%x = f32[8,32]{1,0} all-gather(f32[8,8]{1,0} %p), dimensions={1}")
+    {'all-gather f32[8,32]': 1}
+  """
+  found = {}
+  for shape, op in _COLLECTIVE.findall(text):
+    key = op + " " + re.sub(r"{[^}]*}|/\*.*?\*/", "", shape)  # no layouts, no /*index=5*/ comments
+    found[key] = found.get(key, 0) + 1
+  return found
+
+
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(")
 _PASS_THROUGH = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
                  "opt-barrier"}

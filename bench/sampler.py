@@ -65,6 +65,7 @@ and OUT/sampler.png (fraction of the floor per case, grouped by B, largest V).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -249,9 +250,15 @@ def _make_buffer(key, b, k, v, with_dp):
   return logits, dp
 
 
-def make_inputs(key, n_buf, b, k, v, with_dp):
-  """n_buf separate logits [B, K+1, V] and draft probs [B, K, V] (or None), draft ids [B, K]."""
+def make_inputs(key, n_buf, b, k, v, with_dp, mesh=None):
+  """n_buf separate logits [B, K+1, V] and draft probs [B, K, V] (or None), draft ids [B, K].
+
+  With a mesh, the logits and draft probs are split over its "model" axis on V.
+  """
   bufs = [_make_buffer(jax.random.fold_in(key, j), b, k, v, with_dp) for j in range(n_buf)]
+  if mesh is not None:
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "model"))
+    bufs = [jax.device_put(pair, split) for pair in bufs]
   draft = jax.random.randint(jax.random.fold_in(key, n_buf), (b, k), 0, v, jnp.int32)
   return tuple(x for x, _ in bufs), (tuple(d for _, d in bufs) if with_dp else None), draft
 
@@ -278,9 +285,14 @@ def parse_args(argv=None):
   p.add_argument("--copy-mb", type=float, help="buffer for the bandwidth measurement (default 2048 on GPU, 256 on CPU)")
   p.add_argument("--quick", action="store_true", help="tiny grid for CPU (the default when no GPU is present)")
   p.add_argument("--dump-hlo", action="store_true", help="write each case's optimised HLO to OUT/hlo_CASE_B_V.txt")
+  p.add_argument("--model-devices", type=int, default=1,
+                 help="split the vocabulary over this many devices (a 1 x M mesh; the floor is then one device's "
+                      "slice over its bandwidth) (default 1: no mesh)")
   p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                  help="output directory (default bench/out)")
   args = p.parse_args(argv)
+  if args.model_devices < 1 or args.model_devices > jax.device_count():
+    p.error(f"--model-devices must be in [1, {jax.device_count()}] (the devices present), got {args.model_devices}")
   unknown = [c for c in args.cases if c not in CASES]
   if unknown:
     p.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
@@ -328,8 +340,10 @@ def run_case(name, b, v, args, inputs, bandwidth):
     logit_bytes += b * v * 5
   all_bytes = logit_bytes + (b * args.k * v * 4 if case.draft_probs else 0)
   ms = r["per_iter_s"] * 1e3 / n_buf  # one loop iteration runs the sampler once per buffer
-  floor_ms = logit_bytes / bandwidth * 1e3
-  all_floor_ms = all_bytes / bandwidth * 1e3
+  # Split over M devices, each reads its slice at its own bandwidth: the floor is one slice's read.
+  m = args.model_devices
+  floor_ms = logit_bytes / m / bandwidth * 1e3
+  all_floor_ms = all_bytes / m / bandwidth * 1e3
   warns = []
   if missing or unexpected:
     warns.append(f"HLO: missing {missing}, unexpected {unexpected}")
@@ -342,7 +356,8 @@ def run_case(name, b, v, args, inputs, bandwidth):
   if ms < 0.8 * floor_ms:
     warns.append("faster than the floor: inputs may be cached")
   return {
-      "case": name, "B": b, "K": args.k, "V": v, "dtype": "float32",
+      "case": name, "B": b, "K": args.k, "V": v, "dtype": "float32", "model_devices": m,
+      "collectives": common.hlo_collectives(hlo),
       "ms": ms, "floor_ms": floor_ms, "frac": floor_ms / ms, "x_floor": ms / floor_ms,
       "all_inputs_floor_ms": all_floor_ms, "all_inputs_frac": all_floor_ms / ms,
       "logits_bytes": logit_bytes, "all_inputs_bytes": all_bytes,
@@ -458,6 +473,11 @@ def main(argv=None):
       json.dump(report, f, indent=1, default=str)
 
   grid = [(b, v) for v in args.vocab_sizes for b in args.batch_sizes]
+  mesh = None
+  if args.model_devices > 1:
+    from specdec_jax.models.sharding import make_mesh
+    mesh = make_mesh(1, args.model_devices)
+    print(f"vocabulary split over {args.model_devices} devices: {mesh}")
   with_dp = any(c in DRAFT_PROB_CASES for c in args.cases)
   # Progress bar on a terminal; one line per case always (readable in captured logs).
   bar = tqdm(total=len(grid) * len(args.cases), desc="sampler", unit="case", disable=not sys.stderr.isatty())
@@ -472,14 +492,15 @@ def main(argv=None):
       continue
     try:
       inputs = jax.block_until_ready(
-          make_inputs(jax.random.key(0), n_buf, b, args.k, v, with_dp))
+          make_inputs(jax.random.key(0), n_buf, b, args.k, v, with_dp, mesh))
     except Exception as e:  # e.g. out of memory: skip this (B, V), keep going
       skip(f"B={b} V={v}: making inputs failed: {type(e).__name__}: {str(e)[:300]}", len(args.cases))
       continue
     for name in args.cases:
       bar.set_postfix_str(f"{name} B={b} V={v}")
       try:
-        r = run_case(name, b, v, args, inputs, bandwidth)
+        with (contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)):
+          r = run_case(name, b, v, args, inputs, bandwidth)
       except Exception as e:
         skip(f"{name} B={b} V={v}: {type(e).__name__}: {str(e)[:300]}", 1)
         continue

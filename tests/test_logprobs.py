@@ -176,8 +176,10 @@ def _teacher_forced(model, prompts, lengths, out, params_np, mode):
   return want
 
 
-# "raw" is slow-marked: CI checks it in the loops with options (test_option_loops.py).
-@pytest.mark.parametrize("mode", [pytest.param("raw", marks=pytest.mark.slow), "processed"])
+# Slow-marked (CI budget): CI checks both modes in the loops with options (test_option_loops.py, the same
+# loop plumbing with a mixed batch), and every mode of rejection_sample against float64 above.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_loops_return_the_targets_logprobs_of_their_tokens(mode):
   """Greedy: both loops give the same tokens and log-probs; sampled: each loop's log-probs are the target's own
   (teacher-forced float64 reference), for mixed temperatures and filters, ragged prompts and EOS inside rounds."""
