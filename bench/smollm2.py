@@ -76,6 +76,7 @@ from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
 from specdec_jax import PromptLookupDrafter, generate, sample_tokens, speculative_generate  # noqa: E402
 from specdec_jax.models import load_smollm2, load_smollm2_draft, load_smollm2_eagle  # noqa: E402
+from specdec_jax.tree_drafts import DraftTree  # noqa: E402
 from specdec_jax.models import smollm2  # noqa: E402
 
 # None of these is in examples/train_draft.py's CHAT_QUESTIONS.
@@ -345,7 +346,12 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
-  trees = lambda s: tuple(tuple(int(k) for k in t.split("x")) for t in s.split(",") if t)  # noqa: E731
+  def trees(s):  # "3x2x1x1" or "3x2x1x1:iid" -> DraftTree
+    out = []
+    for t in (t for t in s.split(",") if t):
+      shape, _, draws = t.partition(":")
+      out.append(DraftTree(tuple(int(k) for k in shape.split("x")), draws or "without_replacement"))
+    return tuple(out)
   strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
   p.add_argument("--quick", action="store_true",
                  help="CPU smoke run: B=1, K=2, 16 new tokens, one prompt, small acceptance windows "
@@ -355,7 +361,8 @@ def parse_args(argv=None):
   p.add_argument("--trees", type=trees, default=(),
                  help="comma list of draft trees, branching factors joined by x (e.g. 3x2x1x1,4x1x1x1): each "
                       "runs as draft_tree= with K = its depth (eagle and model drafters; lookup for m x 1 x ... "
-                      "trees); no component timings for them")
+                      "trees); no component timings for them. A suffix :iid draws random rows' siblings "
+                      "i.i.d. instead of without replacement (e.g. 3x3x1x1:iid)")
   p.add_argument("--modes", type=strs, default=MODES, help="comma list of: greedy, t1 (default both)")
   p.add_argument("--drafters", type=strs, default=DRAFTERS, help="comma list of: eagle, model, lookup (default all)")
   p.add_argument("--max-new-tokens", type=int, help="default 128; quick 16")
@@ -469,9 +476,13 @@ def plot_trees(rows, path, title):
   """Speedup and mean accepted length per draft shape (chains K=..., trees), one panel per (B, mode)."""
   if not any(r.get("tree") for r in rows):
     return None
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    warnings.warn("matplotlib is not installed: no plot written")
+    return None
   groups = sorted({(r["B"], r["mode"]) for r in rows})
   fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), squeeze=False)
   for ax, (b, m) in zip(axes[0], groups):
@@ -593,7 +604,7 @@ def main(argv=None):
   continuations = {}  # mode -> (prompt tokens, lengths, outputs) for the acceptance section
 
   if not args.skip_generation:
-    shapes = [(k, None) for k in args.ks] + [(len(t), t) for t in args.trees]
+    shapes = [(k, None) for k in args.ks] + [(t.depth, t) for t in args.trees]
     total = len(args.batch_sizes) * len(args.modes) * (1 + len(shapes) * len(drafters))
     bar = tqdm(total=total, desc="smollm2", unit="run", file=sys.stdout, mininterval=2.0, disable=None)
     for b in args.batch_sizes:
@@ -621,10 +632,11 @@ def main(argv=None):
         bar.update(1)
         for k, tree in shapes:
           for dname in drafters:
-            label = dname if tree is None else f"{dname}[{'x'.join(map(str, tree))}]"
+            label = dname if tree is None else (f"{dname}[{'x'.join(map(str, tree.branching))}"
+                                                f"{':iid' if tree.sibling_draws == 'iid' else ''}]")
             bar.set_postfix_str(f"B={b} {mode} K={k} {label}")
             drafter = {"model": draft, "lookup": lookup, "eagle": eagle}[dname]
-            if tree is not None and dname == "lookup" and any(x != 1 for x in tree[1:]):
+            if tree is not None and dname == "lookup" and any(x != 1 for x in tree.branching[1:]):
               bar.update(1)
               continue
             if budget.over(f"B={b} K={k} {mode} {label}"):
@@ -635,7 +647,8 @@ def main(argv=None):
                   lambda: [speculative_generate(target, drafter, t, l, params, key, num_speculative_tokens=k,
                                                 draft_tree=tree, **kw)
                            for t, l in calls], args.repeats)
-              row = {"B": b, "K": k, "mode": mode, "drafter": label, "tree": tree, **bd.stats_summary(outs),
+              row = {"B": b, "K": k, "mode": mode, "drafter": label, "tree": None if tree is None else tree.branching,
+                     "sibling_draws": None if tree is None else tree.sibling_draws, **bd.stats_summary(outs),
                      "spec_s": timing["median_s"], "spec_times_s": timing["times_s"],
                      "spec_first_call_s": timing["first_call_s"]}
               row["spec_tok_s"] = row["tokens"] / row["spec_s"]

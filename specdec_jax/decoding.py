@@ -809,8 +809,10 @@ def _tree_round(s: LoopState, drafter, tree: DraftTree, t_apply, t_copy, params,
     target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True, **kw)
   else:
     (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache, **kw), None
+  # Verified the way the drafter drew random rows' siblings (tree_drafts.child_tokens).
   out = tree_rejection_sample(draft_token_ids=nodes, parents=tree.parents, target_logits=target_logits,
-                              params=params, key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy)
+                              params=params, key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy,
+                              sibling_draws=tree.sibling_draws)
 
   depth = _arange(k)[None, :]
   accepted = depth < out.num_accepted[:, None]
@@ -893,7 +895,9 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
     draft_tree: static; None (a chain of K drafts) or a tuple of K branching
       factors (k_1, ..., k_K): each round drafts a tree in which every node at
       depth i-1 has k_i children (greedy rows: the draft's top-k_i tokens;
-      random rows: k_i i.i.d. draws, whose probabilities the verifier uses),
+      random rows: k_i draws without replacement, whose probabilities the
+      verifier uses; pass a `tree_drafts.DraftTree(branching, sibling_draws="iid")`
+      instead of the tuple for i.i.d. draws),
       N = k_1 + k_1 k_2 + ... nodes in all, verified in one target call by
       `tree_rejection_sample` (`specdec_jax.tree_drafts` shows the layout).
       `(1,) * K` is the chain. The target (and a draft model) must offer the
@@ -965,12 +969,12 @@ def _check_tree(where, draft_tree, k, target, draft, verification="token") -> Dr
   if isinstance(draft_tree, list):
     draft_tree = tuple(draft_tree)
   try:
-    tree = DraftTree(draft_tree)
+    tree = draft_tree if isinstance(draft_tree, DraftTree) else DraftTree(draft_tree)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
   if tree.depth != k:
     raise ValueError(f"{where}: draft_tree must have num_speculative_tokens={k} entries (one branching factor "
-                     f"per depth), got {draft_tree!r}")
+                     f"per depth), got {tree.branching!r}")
   if tree.is_chain:
     return None
   if verification != "token":

@@ -18,10 +18,12 @@ the root) with children j_1 < j_2 < ... in node order:
   * greedy row:   t = argmax p; move to the first child whose token is t, else emit t and stop;
   * random row, no draft_probs (deterministic guesses: n-gram, top-k): draw x ~ p; move to the
     first child whose token is x, else emit x and stop;
-  * random row with draft_probs (children drawn i.i.d. from q, row c+1 of draft_probs):
-    recursive rejection sampling. r = p; for each child in order accept it with probability
-    min(1, r(x_j) / q(x_j)) and move there; on rejection r = normalise(max(r - q, 0)) (p if
-    that has no mass). Every child rejected: emit a draw from r and stop;
+  * random row with draft_probs (children drawn from q, row c+1 of draft_probs, i.i.d. or
+    without replacement: `sibling_draws`): recursive rejection sampling. r = p; for each
+    child in order, with q_j its proposal (q itself, or, without replacement, q without the
+    earlier siblings' tokens, renormalised), accept it with probability min(1, r(x_j) / q_j(x_j))
+    and move there; on rejection r = normalise(max(r - q_j, 0)) (p if that has no mass). Every
+    child rejected: emit a draw from r and stop;
   * a node without children emits a bonus token from its p (argmax if greedy).
 
 Every mode is lossless, and a chain (parents = [-1, 0, 1, ...]) has exactly the
@@ -50,6 +52,7 @@ from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, check_verifier_args
 from specdec_jax.sampling import SamplingParams
 
 _WHERE = "tree_rejection_sample"
+SIBLING_DRAWS = ("iid", "without_replacement")
 
 
 @jax.tree_util.register_dataclass
@@ -80,6 +83,7 @@ def tree_rejection_sample(
     draft_probs=None,  # float [B, N+1, V] or None (deterministic drafts)
     num_nodes=None,  # int32 [B] in [0, N]; None = N
     all_greedy: bool = False,
+    sibling_draws: str = "iid",
 ) -> TreeRejectionOutput:
   """Verifies a tree of draft tokens against the target, losslessly.
 
@@ -97,12 +101,18 @@ def tree_rejection_sample(
       `rejection_sample`: a single key gives row b `fold_in(key, b)`). Depth d of
       row b uses `fold_in(row_key, d)`. May be None only with all_greedy=True.
     draft_probs: float[B, N+1, V] or None. Row 0 (row j+1) is the distribution q
-      the root's (node j's) children were drawn from, i.i.d.; None for
-      deterministic drafts.
+      the root's (node j's) children were drawn from (see `sibling_draws`); None
+      for deterministic drafts.
     num_nodes: int32[B] in [0, N], or None for all N: nodes >= num_nodes[b] do
       not exist for row b. Under jit it is clipped to [0, N].
     all_greedy: static promise that every row is greedy: argmax only, no
       exponential and no random numbers.
+    sibling_draws: static, how the children of a node were drawn from its q
+      (with draft_probs): "iid" (default), or "without_replacement": in node
+      order, each from q without the tokens of the siblings before it,
+      renormalised (distinct siblings; `tree_drafts.child_tokens` draws them so).
+      A child drawn when q had no mass left is never accepted. The verifier must
+      be told the way the drafts were drawn: either is lossless for its own draws.
 
   Returns:
     TreeRejectionOutput(token_ids int32[B, D+1], accepted_nodes int32[B, D],
@@ -132,6 +142,8 @@ def tree_rejection_sample(
   """
   draft = jnp.asarray(draft_token_ids)
   logits = jnp.asarray(target_logits)
+  if sibling_draws not in SIBLING_DRAWS:
+    raise ValueError(f"{_WHERE}: sibling_draws must be one of {SIBLING_DRAWS}, got {sibling_draws!r}")
   b, n, v = _check_args(draft, logits, params, draft_probs, num_nodes)
   if params.has_penalties or params.has_logit_bias:
     # Each node's context is its own root path: not built yet. Refuse rather than ignore them.
@@ -152,7 +164,7 @@ def tree_rejection_sample(
     keys = sampling.row_keys(key, b, f"{_WHERE}: key")
   return _tree_rejection_sample(draft.astype(jnp.int32), parents.astype(jnp.int32), logits, params, keys,
                                 draft_probs, num_nodes.astype(jnp.int32), depth=depth, max_children=max_children,
-                                all_greedy=all_greedy)
+                                all_greedy=all_greedy, without_replacement=sibling_draws == "without_replacement")
 
 
 # ----------------------------------------------------------------------------
@@ -279,12 +291,14 @@ def _residual(r, q, p):
   return jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p)
 
 
-def _recursive_rejection_step(logp, q, draft, children, key, max_children):
-  """Drafts drawn i.i.d. from q: SpecInfer's recursive rejection sampling over the children.
+def _recursive_rejection_step(logp, q, draft, children, key, max_children, without_replacement=False):
+  """Drafts drawn from q: SpecInfer's recursive rejection sampling over the children.
 
   Child slot c (the c-th child in node order) is accepted with probability
-  min(1, r(x)/q(x)), as `u * q(x) < r(x)` with u ~ U[0, 1); a loop over slots stops
-  once every row has accepted a child or run out of children.
+  min(1, r(x)/q_c(x)), as `u * q_c(x) < r(x)` with u ~ U[0, 1); a loop over slots stops
+  once every row has accepted a child or run out of children. q_c is q for i.i.d.
+  siblings; without replacement it is q without the earlier slots' tokens,
+  renormalised (a slot drawn after q ran out of mass is skipped: it proposed nothing).
   """
   b, n = draft.shape
   v = logp.shape[-1]
@@ -299,27 +313,49 @@ def _recursive_rejection_step(logp, q, draft, children, key, max_children):
     return (chosen < 0) & (c < num_children)
 
   def cond(carry):
-    c, _, chosen, _ = carry
+    c, _, chosen = carry[:3]
     return (c < max_children) & jnp.any(pending(c, chosen))
 
+  total = jnp.sum(q, axis=-1)  # (about 1)
+
   def body(carry):
-    c, r, chosen, rejected_any = carry
+    c, r, chosen, rejected_any, removed, removed_mass = carry
     at_slot = children & (rank == c)
     j = jnp.argmax(at_slot, axis=1).astype(jnp.int32)
     live = pending(c, chosen)
+    if without_replacement:
+      # q_c = q without the earlier siblings' tokens (`removed`, -1 = none), renormalised; built
+      # inside the reads below (fused), never stored. A slot drawn after q ran out of mass
+      # proposed nothing: skip it.
+      left = total - removed_mass
+      live = live & (left > 0)
+      scale = jnp.where(left > 0, 1.0 / jnp.where(left > 0, left, 1.0), 0.0)[:, None]
+      ids = jnp.arange(v, dtype=jnp.int32)[None, :]
+      out = jnp.any(ids[:, :, None] == removed[:, None, :], axis=-1) if max_children > 1 else jnp.zeros_like(q, bool)
+      q_c = jnp.where(out, 0.0, q) * scale
+    else:
+      q_c = q
     x = jnp.take_along_axis(draft, j[:, None], axis=1)  # [B, 1]; may be out of range
     valid = (x >= 0) & (x < v)
     safe = jnp.where(valid, x, 0)
     r_x = jnp.take_along_axis(r, safe, axis=1)[:, 0]
     q_x = jnp.take_along_axis(q, safe, axis=1)[:, 0]
+    if without_replacement:  # q_c(x), from the one gathered q(x)
+      q_x = jnp.where(jnp.any(removed == safe, axis=1), 0.0, q_x) * scale[:, 0]
     u_c = jax.lax.dynamic_index_in_dim(u, c, axis=1, keepdims=False)
     accept = live & valid[:, 0] & nonempty & (u_c * q_x < r_x)
     reject = live & ~accept
-    r = jnp.where(reject[:, None], _residual(r, q, p), r)
-    return c + 1, r, jnp.where(accept, j, chosen), rejected_any | reject
+    r = jnp.where(reject[:, None], _residual(r, q_c, p), r)
+    if without_replacement:  # the next sibling was drawn from q without this one's token
+      drop = reject & valid[:, 0]
+      q_own = jnp.take_along_axis(q, safe, axis=1)[:, 0]
+      removed = jnp.where(drop[:, None] & (jnp.arange(removed.shape[1])[None, :] == c), safe, removed)
+      removed_mass = removed_mass + jnp.where(drop, q_own, 0.0)
+    return c + 1, r, jnp.where(accept, j, chosen), rejected_any | reject, removed, removed_mass
 
-  init = (jnp.int32(0), p, jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool))
-  _, r, chosen, rejected_any = jax.lax.while_loop(cond, body, init) if n and max_children else init
+  init = (jnp.int32(0), p, jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool),
+          jnp.full((b, max(max_children, 1)), -1, jnp.int32), jnp.zeros((b,), jnp.float32))
+  _, r, chosen, rejected_any, _, _ = jax.lax.while_loop(cond, body, init) if n and max_children else init
   # The bonus (no child rejected) draws from logp itself, not from log(exp(logp)).
   log_w = jnp.where(rejected_any[:, None], jnp.log(r), logp)
   token = jnp.where(nonempty, sampling.categorical_from_log_weights(k_final, log_w), 0)
@@ -350,7 +386,8 @@ def _loop(cond, body, init, max_iters: int, unroll: bool):
   return init
 
 
-def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, max_children, greedy_only):
+def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, max_children, greedy_only,
+          without_replacement=False):
   """Walks every row from the root, one depth per iteration; returns TreeRejectionOutput."""
   b, n = draft.shape
   unroll = greedy_only and depth + 1 <= _UNROLL_LIMIT and b <= _UNROLL_MAX_BATCH
@@ -373,7 +410,7 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
       rand = _guess_step(logp, draft, children, k_draw)
     else:
       q = sampling.valid_probs(_row_at(draft_probs, s.node))
-      rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children)
+      rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children, without_replacement)
     is_greedy = params.is_greedy
     return _Step(jnp.where(is_greedy, greedy.child, rand.child), jnp.where(is_greedy, greedy.token, rand.token))
 
@@ -399,15 +436,16 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
                              num_accepted=num_accepted, num_emitted=num_accepted + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("depth", "max_children", "all_greedy"))
+@functools.partial(jax.jit, static_argnames=("depth", "max_children", "all_greedy", "without_replacement"))
 def _tree_rejection_sample(draft, parents, logits, params, keys, draft_probs, num_nodes, *, depth, max_children,
-                           all_greedy):
+                           all_greedy, without_replacement=False):
   b, n = draft.shape
   node_ids = jnp.arange(n, dtype=jnp.int32)[None, :]
   # Under jit a node past num_nodes, or with a parent outside [-1, j), does not exist.
   exists = (node_ids < jnp.clip(num_nodes, 0, n)[:, None]) & (parents >= -1) & (parents < node_ids)
   walk = functools.partial(_walk, parents=parents, params=params, keys=keys, draft_probs=draft_probs,
-                           exists=exists, depth=depth, max_children=max_children)
+                           exists=exists, depth=depth, max_children=max_children,
+                           without_replacement=without_replacement)
   if all_greedy:
     return walk(draft, logits=logits, greedy_only=True)
   # Run-time shortcut: an all-greedy batch skips the softmax and the random numbers.

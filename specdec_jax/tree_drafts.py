@@ -44,6 +44,10 @@ class DraftTree:
 
   Attributes:
     branching: (k_1, ..., k_K), each an int >= 1; `(1,) * K` is a chain of K drafts.
+    sibling_draws: how a model drafter's random rows draw a node's children
+      from its q: "without_replacement" (default: distinct siblings, which are
+      accepted more often) or "iid"; the loop verifies them accordingly
+      (`tree_rejection_sample(..., sibling_draws=)`).
 
   Example:
     >>> tree = DraftTree((2, 2, 1))
@@ -52,8 +56,11 @@ class DraftTree:
   """
 
   branching: tuple[int, ...]
+  sibling_draws: str = "without_replacement"
 
   def __post_init__(self):
+    if self.sibling_draws not in ("iid", "without_replacement"):
+      raise ValueError(f"draft_tree: sibling_draws must be 'iid' or 'without_replacement', got {self.sibling_draws!r}")
     b = self.branching
     if (not isinstance(b, tuple) or not b or
         any(not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1 for k in b)):
@@ -147,13 +154,16 @@ def tree_attention_mask(context_end: jax.Array, node_base: jax.Array, rows: np.n
 
 
 def child_tokens(logits: jax.Array, num_children: int, params: SamplingParams, keys: jax.Array | None, *,
-                 all_greedy: bool) -> tuple[jax.Array, jax.Array | None]:
+                 all_greedy: bool, without_replacement: bool = True) -> tuple[jax.Array, jax.Array | None]:
   """Children for each of n nodes from the draft's logits at those nodes.
 
   A greedy row takes the node's top-`num_children` tokens (distinct, the argmax
-  first); a random row draws `num_children` tokens i.i.d. from the node's
-  processed distribution q (temperature, top-k, top-p), the draws that
-  `tree_rejection_sample`'s recursive rejection sampling expects.
+  first); a random row draws `num_children` tokens from the node's processed
+  distribution q (temperature, top-k, top-p): without replacement (default;
+  each from q without the earlier children's tokens, so siblings are distinct,
+  `tree_rejection_sample(..., sibling_draws="without_replacement")`) or i.i.d.
+  A duplicate sibling can only be rejected where the first one was, so distinct
+  siblings accept more often.
 
   Args:
     logits: float [B, n, V], the draft's logits at the n nodes.
@@ -161,6 +171,7 @@ def child_tokens(logits: jax.Array, num_children: int, params: SamplingParams, k
     params: SamplingParams of batch B.
     keys: typed keys [B, n, k] (one per child), None with all_greedy.
     all_greedy: static: every row greedy (top-k only, no softmax, no RNG).
+    without_replacement: static; how random rows draw (see above).
 
   Returns:
     (tokens int32 [B, n * k]: node m's children at m*k .. m*k+k-1,
@@ -183,8 +194,12 @@ def child_tokens(logits: jax.Array, num_children: int, params: SamplingParams, k
     return top, None
   logq = sampling.process_logits(logits, params)  # [B, n, V]
   flat = logq.reshape(b * n, v)
-  draws = jnp.stack([sampling.categorical_from_log_weights(keys[:, :, c].reshape(b * n), flat)
-                     for c in range(k)], axis=-1).reshape(b, n * k)
+  draws = []
+  for c in range(k):
+    draws.append(sampling.categorical_from_log_weights(keys[:, :, c].reshape(b * n), flat))
+    if without_replacement and c + 1 < k:  # the next child comes from q without this token
+      flat = jnp.where(jnp.arange(v)[None, :] == draws[-1][:, None], -jnp.inf, flat)
+  draws = jnp.stack(draws, axis=-1).reshape(b, n * k)
   tokens = jnp.where(params.is_greedy[:, None], top, draws).astype(jnp.int32)
   return tokens, jnp.exp(logq)
 
@@ -202,7 +217,7 @@ def grow_tree(tree: DraftTree, root_logits: jax.Array, level_logits, carry, para
     params: SamplingParams of batch B.
     keys: typed keys [B] (one per row and round), None with all_greedy; child j
       (node index) uses fold_in(keys[b], j).
-    all_greedy: static.
+    all_greedy: static. Random rows draw siblings as `tree.sibling_draws` says.
 
   Returns:
     (tokens int32 [B, N], draft_probs float32 [B, N+1, V] or None, carry): row 0
@@ -222,7 +237,8 @@ def grow_tree(tree: DraftTree, root_logits: jax.Array, level_logits, carry, para
       ids = jnp.arange(tree.level_starts[i - 1], tree.level_starts[i - 1] + tree.level_sizes[i - 1],
                        dtype=jnp.int32).reshape(-1, k)
       child_keys = jax.vmap(lambda key: jax.vmap(jax.vmap(lambda j: jax.random.fold_in(key, j)))(ids))(keys)
-    level_tokens, q = child_tokens(logits, k, params, child_keys, all_greedy=all_greedy)
+    level_tokens, q = child_tokens(logits, k, params, child_keys, all_greedy=all_greedy,
+                                   without_replacement=tree.sibling_draws == "without_replacement")
     tokens.append(level_tokens)
     qs.append(q)
     if i < tree.depth:

@@ -92,7 +92,10 @@ def _penalty_problem(seed, b=4, k=3, v=500):
   return logits, draft, state, params, plain
 
 
-@pytest.mark.parametrize("with_dp", [False, pytest.param(True, marks=pytest.mark.slow)])
+# Slow-marked (CI budget): CI checks the view through sample_tokens below and rejection_sample's penalties
+# by their exact laws (test_sampling_options.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("with_dp", [False, True])
 def test_rejection_sample_through_the_view_equals_materialised_penalised_logits(with_dp):
   logits, draft, state, params, plain = _penalty_problem(1)
   b, k1, v = logits.shape

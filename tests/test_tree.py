@@ -290,15 +290,20 @@ def _fake_models(seed):
   return f, q
 
 
-def _draft_tree(f_table, q_table, b, rng, with_q):
-  """Per row: node tokens (i.i.d. from q of their parent's path, or fixed guesses), and the
-  target logits / draft probs rows of the root and of every node's path."""
+def _draft_tree(f_table, q_table, b, rng, with_q, sibling_draws="iid"):
+  """Per row: node tokens (from q of their parent's path, i.i.d. or without replacement among
+  siblings, or fixed guesses), and the target logits / draft probs rows of the root and of every
+  node's path."""
   code = np.zeros((b, N + 1), np.int64)  # prefix code of row 0 (root) and row j+1 (node j)
   draft = np.zeros((b, N), np.int32)
   for j in range(N):
     parent_code = code[:, PARENTS[j] + 1]
     if with_q:  # inverse-CDF draws from q(parent's path)
-      cdf = np.cumsum(q_table[parent_code].astype(np.float64), axis=-1)
+      q = q_table[parent_code].astype(np.float64)
+      if sibling_draws == "without_replacement":  # without the earlier siblings' tokens
+        for i in np.flatnonzero(PARENTS[:j] == PARENTS[j]):
+          q[np.arange(b), draft[:, i]] = 0.0
+      cdf = np.cumsum(q, axis=-1)
       draft[:, j] = np.minimum((rng.random((b, 1)) * cdf[:, -1:] > cdf).sum(-1), V - 1)
     else:  # deterministic guesses: the same tokens in every row, a duplicate included
       draft[:, j] = [2, 2, 4, 1, 3, 0, 5][j]
@@ -324,13 +329,16 @@ def _first_two_tokens(out, f_table, pset, rng):
   return t1 * V + t2, stopped.mean()
 
 
-def _lossless_check(with_q, pname, seed, rows=STAT_ROWS):
+def _lossless_check(with_q, pname, seed, rows=STAT_ROWS, drawn="iid", verified=None):
+  """Chi-square of the first token and the first two: drafts drawn `drawn`, verified as `verified` (default:
+  the same)."""
   pset = PARAM_SETS[pname]
   f_table, q_table = _fake_models(seed)
   rng = np.random.default_rng(seed)
-  draft, logits, q = _draft_tree(f_table, q_table, rows, rng, with_q)
+  draft, logits, q = _draft_tree(f_table, q_table, rows, rng, with_q, drawn)
   params = SamplingParams.create(*[np.full(rows, x) for x in pset])
-  out = _run(draft, PARENTS, logits, params, key=jax.random.key(seed), draft_probs=q)
+  out = _run(draft, PARENTS, logits, params, key=jax.random.key(seed), draft_probs=q,
+             sibling_draws=verified or drawn)
   assert out.token_ids.shape == (rows, D + 1)
   samples, stop_rate = _first_two_tokens(out, f_table, pset, rng)
   assert 0.05 < stop_rate < 0.95, stop_rate  # both branches of the completion are exercised
@@ -346,6 +354,24 @@ def test_lossless_branching_tree(with_q, pname):
   stats.assert_gof(first, min_bins=3)
   stats.assert_gof(joint, min_bins=8)
   assert out.num_accepted.max() == D  # the deepest node was reached
+
+
+@pytest.mark.parametrize("pname", list(PARAM_SETS))
+def test_lossless_tree_with_siblings_drawn_without_replacement(pname):
+  first, joint, out = _lossless_check(True, pname, seed=12, drawn="without_replacement")
+  stats.assert_gof(first, min_bins=3)
+  stats.assert_gof(joint, min_bins=8)
+  assert out.num_accepted.max() == D
+
+
+def test_siblings_without_replacement_accept_more_and_need_their_own_verifier():
+  """Distinct siblings are accepted more often than i.i.d. ones; verified as if i.i.d., they are not lossless."""
+  iid = _lossless_check(True, "T1", seed=12)[2]
+  distinct = _lossless_check(True, "T1", seed=12, drawn="without_replacement")[2]
+  assert distinct.num_accepted.mean() > iid.num_accepted.mean() + 0.05, (distinct.num_accepted.mean(),
+                                                                          iid.num_accepted.mean())
+  first, joint, _ = _lossless_check(True, "T1", seed=12, drawn="without_replacement", verified="iid")
+  assert min(first.pvalue, joint.pvalue) < stats.ALPHA, (first, joint)
 
 
 def test_power_of_the_lossless_checks():

@@ -70,7 +70,7 @@ def test_child_tokens_top_k_for_greedy_rows_and_iid_draws_for_random_rows():
   many = jnp.repeat(logits, n, axis=1)
   keys = jax.random.split(jax.random.key(0), 2 * n * k).reshape(2, n, k)
   params = SamplingParams.create([0.0, 0.5])  # row 1 at temperature 0.5: q proportional to p^2
-  toks, q = child_tokens(many, k, params, keys, all_greedy=False)
+  toks, q = child_tokens(many, k, params, keys, all_greedy=False, without_replacement=False)
   toks = np.asarray(toks)
   assert np.all(toks[0] == np.tile([1, 3, 2, 0], n))
   q_hot = q_true[::-1] ** 2 / np.sum(q_true ** 2)
@@ -83,6 +83,26 @@ def test_child_tokens_top_k_for_greedy_rows_and_iid_draws_for_random_rows():
   # Children of one node are independent draws: pairs (child 0, child 1) follow q x q.
   pairs = np.bincount(toks[1].reshape(n, k)[:, 0] * 4 + toks[1].reshape(n, k)[:, 1], minlength=16)
   assert chisquare(pairs, n * np.outer(q_hot, q_hot).ravel()).pvalue > 1e-3
+
+
+def test_child_tokens_without_replacement_are_distinct_sequential_draws():
+  """Siblings drawn without replacement: distinct, the first from q, the second from q without the first
+  (chi-square of the pairs at alpha 1e-3; the i.i.d. law q x q fails the same check)."""
+  q_true = np.array([0.1, 0.5, 0.15, 0.25])
+  n = 20000
+  logits = jnp.repeat(jnp.log(jnp.asarray(q_true))[None, None, :], n, axis=1)  # [B=1, n, V=4]
+  keys = jax.random.split(jax.random.key(1), n * 3).reshape(1, n, 3)
+  toks, q = child_tokens(logits, 3, SamplingParams.create([1.0]), keys, all_greedy=False)
+  toks = np.asarray(toks).reshape(n, 3)
+  np.testing.assert_allclose(np.asarray(q)[0, 0], q_true, rtol=1e-5)  # q is the node's own distribution
+  assert np.all((toks[:, 0] != toks[:, 1]) & (toks[:, 0] != toks[:, 2]) & (toks[:, 1] != toks[:, 2]))
+  from scipy.stats import chisquare
+  law = np.array([[0.0 if a == b else q_true[a] * q_true[b] / (1 - q_true[a]) for b in range(4)] for a in range(4)])
+  pairs = np.bincount(toks[:, 0] * 4 + toks[:, 1], minlength=16)
+  seen = law.ravel() > 0
+  assert chisquare(pairs[seen], n * law.ravel()[seen]).pvalue > 1e-3
+  iid = np.outer(q_true, q_true).ravel()
+  assert chisquare(pairs[seen], n * iid[seen] / iid[seen].sum()).pvalue < 1e-3
 
 
 def test_lookup_branches_are_distinct_continuations_in_order_of_preference():
@@ -352,7 +372,7 @@ def test_bad_trees_are_refused(models):
 
 
 def _accept_first_children(draft_token_ids, parents, target_logits, params, key=None, draft_probs=None,
-                           num_nodes=None, all_greedy=False):
+                           num_nodes=None, all_greedy=False, sibling_draws="iid"):
   """A planted bug: always accepts the first child at every depth, then a target-sampled bonus."""
   tree_parents = np.asarray(parents)
   b, n = draft_token_ids.shape
