@@ -14,12 +14,8 @@ example's flag checks (which fail before any weights load).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +24,7 @@ import pytest
 
 from specdec_jax.models import Partitioning, make_mesh, shard
 from specdec_jax.models.sharding import relayout
+from tests.eight_devices import run_worker
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mesh_worker.py"
@@ -43,22 +40,7 @@ CHECKS = ([f"logits {d}x{m}" for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))] + ["l
 
 @pytest.fixture(scope="module")
 def worker_results() -> dict:
-  env = dict(os.environ)
-  # Compiling dominates the worker's time, most of it in XLA's CPU code generation for
-  # tiny programs: LLVM at level 0 halves it, and the older elemental emitters (instead
-  # of the fusion emitters) save a quarter more. One-device and mesh runs share the
-  # flags, so every comparison is like for like.
-  flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-           "--xla_cpu_use_fusion_emitters=false")
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
-  env["JAX_PLATFORMS"] = "cpu"  # fake devices are CPU devices, also on a machine with a GPU
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  proc = subprocess.run([sys.executable, str(WORKER)], env=env, cwd=ROOT, capture_output=True, text=True,
-                        timeout=900, check=False)
-  lines = proc.stdout.strip().splitlines()
-  if proc.returncode != 0 or not lines:
-    pytest.fail(f"tests/mesh_worker.py exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-  return json.loads(lines[-1])
+  return run_worker(WORKER)
 
 
 @pytest.mark.parametrize("name", CHECKS)

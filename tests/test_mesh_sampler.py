@@ -18,10 +18,7 @@ cores). The parser of collectives is also tested here, on hand-written HLO.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import jax
@@ -29,6 +26,7 @@ import pytest
 
 from specdec_jax import vocab_parallel
 from specdec_jax.reductions import chunk_size
+from tests.eight_devices import run_worker
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mesh_sampler_worker.py"
@@ -71,23 +69,7 @@ CHECKS = (
 
 @pytest.fixture(scope="module")
 def worker_results() -> dict:
-  env = dict(os.environ)
-  # Compiling dominates the worker's time, most of it in XLA's CPU code generation for
-  # small programs: LLVM at level 0 and the older elemental emitters (instead of the
-  # fusion emitters) each halve it. One-device and mesh runs share the flags, so every
-  # comparison is like for like.
-  flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-           "--xla_cpu_use_fusion_emitters=false")
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
-  env["JAX_PLATFORMS"] = "cpu"  # fake devices are CPU devices, also on a machine with a GPU
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  proc = subprocess.run([sys.executable, str(WORKER)], env=env, cwd=ROOT, capture_output=True, text=True,
-                        timeout=900, check=False)
-  lines = proc.stdout.strip().splitlines()
-  if proc.returncode != 0 or not lines:
-    pytest.fail(f"tests/mesh_sampler_worker.py exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                f"{proc.stderr[-5000:]}")
-  return json.loads(lines[-1])
+  return run_worker(WORKER)
 
 
 @pytest.mark.parametrize("name", CHECKS)

@@ -1,0 +1,38 @@
+"""Runs a many-device check script in a subprocess with 8 fake CPU devices (the device count is fixed
+when JAX starts, so such checks cannot run in the ordinary pytest process).
+
+The worker prints one JSON object on its last line, {check name: {"ok": bool, "detail": str}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Compiling dominates a worker's time, most of it in XLA's CPU code generation for small
+# programs: LLVM at level 0 halves it, and the older elemental emitters (instead of the
+# fusion emitters) save a quarter to a half more. One-device and mesh runs in a worker
+# share the flags, so every comparison is like for like.
+FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+         "--xla_cpu_use_fusion_emitters=false")
+
+
+def run_worker(worker: pathlib.Path) -> dict:
+  """The worker's {check: {"ok", "detail"}}; fails the calling test if the worker crashed."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FLAGS}".strip()
+  env["JAX_PLATFORMS"] = "cpu"  # fake devices are CPU devices, also on a machine with a GPU
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  proc = subprocess.run([sys.executable, str(worker)], env=env, cwd=ROOT, capture_output=True, text=True,
+                        timeout=900, check=False)
+  lines = proc.stdout.strip().splitlines()
+  if proc.returncode != 0 or not lines:
+    pytest.fail(f"{worker.name} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+  return json.loads(lines[-1])
