@@ -399,23 +399,18 @@ class _DraftScores(NamedTuple):
   log_q: jax.Array  # f32: log q_i(d_i) (0 for drafts without probabilities: one-hot q)
 
 
-def _take(x, ids, shards):
-  """take_along_axis(x, ids, axis=-1); under `shards` from the owner of each id (x: this device's slice)."""
-  return jnp.take_along_axis(x, ids, axis=-1) if shards is None else shards.take(x, ids)
-
-
 def _score_drafts(draft, logits, params, stats: sampling.PositionStats, draft_probs, shards=None) -> _DraftScores:
   """Gathers one logit (and one draft probability) per draft: no pass over the vocabulary."""
   k, v = draft.shape[1], (logits.shape[-1] if shards is None else shards.vocab)
   valid = (draft >= 0) & (draft < v)
   ids = jnp.where(valid, draft, 0)
-  x_d = sampling.scale_logits(_take(sampling.values(logits)[:, :k], ids[..., None], shards),
+  x_d = sampling.scale_logits(vocab_parallel.take_vocab(sampling.values(logits)[:, :k], ids[..., None], shards),
                               params.temperature, stats.shift[:, :k])[..., 0]
   log_p = jnp.where((x_d >= stats.thr[:, :k]) & (stats.lse[:, :k] > -jnp.inf), x_d - stats.lse[:, :k], -jnp.inf)
   if draft_probs is None:
     log_q = jnp.zeros_like(log_p)
   else:
-    q_d = sampling.valid_probs(_take(draft_probs[:, :k], ids[..., None], shards)[..., 0])
+    q_d = sampling.valid_probs(vocab_parallel.take_vocab(draft_probs[:, :k], ids[..., None], shards)[..., 0])
     log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
   return _DraftScores(ids=ids, valid=valid, log_p=log_p, log_q=log_q)
 

@@ -71,7 +71,7 @@ from specdec_jax.sampling_params import (  # noqa: F401
 from specdec_jax.thresholds import (  # noqa: F401
     filter_active, group_top, shift_non_finite_rows, sorted_threshold, threshold_and_lse, top_k_top_p_threshold)
 from specdec_jax.mesh import auto_axes_if_explicit
-from specdec_jax.vocab_parallel import any_rows, row_spec, sharded_call, shards_for
+from specdec_jax.vocab_parallel import any_rows, row_spec, sharded_call, shards_for, take_vocab
 
 
 # ----------------------------------------------------------------------------
@@ -319,12 +319,8 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array
   Example:
     >>> lp = token_log_probs(logits, tokens, jnp.ones(b), *log_softmax_stats(logits))
   """
-  if shards is None:
-    safe = jnp.clip(tokens, 0, logits.shape[-1] - 1)
-    x = jnp.take_along_axis(values(logits), safe[..., None], axis=-1)
-  else:
-    x = shards.take(values(logits), jnp.clip(tokens, 0, shards.vocab - 1)[..., None])
-  x = scale_logits(x, temperature, shift)[..., 0]
+  safe = jnp.clip(tokens, 0, (logits.shape[-1] if shards is None else shards.vocab) - 1)
+  x = scale_logits(take_vocab(values(logits), safe[..., None], shards), temperature, shift)[..., 0]
   return jnp.where((x >= thr) & (lse > -jnp.inf), x - lse, -jnp.inf)
 
 
@@ -464,9 +460,6 @@ def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs,
   tokens, dist = jnp.where(greedy, greedy_tok, tok), jnp.where(greedy[:, None], one_hot, logp)
   if logprobs is None:
     return tokens, dist
-  if shards is None:
-    processed = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
-  else:
-    processed = shards.take(logp, tokens[:, None])[:, 0]
+  processed = take_vocab(logp, tokens[:, None], shards)[:, 0]
   lp = requested_log_probs(logits if logprobs == "raw" else x, tokens, params, processed, logprobs, greedy, shards)
   return tokens, dist, lp

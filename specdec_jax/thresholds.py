@@ -328,6 +328,31 @@ def _redo_rows(ok, results, operand, redo_some, redo_all, shards=None):
                         [lambda res, op: res, some, lambda res, op: tuple(redo_all(op))], results, operand)
 
 
+def _row_index(logits, m):
+  """The function from a flat (row, position) index of m [B, ...] to its batch row."""
+  rows = jnp.broadcast_to(jnp.arange(logits.shape[0]).reshape((-1,) + (1,) * (m.ndim - 1)), m.shape).reshape(-1)
+  return lambda idx: rows[idx]
+
+
+def _rows_from_candidates(idx, cand, floor, *, row_of, top_k, top_p, v, total, m, min_p, gather=lambda a: a):
+  """`_threshold_from_candidates` of the flat rows idx of cand [B, ..., C] (gathered across devices by `gather`)."""
+  r = row_of(idx)
+  return _threshold_from_candidates(gather(cand.reshape(-1, cand.shape[-1])[idx]), floor.reshape(-1)[idx],
+                                    top_k=top_k[r], top_p=top_p[r], v=v, total=total.reshape(-1)[idx],
+                                    m=m.reshape(-1)[idx], min_p=None if min_p is None else min_p[r])
+
+
+def _scaled(raw, temperature):
+  """f32 logits of raw (a view applied), divided by the temperature unless it is None (already scaled)."""
+  return values(raw).astype(jnp.float32) if temperature is None else scale_logits(raw, temperature)
+
+
+def _scaled_rows(raw, idx, temperature, row_of):
+  """The flat rows idx of the logits raw [B, ..., V] (a view applied), f32, scaled by their temperature."""
+  sub = values(raw).reshape(-1, raw.shape[-1])[idx].astype(jnp.float32)
+  return sub if temperature is None else scale_logits(sub, temperature[row_of(idx)])
+
+
 def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: jax.Array, top_p: jax.Array,
                       *, group_size: int | None = None, min_p: jax.Array | None = None, shards=None):
   """Top-k/top-p(/min-p) threshold and the log-normaliser of the kept set, sort-free.
@@ -363,7 +388,7 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   """
   if shards is not None:
     return _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
-  scale = (lambda x: values(x).astype(jnp.float32)) if temperature is None else (lambda x: scale_logits(x, temperature))
+  scale = functools.partial(_scaled, temperature=temperature)
   v = logits.shape[-1]
   group_size = _group_size(v) if group_size is None else group_size
   if v <= 2 * group_size * _PER_GROUP:  # small vocabularies: a sort is cheap
@@ -372,8 +397,7 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   flat = tops.reshape(tops.shape[:-2] + (-1,))  # [..., 4G]
   floor = jnp.max(tops[..., -1], axis=-1)  # tokens outside the candidates are <= this
   m = jnp.max(tops[..., 0], axis=-1)
-  row_batch = jnp.broadcast_to(jnp.arange(logits.shape[0]).reshape((-1,) + (1,) * (m.ndim - 1)), m.shape).reshape(-1)
-  row_of = lambda idx: row_batch[idx]  # flat (row, position) index -> batch row
+  row_of = _row_index(logits, m)
   # The row's whole mass (top-p without top-k, unfiltered rows) from the group masses
   # of the same pass. (A separate (max, sum of exps) pass run only when some row
   # needs it measured faster alone but not inside the sampler; bench/RESULTS.md.)
@@ -391,12 +415,8 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
     narrow_floor = jnp.maximum(floor, jnp.max(tops2[..., -1], axis=-1))
     thr, lse, exact = from_candidates(tops2.reshape(tops2.shape[:-2] + (-1,)), narrow_floor)
 
-    def rows_from_all_candidates(idx, f):
-      r = row_of(idx)
-      return _threshold_from_candidates(f.reshape(-1, f.shape[-1])[idx], floor.reshape(-1)[idx], top_k=top_k[r],
-                                        top_p=top_p[r], v=v, total=total.reshape(-1)[idx], m=m.reshape(-1)[idx],
-                                        min_p=None if min_p is None else min_p[r])
-
+    rows_from_all_candidates = functools.partial(_rows_from_candidates, floor=floor, row_of=row_of, top_k=top_k,
+                                                 top_p=top_p, v=v, total=total, m=m, min_p=min_p)
     # Rows the narrowed candidates cannot vouch for: from all 4G candidates (no new read of the logits).
     thr, lse, exact = _redo_rows(exact, (thr, lse, exact), flat, rows_from_all_candidates,
                                  lambda f: from_candidates(f, floor))
@@ -407,11 +427,9 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   # them, so shapes stay static), or the whole batch if there are too many.
   # The logits are the operand (raw, or a view), never a closure over a scaled copy.
   def sort_rows(idx, raw):
-    sub = values(raw).reshape(-1, v)[idx].astype(jnp.float32)
-    if temperature is not None:
-      sub = scale_logits(sub, temperature[row_of(idx)])
-    return _sorted_threshold_and_lse(sub, top_k[row_of(idx)], top_p[row_of(idx)],
-                                     min_p=None if min_p is None else min_p[row_of(idx)])
+    r = row_of(idx)
+    return _sorted_threshold_and_lse(_scaled_rows(raw, idx, temperature, row_of), top_k[r], top_p[r],
+                                     min_p=None if min_p is None else min_p[r])
 
   return _redo_rows(exact, (thr, lse), logits, sort_rows,
                     lambda raw: _sorted_threshold_and_lse(scale(raw), top_k, top_p, min_p=min_p))
@@ -436,7 +454,7 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   device; a normaliser may differ from one device's in its last bits (sums in
   another order).
   """
-  scale = (lambda x: values(x).astype(jnp.float32)) if temperature is None else (lambda x: scale_logits(x, temperature))
+  scale = functools.partial(_scaled, temperature=temperature)
   v, v_local = shards.vocab, logits.shape[-1]
   want = int(np.clip(v // _NUM_GROUPS, 16, 128))
   fits = [g for g in range(1, 129) if v_local % g == 0 and g <= 2 * want]
@@ -447,8 +465,7 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   floor = shards.max(jnp.max(tops[..., -1], axis=-1))  # tokens outside the candidates are <= this
   total = shards.sum(jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0),
                              axis=-1))
-  row_batch = jnp.broadcast_to(jnp.arange(logits.shape[0]).reshape((-1,) + (1,) * (m.ndim - 1)), m.shape).reshape(-1)
-  row_of = lambda idx: row_batch[idx]
+  row_of = _row_index(logits, m)
   from_candidates = functools.partial(_threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m,
                                       min_p=min_p)
   # Two rounds of candidates, both narrowed on the device before the gather so that no
@@ -464,22 +481,16 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   (cand, cand_floor), (wide, wide_floor) = narrowed
   thr, lse, exact = from_candidates(shards.gather(cand), cand_floor)
 
-  def rows_from_wide_candidates(idx, f):
-    r = row_of(idx)
-    return _threshold_from_candidates(shards.gather(f.reshape(-1, f.shape[-1])[idx]), wide_floor.reshape(-1)[idx],
-                                      top_k=top_k[r], top_p=top_p[r], v=v, total=total.reshape(-1)[idx],
-                                      m=m.reshape(-1)[idx], min_p=None if min_p is None else min_p[r])
-
+  rows_from_wide_candidates = functools.partial(_rows_from_candidates, floor=wide_floor, row_of=row_of, top_k=top_k,
+                                                top_p=top_p, v=v, total=total, m=m, min_p=min_p, gather=shards.gather)
   if wide is not cand:
     thr, lse, exact = _redo_rows(exact, (thr, lse, exact), wide, rows_from_wide_candidates,
                                  lambda f: from_candidates(shards.gather(f), wide_floor), shards)
 
   def bisect_rows(idx, raw):
-    sub = values(raw).reshape(-1, v_local)[idx].astype(jnp.float32)
-    if temperature is not None:
-      sub = scale_logits(sub, temperature[row_of(idx)])
-    return _bisect_threshold_and_lse(sub, top_k[row_of(idx)], top_p[row_of(idx)],
-                                     None if min_p is None else min_p[row_of(idx)], shards)
+    r = row_of(idx)
+    return _bisect_threshold_and_lse(_scaled_rows(raw, idx, temperature, row_of), top_k[r], top_p[r],
+                                     None if min_p is None else min_p[r], shards)
 
   return _redo_rows(exact, (thr, lse), logits, bisect_rows,
                     lambda raw: _bisect_batch(scale(raw), top_k, top_p, min_p, shards), shards)

@@ -101,6 +101,16 @@ def any_rows(x: jax.Array, shards: VocabShards | None) -> jax.Array:
   return jnp.any(x) if shards is None else shards.any(x)
 
 
+def take_vocab(x: jax.Array, ids: jax.Array, shards: VocabShards | None) -> jax.Array:
+  """`take_along_axis(x, ids, axis=-1)` over the vocabulary axis; under `shards` x is this device's
+  slice and each id is read by its owner (`VocabShards.take`).
+
+  Example:
+    >>> x_d = take_vocab(logits, draft[..., None], shards)   # [B, K, 1]
+  """
+  return jnp.take_along_axis(x, ids, axis=-1) if shards is None else shards.take(x, ids)
+
+
 def shards_for(vocab: int, batch: int) -> VocabShards | None:
   """The `VocabShards` a sampler call uses under the ambient mesh, or None for the single-device program.
 
