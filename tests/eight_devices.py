@@ -24,6 +24,15 @@ FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_le
          "--xla_cpu_use_fusion_emitters=false")
 
 
+def exit_unless_devices(n: int) -> None:
+  """In a worker: report a setup failure (the JSON line run_worker reads) and exit unless JAX sees n devices."""
+  import jax  # (the worker's XLA_FLAGS are read when JAX starts: not at this module's import)
+  if len(jax.devices()) != n:
+    print(json.dumps({"setup": {"ok": False, "detail": f"expected {n} devices (XLA_FLAGS="
+                                f"{os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}"}}))
+    sys.exit(1)
+
+
 def run_worker(worker: pathlib.Path) -> dict:
   """The worker's {check: {"ok", "detail"}}; fails the calling test if the worker crashed."""
   env = dict(os.environ)

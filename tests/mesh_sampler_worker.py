@@ -87,7 +87,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import re
 import sys
 import time
@@ -101,6 +100,7 @@ from jax.sharding import PartitionSpec as P
 from specdec_jax import SamplingParams, rejection_sample, sample_tokens
 from specdec_jax.models.sharding import make_mesh
 from specdec_jax.reductions import chunk_size
+from tests.eight_devices import exit_unless_devices
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 
@@ -588,10 +588,7 @@ def main() -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-  if len(jax.devices()) != NUM_DEVICES:
-    print(json.dumps({"setup": {"ok": False, "detail": f"expected {NUM_DEVICES} devices (XLA_FLAGS="
-                                f"{os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}"}}))
-    sys.exit(1)
+  exit_unless_devices(NUM_DEVICES)
   begin = time.perf_counter()
   res = main()
   compile_total = sum(COMPILE_SECONDS.values())

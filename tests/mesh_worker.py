@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import sys
 import time
 import traceback
 
@@ -45,6 +43,7 @@ from specdec_jax.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.sharding import make_mesh, shard
+from tests.eight_devices import exit_unless_devices
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 
@@ -241,8 +240,5 @@ def main() -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-  if len(jax.devices()) != NUM_DEVICES:
-    print(json.dumps({"setup": {"ok": False, "detail": f"expected {NUM_DEVICES} devices (XLA_FLAGS="
-                                f"{os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}"}}))
-    sys.exit(1)
+  exit_unless_devices(NUM_DEVICES)
   print(json.dumps(main()))
