@@ -76,6 +76,7 @@ from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
 from specdec_jax import PromptLookupDrafter, generate, sample_tokens, speculative_generate  # noqa: E402
 from specdec_jax.models import load_smollm2, load_smollm2_draft, load_smollm2_eagle  # noqa: E402
+from specdec_jax.dynamic_tree import DynamicTree  # noqa: E402
 from specdec_jax.tree_drafts import DraftTree  # noqa: E402
 from specdec_jax.models import smollm2  # noqa: E402
 
@@ -346,11 +347,14 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
-  def trees(s):  # "3x2x1x1" or "3x2x1x1:iid" -> DraftTree
+  def trees(s):  # "3x2x1x1" or "3x2x1x1:iid" -> DraftTree; "d5x8x48" -> DynamicTree(5, 8, 48)
     out = []
     for t in (t for t in s.split(",") if t):
       shape, _, draws = t.partition(":")
-      out.append(DraftTree(tuple(int(k) for k in shape.split("x")), draws or "without_replacement"))
+      if shape.startswith("d"):
+        out.append(DynamicTree(*(int(k) for k in shape[1:].split("x"))))
+      else:
+        out.append(DraftTree(tuple(int(k) for k in shape.split("x")), draws or "without_replacement"))
     return tuple(out)
   strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
   p.add_argument("--quick", action="store_true",
@@ -362,7 +366,9 @@ def parse_args(argv=None):
                  help="comma list of draft trees, branching factors joined by x (e.g. 3x2x1x1,4x1x1x1): each "
                       "runs as draft_tree= with K = its depth (eagle and model drafters; lookup for m x 1 x ... "
                       "trees); no component timings for them. A suffix :iid draws random rows' siblings "
-                      "i.i.d. instead of without replacement (e.g. 3x3x1x1:iid)")
+                      "i.i.d. instead of without replacement (e.g. 3x3x1x1:iid). dKxkxN is a dynamic tree "
+                      "(EAGLE-2 style): depth K, top-k children of the k best nodes per depth, the N best "
+                      "nodes verified (e.g. d5x8x48)")
   p.add_argument("--modes", type=strs, default=MODES, help="comma list of: greedy, t1 (default both)")
   p.add_argument("--drafters", type=strs, default=DRAFTERS, help="comma list of: eagle, model, lookup (default all)")
   p.add_argument("--max-new-tokens", type=int, help="default 128; quick 16")
@@ -470,6 +476,13 @@ def plot_tokens(rows, plains, path, title):
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
+
+
+def tree_name(tree) -> str:
+  """"3x2x1x1" (":iid" when siblings are i.i.d.) for a DraftTree, "d5x8x48" for a DynamicTree."""
+  if isinstance(tree, DynamicTree):
+    return f"d{tree.depth}x{tree.top_k}x{tree.num_nodes}"
+  return "x".join(map(str, tree.branching)) + (":iid" if tree.sibling_draws == "iid" else "")
 
 
 def plot_trees(rows, path, title):
@@ -632,11 +645,11 @@ def main(argv=None):
         bar.update(1)
         for k, tree in shapes:
           for dname in drafters:
-            label = dname if tree is None else (f"{dname}[{'x'.join(map(str, tree.branching))}"
-                                                f"{':iid' if tree.sibling_draws == 'iid' else ''}]")
+            label = dname if tree is None else f"{dname}[{tree_name(tree)}]"
             bar.set_postfix_str(f"B={b} {mode} K={k} {label}")
             drafter = {"model": draft, "lookup": lookup, "eagle": eagle}[dname]
-            if tree is not None and dname == "lookup" and any(x != 1 for x in tree.branching[1:]):
+            if tree is not None and dname == "lookup" and (isinstance(tree, DynamicTree)
+                                                           or any(x != 1 for x in tree.branching[1:])):
               bar.update(1)
               continue
             if budget.over(f"B={b} K={k} {mode} {label}"):
@@ -647,8 +660,8 @@ def main(argv=None):
                   lambda: [speculative_generate(target, drafter, t, l, params, key, num_speculative_tokens=k,
                                                 draft_tree=tree, **kw)
                            for t, l in calls], args.repeats)
-              row = {"B": b, "K": k, "mode": mode, "drafter": label, "tree": None if tree is None else tree.branching,
-                     "sibling_draws": None if tree is None else tree.sibling_draws, **bd.stats_summary(outs),
+              row = {"B": b, "K": k, "mode": mode, "drafter": label, "tree": None if tree is None else tree_name(tree),
+                     "sibling_draws": getattr(tree, "sibling_draws", None), **bd.stats_summary(outs),
                      "spec_s": timing["median_s"], "spec_times_s": timing["times_s"],
                      "spec_first_call_s": timing["first_call_s"]}
               row["spec_tok_s"] = row["tokens"] / row["spec_s"]

@@ -58,6 +58,7 @@ from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.mesh import auto_axes_if_explicit, constrain_rows
 from specdec_jax.models.adapter import ModelDef, merge_model, split_model
 from specdec_jax import sampling
+from specdec_jax.dynamic_tree import DynamicTree, grow_dynamic_tree, tree_ancestors
 from specdec_jax.rejection import LOGPROBS_MODES, METHODS, PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec_jax.sampling import PenaltyState, SamplingParams, check_params, row_keys, sample_tokens
 from specdec_jax.tree import tree_rejection_sample
@@ -652,6 +653,21 @@ class _ModelDraft:
 
     return grow_tree(tree, logits[:, -1], level, cache, params, draft_keys, all_greedy=all_greedy)
 
+  def propose_dynamic(self, cache, s: LoopState, tree: DynamicTree, max_length):
+    # The frontier of depth i sits at slots L + (i-1)*k + m (`dynamic_tree`), position L-1+i.
+    length, k = s.length, tree.top_k
+    two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
+    logits, cache = self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
+
+    def level(cache, i, tokens, parent, rows):
+      pos = jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape)
+      slots = length[:, None] + (i - 1) * k + _arange(k)[None, :]
+      mask = tree_attention_mask(length, length, rows, max_length)
+      logits, cache = self.apply(tokens, pos, cache, cache_slots=slots, attention_mask=mask)
+      return cache, logits
+
+    return grow_dynamic_tree(tree, logits[:, -1], level, cache)
+
   def commit_tree(self, cache, src, dst):
     # The accepted path moves to the slots of its positions, as in the target.
     return self.copy(cache, src, dst)
@@ -749,6 +765,24 @@ class _FeatureDraft:
                                           all_greedy=all_greedy)
     return tokens, probs, dataclasses.replace(carry, cache=cache)
 
+  def propose_dynamic(self, carry: _FeatureCarry, s: LoopState, tree: DynamicTree, max_length):
+    # As propose_tree, with the frontier of depth i at slots L-1 + (i-1)*k + m (`dynamic_tree`).
+    length, k = s.length, tree.top_k
+    root_logits, h, cache = self._catch_up(carry, s)
+    rows_b = _arange(length.shape[0])[:, None]
+
+    def level(state, i, tokens, parent, rows):
+      cache, parent_h = state  # [B, k, D] (depth 1: [B, 1, D], the catch-up's; parent is 0 there)
+      pos = jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape)
+      slots = (length - 1)[:, None] + (i - 1) * k + _arange(k)[None, :]
+      mask = tree_attention_mask(length - 1, length - 1, rows, max_length)
+      logits, hidden, cache = self._model()(tokens, parent_h[rows_b, parent], pos, cache, cache_slots=slots,
+                                            attention_mask=mask)
+      return (cache, hidden), logits
+
+    tokens, parents, fed, (cache, _) = grow_dynamic_tree(tree, root_logits, level, (cache, h[:, None]))
+    return tokens, parents, fed, dataclasses.replace(carry, cache=cache)
+
   def commit_tree(self, carry, src, dst):
     # Nothing to move: the next round's catch-up rewrites the accepted path from the target's features.
     return carry
@@ -781,7 +815,7 @@ def _draft_chain(k, carry, first, q_first, step, sample):
   return tokens, probs, carry
 
 
-def _tree_round(s: LoopState, drafter, tree: DraftTree, t_apply, t_copy, params, draft_keys, reject_keys, *,
+def _tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t_copy, params, draft_keys, reject_keys, *,
                 all_greedy, logprobs, max_length):
   """One round with a tree of drafts: draft it, verify it in one target call, move the accepted path into place.
 
@@ -797,28 +831,42 @@ def _tree_round(s: LoopState, drafter, tree: DraftTree, t_apply, t_copy, params,
   """
   length = s.length
   b, k, n = length.shape[0], tree.depth, tree.num_nodes
-  nodes, draft_probs, draft_carry = drafter.propose_tree(s.draft, s, draft_keys, tree, params, all_greedy,
-                                                         max_length)
+  dynamic = isinstance(tree, DynamicTree)
+  if dynamic:  # deterministic children, chosen at run time: verified without draft probabilities
+    nodes, parents, fed, draft_carry = drafter.propose_dynamic(s.draft, s, tree, max_length)
+    ancestors, depths = tree_ancestors(parents, k)
+    draft_probs, verify_kw = None, dict(max_depth=k)
+    rows = jnp.concatenate([jnp.zeros((b, 1, n), bool), ancestors], axis=1)  # t sees the context only
+  else:
+    nodes, draft_probs, draft_carry = drafter.propose_tree(s.draft, s, draft_keys, tree, params, all_greedy,
+                                                           max_length)
+    parents, depths = tree.parents, jnp.asarray(tree.depths)[None, :]
+    verify_kw = dict(sibling_draws=tree.sibling_draws)
+    rows = np.concatenate([np.zeros((1, n), bool), tree.ancestors])  # t sees the context only
   last = _gather_rows(s.tokens, length - 1)
   verify = jnp.concatenate([last[:, None], nodes], axis=1)  # [B, N+1]
-  positions = (length - 1)[:, None] + jnp.asarray(np.concatenate([[0], tree.depths]), jnp.int32)[None, :]
+  positions = (length - 1)[:, None] + jnp.pad(depths, ((0, 0), (1, 0)))
   slots = (length - 1)[:, None] + _arange(n + 1)[None, :]
-  rows = np.concatenate([np.zeros((1, n), bool), tree.ancestors])  # t sees the context only
   kw = dict(cache_slots=slots, attention_mask=tree_attention_mask(length, length, rows, max_length))
   if drafter.needs_features:
     target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True, **kw)
   else:
     (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache, **kw), None
   # Verified the way the drafter drew random rows' siblings (tree_drafts.child_tokens).
-  out = tree_rejection_sample(draft_token_ids=nodes, parents=tree.parents, target_logits=target_logits,
+  out = tree_rejection_sample(draft_token_ids=nodes, parents=parents, target_logits=target_logits,
                               params=params, key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy,
-                              sibling_draws=tree.sibling_draws)
+                              **verify_kw)
 
   depth = _arange(k)[None, :]
   accepted = depth < out.num_accepted[:, None]
   src = length[:, None] + jnp.maximum(out.accepted_nodes, 0)
   dst = jnp.where(accepted, length[:, None] + depth, max_length)  # max_length: dropped
   t_cache = t_copy(t_cache, src, dst)
+  if dynamic:
+    # The drafter holds only the frontier nodes it was fed, at their frontier slots. The path's last node
+    # may not have been fed; the next round's first call writes it, as for a chain's last draft.
+    slot = jnp.take_along_axis(fed, jnp.maximum(out.accepted_nodes, 0), axis=1)
+    src, dst = length[:, None] + jnp.maximum(slot, 0), jnp.where(slot >= 0, dst, max_length)
   draft_carry = drafter.commit_tree(draft_carry, src, dst)
   # The logits rows (and target features) the emitted tokens came from: t's, then the path's nodes'.
   path = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.where(accepted, out.accepted_nodes + 1, 0)], axis=1)
@@ -857,7 +905,8 @@ def _check_vocab(draft_v, target_v):
 def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: SamplingParams, key, *,
                          max_new_tokens: int, num_speculative_tokens: int, eos_token_id=None,
                          all_greedy: bool = False, logprobs: str | None = None,
-                         draft_tree: tuple[int, ...] | None = None, verification: str = "token") -> GenerateOutput:
+                         draft_tree: tuple[int, ...] | DraftTree | DynamicTree | None = None,
+                         verification: str = "token") -> GenerateOutput:
   """Speculative decoding: draft K tokens, verify them in one target call, repeat.
 
   Lossless: the tokens are distributed exactly as `generate(target, ...)`'s (and
@@ -904,6 +953,10 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
       tree extension of the model protocol (`cache_slots`, `attention_mask`,
       `copy_cache_slots`; see `Transformer`); prompt lookup takes trees
       (m, 1, ..., 1): the continuations of m different earlier matches.
+      A `dynamic_tree.DynamicTree(depth=K, top_k=k, num_nodes=N)` lets a model
+      or EAGLE drafter choose the tree each round by its own confidence
+      (EAGLE-2): the N likeliest of the top-k children of the k likeliest nodes
+      per depth, verified without draft probabilities (deterministic children).
     verification: static; "token" (default) or "block": how random rows of a
       chain verify their drafts (`rejection_sample`'s `method`). Block
       verification is as lossless and accepts at least as many drafts in
@@ -939,7 +992,7 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
                      "yet (each node's context is its own root path); use a chain (draft_tree=None)")
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
       where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
-      extra_slots=(int(k) if tree is None else tree.num_nodes) + 1)
+      extra_slots=_slots_per_round(tree, k) + 1)
   feature_draft = hasattr(draft, "fuse") and hasattr(draft, "feature_layers")
   checked = [("target", target)] + ([] if feature_draft or isinstance(draft, PromptLookupDrafter) else
                                     [("draft", draft)])
@@ -962,17 +1015,30 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
                           eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree, method=verification)
 
 
-def _check_tree(where, draft_tree, k, target, draft, verification="token") -> DraftTree | None:
-  """The `DraftTree` of `draft_tree`, None for a chain; refuses a tree the models cannot serve."""
+def _slots_per_round(tree, k) -> int:
+  """Cache slots past the context that one round may write: K, N, or a dynamic tree's frontiers if more."""
+  if tree is None:
+    return int(k)
+  return max(tree.num_nodes, tree.frontier_slots) if isinstance(tree, DynamicTree) else tree.num_nodes
+
+
+def _check_tree(where, draft_tree, k, target, draft, verification="token") -> DraftTree | DynamicTree | None:
+  """The `DraftTree` or `DynamicTree` of `draft_tree`, None for a chain; refuses a tree the models cannot serve."""
   if draft_tree is None:
     return None
   if isinstance(draft_tree, list):
     draft_tree = tuple(draft_tree)
   try:
-    tree = draft_tree if isinstance(draft_tree, DraftTree) else DraftTree(draft_tree)
+    tree = draft_tree if isinstance(draft_tree, (DraftTree, DynamicTree)) else DraftTree(draft_tree)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
-  if tree.depth != k:
+  if isinstance(tree, DynamicTree):
+    if tree.depth != k:
+      raise ValueError(f"{where}: draft_tree={tree} must have depth num_speculative_tokens={k}")
+    if isinstance(draft, PromptLookupDrafter):
+      raise ValueError(f"{where}: a DynamicTree is chosen by a model's or EAGLE drafter's confidence; prompt "
+                       "lookup has none (use a DraftTree (m, 1, ..., 1))")
+  elif tree.depth != k:
     raise ValueError(f"{where}: draft_tree must have num_speculative_tokens={k} entries (one branching factor "
                      f"per depth), got {tree.branching!r}")
   if tree.is_chain:
@@ -1012,8 +1078,9 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
   k = num_speculative_tokens
   n = k if tree is None else tree.num_nodes  # drafts per round
   where = "speculative_generate"
-  # Headroom: a live row writes slots up to L+N-1 <= P + max_new_tokens + N - 1.
-  max_length = p + max_new_tokens + n + 1
+  # Headroom: a live row writes slots up to L+N-1 <= P + max_new_tokens + N - 1 (a dynamic tree's
+  # drafter: up to L + (K-1)*k - 1).
+  max_length = p + max_new_tokens + _slots_per_round(tree, k) + 1
   rows = _arange(b)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
   t_copy = None if tree is None else _copy_slots(target_def, target_arrays)

@@ -248,3 +248,41 @@ def chunk_size(v: int) -> int:
     if v % c == 0 and c >= smallest:
       return c
   return root
+
+
+def top_k(x: jax.Array, k: int, *, group: int = 128) -> tuple[jax.Array, jax.Array]:
+  """`jax.lax.top_k(x, k)` over the last axis, the same values and indices, found through group maxima.
+
+  XLA's TopK kernel took 64 us per call for k=8 over [8, 49152] on an H100
+  (bench/round_profile.py). Here one pass takes the max of every group of
+  `group` columns, a small top_k picks the k best groups, and a top_k over
+  their k * group entries finishes: the k largest entries lie in the k groups
+  with the largest maxima. The chosen groups are gathered in column order, so
+  ties go to the lower index, as in `lax.top_k`. Inputs too small to gain,
+  or whose V is not a multiple of `group`, go to `lax.top_k` directly.
+
+  Args:
+    x: [..., V], no NaN (callers map NaN to -inf).
+    k: static, 1 <= k <= V.
+    group: static group width.
+
+  Returns:
+    (values [..., k], indices int32 [..., k]), largest first.
+
+  Example:
+    >>> vals, ids = top_k(jnp.arange(1024.0).reshape(1, 1024) % 300, 3)
+    >>> ids.tolist()
+    [[299, 599, 899]]
+  """
+  v = x.shape[-1]
+  if k > group or v % group or v // group <= 4 * k:
+    vals, ids = jax.lax.top_k(x, k)
+    return vals, ids.astype(jnp.int32)
+  lead = x.shape[:-1]
+  groups = x.reshape(lead + (v // group, group))
+  _, best = jax.lax.top_k(jnp.max(groups, axis=-1), k)
+  best = jnp.sort(best, axis=-1)  # column order: ties resolve to the lower index
+  cand = jnp.take_along_axis(groups, best[..., None], axis=-2).reshape(lead + (k * group,))
+  vals, pos = jax.lax.top_k(cand, k)
+  ids = jnp.take_along_axis(best, pos // group, axis=-1) * group + pos % group
+  return vals, ids.astype(jnp.int32)

@@ -84,6 +84,7 @@ def tree_rejection_sample(
     num_nodes=None,  # int32 [B] in [0, N]; None = N
     all_greedy: bool = False,
     sibling_draws: str = "iid",
+    max_depth: int | None = None,
 ) -> TreeRejectionOutput:
   """Verifies a tree of draft tokens against the target, losslessly.
 
@@ -113,15 +114,20 @@ def tree_rejection_sample(
       renormalised (distinct siblings; `tree_drafts.child_tokens` draws them so).
       A child drawn when q had no mass left is never accepted. The verifier must
       be told the way the drafts were drawn: either is lossless for its own draws.
+    max_depth: static int >= 1 or None: a bound on the tree's depth that sets D
+      (the walk's length and the outputs' width) where `parents` cannot: [B, N]
+      or traced parents (a tree chosen at run time, e.g. `dynamic_tree`). Nodes
+      deeper than max_depth are never accepted. None: D as described above.
 
   Returns:
     TreeRejectionOutput(token_ids int32[B, D+1], accepted_nodes int32[B, D],
-    num_accepted int32[B], num_emitted int32[B]).
+    num_accepted int32[B], num_emitted int32[B]); D = max_depth when given.
 
   Raises:
     ValueError: for mismatched shapes, dtypes or batch sizes (at trace time), and
       for out-of-range concrete values: parents[j] outside [-1, j) (for [B, N]
-      parents, at existing nodes only), num_nodes outside [0, N], draft ids of
+      parents, at existing nodes only), a concrete tree deeper than max_depth,
+      num_nodes outside [0, N], draft ids of
       existing nodes outside [0, V), NaN or all -inf logits at the root or an
       existing node, draft_probs entries that are NaN, +-inf or negative in a row
       whose node has existing children.
@@ -150,12 +156,18 @@ def tree_rejection_sample(
     raise ValueError(f"{_WHERE}: params carry repetition/frequency/presence penalties or a logit bias, which trees "
                      "of drafts do not support yet (rejection_sample does); use a chain (draft_tree=None)")
   parents, depth, max_children = _tree_structure(parents, b, n)
+  if max_depth is not None and (not isinstance(max_depth, (int, np.integer)) or isinstance(max_depth, bool)
+                                or max_depth < 1):
+    raise ValueError(f"{_WHERE}: max_depth must be None or a static int >= 1, got {max_depth!r}")
   if num_nodes is None:
     num_nodes = jnp.full((b,), n, jnp.int32)
   num_nodes = jnp.asarray(num_nodes)
   if draft_probs is not None:
     draft_probs = jnp.asarray(draft_probs)
   _check_values(draft, parents, num_nodes, logits, draft_probs)
+  if max_depth is not None:
+    _check_max_depth(parents, num_nodes, max_depth)
+    depth = int(max_depth)
   if key is None:
     if not all_greedy:
       raise ValueError(f"{_WHERE}: key is required unless all_greedy=True")
@@ -202,6 +214,27 @@ def _tree_structure(parents, b, n):
     depth_of[j] = 1 if p[j] < 0 else depth_of[p[j]] + 1
   max_children = int(np.bincount(p + 1, minlength=1).max()) if n else 0
   return jnp.broadcast_to(jnp.asarray(p, jnp.int32), (b, n)), int(depth_of.max(initial=0)), max_children
+
+
+def _check_max_depth(parents, num_nodes, max_depth):
+  """A concrete tree deeper than max_depth at its existing nodes is refused; skipped under jit."""
+  if isinstance(parents, jax.core.Tracer) or isinstance(num_nodes, jax.core.Tracer) or not parents.shape[1]:
+    return
+  p = np.asarray(parents)
+  live = np.arange(p.shape[1])[None, :] < np.asarray(num_nodes)[:, None]
+  deepest = int(np.where(live, _depths(p), 0).max())
+  if deepest > max_depth:
+    raise ValueError(f"{_WHERE}: max_depth={max_depth}, but the tree has a node at depth {deepest}")
+
+
+def _depths(parents: np.ndarray) -> np.ndarray:
+  """The depth (1 = a child of the root) of every node of concrete parents [..., N] in [-1, j)."""
+  depth = np.zeros(parents.shape, np.int64)
+  for j in range(parents.shape[-1]):
+    p = parents[..., j]
+    up = np.take_along_axis(depth, np.clip(p, 0, None)[..., None], axis=-1)[..., 0]
+    depth[..., j] = np.where(p < 0, 1, up + 1)
+  return depth
 
 
 def _check_values(draft, parents, num_nodes, logits, draft_probs):

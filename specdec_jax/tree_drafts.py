@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import sampling
+from specdec_jax import reductions, sampling
 from specdec_jax.sampling import SamplingParams
 
 __all__ = ["DraftTree", "tree_attention_mask", "child_tokens", "grow_tree"]
@@ -131,7 +131,8 @@ def tree_attention_mask(context_end: jax.Array, node_base: jax.Array, rows: np.n
     context_end: int [B]: query slots s < context_end[b] are the committed context.
     node_base: int [B]: the slot of node 0.
     rows: bool [T, N] (static): rows[t, j] iff query t sees node j
-      (`DraftTree.ancestors` rows, or zeros for a query that sees the context only).
+      (`DraftTree.ancestors` rows, or zeros for a query that sees the context only);
+      or bool [B, T, N], a per-row array (a tree chosen at run time, `dynamic_tree`).
     max_length: S, the cache's slots.
 
   Returns:
@@ -143,14 +144,18 @@ def tree_attention_mask(context_end: jax.Array, node_base: jax.Array, rows: np.n
     >>> m[0, 2].astype(int).tolist()  # node 2 (child of node 0) sees slots 0..2, node 0 (slot 3), itself (slot 5)
     [1, 1, 1, 1, 0, 1, 0, 0]
   """
-  rows = np.asarray(rows, bool)
-  n = rows.shape[1]
+  per_row = jnp.ndim(rows) == 3
+  rows = jnp.asarray(rows, bool) if per_row else np.asarray(rows, bool)
+  n = rows.shape[-1]
   s = jnp.arange(max_length, dtype=jnp.int32)[None, :]
   offset = s - node_base.astype(jnp.int32)[:, None]  # [B, S]: the node a slot holds
   in_tree = (offset >= 0) & (offset < n)
-  sees = jnp.take(jnp.asarray(rows), jnp.clip(offset, 0, n - 1), axis=1)  # [T, B, S]
-  mask = (s < context_end.astype(jnp.int32)[:, None])[:, None, :] | (in_tree[:, None, :] & jnp.swapaxes(sees, 0, 1))
-  return mask
+  node = jnp.clip(offset, 0, n - 1)
+  if per_row:
+    sees = jnp.take_along_axis(rows, jnp.broadcast_to(node[:, None, :], rows.shape[:2] + node.shape[1:]), axis=2)
+  else:
+    sees = jnp.swapaxes(jnp.take(jnp.asarray(rows), node, axis=1), 0, 1)  # [B, T, S]
+  return (s < context_end.astype(jnp.int32)[:, None])[:, None, :] | (in_tree[:, None, :] & sees)
 
 
 def child_tokens(logits: jax.Array, num_children: int, params: SamplingParams, keys: jax.Array | None, *,
@@ -188,7 +193,7 @@ def child_tokens(logits: jax.Array, num_children: int, params: SamplingParams, k
   k = num_children
   if k > v:
     raise ValueError(f"draft_tree: a node cannot have {k} children in a vocabulary of V={v} tokens")
-  _, top = jax.lax.top_k(logits, k)  # [B, n, k]
+  _, top = reductions.top_k(jnp.where(jnp.isnan(logits), -jnp.inf, logits), k)  # [B, n, k]
   top = top.astype(jnp.int32).reshape(b, n * k)
   if all_greedy:
     return top, None
