@@ -815,8 +815,8 @@ def _draft_chain(k, carry, first, q_first, step, sample):
   return tokens, probs, carry
 
 
-def _tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t_copy, params, draft_keys, reject_keys, *,
-                all_greedy, logprobs, max_length):
+def _tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t_copy, params, draft_keys,
+                reject_keys, *, all_greedy, logprobs, max_length):
   """One round with a tree of drafts: draft it, verify it in one target call, move the accepted path into place.
 
   The target sees the last context token t (the root) at slot L-1 and node j

@@ -7,11 +7,26 @@ silently lining up the wrong axes. Library code must broadcast explicitly
 the tests check it there.
 """
 
-import jax
-import pytest
+import os
+
+# The suite's time is mostly XLA compiling small programs on the CPU: LLVM at level 0 compiles them
+# 16-24% faster in all (measured on 2 cores), with the same float semantics (no fast-math either way).
+# Read when JAX starts its backend, which no import below does; the subprocess tests inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="session")
+def tree_models():
+  """The tree tests' models (tests/test_tree_loop.py, tests/test_dynamic_tree.py), built once."""
+  from tests.test_tree_loop import build_models
+  return build_models()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -33,13 +33,13 @@ def exit_unless_devices(n: int) -> None:
     sys.exit(1)
 
 
-def run_worker(worker: pathlib.Path) -> dict:
+def run_worker(worker: pathlib.Path, args: tuple[str, ...] = ()) -> dict:
   """The worker's {check: {"ok", "detail"}}; fails the calling test if the worker crashed."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FLAGS}".strip()
   env["JAX_PLATFORMS"] = "cpu"  # fake devices are CPU devices, also on a machine with a GPU
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  proc = subprocess.run([sys.executable, str(worker)], env=env, cwd=ROOT, capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, str(worker), *args], env=env, cwd=ROOT, capture_output=True, text=True,
                         timeout=900, check=False)
   lines = proc.stdout.strip().splitlines()
   if proc.returncode != 0 or not lines:

@@ -11,8 +11,10 @@ cross devices; otherwise the ordinary program runs (and XLA may gather). The
 parent sets `XLA_FLAGS=--xla_force_host_platform_device_count=8` (plus flags
 that halve the compile time, the same for every run) and runs
 
-    python tests/mesh_sampler_worker.py
+    python tests/mesh_sampler_worker.py [--part all|fast|more-meshes]
 
+(`fast`: everything but the `rejection_sample` checks on the meshes 4x2 and
+8x1, which `more-meshes` runs alone; the parent runs those under the slow mark)
 which prints one JSON object on its last line: {check name: {"ok": bool,
 "detail": str}}. Every check runs on its own: a failure, traceback included,
 goes to "detail" and the next check runs (a program that fails to compile fails
@@ -529,10 +531,15 @@ def check_sizes():
           f"{chunk_size(V_HLO)}")
 
 
-def checks() -> dict:
-  """name -> function returning a detail string (ok) or raising."""
+MORE_MESHES = ("4x2", "8x1")  # `--part more-meshes`; `--part fast` leaves them out
+
+
+def checks(part: str = "all") -> dict:
+  """name -> function returning a detail string (ok) or raising; `part` as in the module docstring."""
+  if part == "more-meshes":
+    return {k: v for k, v in checks().items() if k.split(" ")[0] in MORE_MESHES}
   out = {"vocabulary sizes": check_sizes}
-  for mesh_name in MESHES:
+  for mesh_name in MESHES if part == "all" else [m for m in MESHES if m not in MORE_MESHES]:
     for name in REJECTION:
       if mesh_name == "8x1" and name not in ON_8X1:
         continue
@@ -574,9 +581,9 @@ def checks() -> dict:
   return out
 
 
-def main() -> dict[str, dict]:
+def main(part: str = "all") -> dict[str, dict]:
   results = {}
-  for name, fn in checks().items():
+  for name, fn in checks(part).items():
     start = time.perf_counter()
     try:
       detail = fn()
@@ -590,7 +597,8 @@ def main() -> dict[str, dict]:
 if __name__ == "__main__":
   exit_unless_devices(NUM_DEVICES)
   begin = time.perf_counter()
-  res = main()
+  args = sys.argv[1:]
+  res = main(args[1] if args[:1] == ["--part"] and len(args) == 2 else "all")
   compile_total = sum(COMPILE_SECONDS.values())
   print(f"mesh_sampler_worker: {time.perf_counter() - begin:.1f} s, {len(COMPILE_SECONDS)} compiles "
         f"({compile_total:.1f} s)", file=sys.stderr)

@@ -7,28 +7,24 @@
   - the loop: greedy with a dynamic tree equals `generate` (model and EAGLE
     drafters; ragged prompts, EOS inside rounds), sampled runs are lossless
     (chi-square of the first tokens' joint law; a planted verifier that accepts
-    the first child fails), no recompilation, bad trees refused.
+    the first child fails), bad trees refused; the mixed-batch and
+    no-recompilation test is shared with static trees in test_tree_loop.py.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from specdec_jax import reductions
 from specdec_jax.decoding import generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.dynamic_tree import DynamicTree, grow_dynamic_tree, tree_ancestors
-from specdec_jax.models import TransformerConfig
-from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling import SamplingParams, sample_tokens
 from specdec_jax.tree import TreeRejectionOutput, tree_rejection_sample
-from tests.compiles import count_compiles
-from tests.test_decoding import N_ROWS, SMALL_V, TEMPERATURE, TOP_K, _check_output, _exact_joint, \
-    _prompts, assert_first_tokens_follow
-from tests.test_eagle import _distil, _unit_target
-from tests.test_tree_loop import CONFIG, LENGTHS, V, _greedy_case, models  # noqa: F401 (a fixture)
+from tests.test_decoding import _check_output, _prompts, assert_first_tokens_follow
+from tests.test_eagle import _unit_target
+from tests.test_tree_loop import CONFIG, LENGTHS, V, _greedy_case, models, sampled_tree_case  # noqa: F401
 
 # ----------------------------------------------------------------------------
 # The growth
@@ -199,27 +195,6 @@ def test_a_target_drafting_for_itself_has_every_reached_position_accepted():
   np.testing.assert_array_equal(st.accepted_per_position, st.reached_per_position)
 
 
-def test_mixed_batch_dynamic_tree_and_no_recompilation(models):  # noqa: F811
-  """Greedy rows of a mixed batch equal plain greedy; new prompts, keys and parameters reuse the program."""
-  target, _, _, trained = models
-  tree = DynamicTree(2, 2, 4)
-  kw = dict(max_new_tokens=10, num_speculative_tokens=2, draft_tree=tree)
-
-  def call(seed, temps):
-    prompts, lengths = _prompts(seed, V, LENGTHS, 4)
-    out = speculative_generate(target, trained, prompts, lengths, SamplingParams.create(temps),
-                               jax.random.key(seed), **kw)
-    _check_output(out, 10, 2)
-    return out, prompts, lengths
-
-  call(0, [0.0, 1.0, 0.5, 0.0])
-  with count_compiles("_speculative_jit") as compiled:
-    out, prompts, lengths = call(1, [0.0, 0.8, 1.0, 0.0])
-  assert not compiled, compiled
-  plain = generate(target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=10, all_greedy=True)
-  np.testing.assert_array_equal(np.asarray(out.tokens)[[0, 3]], np.asarray(plain.tokens)[[0, 3]])
-
-
 def test_bad_dynamic_trees_are_refused(models):  # noqa: F811
   target, draft, _, _ = models
   prompts, lengths = _prompts(0, V, LENGTHS, 4)
@@ -262,17 +237,7 @@ def test_sampled_dynamic_tree_is_lossless(monkeypatch, drafter):
   ~0.03 at alpha 1e-3 (asserted in the helper); accepting the first child at
   every depth is rejected.
   """
-  config = TransformerConfig.tiny(SMALL_V, feature_layers=(0, 1))
-  target = _unit_target(config, seed=4, embed_scale=0.3)
-  if drafter == "model":
-    draft = _unit_target(config.replace(num_layers=1, feature_layers=()), seed=6, embed_scale=0.3)
-  else:
-    draft = _distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(5)), steps=30)
-  prompt = np.array([1, 5, 2, 7])
-  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
-  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
-  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  joint = _exact_joint(target, prompt)
+  target, draft, prompts, lengths, params, joint = sampled_tree_case(drafter)
 
   def run():
     out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(8), max_new_tokens=3,

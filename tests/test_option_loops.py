@@ -247,7 +247,7 @@ SAMPLED_ROWS = [dict(r, temperature=t, top_k=k) for r, t, k in zip(GREEDY_ROWS, 
                                                                       [0, 0, 8, 5, 0])]
 
 
-@pytest.mark.parametrize("mode", ["raw", "processed"])
+@pytest.mark.parametrize("mode", [pytest.param("raw", marks=pytest.mark.slow), "processed"])  # CI: "processed"
 def test_mixed_batch_loop_logprobs_with_penalties_are_the_targets(mode):
   """Each loop's log-probabilities of its own tokens are the target's at their position, raw or processed
   (steps 1-4 with the prompt and every earlier token, drafts of the same round included, in the context);

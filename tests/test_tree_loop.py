@@ -17,6 +17,7 @@ from flax import nnx
 
 from specdec_jax.decoding import generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.dynamic_tree import DynamicTree
 from specdec_jax.models import TransformerConfig
 from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling import SamplingParams, sample_tokens
@@ -239,13 +240,18 @@ def test_tree_arguments_are_checked():
 LENGTHS = [4, 1, 3, 2]
 
 
-@pytest.fixture(scope="module")
-def models():
+def build_models():
+  """(target, draft model, untrained EAGLE drafter, distilled EAGLE drafter); conftest's `tree_models` keeps one."""
   target = _unit_target()
   draft = _unit_target(CONFIG.replace(num_layers=1, feature_layers=()), seed=1)
   untrained = EagleDrafter.for_target(target, rngs=nnx.Rngs(1))
   trained = _distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(2)))
   return target, draft, untrained, trained
+
+
+@pytest.fixture
+def models(tree_models):
+  return tree_models
 
 
 def _greedy_case(target):
@@ -289,10 +295,11 @@ def test_greedy_tree_equals_generate(models, drafter, branching):
     assert int(np.sum(tree_out.stats.accepted)) > int(np.sum(chain.stats.accepted))
 
 
-def test_mixed_batch_tree_and_no_recompilation(models):
+@pytest.mark.parametrize("tree", [(2, 2), DynamicTree(2, 2, 4)], ids=["static", "dynamic"])
+def test_mixed_batch_tree_and_no_recompilation(models, tree):
   """Greedy rows of a mixed batch equal plain greedy; new prompts, keys and parameters reuse the program."""
   target, _, _, trained = models
-  kw = dict(max_new_tokens=10, num_speculative_tokens=2, draft_tree=(2, 2))
+  kw = dict(max_new_tokens=10, num_speculative_tokens=2, draft_tree=tree)
 
   def call(seed, temps):
     prompts, lengths = _prompts(seed, V, LENGTHS, 4)
@@ -389,16 +396,9 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
       num_accepted=jnp.full((b,), d, jnp.int32), num_emitted=jnp.full((b,), d + 1, jnp.int32))
 
 
-@pytest.mark.parametrize("drafter", ["model", pytest.param("eagle", marks=pytest.mark.slow)])
-def test_sampled_tree_is_lossless(monkeypatch, drafter):
-  """The first 3 tokens of N rows follow the target's exact joint when drafts come as i.i.d. trees.
-
-  Temperature 0.8 and top-k 6; tree (3, 2): the first round's depth-2 walk
-  decides two tokens through recursive rejection sampling, so the joint law of
-  tokens 1..3 covers both depths and a bonus. N = 20000 rows (each with its own
-  key) detect every total-variation shift >= ~0.03 at alpha 1e-3 (asserted in
-  the helper); accepting the first child at every depth is rejected.
-  """
+def sampled_tree_case(drafter: str):
+  """(target, draft, prompts, lengths, params, exact joint law of the first 3 tokens) of the sampled tree tests:
+  N_ROWS copies of one prompt at T=0.8 and top-k 6; drafter "model" (a 1-layer model) or "eagle" (distilled)."""
   config = TransformerConfig.tiny(SMALL_V, feature_layers=(0, 1))
   target = _unit_target(config, seed=4, embed_scale=0.3)
   if drafter == "model":
@@ -409,7 +409,21 @@ def test_sampled_tree_is_lossless(monkeypatch, drafter):
   prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
   lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
   params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  joint = _exact_joint(target, prompt)
+  return target, draft, prompts, lengths, params, _exact_joint(target, prompt)
+
+
+@pytest.mark.slow  # CI runs the dynamic tree's (test_dynamic_tree.py) and the sampler's own (test_tree.py)
+@pytest.mark.parametrize("drafter", ["model", "eagle"])
+def test_sampled_tree_is_lossless(monkeypatch, drafter):
+  """The first 3 tokens of N rows follow the target's exact joint when drafts come as i.i.d. trees.
+
+  Temperature 0.8 and top-k 6; tree (3, 2): the first round's depth-2 walk
+  decides two tokens through recursive rejection sampling, so the joint law of
+  tokens 1..3 covers both depths and a bonus. N = 20000 rows (each with its own
+  key) detect every total-variation shift >= ~0.03 at alpha 1e-3 (asserted in
+  the helper); accepting the first child at every depth is rejected.
+  """
+  target, draft, prompts, lengths, params, joint = sampled_tree_case(drafter)
 
   def run():
     out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(8), max_new_tokens=3,
