@@ -35,11 +35,24 @@ generated tokens in 218 s, then 8826 training steps of a 9000-step schedule in
 
     python examples/train_eagle.py --more-prompts --code-questions 6 --code-files 400 --code-per-file 6 \
         --self-questions 8 --samples 0,1,1,1,1,1,1,1,1,1,1,0.7,0.7,0.7,0.7 --gen-batch 1024 \
-        --steps 9000 --stop-at-step 8826 --out specdec_jax/weights/smollm2_eagle.safetensors
+        --steps 9000 --stop-at-step 8826 --b1 0 --weight-decay 1e-4 \
+        --out specdec_jax/weights/smollm2_eagle.safetensors
+
+`--b1 0 --weight-decay 1e-4` reproduce an accident. Until 2026-11-25 the script
+called `optax.adamw(schedule, 0.0)`, meaning weight decay 0, but optax's second
+positional argument is b1. So both shipped heads trained without
+first-moment momentum and with optax's default weight decay. The defaults are
+now AdamW's usual b1 = 0.9 and weight decay 0; a head trained with them has not
+been measured yet.
 
 (its `.json` records the commands as run, data size, times and held-out
 figures). Without the data flags the script makes the first, smaller head
-(953 prompts, 1.2 M tokens: `--steps 5000 --stop-at-step 3979`).
+(953 prompts, 1.2 M tokens: `--steps 5000 --stop-at-step 3979 --b1 0 --weight-decay 1e-4`).
+
+Continued training starts from a head instead of random weights, with a fresh
+schedule (`--init specdec_jax/weights/smollm2_eagle.safetensors`).
+`--top1-weight W` adds W times the cross-entropy of the target's argmax to each
+depth's loss, since greedy rows accept only the argmax.
 
 A long run fits the lent GPU's 10-minute commands by spanning several runs:
 `--data-cache` keeps the generated data and `--state` the training state
@@ -59,6 +72,7 @@ import argparse
 import ast
 import glob
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -299,6 +313,11 @@ def main(argv=None):
   ap.add_argument("--batch-size", type=int, default=32, help="sequences per step")
   ap.add_argument("--depth", type=int, default=6, help="unrolled steps (training-time test), >= the K shipped for")
   ap.add_argument("--lr", type=float, default=1e-3)
+  ap.add_argument("--b1", type=float, default=0.9,
+                  help="AdamW's first-moment decay (default 0.9). The shipped heads were trained with 0: the "
+                       "script passed 0.0 as optax.adamw's second positional argument, meaning weight decay")
+  ap.add_argument("--weight-decay", type=float, default=0.0,
+                  help="AdamW's weight decay (default 0; the shipped heads had optax's default, 1e-4)")
   ap.add_argument("--num-layers", type=int, default=2, help="decoder blocks of the head")
   ap.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head scores (0 = all 49152)")
   ap.add_argument("--samples", default="0,1,1,1,1,0.7,0.7",
@@ -329,6 +348,13 @@ def main(argv=None):
                        "as for the shipped head)")
   ap.add_argument("--self-questions", type=int, default=0,
                   help="questions the target writes itself per topic (T=0.8), added as chat prompts (0 = none)")
+  ap.add_argument("--init", default="",
+                  help="start from this head (.safetensors from this script, e.g. the shipped one) instead of random "
+                       "weights, with a fresh schedule: continued training. Its blocks and draft vocabulary are "
+                       "kept (--num-layers and --draft-vocab are then ignored)")
+  ap.add_argument("--top1-weight", type=float, default=0.0,
+                  help="add this weight times the cross-entropy of the target's argmax (where the draft "
+                       "vocabulary has it) to each depth's loss: greedy rows accept only the argmax (default 0)")
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
   for name in ("code_files", "code_per_file", "code_questions", "self_questions"):
@@ -339,6 +365,16 @@ def main(argv=None):
       ap.error(f"--{name.replace('_', '-')} must be >= 1")
   if not 0 <= args.draft_vocab <= 49152:
     ap.error("--draft-vocab must be in [0, 49152]")
+  if args.steps < 2:
+    ap.error(f"--steps must be >= 2 (the schedule warms up, then decays), got {args.steps}")
+  if not 0 <= args.b1 < 1:
+    ap.error(f"--b1 must be in [0, 1), got {args.b1}")
+  if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+    ap.error(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+  if not (math.isfinite(args.top1_weight) and args.top1_weight >= 0):
+    ap.error(f"--top1-weight must be a finite number >= 0, got {args.top1_weight}")
+  if args.init and not os.path.isfile(args.init):
+    ap.error(f"--init {args.init}: no such file (a .safetensors head written by this script)")
   samples = [float(t) for t in args.samples.split(",")]
   if args.quick:
     args.steps, args.batch_size, args.gen_tokens, args.prompt_len, args.gen_batch = min(args.steps, 4), 2, 8, 64, 8
@@ -379,9 +415,17 @@ def main(argv=None):
 
   vocab = None
   coverage = 1.0
-  if args.draft_vocab:
+  init = None
+  if args.init:  # continued training: the head's own blocks and draft vocabulary
+    init = smollm2.load_smollm2_eagle(jnp.float32, path=args.init)
+    args.num_layers = init.config.layers.num_layers
+    args.draft_vocab = init.config.draft_vocab_size
+    vocab = np.asarray(init.draft_vocab[...]) if args.draft_vocab else None
+    print(f"init: {args.init} ({args.num_layers} blocks, draft vocabulary {args.draft_vocab or 'all'})")
+  if args.draft_vocab and vocab is None:
     vocab = draft_vocabulary(tokens[train], p_lens[train], lens[train], args.draft_vocab,
                              smollm2.SMOLLM2_EOS_IDS)
+  if vocab is not None:
     in_vocab = np.zeros(49152, bool)
     in_vocab[vocab] = True
     held_tokens = np.concatenate([r[pl:n] for r, pl, n in zip(tokens[held], p_lens[held], lens[held])])
@@ -390,16 +434,19 @@ def main(argv=None):
 
   # The head trains in float32 on float32 copies of SmolLM2's embedding and head.
   f32_target, _ = smollm2.load_smollm2(jnp.float32) if on_gpu else (target, None)
-  drafter = EagleDrafter.for_target(f32_target, num_layers=args.num_layers, draft_vocab=vocab,
-                                    rngs=nnx.Rngs(args.seed))
-  del f32_target
+  drafter = init if init is not None else EagleDrafter.for_target(
+      f32_target, num_layers=args.num_layers, draft_vocab=vocab, rngs=nnx.Rngs(args.seed))
+  del f32_target, init
   depth = args.depth
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(200, args.steps // 10 + 1), args.steps,
                                                 args.lr * 0.05)
-  optimizer = nnx.Optimizer(drafter, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.0)),
+  adamw = optax.adamw(schedule, b1=args.b1, weight_decay=args.weight_decay)
+  optimizer = nnx.Optimizer(drafter, optax.chain(optax.clip_by_global_norm(1.0), adamw),
                             wrt=nnx.Param)
   t_graph, t_state = nnx.split(target)
   vocab_ids = jnp.asarray(vocab if vocab is not None else np.arange(49152), jnp.int32)
+  # Where each token sits in the draft vocabulary (-1: outside it), for the --top1-weight term.
+  vocab_pos = jnp.full((49152,), -1, jnp.int32).at[vocab_ids].set(jnp.arange(vocab_ids.shape[0], dtype=jnp.int32))
 
   def target_pass(t_state, batch):
     model = nnx.merge(t_graph, t_state)
@@ -427,6 +474,10 @@ def main(argv=None):
       n = jnp.maximum(jnp.sum(mask), 1.0)
       q_logp = jax.nn.log_softmax(q_logits, axis=-1)
       ce = -jnp.sum(t_p * q_logp, axis=-1)
+      if args.top1_weight:  # the target's argmax, where the draft vocabulary has it
+        pos_top = vocab_pos[t_top]
+        ce_top = -jnp.take_along_axis(q_logp, jnp.maximum(pos_top, 0)[..., None], axis=-1)[..., 0]
+        ce = ce + args.top1_weight * jnp.where(pos_top >= 0, ce_top, 0.0)
       top1 = (vocab_ids[jnp.argmax(q_logits, axis=-1)] == t_top).astype(jnp.float32)
       overlap = jnp.sum(jnp.minimum(t_full_p, jnp.exp(q_logp)), axis=-1)
       out.append((jnp.sum(ce * mask) / n, jnp.sum(top1 * mask) / n, jnp.sum(overlap * mask) / n))
@@ -500,6 +551,7 @@ def main(argv=None):
       "device": jax.devices()[0].device_kind, "jax": jax.__version__,
       "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
       "steps": args.steps, "steps_done": step + 1, "batch_size": args.batch_size, "depth": depth, "lr": args.lr,
+      "b1": args.b1, "weight_decay": args.weight_decay, "top1_weight": args.top1_weight, "init": args.init or None,
       "prompts": num_prompts, "continuations": int(len(tokens)), "generated_tokens": gen_count,
       "samples": samples, "gen_tokens": args.gen_tokens, "draft_vocab_coverage": round(coverage, 4),
       "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),

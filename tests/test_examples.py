@@ -83,6 +83,37 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
   assert not all(np.array_equal(half[k], straight[k]) for k in straight)  # the last two steps did change them
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_train_eagle_init_continues_from_a_given_head(tmp_path):
+  """--init: a head trained 2 steps, continued at learning rate 0, is unchanged; with --top1-weight it moves."""
+  pytest.importorskip("safetensors")
+  from safetensors.numpy import load_file
+
+  import sys
+  sys.path.insert(0, str(EXAMPLES))
+  try:
+    train = _load("train_eagle")
+  finally:
+    sys.path.remove(str(EXAMPLES))
+  common = ["--quick", "--data-cache", str(tmp_path / "data.npz")]
+  first = str(tmp_path / "a.safetensors")
+  train.main(common + ["--steps", "2", "--out", first])
+  train.main(common + ["--steps", "2", "--lr", "0", "--init", first, "--num-layers", "1",
+                       "--out", str(tmp_path / "same.safetensors")])
+  train.main(common + ["--steps", "2", "--init", first, "--top1-weight", "1", "--out", str(tmp_path / "b.safetensors")])
+  a, same, b = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "same", "b"))
+  assert set(same) == set(a)  # the head's own blocks and draft vocabulary, not --num-layers 1
+  assert all(np.array_equal(same[k], a[k]) for k in a)
+  assert not all(np.array_equal(b[k], a[k]) for k in a)
+  with pytest.raises(SystemExit):
+    train.main(common + ["--init", str(tmp_path / "missing.safetensors")])
+  with pytest.raises(SystemExit):
+    train.main(common + ["--top1-weight", "-1"])
+  with pytest.raises(SystemExit):
+    train.main(common + ["--steps", "1"])
+
+
 @pytest.mark.slow  # a bench script's smoke run (7 s); CI keeps the examples' own runs
 def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_path):
   """bench/step_profile.py --tiny on the CPU: its variants' forward equals the Transformer's, every row is there."""
