@@ -22,7 +22,7 @@ from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.dynamic_tree import DynamicTree, grow_dynamic_tree, tree_ancestors
 from specdec_jax.sampling import SamplingParams, sample_tokens
 from specdec_jax.tree import TreeRejectionOutput, tree_rejection_sample
-from tests.test_decoding import _check_output, _prompts, assert_first_tokens_follow
+from tests.test_decoding import TinyLM, _check_output, _prompts, assert_first_tokens_follow
 from tests.test_eagle import _unit_target
 from tests.test_tree_loop import CONFIG, LENGTHS, V, _greedy_case, models, sampled_tree_case  # noqa: F401
 
@@ -204,6 +204,13 @@ def test_bad_dynamic_trees_are_refused(models):  # noqa: F811
     speculative_generate(target, draft, *args, draft_tree=DynamicTree(3, 2, 4), **kw)
   with pytest.raises(ValueError, match="prompt lookup has none"):
     speculative_generate(target, PromptLookupDrafter(2), *args, draft_tree=DynamicTree(2, 2, 4), **kw)
+  with pytest.raises(ValueError, match="verification='block' verifies chains"):
+    speculative_generate(target, draft, *args, draft_tree=DynamicTree(2, 2, 4), verification="block", **kw)
+  tiny = TinyLM.create(0, V)  # no tree extension of the model protocol
+  with pytest.raises(ValueError, match="tree extension.*draft"):
+    speculative_generate(target, tiny, *args, draft_tree=DynamicTree(2, 2, 4), **kw)
+  with pytest.raises(ValueError, match="DynamicTree.num_nodes=9 exceeds"):
+    speculative_generate(target, draft, *args, draft_tree=DynamicTree(2, 2, 9), **kw)
 
 
 def _accept_first_children(draft_token_ids, parents, target_logits, params, key=None, draft_probs=None,
