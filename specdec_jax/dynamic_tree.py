@@ -94,11 +94,13 @@ class DynamicTree:
 def _top_log_q(logits, k):
   """The k most likely tokens under the drafter's own distribution, and their log q [..., k].
 
-  NaN counts as -inf, so it can never outrank a parent.
+  NaN counts as -inf, so it can never outrank a parent; so does a row with no
+  finite logit (whose log q would be -inf - -inf = NaN).
   """
   logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits.astype(jnp.float32))
   vals, ids = reductions.top_k(logits, k)
-  return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids
+  log_q = vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # <= 0: logsumexp >= the max
+  return jnp.where(jnp.isnan(log_q), -jnp.inf, log_q), ids
 
 
 def grow_dynamic_tree(tree: DynamicTree, root_logits: jax.Array, level_logits, carry):

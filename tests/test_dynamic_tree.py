@@ -116,6 +116,22 @@ def test_grouped_top_k_equals_lax_top_k(v, k):
   np.testing.assert_array_equal(got[0], want[0])
 
 
+def test_growth_from_nan_or_empty_logits_still_gives_a_tree():
+  """A drafter whose logits are NaN or all -inf drafts nonsense, but the parents still form a tree."""
+  tree = DynamicTree(3, 2, 6)
+  root = jnp.full((2, 16), -jnp.inf).at[1].set(jnp.nan)
+
+  def level(carry, i, tokens, parent, rows):
+    return carry, jnp.full(tokens.shape + (16,), jnp.nan).at[0].set(-jnp.inf)
+
+  tokens, parents, fed, _ = grow_dynamic_tree(tree, root, level, None)
+  parents = np.asarray(parents)
+  assert all(-1 <= parents[r, j] < j for r in range(2) for j in range(6))
+  assert ((np.asarray(tokens) >= 0) & (np.asarray(tokens) < 16)).all()
+  _, depth = tree_ancestors(jnp.asarray(parents), 3)
+  assert (np.asarray(depth) <= 3).all()
+
+
 def test_tree_ancestors_and_depths():
   parents = jnp.array([[-1, -1, 0, 2, 1], [-1, 0, 1, 2, 3]])
   anc, depth = tree_ancestors(parents, 5)
