@@ -622,12 +622,16 @@ class _ModelDraft:
     _check_vocab(logits.shape[-1], start.vocab_size)
     return cache
 
+  def _first_call(self, cache, s: LoopState):
+    """Call 0 of a round: feeds [u, t] at [L-2, L-1] (module docstring: fills the slot of dK after a
+    fully accepted round; otherwise rewrites an identical slot). Returns (logits [B, 2, V], cache)."""
+    length = s.length
+    two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
+    return self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
+
   def propose(self, cache, s: LoopState, draft_keys, sample):
     length = s.length
-    # Call 0 feeds [u, t] at [L-2, L-1] (module docstring: fills the slot of dK
-    # after a fully accepted round; otherwise rewrites an identical slot).
-    two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
-    logits, cache = self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
+    logits, cache = self._first_call(cache, s)
     first, q_first = sample(logits[:, -1], 0)
 
     def step(cache, token, i):
@@ -640,8 +644,7 @@ class _ModelDraft:
     # Nodes are written at slot L + j (as in the target's verification) and
     # fed depth by depth; the leaves at depth K are never fed, like dK of a chain.
     length = s.length
-    two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
-    logits, cache = self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
+    logits, cache = self._first_call(cache, s)
 
     def level(cache, i, tokens):
       nodes = tree.level(i)
@@ -656,8 +659,7 @@ class _ModelDraft:
   def propose_dynamic(self, cache, s: LoopState, tree: DynamicTree, max_length):
     # The frontier of depth i sits at slots L + (i-1)*k + m (`dynamic_tree`), position L-1+i.
     length, k = s.length, tree.top_k
-    two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
-    logits, cache = self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
+    logits, cache = self._first_call(cache, s)
 
     def level(cache, i, tokens, parent, rows):
       pos = jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape)
@@ -841,7 +843,7 @@ def _tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t
     nodes, draft_probs, draft_carry = drafter.propose_tree(s.draft, s, draft_keys, tree, params, all_greedy,
                                                            max_length)
     parents, depths = tree.parents, jnp.asarray(tree.depths)[None, :]
-    verify_kw = dict(sibling_draws=tree.sibling_draws)
+    verify_kw = dict(sibling_draws=tree.sibling_draws)  # as the drafter drew them (tree_drafts.child_tokens)
     rows = np.concatenate([np.zeros((1, n), bool), tree.ancestors])  # t sees the context only
   last = _gather_rows(s.tokens, length - 1)
   verify = jnp.concatenate([last[:, None], nodes], axis=1)  # [B, N+1]
@@ -852,7 +854,6 @@ def _tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t
     target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True, **kw)
   else:
     (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache, **kw), None
-  # Verified the way the drafter drew random rows' siblings (tree_drafts.child_tokens).
   out = tree_rejection_sample(draft_token_ids=nodes, parents=parents, target_logits=target_logits,
                               params=params, key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy,
                               **verify_kw)

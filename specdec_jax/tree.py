@@ -209,11 +209,8 @@ def _tree_structure(parents, b, n):
   if np.any(bad):
     raise ValueError(f"{_WHERE}: parents[j] must be in [-1, j) (nodes in topological order, -1 = the root); "
                      f"got parents[{np.flatnonzero(bad)[:8].tolist()}] = {p[bad][:8].tolist()}")
-  depth_of = np.zeros(n, np.int64)  # the root's children are at depth 1
-  for j in range(n):
-    depth_of[j] = 1 if p[j] < 0 else depth_of[p[j]] + 1
   max_children = int(np.bincount(p + 1, minlength=1).max()) if n else 0
-  return jnp.broadcast_to(jnp.asarray(p, jnp.int32), (b, n)), int(depth_of.max(initial=0)), max_children
+  return jnp.broadcast_to(jnp.asarray(p, jnp.int32), (b, n)), int(_depths(p).max(initial=0)), max_children
 
 
 def _check_max_depth(parents, num_nodes, max_depth):
@@ -349,7 +346,7 @@ def _recursive_rejection_step(logp, q, draft, children, key, max_children, witho
     c, _, chosen = carry[:3]
     return (c < max_children) & jnp.any(pending(c, chosen))
 
-  total = jnp.sum(q, axis=-1)  # (about 1)
+  total = jnp.sum(q, axis=-1) if without_replacement else None  # (about 1)
 
   def body(carry):
     c, r, chosen, rejected_any, removed, removed_mass = carry

@@ -34,6 +34,7 @@ import numpy as np
 
 from specdec_jax import reductions, sampling
 from specdec_jax.sampling import SamplingParams
+from specdec_jax.tree import SIBLING_DRAWS
 
 __all__ = ["DraftTree", "tree_attention_mask", "child_tokens", "grow_tree"]
 
@@ -59,8 +60,8 @@ class DraftTree:
   sibling_draws: str = "without_replacement"
 
   def __post_init__(self):
-    if self.sibling_draws not in ("iid", "without_replacement"):
-      raise ValueError(f"draft_tree: sibling_draws must be 'iid' or 'without_replacement', got {self.sibling_draws!r}")
+    if self.sibling_draws not in SIBLING_DRAWS:
+      raise ValueError(f"draft_tree: sibling_draws must be one of {SIBLING_DRAWS}, got {self.sibling_draws!r}")
     b = self.branching
     if (not isinstance(b, tuple) or not b or
         any(not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1 for k in b)):
