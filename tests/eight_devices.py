@@ -11,6 +11,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
+import traceback
 
 import pytest
 
@@ -31,6 +33,28 @@ def exit_unless_devices(n: int) -> None:
     print(json.dumps({"setup": {"ok": False, "detail": f"expected {n} devices (XLA_FLAGS="
                                 f"{os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}"}}))
     sys.exit(1)
+
+
+def run_checks(checks: dict) -> dict[str, dict]:
+  """In a worker: runs each check on its own, {name: {"ok", "detail"}} (what run_worker reads).
+
+  A check returns a detail string, or {run: (ok, detail)} for several runs, reported as "name: run".
+  An exception fails the check, traceback in its detail, and the next check runs.
+  """
+  results = {}
+  for name, fn in checks.items():
+    start = time.perf_counter()
+    try:
+      out = fn()
+    except Exception as e:  # noqa: BLE001 (reported to the parent test, which fails on it)
+      results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
+      continue
+    seconds = f" ({time.perf_counter() - start:.1f} s)"
+    if isinstance(out, dict):
+      results.update({f"{name}: {run}": {"ok": ok, "detail": detail + seconds} for run, (ok, detail) in out.items()})
+    else:
+      results[name] = {"ok": True, "detail": out + seconds}
+  return results
 
 
 def run_worker(worker: pathlib.Path, args: tuple[str, ...] = ()) -> dict:

@@ -92,7 +92,6 @@ import json
 import re
 import sys
 import time
-import traceback
 
 import jax
 import numpy as np
@@ -102,7 +101,7 @@ from jax.sharding import PartitionSpec as P
 from specdec_jax import SamplingParams, rejection_sample, sample_tokens
 from specdec_jax.models.sharding import make_mesh
 from specdec_jax.reductions import chunk_size
-from tests.eight_devices import exit_unless_devices
+from tests.eight_devices import exit_unless_devices, run_checks
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 
@@ -582,16 +581,7 @@ def checks(part: str = "all") -> dict:
 
 
 def main(part: str = "all") -> dict[str, dict]:
-  results = {}
-  for name, fn in checks(part).items():
-    start = time.perf_counter()
-    try:
-      detail = fn()
-    except Exception as e:  # noqa: BLE001 (reported to the parent test, which fails on it)
-      results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
-      continue
-    results[name] = {"ok": True, "detail": f"{detail} ({time.perf_counter() - start:.1f} s)"}
-  return results
+  return run_checks(checks(part))
 
 
 if __name__ == "__main__":

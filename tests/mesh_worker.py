@@ -28,8 +28,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +41,7 @@ from specdec_jax.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.sharding import make_mesh, shard
-from tests.eight_devices import exit_unless_devices
+from tests.eight_devices import exit_unless_devices, run_checks
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 
@@ -223,20 +221,7 @@ CHECKS = {
 
 
 def main() -> dict[str, dict]:
-  results = {}
-  for name, fn in CHECKS.items():
-    start = time.perf_counter()
-    try:
-      out = fn()
-    except Exception as e:  # noqa: BLE001 (reported to the parent test, which fails on it)
-      results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
-      continue
-    seconds = f" ({time.perf_counter() - start:.1f} s)"
-    if isinstance(out, dict):
-      results.update({f"{name}: {run}": {"ok": ok, "detail": detail + seconds} for run, (ok, detail) in out.items()})
-    else:
-      results[name] = {"ok": True, "detail": out + seconds}
-  return results
+  return run_checks(CHECKS)
 
 
 if __name__ == "__main__":
