@@ -30,24 +30,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.smollm2 import build_prompts, encode  # noqa: E402
+from bench.smollm2 import build_prompts, encode, parse_tree  # noqa: E402
 from bench.step_profile import kernel_table  # noqa: E402
 from specdec_jax import speculative_generate  # noqa: E402
-from specdec_jax.dynamic_tree import DynamicTree  # noqa: E402
 from specdec_jax.models import load_smollm2, load_smollm2_eagle, smollm2  # noqa: E402
 from specdec_jax.sampling import SamplingParams  # noqa: E402
-from specdec_jax.tree_drafts import DraftTree  # noqa: E402
 
 
 def parse_shape(s: str):
-  """"4" -> (4, None); "3x3x1x1" -> (4, DraftTree); "d5x8x48" -> (5, DynamicTree)."""
-  if s.startswith("d"):
-    tree = DynamicTree(*(int(x) for x in s[1:].split("x")))
-    return tree.depth, tree
-  if "x" in s:
-    tree = DraftTree(tuple(int(x) for x in s.split("x")))
-    return tree.depth, tree
-  return int(s), None
+  """"4" -> (4, None): a chain; a tree name of bench/smollm2.py ("3x3x1x1", "d5x8x48") -> (its depth, the tree)."""
+  if s.isdigit():
+    return int(s), None
+  tree = parse_tree(s)
+  return tree.depth, tree
 
 
 def main(argv=None):

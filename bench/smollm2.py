@@ -347,15 +347,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
-  def trees(s):  # "3x2x1x1" or "3x2x1x1:iid" -> DraftTree; "d5x8x48" -> DynamicTree(5, 8, 48)
-    out = []
-    for t in (t for t in s.split(",") if t):
-      shape, _, draws = t.partition(":")
-      if shape.startswith("d"):
-        out.append(DynamicTree(*(int(k) for k in shape[1:].split("x"))))
-      else:
-        out.append(DraftTree(tuple(int(k) for k in shape.split("x")), draws or "without_replacement"))
-    return tuple(out)
+  trees = lambda s: tuple(parse_tree(t) for t in s.split(",") if t)  # noqa: E731
   strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
   p.add_argument("--quick", action="store_true",
                  help="CPU smoke run: B=1, K=2, 16 new tokens, one prompt, small acceptance windows "
@@ -476,6 +468,14 @@ def plot_tokens(rows, plains, path, title):
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
+
+
+def parse_tree(name: str):
+  """"3x2x1x1" (":iid" for i.i.d. siblings) -> DraftTree; "d5x8x48" -> DynamicTree(5, 8, 48); `tree_name`'s inverse."""
+  shape, _, draws = name.partition(":")
+  if shape.startswith("d"):
+    return DynamicTree(*(int(k) for k in shape[1:].split("x")))
+  return DraftTree(tuple(int(k) for k in shape.split("x")), draws or "without_replacement")
 
 
 def tree_name(tree) -> str:
