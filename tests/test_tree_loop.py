@@ -415,13 +415,14 @@ def sampled_tree_case(drafter: str):
 @pytest.mark.slow  # CI runs the dynamic tree's (test_dynamic_tree.py) and the sampler's own (test_tree.py)
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
 def test_sampled_tree_is_lossless(monkeypatch, drafter):
-  """The first 3 tokens of N rows follow the target's exact joint when drafts come as i.i.d. trees.
+  """The first 3 tokens of N rows follow the target's exact joint when drafts come as sampled trees.
 
-  Temperature 0.8 and top-k 6; tree (3, 2): the first round's depth-2 walk
-  decides two tokens through recursive rejection sampling, so the joint law of
-  tokens 1..3 covers both depths and a bonus. N = 20000 rows (each with its own
-  key) detect every total-variation shift >= ~0.03 at alpha 1e-3 (asserted in
-  the helper); accepting the first child at every depth is rejected.
+  Temperature 0.8 and top-k 6; tree (3, 2), siblings drawn without replacement
+  (the default): the first round's depth-2 walk decides two tokens through
+  recursive rejection sampling, so the joint law of tokens 1..3 covers both
+  depths and a bonus. N = 20000 rows (each with its own key) detect every
+  total-variation shift >= ~0.03 at alpha 1e-3 (asserted in the helper);
+  accepting the first child at every depth is rejected.
   """
   target, draft, prompts, lengths, params, joint = sampled_tree_case(drafter)
 
