@@ -105,6 +105,10 @@ def test_train_eagle_init_continues_from_a_given_head(tmp_path):
   a, same, b = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "same", "b"))
   assert set(same) == set(a)  # the head's own blocks and draft vocabulary, not --num-layers 1
   assert all(np.array_equal(same[k], a[k]) for k in a)
+  import json
+  meta = json.load(open(tmp_path / "same.json"))
+  # The --init head is measured on the held-out split before training; at lr 0 nothing changes.
+  assert meta["init_held_out"] is not None and meta["init_held_out"] == meta["held_out"]
   assert not all(np.array_equal(b[k], a[k]) for k in a)
   with pytest.raises(SystemExit):
     train.main(common + ["--init", str(tmp_path / "missing.safetensors")])
@@ -132,3 +136,27 @@ def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_p
   assert (tmp_path / "step_profile.json").is_file()  # (the PNG needs matplotlib, a bench extra CI lacks)
   with pytest.raises(SystemExit):  # a bad flag is refused before any model is built
     step_profile.main(["--tiny", "--out", str(tmp_path), "--variants", "nope"])
+
+
+def test_flag_sweep_reads_its_sets_and_plot_scaling_refuses_a_doubled_device_count(tmp_path):
+  """bench/flag_sweep.py's --sets parser, and bench/plot_scaling.py's reading of sampler JSONs."""
+  import json  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  sys.path.insert(0, str(EXAMPLES.parent))
+  from bench import flag_sweep, plot_scaling  # noqa: PLC0415
+
+  assert flag_sweep.parse_sets("base=;x=--a=1 --b=2") == {"base": "", "x": "--a=1 --b=2"}
+  assert next(iter(flag_sweep.GPU_SETS.values())) == ""  # the first set is the baseline: no extra flags
+  for bad in ("no-equals-sign", "=--a=1", " ; "):
+    with pytest.raises(ValueError, match="--sets"):
+      flag_sweep.parse_sets(bad)
+  rows = [{"case": "greedy", "model_devices": m, "ms": 1.0 / m, "frac": 0.9, "B": 8, "K": 4, "V": 64} for m in (1, 2)]
+  paths = []
+  for m, row in zip((1, 2), rows):
+    paths.append(tmp_path / f"s{m}.json")
+    paths[-1].write_text(json.dumps({"results": [row]}))
+  got = plot_scaling.load_rows([str(p) for p in paths])
+  assert sorted(got) == ["greedy"] and sorted(got["greedy"]) == [1, 2] and got["greedy"][2]["ms"] == 0.5
+  with pytest.raises(ValueError, match="two inputs"):
+    plot_scaling.load_rows([str(paths[0]), str(paths[0])])
