@@ -18,7 +18,7 @@ One speculative round for a row with context length L whose last token is t
     rejection:           accepts d1..dn, then one recovered/bonus token x
     buffer after:        t      d1 ... dn    x          (L += n + 1)
 
-Three kinds of draft share the loop (`_ModelDraft`, `_LookupDraft`, `_FeatureDraft`):
+Three kinds of draft share the loop (`specdec_jax.draft_kinds`: `ModelDraft`, `LookupDraft`, `FeatureDraft`):
 
 * A draft model must have processed every accepted token before it proposes
   again. Its K calls process u, t, d1 .. d_{K-1} but never dK, so after a round
@@ -54,138 +54,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.mesh import auto_axes_if_explicit, constrain_rows
-from specdec_jax.models.adapter import ModelDef, merge_model, split_model
 from specdec_jax import sampling
-from specdec_jax.dynamic_tree import DynamicTree, grow_dynamic_tree, tree_ancestors
-from specdec_jax.rejection import LOGPROBS_MODES, METHODS, PLACEHOLDER_TOKEN_ID, rejection_sample
-from specdec_jax.sampling import PenaltyState, SamplingParams, check_params, row_keys, sample_tokens
-from specdec_jax.tree import tree_rejection_sample
-from specdec_jax.tree_drafts import DraftTree, grow_tree, tree_attention_mask
+from specdec_jax.draft_kinds import FeatureDraft, LookupDraft, ModelDraft
+from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.dynamic_tree import DynamicTree
+from specdec_jax.loop_state import (DecodeStats, GenerateOutput, LoopState, arange32, clip_lengths, gather_rows,
+                                    is_eos, loop_outputs, position_keys, run_loop, sample_next, start_loop)
+from specdec_jax.mesh import auto_axes_if_explicit
+from specdec_jax.models.adapter import ModelDef, merge_model, split_model
+from specdec_jax.rejection import LOGPROBS_MODES, METHODS, rejection_sample
+from specdec_jax.sampling import SamplingParams, check_params, sample_tokens
+from specdec_jax.tree_drafts import DraftTree
+from specdec_jax.tree_round import tree_round
 
 __all__ = ["DecodeStats", "GenerateOutput", "generate", "speculative_generate"]
 
 _INT32_MAX = np.iinfo(np.int32).max
-
-
-# ----------------------------------------------------------------------------
-# Outputs
-# ----------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeStats:
-  """Per-row counts of one generation, taken after truncation (EOS / max_new_tokens).
-
-  Attributes:
-    target_calls: int32[B] target forward passes that emitted tokens for the row,
-      the prefill included.
-    drafted: int32[B] draft tokens proposed for the row (K per round it took part in).
-    accepted: int32[B] emitted tokens that were accepted drafts. In a round cut
-      short by EOS or `max_new_tokens`, the last kept token counts as the target
-      pass's own token, so `lengths == accepted + target_calls` always holds.
-    accepted_per_position: int32[K] accepted drafts at draft position i, summed
-      over rows and rounds (shape [0] for `generate`).
-    usable_drafted: int32[B] drafts that could have been emitted: per round
-      min(K, tokens the row could still emit - 1), and in a round cut short by
-      EOS or the limit only the drafts before the cut. A run whose drafts are
-      all right has `accepted == usable_drafted`, however short it is.
-    reached_per_position: int32[K] rounds (summed over rows) that reached draft
-      position i with room to emit it: drafts 0..i-1 were accepted, and the
-      round was not cut before i.
-
-  Example:
-    >>> out.stats.mean_accepted_length, out.stats.acceptance_per_position
-  """
-
-  target_calls: jax.Array  # [B]
-  drafted: jax.Array  # [B]
-  accepted: jax.Array  # [B]
-  accepted_per_position: jax.Array  # [K]
-  usable_drafted: jax.Array  # [B]
-  reached_per_position: jax.Array  # [K]
-
-  @property
-  def acceptance_rate(self) -> jax.Array:
-    """sum(accepted) / sum(drafted), a scalar (0 when nothing was drafted).
-
-    Drafts past a row's end count as proposed and not accepted, so short runs
-    read low; `usable_acceptance_rate` does not.
-    """
-    drafted = jnp.sum(self.drafted)
-    return jnp.sum(self.accepted) / jnp.maximum(drafted, 1)
-
-  @property
-  def usable_acceptance_rate(self) -> jax.Array:
-    """sum(accepted) / sum(usable_drafted), a scalar: acceptance over drafts that could have been emitted."""
-    return jnp.sum(self.accepted) / jnp.maximum(jnp.sum(self.usable_drafted), 1)
-
-  @property
-  def acceptance_per_position(self) -> jax.Array:
-    """float32[K]: at draft position i, accepted / reached (0 where never reached).
-
-    The conditional acceptance the field reports per position: of the rounds
-    whose drafts 0..i-1 were all accepted, the fraction that accepted draft i.
-    """
-    reached = self.reached_per_position
-    return jnp.where(reached > 0, self.accepted_per_position / jnp.maximum(reached, 1), 0.0).astype(jnp.float32)
-
-  @property
-  def mean_accepted_length(self) -> jax.Array:
-    """Tokens emitted per target pass: sum(lengths) / sum(target_calls), a scalar."""
-    calls = jnp.sum(self.target_calls)
-    return (jnp.sum(self.accepted) + calls) / jnp.maximum(calls, 1)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class GenerateOutput:
-  """What `generate` and `speculative_generate` return.
-
-  Attributes:
-    tokens: int32[B, max_new_tokens] generated tokens (the prompt excluded), then
-      PLACEHOLDER_TOKEN_ID (-1) after the row's end.
-    lengths: int32[B] generated tokens per row (an EOS that ended the row included).
-    stats: DecodeStats.
-    logprobs: f32[B, max_new_tokens] with `logprobs=...`, else None: each
-      generated token's log-probability under the target (0 after the row's end).
-  """
-
-  tokens: jax.Array  # [B, max_new_tokens]
-  lengths: jax.Array  # [B]
-  stats: DecodeStats
-  logprobs: jax.Array | None = None  # [B, max_new_tokens]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LoopState:
-  """The carry of both decoding loops.
-
-  Attributes:
-    tokens: int32[B, S] every row's context (prompt, then generated tokens);
-      slots at or past `length` hold junk or -1.
-    length: int32[B] context length L (prompt plus generated tokens).
-    done: bool[B] the row has ended (EOS or max_new_tokens).
-    target_cache: the target's cache (opaque).
-    draft: the draft's own carry (None for `generate` and prompt lookup).
-    stats: DecodeStats so far.
-    logprobs: f32[B, S] beside `tokens`, each generated token's log-probability
-      (0 elsewhere), or None when not asked for.
-    penalties: the `PenaltyState` of the context (prompt mask, counts of the
-      generated tokens) when the parameters carry penalties, else None.
-  """
-
-  tokens: jax.Array
-  length: jax.Array
-  done: jax.Array
-  target_cache: Any
-  draft: Any
-  stats: DecodeStats
-  logprobs: jax.Array | None = None
-  penalties: PenaltyState | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -318,149 +202,6 @@ def _check_bias_vocab(where, target, params, prompt_tokens):
     v = jax.eval_shape(lambda: target(one, one, target.init_cache(b, 2))[0]).shape[-1]
   sampling.check_bias_ids(params, int(v), where)
 
-
-def _check_eos(eos, vocab_size, where):
-  """At trace time, once V is known from the logits."""
-  if any(e >= vocab_size for e in eos):
-    raise ValueError(f"{where}: eos_token_id must be token ids in [0, V={vocab_size}), got {eos}")
-
-
-# ----------------------------------------------------------------------------
-# Pieces of the program shared by both loops
-# ----------------------------------------------------------------------------
-
-
-def _is_eos(tokens, eos: tuple[int, ...]):
-  """bool, same shape as tokens: token is one of the (static) EOS ids."""
-  hit = jnp.zeros(tokens.shape, bool)
-  for e in eos:
-    hit |= tokens == e
-  return hit
-
-
-def _position_keys(keys, positions):
-  """Row b's key for the step that writes slot positions[b]: fold_in(keys[b], pos).
-
-  A row's slots only grow while it is live, so no subkey is ever used twice, and
-  the key does not depend on the other rows of the batch.
-  """
-  if keys is None:
-    return None
-  return jax.vmap(jax.random.fold_in)(keys, positions.astype(jnp.int32))
-
-
-def _gather_rows(x, idx):
-  """x[b, idx[b]] for x [B, S, ...] and idx [B]."""
-  idx = idx.astype(jnp.int32).reshape(idx.shape + (1,) * (x.ndim - 1))
-  return jnp.take_along_axis(x, idx, axis=1)[:, 0]
-
-
-def _arange(n):
-  return jnp.arange(n, dtype=jnp.int32)
-
-
-def _clip_lengths(prompt_lengths, p):
-  """Under an outer jit prompt_lengths cannot be checked: every loop clips them into [1, P] once, on entry."""
-  return jnp.clip(prompt_lengths, 1, p)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Start:
-  """What both loops begin with: the state after the prefill and the first new token."""
-
-  state: LoopState
-  keys: jax.Array | None  # [B] one typed key per row, None for all-greedy programs
-  vocab_size: int
-  prefill_features: jax.Array | None  # [B, P, F] when the draft reads features
-
-
-def _prefill_inputs(prompt_tokens, prompt_lengths):
-  """(tokens, positions) [B, P] of a prefill: the padded prompt at positions arange(P).
-
-  The caller's pad ids may lie outside the vocabulary: they are fed as 0 (their
-  slots are junk, overwritten before anyone reads them).
-  """
-  b, p = prompt_tokens.shape
-  pos = jnp.broadcast_to(_arange(p), (b, p))
-  return jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0), pos
-
-
-def _sample(logits, params, keys, all_greedy, penalties, logprobs):
-  """One token per row from [B, V] logits: (token [B], log_probs [B, V], its log-probability [B] or None).
-
-  `penalties` is the context's `PenaltyState` (None without penalties);
-  `logprobs` the loop's mode (None: not asked for).
-  """
-  out = sample_tokens(logits, params, keys, all_greedy=all_greedy, penalty_state=penalties, logprobs=logprobs)
-  return out if logprobs is not None else out + (None,)
-
-
-def _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,
-           all_greedy, with_features, where, logprobs=None) -> _Start:
-  """Keys, the target's prefill, the first new token, the token buffer.
-
-  The prefill feeds the padded prompt at positions arange(P) and samples the
-  first new token from the logits at prompt_lengths - 1:
-
-      slot:   0    1    2    3    4          row b with P_b = 3, P = 5
-      tokens: p0   p1   p2   0    0          padding writes junk slots 3, 4,
-                        ^ logits -> first new token; overwritten before read
-  """
-  b, p = prompt_tokens.shape
-  keys = None if all_greedy else row_keys(key, b)
-  tokens, pos = _prefill_inputs(prompt_tokens, prompt_lengths)
-  out = t_apply(tokens, pos, t_init(max_length), **({"return_features": True} if with_features else {}))
-  logits, cache = out[0], out[-1]
-  _check_eos(eos, logits.shape[-1], where)
-  first_logits = _gather_rows(logits, prompt_lengths - 1)
-  penalties = None
-  if params.has_penalties:  # the context's counts, kept by the loop (static: the params' structure)
-    penalties = PenaltyState.from_prompt(prompt_tokens, prompt_lengths, logits.shape[-1])
-  first, first_dist, first_lp = _sample(first_logits, params, _position_keys(keys, prompt_lengths), all_greedy,
-                                        penalties, logprobs)
-
-  slot = _arange(max_length)[None, :]
-  padded = jnp.pad(prompt_tokens, ((0, 0), (0, max_length - p)))
-  buf = jnp.where(slot < prompt_lengths[:, None], padded, PLACEHOLDER_TOKEN_ID)
-  buf = jnp.where(slot == prompt_lengths[:, None], first[:, None], buf).astype(jnp.int32)
-  zeros = jnp.zeros((b,), jnp.int32)
-  lp_buf = None
-  if logprobs is not None:
-    lp_buf = jnp.where(slot == prompt_lengths[:, None], first_lp[:, None], 0.0).astype(jnp.float32)
-  if penalties is not None:
-    penalties = penalties.add_tokens(first[:, None])
-  state = LoopState(tokens=buf, length=prompt_lengths + 1, done=_is_eos(first, eos) | (max_new_tokens <= 1),
-                    target_cache=cache, draft=None, logprobs=lp_buf, penalties=penalties,
-                    stats=DecodeStats(target_calls=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros,
-                                      accepted_per_position=jnp.zeros((0,), jnp.int32), usable_drafted=zeros,
-                                      reached_per_position=jnp.zeros((0,), jnp.int32)))
-  # Under a mesh, the row-major state lives split by rows over the data axis, as
-  # the caches do (the models constrain those); a no-op without a mesh.
-  state = dataclasses.replace(state, tokens=constrain_rows(state.tokens), length=constrain_rows(state.length),
-                              done=constrain_rows(state.done),
-                              logprobs=None if lp_buf is None else constrain_rows(lp_buf))
-  return _Start(state=state, keys=keys, vocab_size=logits.shape[-1],
-                prefill_features=out[1] if with_features else None)
-
-
-def _outputs(state: LoopState, prompt_lengths, max_new_tokens):
-  """Cuts the generated tokens out of the buffer; -1 after each row's end."""
-  buf, s = state.tokens, state.tokens.shape[1]
-  i = _arange(max_new_tokens)[None, :]
-  gen = jnp.take_along_axis(buf, jnp.minimum(prompt_lengths[:, None] + i, s - 1), axis=1)
-  lengths = (state.length - prompt_lengths).astype(jnp.int32)
-  tokens = jnp.where(i < lengths[:, None], gen, PLACEHOLDER_TOKEN_ID).astype(jnp.int32)
-  lp = None
-  if state.logprobs is not None:
-    lp = jnp.take_along_axis(state.logprobs, jnp.minimum(prompt_lengths[:, None] + i, s - 1), axis=1)
-    lp = jnp.where(i < lengths[:, None], lp, 0.0)
-  return GenerateOutput(tokens=tokens, lengths=lengths, stats=state.stats, logprobs=lp)
-
-
-def _run(body, state: LoopState) -> LoopState:
-  return jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
-
-
 # ----------------------------------------------------------------------------
 # generate
 # ----------------------------------------------------------------------------
@@ -546,18 +287,18 @@ def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key,
                       all_greedy, logprobs):
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
-  prompt_lengths = _clip_lengths(prompt_lengths, p)
+  prompt_lengths = clip_lengths(prompt_lengths, p)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
-  start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
+  start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=False, where="generate",
                  logprobs=logprobs)
-  rows = _arange(b)
+  rows = arange32(b)
 
   def body(s: LoopState) -> LoopState:
     # Each row feeds its last token at its own position: rows advance independently.
-    last = _gather_rows(s.tokens, s.length - 1)
+    last = gather_rows(s.tokens, s.length - 1)
     logits, cache = t_apply(last[:, None], (s.length - 1)[:, None], s.target_cache)
-    token, _, token_lp = _sample(logits[:, 0], params, _position_keys(start.keys, s.length), all_greedy,
+    token, _, token_lp = sample_next(logits[:, 0], params, position_keys(start.keys, s.length), all_greedy,
                                  s.penalties, logprobs)
     live = ~s.done
     # Finished rows write nowhere (index max_length is dropped) and stay put.
@@ -568,334 +309,12 @@ def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key,
       lp = lp.at[rows, slot].set(token_lp, mode="drop")
     penalties = None if s.penalties is None else s.penalties.add_tokens(token[:, None], live[:, None])
     length = s.length + live
-    done = s.done | (live & (_is_eos(token, eos) | (length - prompt_lengths >= max_new_tokens)))
+    done = s.done | (live & (is_eos(token, eos) | (length - prompt_lengths >= max_new_tokens)))
     stats = dataclasses.replace(s.stats, target_calls=s.stats.target_calls + live)
     return dataclasses.replace(s, tokens=buf, length=length, done=done, target_cache=cache, stats=stats,
                                logprobs=lp, penalties=penalties)
 
-  return _outputs(_run(body, start.state), prompt_lengths, max_new_tokens)
-
-
-# ----------------------------------------------------------------------------
-# The three kinds of draft, as the speculative loop sees them
-# ----------------------------------------------------------------------------
-
-
-class _LookupDraft:
-  """Prompt lookup: proposals from the token buffer, no state, no probabilities."""
-
-  needs_features = False
-
-  def __init__(self, drafter: PromptLookupDrafter, k: int):
-    self.drafter, self.k = drafter, k
-
-  def start(self, start: _Start, prompt_tokens, max_length):
-    return None
-
-  def propose(self, carry, s: LoopState, draft_keys, sample):
-    return self.drafter.propose(s.tokens, s.length, self.k), None, carry
-
-  def propose_tree(self, carry, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy, max_length):
-    # A tree (m, 1, ..., 1): m branches, the continuations of m different earlier matches.
-    branches = self.drafter.propose_branches(s.tokens, s.length, tree.depth, tree.branching[0])  # [B, m, K]
-    b = branches.shape[0]
-    return jnp.swapaxes(branches, 1, 2).reshape(b, tree.num_nodes), None, carry
-
-  def commit_tree(self, carry, src, dst):
-    return carry
-
-  def observe(self, carry, features, kept):
-    return carry
-
-
-class _ModelDraft:
-  """A draft model: its own cache, fed [u, t] then its own K-1 tokens each round."""
-
-  needs_features = False
-
-  def __init__(self, init, apply, k: int, copy=None):
-    self.init, self.apply, self.k, self.copy = init, apply, k, copy
-
-  def start(self, start: _Start, prompt_tokens, max_length):
-    tokens, pos = _prefill_inputs(prompt_tokens, start.state.length - 1)  # length - 1: the prompt lengths
-    logits, cache = self.apply(tokens, pos, self.init(max_length))
-    _check_vocab(logits.shape[-1], start.vocab_size)
-    return cache
-
-  def _first_call(self, cache, s: LoopState):
-    """Call 0 of a round: feeds [u, t] at [L-2, L-1] (module docstring: fills the slot of dK after a
-    fully accepted round; otherwise rewrites an identical slot). Returns (logits [B, 2, V], cache)."""
-    length = s.length
-    two = jnp.stack([_gather_rows(s.tokens, length - 2), _gather_rows(s.tokens, length - 1)], axis=1)
-    return self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
-
-  def propose(self, cache, s: LoopState, draft_keys, sample):
-    length = s.length
-    logits, cache = self._first_call(cache, s)
-    first, q_first = sample(logits[:, -1], 0)
-
-    def step(cache, token, i):
-      logits, cache = self.apply(token[:, None], (length - 1 + i)[:, None], cache)
-      return cache, logits[:, 0]
-
-    return _draft_chain(self.k, cache, first, q_first, step, sample)
-
-  def propose_tree(self, cache, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy, max_length):
-    # Nodes are written at slot L + j (as in the target's verification) and
-    # fed depth by depth; the leaves at depth K are never fed, like dK of a chain.
-    length = s.length
-    logits, cache = self._first_call(cache, s)
-
-    def level(cache, i, tokens):
-      nodes = tree.level(i)
-      pos = jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape)
-      slots = length[:, None] + _arange(tree.num_nodes)[None, nodes]
-      mask = tree_attention_mask(length, length, tree.ancestors[nodes], max_length)
-      logits, cache = self.apply(tokens, pos, cache, cache_slots=slots, attention_mask=mask)
-      return cache, logits
-
-    return grow_tree(tree, logits[:, -1], level, cache, params, draft_keys, all_greedy=all_greedy)
-
-  def propose_dynamic(self, cache, s: LoopState, tree: DynamicTree, max_length):
-    # The frontier of depth i sits at slots L + (i-1)*k + m (`dynamic_tree`), position L-1+i.
-    length, k = s.length, tree.top_k
-    logits, cache = self._first_call(cache, s)
-
-    def level(cache, i, tokens, parent, rows):
-      pos = jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape)
-      slots = length[:, None] + (i - 1) * k + _arange(k)[None, :]
-      mask = tree_attention_mask(length, length, rows, max_length)
-      logits, cache = self.apply(tokens, pos, cache, cache_slots=slots, attention_mask=mask)
-      return cache, logits
-
-    return grow_dynamic_tree(tree, logits[:, -1], level, cache)
-
-  def commit_tree(self, cache, src, dst):
-    # The accepted path moves to the slots of its positions, as in the target.
-    return self.copy(cache, src, dst)
-
-  def observe(self, carry, features, kept):
-    return carry
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _FeatureCarry:
-  cache: Any
-  features: jax.Array  # [B, K+1, F]: the target's features of the last verified tokens
-  fresh: jax.Array  # int32 [B]: how many of them were accepted (entries to catch up on)
-
-
-class _FeatureDraft:
-  """An EAGLE-style drafter: catches up on the target's features, then drafts from its own hiddens."""
-
-  needs_features = True
-
-  def __init__(self, model_def, arrays, b: int, k: int):
-    self.model_def, self.arrays, self.b, self.k = model_def, arrays, b, k
-
-  def _model(self):
-    return merge_model(self.model_def, self.arrays)
-
-  def _apply(self, tokens, hidden, positions, cache, logits_at=None):
-    logits, hidden, cache = self._model()(tokens, hidden, positions, cache, logits_at=logits_at)
-    return logits, hidden, cache
-
-  def start(self, start: _Start, prompt_tokens, max_length):
-    # Entries (f_p, x_{p+1}) for p = 0 .. P-1 from the prefill's features; the
-    # buffer already holds the first new token at x_{P_b}. The last real entry,
-    # p = P_b - 1, is redone by the first round's catch-up.
-    b, p = prompt_tokens.shape
-    model = self._model()
-    feats = start.prefill_features
-    if feats.shape[-1] != model.config.feature_size:
-      raise ValueError(f"speculative_generate: the target's features have width {feats.shape[-1]}, the drafter "
-                       f"reads {model.config.feature_size}")
-    pos = jnp.broadcast_to(_arange(p), (b, p))
-    nxt = jnp.maximum(start.state.tokens[:, 1:p + 1], 0)
-    logits, _, cache = self._apply(nxt, model.fuse(feats), pos, model.init_cache(self.b, max_length),
-                                   logits_at=jnp.zeros((b,), jnp.int32))
-    _check_vocab(logits.shape[-1], start.vocab_size)
-    last = _gather_rows(feats, start.state.length - 2)  # f at P_b - 1
-    pending = jnp.zeros((b, self.k + 1, feats.shape[-1]), feats.dtype).at[:, 0].set(last)
-    return _FeatureCarry(cache=cache, features=pending, fresh=jnp.ones((b,), jnp.int32))
-
-  def _catch_up(self, carry: _FeatureCarry, s: LoopState):
-    """The round's first call: (logits [B, V] of d1, the drafter's hidden there [B, D], cache)."""
-    model = self._model()
-    # Catch-up: entries at base .. base+K, base = L-1-fresh; the first `fresh`
-    # are the verified tokens (f_p, x_{p+1}), the rest junk that later entries
-    # overwrite before anyone reads them. Entry fresh-1 (p = L-2) predicts d1.
-    base = s.length - 1 - carry.fresh
-    idx = base[:, None] + _arange(self.k + 1)[None, :]
-    nxt = jnp.maximum(jnp.take_along_axis(s.tokens, idx + 1, axis=1), 0)
-    logits, hidden, cache = self._apply(nxt, model.fuse(carry.features), idx, carry.cache,
-                                        logits_at=carry.fresh - 1)
-    return logits[:, 0], _gather_rows(hidden, carry.fresh - 1), cache
-
-  def propose(self, carry: _FeatureCarry, s: LoopState, draft_keys, sample):
-    length, k = s.length, self.k
-    first_logits, h, cache = self._catch_up(carry, s)
-    first, q_first = sample(first_logits, 0)
-
-    def step(state, token, i):
-      cache, h = state
-      logits, h, cache = self._apply(token[:, None], h[:, None], (length - 2 + i)[:, None], cache)
-      return (cache, h[:, 0]), logits[:, 0]
-
-    tokens, probs, (cache, _) = _draft_chain(k, (cache, h), first, q_first, step, sample)
-    return tokens, probs, dataclasses.replace(carry, cache=cache)
-
-  def propose_tree(self, carry: _FeatureCarry, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy,
-                   max_length):
-    # The entries of depth-i nodes sit at position L-2+i and slot L-1+j (node j),
-    # each reading its parent's hidden (the catch-up's for depth 1).
-    length = s.length
-    root_logits, h, cache = self._catch_up(carry, s)
-
-    def level(state, i, tokens):
-      cache, parent_h = state  # parent_h [B, n_{i-1}, D]; node m's parent is m // k_i
-      nodes = tree.level(i)
-      hidden = jnp.repeat(parent_h, tree.branching[i - 1], axis=1)
-      pos = jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape)
-      slots = (length - 1)[:, None] + _arange(tree.num_nodes)[None, nodes]
-      mask = tree_attention_mask(length - 1, length - 1, tree.ancestors[nodes], max_length)
-      logits, hidden, cache = self._model()(tokens, hidden, pos, cache, cache_slots=slots, attention_mask=mask)
-      return (cache, hidden), logits
-
-    tokens, probs, (cache, _) = grow_tree(tree, root_logits, level, (cache, h[:, None]), params, draft_keys,
-                                          all_greedy=all_greedy)
-    return tokens, probs, dataclasses.replace(carry, cache=cache)
-
-  def propose_dynamic(self, carry: _FeatureCarry, s: LoopState, tree: DynamicTree, max_length):
-    # As propose_tree, with the frontier of depth i at slots L-1 + (i-1)*k + m (`dynamic_tree`).
-    length, k = s.length, tree.top_k
-    root_logits, h, cache = self._catch_up(carry, s)
-    rows_b = _arange(length.shape[0])[:, None]
-
-    def level(state, i, tokens, parent, rows):
-      cache, parent_h = state  # [B, k, D] (depth 1: [B, 1, D], the catch-up's; parent is 0 there)
-      pos = jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape)
-      slots = (length - 1)[:, None] + (i - 1) * k + _arange(k)[None, :]
-      mask = tree_attention_mask(length - 1, length - 1, rows, max_length)
-      logits, hidden, cache = self._model()(tokens, parent_h[rows_b, parent], pos, cache, cache_slots=slots,
-                                            attention_mask=mask)
-      return (cache, hidden), logits
-
-    tokens, parents, fed, (cache, _) = grow_dynamic_tree(tree, root_logits, level, (cache, h[:, None]))
-    return tokens, parents, fed, dataclasses.replace(carry, cache=cache)
-
-  def commit_tree(self, carry, src, dst):
-    # Nothing to move: the next round's catch-up rewrites the accepted path from the target's features.
-    return carry
-
-  def observe(self, carry: _FeatureCarry, features, kept):
-    return dataclasses.replace(carry, features=features, fresh=jnp.maximum(kept, 1).astype(jnp.int32))
-
-
-def _draft_chain(k, carry, first, q_first, step, sample):
-  """d1 (given) then d2 .. dK by `step(carry, token, i) -> (carry, logits)`, sampled by `sample`.
-
-  `sample(logits, i, earlier)` also gets the round's earlier drafts, int32
-  [B, K] with -1 where none is drafted yet (penalties count them as context).
-
-  Returns (tokens int32 [B, K], probs [B, K, V] or None, carry).
-  """
-  if k == 1:
-    return first[:, None], None if q_first is None else q_first[:, None], carry
-
-  def body(c, i):
-    carry, token, earlier = c
-    carry, logits = step(carry, token, i)
-    nxt, q = sample(logits, i, earlier)
-    return (carry, nxt, earlier.at[:, i].set(nxt)), (nxt, q)
-
-  earlier = jnp.full((first.shape[0], k), -1, jnp.int32).at[:, 0].set(first)
-  (carry, _, _), (ds, qs) = jax.lax.scan(body, (carry, first, earlier), _arange(k)[1:])
-  tokens = jnp.concatenate([first[:, None], ds.T], axis=1)
-  probs = None if q_first is None else jnp.concatenate([q_first[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-  return tokens, probs, carry
-
-
-def _tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t_copy, params, draft_keys,
-                reject_keys, *, all_greedy, logprobs, max_length):
-  """One round with a tree of drafts: draft it, verify it in one target call, move the accepted path into place.
-
-  The target sees the last context token t (the root) at slot L-1 and node j
-  at slot L+j with position L-1+depth(j), each query the context and its
-  own ancestors (`Transformer.__call__` draws the slots). The accepted path's
-  keys/values then move to slots L, L+1, ..., as a chain round would have left them.
-
-  Returns:
-    (emitted int32 [B, K+1] (path, then one token, then -1), num_emitted [B],
-    logprobs [B, K+1] or None, target cache, draft carry, features of
-    [t, path] [B, K+1, F] or None).
-  """
-  length = s.length
-  b, k, n = length.shape[0], tree.depth, tree.num_nodes
-  dynamic = isinstance(tree, DynamicTree)
-  if dynamic:  # deterministic children, chosen at run time: verified without draft probabilities
-    nodes, parents, fed, draft_carry = drafter.propose_dynamic(s.draft, s, tree, max_length)
-    ancestors, depths = tree_ancestors(parents, k)
-    draft_probs, verify_kw = None, dict(max_depth=k)
-    rows = jnp.concatenate([jnp.zeros((b, 1, n), bool), ancestors], axis=1)  # t sees the context only
-  else:
-    nodes, draft_probs, draft_carry = drafter.propose_tree(s.draft, s, draft_keys, tree, params, all_greedy,
-                                                           max_length)
-    parents, depths = tree.parents, jnp.asarray(tree.depths)[None, :]
-    verify_kw = dict(sibling_draws=tree.sibling_draws)  # as the drafter drew them (tree_drafts.child_tokens)
-    rows = np.concatenate([np.zeros((1, n), bool), tree.ancestors])  # t sees the context only
-  last = _gather_rows(s.tokens, length - 1)
-  verify = jnp.concatenate([last[:, None], nodes], axis=1)  # [B, N+1]
-  positions = (length - 1)[:, None] + jnp.pad(depths, ((0, 0), (1, 0)))
-  slots = (length - 1)[:, None] + _arange(n + 1)[None, :]
-  kw = dict(cache_slots=slots, attention_mask=tree_attention_mask(length, length, rows, max_length))
-  if drafter.needs_features:
-    target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True, **kw)
-  else:
-    (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache, **kw), None
-  out = tree_rejection_sample(draft_token_ids=nodes, parents=parents, target_logits=target_logits,
-                              params=params, key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy,
-                              **verify_kw)
-
-  depth = _arange(k)[None, :]
-  accepted = depth < out.num_accepted[:, None]
-  src = length[:, None] + jnp.maximum(out.accepted_nodes, 0)
-  dst = jnp.where(accepted, length[:, None] + depth, max_length)  # max_length: dropped
-  t_cache = t_copy(t_cache, src, dst)
-  if dynamic:
-    # The drafter holds only the frontier nodes it was fed, at their frontier slots. The path's last node
-    # may not have been fed; the next round's first call writes it, as for a chain's last draft.
-    slot = jnp.take_along_axis(fed, jnp.maximum(out.accepted_nodes, 0), axis=1)
-    src, dst = length[:, None] + jnp.maximum(slot, 0), jnp.where(slot >= 0, dst, max_length)
-  draft_carry = drafter.commit_tree(draft_carry, src, dst)
-  # The logits rows (and target features) the emitted tokens came from: t's, then the path's nodes'.
-  path = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.where(accepted, out.accepted_nodes + 1, 0)], axis=1)
-  if features is not None:
-    features = jnp.take_along_axis(features, path[:, :, None], axis=1)
-  lp = None
-  if logprobs is not None:
-    path_logits = jnp.take_along_axis(target_logits, path[:, :, None], axis=1)  # [B, K+1, V]
-    lp = _path_logprobs(path_logits, out.token_ids, params, logprobs, all_greedy)
-  return out.token_ids, out.num_emitted, lp, t_cache, draft_carry, features
-
-
-def _path_logprobs(logits, tokens, params, mode, all_greedy):
-  """log p(token) [B, T] of emitted tokens under their logits [B, T, V] (`rejection_sample`'s `logprobs` modes)."""
-  greedy = jnp.full(params.is_greedy.shape, True) if all_greedy else params.is_greedy
-  if all_greedy:
-    processed = jnp.zeros(tokens.shape, jnp.float32)
-  else:
-    logp = sampling.process_logits(logits, params)
-    processed = jnp.take_along_axis(logp, jnp.clip(tokens, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-  lp = sampling.requested_log_probs(logits, tokens, params, processed, mode, greedy)
-  return jnp.where(tokens >= 0, lp, 0.0)
-
-
-def _check_vocab(draft_v, target_v):
-  if draft_v != target_v:
-    raise ValueError(f"speculative_generate: draft and target must share the vocabulary, got draft V={draft_v} "
-                     f"and target V={target_v}")
+  return loop_outputs(run_loop(body, start.state), prompt_lengths, max_new_tokens)
 
 
 # ----------------------------------------------------------------------------
@@ -1082,19 +501,19 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
   # Headroom: a live row writes slots up to L+N-1 <= P + max_new_tokens + N - 1 (a dynamic tree's
   # drafter: up to L + (K-1)*k - 1).
   max_length = p + max_new_tokens + _slots_per_round(tree, k) + 1
-  rows = _arange(b)
+  rows = arange32(b)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
   t_copy = None if tree is None else _copy_slots(target_def, target_arrays)
   if isinstance(draft_def, PromptLookupDrafter):
-    drafter = _LookupDraft(draft_def, k)
+    drafter = LookupDraft(draft_def, k)
   elif feature_draft:
-    drafter = _FeatureDraft(draft_def, draft_arrays, b, k)
+    drafter = FeatureDraft(draft_def, draft_arrays, b, k)
   else:
-    drafter = _ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k,
+    drafter = ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k,
                           copy=None if tree is None else _copy_slots(draft_def, draft_arrays))
 
-  prompt_lengths = _clip_lengths(prompt_lengths, p)
-  start = _start(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
+  prompt_lengths = clip_lengths(prompt_lengths, p)
+  start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=drafter.needs_features,
                  where=where, logprobs=logprobs)
   zeros_k = jnp.zeros((k,), jnp.int32)
@@ -1108,7 +527,7 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
       draft_keys = reject_keys = None
     else:
       # One fresh key per row and round (L grows every round), split in two.
-      round_keys = jax.vmap(jax.random.split)(_position_keys(start.keys, s.length))
+      round_keys = jax.vmap(jax.random.split)(position_keys(start.keys, s.length))
       draft_keys, reject_keys = round_keys[:, 0], round_keys[:, 1]
 
     def sample(logits, i, earlier=None):
@@ -1120,16 +539,16 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
       penalties = s.penalties
       if penalties is not None and earlier is not None:
         penalties = penalties.add_tokens(earlier, earlier >= 0)
-      token, log_probs = sample_tokens(logits, params, _position_keys(draft_keys, jnp.full((b,), i, jnp.int32)),
+      token, log_probs = sample_tokens(logits, params, position_keys(draft_keys, jnp.full((b,), i, jnp.int32)),
                                        all_greedy=all_greedy, penalty_state=penalties)
       # Greedy rejection ignores draft probabilities: do not build [B, K, V] for it.
       return token, None if all_greedy else jnp.exp(log_probs)
 
     if tree is None:
       draft_tokens, draft_probs, draft_carry = drafter.propose(s.draft, s, draft_keys, sample)  # [B, K], [B, K, V]
-      last = _gather_rows(s.tokens, s.length - 1)
+      last = gather_rows(s.tokens, s.length - 1)
       verify = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K+1]: t, d1 .. dK
-      positions = (s.length - 1)[:, None] + _arange(k + 1)[None, :]
+      positions = (s.length - 1)[:, None] + arange32(k + 1)[None, :]
       if drafter.needs_features:
         target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True)
       else:
@@ -1139,14 +558,14 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
                              method=method, penalty_state=s.penalties)
       emitted, num_emitted, emitted_lp = out.token_ids, out.num_emitted, out.logprobs  # [B, K+1], -1 after
     else:
-      emitted, num_emitted, emitted_lp, t_cache, draft_carry, features = _tree_round(
+      emitted, num_emitted, emitted_lp, t_cache, draft_carry, features = tree_round(
           s, drafter, tree, t_apply, t_copy, params, draft_keys, reject_keys, all_greedy=all_greedy,
           logprobs=logprobs, max_length=max_length)
 
     # Truncation inside the round: keep tokens up to the first EOS (included)
     # and up to max_new_tokens; finished rows keep nothing.
-    j = _arange(k + 1)[None, :]
-    eos_hit = _is_eos(emitted, eos) & (j < num_emitted[:, None])
+    j = arange32(k + 1)[None, :]
+    eos_hit = is_eos(emitted, eos) & (j < num_emitted[:, None])
     first_eos = jnp.min(jnp.where(eos_hit, j, k + 1), axis=1)
     room = max_new_tokens - (s.length - prompt_lengths)
     kept = jnp.minimum(jnp.minimum(num_emitted, room), first_eos + 1)
@@ -1162,7 +581,7 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
                      draft=drafter.observe(draft_carry, features, kept), stats=stats, logprobs=lp,
                      penalties=penalties)
 
-  return _outputs(_run(body, state), prompt_lengths, max_new_tokens)
+  return loop_outputs(run_loop(body, state), prompt_lengths, max_new_tokens)
 
 
 def _round_stats(stats: DecodeStats, k, n, live, kept, num_emitted, room) -> DecodeStats:
@@ -1170,7 +589,7 @@ def _round_stats(stats: DecodeStats, k, n, live, kept, num_emitted, room) -> Dec
   acc = jnp.maximum(kept - 1, 0)
   cut = kept < num_emitted  # EOS or the token limit ended the round early
   usable = jnp.where(cut, acc, jnp.minimum(k, room - 1))
-  i = _arange(k)[None, :]
+  i = arange32(k)[None, :]
   # Position i was reached if drafts before it were accepted; in a cut round only
   # the positions before the cut count (what came after could not be emitted).
   reached = live[:, None] & ((i < acc[:, None]) | ((i == acc[:, None]) & ~cut[:, None] & (i < room[:, None] - 1)))
@@ -1181,3 +600,4 @@ def _round_stats(stats: DecodeStats, k, n, live, kept, num_emitted, room) -> Dec
       accepted_per_position=stats.accepted_per_position + jnp.sum(i < acc[:, None], axis=0, dtype=jnp.int32),
       usable_drafted=stats.usable_drafted + jnp.where(live, usable, 0).astype(jnp.int32),
       reached_per_position=stats.reached_per_position + jnp.sum(reached, axis=0, dtype=jnp.int32))
+

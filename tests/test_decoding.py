@@ -489,8 +489,9 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
   run() -> (GenerateOutput, int [N_ROWS, 3] first tokens). The check pools
   sparse bins and must keep its power (detects total-variation shifts < 0.04).
   Then the verifier is swapped for a wrong one, by default a `rejection_sample`
-  that accepts every draft (`planted`: (name in decoding, replacement)), which
-  must be rejected at ALPHA. Returns the correct run's output.
+  that accepts every draft (`planted`: (module, name in it, replacement), e.g.
+  `specdec_jax.tree_round`'s `tree_rejection_sample`), which must be rejected
+  at ALPHA. Returns the correct run's output.
   """
   out, samples = run()
   weights = np.array([SMALL_V ** 2, SMALL_V, 1])
@@ -499,7 +500,7 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
   _, tv_min = detectable_deviation(N_ROWS, result.num_bins)
   assert tv_min < 0.04, f"the test lost its power: {result}, detects TV >= {tv_min:.3f}"
 
-  monkeypatch.setattr(decoding, *(planted or ("rejection_sample", _accept_every_draft)))
+  monkeypatch.setattr(*(planted or (decoding, "rejection_sample", _accept_every_draft)))
   # The planted bug must be traced in; the cache is cleared again afterwards.
   decoding._speculative_jit.clear_cache()
   try:

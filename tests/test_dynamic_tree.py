@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import reductions
+from specdec_jax import reductions, tree_round
 from specdec_jax.decoding import generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.dynamic_tree import DynamicTree, grow_dynamic_tree, tree_ancestors
@@ -268,6 +268,6 @@ def test_sampled_dynamic_tree_is_lossless(monkeypatch, drafter):
     return out, np.asarray(out.tokens)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} dynamic tree (2, 3, 5), first 3 tokens",
-                                   planted=("tree_rejection_sample", _accept_first_children))
+                                   planted=(tree_round, "tree_rejection_sample", _accept_first_children))
   _check_output(out, 3, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) * 5 < 4.5  # nodes are accepted and rejected

@@ -347,7 +347,7 @@ def test_sampled_speculative_with_penalties_is_lossless(drafter, verification, m
     return out, np.asarray(out.tokens)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"speculative_generate({drafter}, {verification}), "
-                                   "penalties", planted=("rejection_sample", _drafts_forgotten))
+                                   "penalties", planted=(decoding, "rejection_sample", _drafts_forgotten))
   _check_output(out, 3, 2)
   # x2 was an accepted draft in many rows: those rows' x3 came from a position with a draft in its context.
   assert int(out.stats.accepted_per_position[0]) >= 500, out.stats.accepted_per_position

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specdec_jax import tree_round
 from specdec_jax.decoding import generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.dynamic_tree import DynamicTree
@@ -432,7 +433,7 @@ def test_sampled_tree_is_lossless(monkeypatch, drafter):
     return out, np.asarray(out.tokens)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} tree (3, 2), first 3 tokens",
-                                   planted=("tree_rejection_sample", _accept_first_children))
+                                   planted=(tree_round, "tree_rejection_sample", _accept_first_children))
   _check_output(out, 3, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) * 3 < 2.5  # nodes are accepted and rejected
 
@@ -454,4 +455,4 @@ def test_sampled_lookup_tree_is_lossless(monkeypatch):
     return out, np.asarray(out.tokens)
 
   assert_first_tokens_follow(run, joint, monkeypatch, "lookup tree (3, 1), first 3 tokens",
-                             planted=("tree_rejection_sample", _accept_first_children))
+                             planted=(tree_round, "tree_rejection_sample", _accept_first_children))
