@@ -1,8 +1,9 @@
 """Does a change leave the chain path's program alone? Compare a Transformer call's lowered program across checkouts.
 
 Lowers `Transformer.__call__(tokens, positions, cache)` (a chain call: no
-tree arguments, no features) for a model of SmolLM2-135M's shape at a few
-(B, T), and writes each lowered StableHLO module (without debug information,
+tree arguments, no features) for a model of SmolLM2-135M's shape, and
+`EagleDrafter.__call__(tokens, hidden, positions, cache)` for a 2-block head
+on it, at a few (B, T), and writes each lowered StableHLO module (without debug information,
 so it is the same text on any backend) to a JSON file. Run it in two
 checkouts and compare: equal text means the same program, so the same cost on
 every device, by construction.
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specdec_jax.models import Transformer, TransformerConfig
+from specdec_jax.models.eagle import EagleDrafter
 
 SMOLLM2 = dict(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536,
                rope_theta=1e5)
@@ -35,12 +37,23 @@ def lowered_programs(cache_len: int = 64) -> dict[str, str]:
   model = Transformer(TransformerConfig(**SMOLLM2, dtype=jnp.float32), rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   call = jax.jit(lambda state, tokens, positions, cache: nnx.merge(graphdef, state)(tokens, positions, cache))
+  # The EAGLE drafter (2 blocks, reading blocks 2, 15 and 27) on hiddens of the target's width.
+  drafter = EagleDrafter.for_target(
+      Transformer(TransformerConfig(**SMOLLM2, dtype=jnp.float32, feature_layers=(2, 15, 27)), rngs=nnx.Rngs(0)),
+      num_layers=2, rngs=nnx.Rngs(1))
+  d_graphdef, d_state = nnx.split(drafter)
+  d_call = jax.jit(lambda state, tokens, hidden, positions, cache: nnx.merge(d_graphdef, state)(
+      tokens, hidden, positions, cache))
   out = {}
   for b, t in SHAPES:
     tokens = jnp.zeros((b, t), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + 10, (b, t))
     text = call.lower(state, tokens, positions, model.init_cache(b, cache_len)).as_text(debug_info=False)
     out[f"B{b}T{t}"] = re.sub(r"\s+", " ", text)
+    hidden = jnp.zeros((b, t, SMOLLM2["d_model"]), jnp.float32)
+    text = d_call.lower(d_state, tokens, hidden, positions, drafter.init_cache(b, cache_len)).as_text(
+        debug_info=False)
+    out[f"eagle B{b}T{t}"] = re.sub(r"\s+", " ", text)
   return out
 
 
