@@ -140,6 +140,8 @@ class ModelDraft:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FeatureCarry:
+  """A feature drafter's part of the loop state: its cache and the target's features still to catch up on."""
+
   cache: Any
   features: jax.Array  # [B, K+1, F]: the target's features of the last verified tokens
   fresh: jax.Array  # int32 [B]: how many of them were accepted (entries to catch up on)
@@ -278,6 +280,7 @@ def draft_chain(k, carry, first, q_first, step, sample):
 
 
 def check_vocab(draft_v, target_v):
+  """Refuses a draft whose vocabulary size differs from the target's (found when the prefill is traced)."""
   if draft_v != target_v:
     raise ValueError(f"speculative_generate: draft and target must share the vocabulary, got draft V={draft_v} "
                      f"and target V={target_v}")

@@ -172,6 +172,7 @@ def gather_rows(x, idx):
 
 
 def arange32(n):
+  """int32[n] 0 .. n-1 (the loops' positions and slots are int32 whatever x64 says)."""
   return jnp.arange(n, dtype=jnp.int32)
 
 
@@ -274,6 +275,7 @@ def loop_outputs(state: LoopState, prompt_lengths, max_new_tokens):
 
 
 def run_loop(body, state: LoopState) -> LoopState:
+  """`body` (one step or round, LoopState -> LoopState) until every row is done, in one `lax.while_loop`."""
   return jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
 
 
