@@ -360,7 +360,8 @@ def parse_args(argv=None):
                       "trees); no component timings for them. A suffix :iid draws random rows' siblings "
                       "i.i.d. instead of without replacement (e.g. 3x3x1x1:iid). dKxkxN is a dynamic tree "
                       "(EAGLE-2 style): depth K, top-k children of the k best nodes per depth, the N best "
-                      "nodes verified (e.g. d5x8x48)")
+                      "nodes verified (e.g. d5x8x48); dKxkxM:sampled draws random rows' children from q and "
+                      "verifies all M = k + (K-1)k^2 candidates (e.g. d3x4x36:sampled)")
   p.add_argument("--modes", type=strs, default=MODES, help="comma list of: greedy, t1 (default both)")
   p.add_argument("--drafters", type=strs, default=DRAFTERS, help="comma list of: eagle, model, lookup (default all)")
   p.add_argument("--max-new-tokens", type=int, help="default 128; quick 16")
@@ -471,17 +472,18 @@ def plot_tokens(rows, plains, path, title):
 
 
 def parse_tree(name: str):
-  """"3x2x1x1" (":iid" for i.i.d. siblings) -> DraftTree; "d5x8x48" -> DynamicTree(5, 8, 48); `tree_name`'s inverse."""
+  """"3x2x1x1" (":iid" for i.i.d. siblings) -> DraftTree; "d5x8x48" -> DynamicTree(5, 8, 48) ("d3x4x36:sampled"
+  for sampled children); `tree_name`'s inverse."""
   shape, _, draws = name.partition(":")
   if shape.startswith("d"):
-    return DynamicTree(*(int(k) for k in shape[1:].split("x")))
+    return DynamicTree(*(int(k) for k in shape[1:].split("x")), sampled=draws == "sampled")
   return DraftTree(tuple(int(k) for k in shape.split("x")), draws or "without_replacement")
 
 
 def tree_name(tree) -> str:
   """"3x2x1x1" (":iid" when siblings are i.i.d.) for a DraftTree, "d5x8x48" for a DynamicTree."""
   if isinstance(tree, DynamicTree):
-    return f"d{tree.depth}x{tree.top_k}x{tree.num_nodes}"
+    return f"d{tree.depth}x{tree.top_k}x{tree.num_nodes}" + (":sampled" if tree.sampled else "")
   return "x".join(map(str, tree.branching)) + (":iid" if tree.sibling_draws == "iid" else "")
 
 

@@ -377,6 +377,9 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
       or EAGLE drafter choose the tree each round by its own confidence
       (EAGLE-2): the N likeliest of the top-k children of the k likeliest nodes
       per depth, verified without draft probabilities (deterministic children).
+      With `sampled=True`, random rows draw those children without replacement
+      from the drafter's processed q and verify every candidate with q
+      (recursive rejection), which accepts more at high temperature.
     verification: static; "token" (default) or "block": how random rows of a
       chain verify their drafts (`rejection_sample`'s `method`). Block
       verification is as lossless and accepts at least as many drafts in

@@ -14,7 +14,8 @@ explains the round they serve):
   one call per depth with the nodes at their own cache slots; the same for a
   feature drafter, each node reading its parent's hidden.
 - `propose_dynamic(...)`, a dynamic tree: a model or feature drafter expands
-  its frontier at its own slots (prompt lookup is refused before tracing).
+  its frontier at its own slots, returning the draft probabilities of a
+  sampled tree's random rows (prompt lookup is refused before tracing).
 - `commit_tree(carry, src, dst)`, after verification: a draft model moves the
   accepted path's cache slots; the others need nothing (a feature drafter's
   next catch-up rewrites them).
@@ -115,7 +116,7 @@ class ModelDraft:
 
     return grow_tree(tree, logits[:, -1], level, cache, params, draft_keys, all_greedy=all_greedy)
 
-  def propose_dynamic(self, cache, s: LoopState, tree: DynamicTree, max_length):
+  def propose_dynamic(self, cache, s: LoopState, tree: DynamicTree, max_length, params, draft_keys, all_greedy):
     # The frontier of depth i sits at slots L + (i-1)*k + m (`dynamic_tree`), position L-1+i.
     length, k = s.length, tree.top_k
     logits, cache = self._first_call(cache, s)
@@ -127,7 +128,7 @@ class ModelDraft:
       logits, cache = self.apply(tokens, pos, cache, cache_slots=slots, attention_mask=mask)
       return cache, logits
 
-    return grow_dynamic_tree(tree, logits[:, -1], level, cache)
+    return grow_dynamic_tree(tree, logits[:, -1], level, cache, params, draft_keys, all_greedy=all_greedy)
 
   def commit_tree(self, cache, src, dst):
     # The accepted path moves to the slots of its positions, as in the target.
@@ -228,7 +229,8 @@ class FeatureDraft:
                                           all_greedy=all_greedy)
     return tokens, probs, dataclasses.replace(carry, cache=cache)
 
-  def propose_dynamic(self, carry: FeatureCarry, s: LoopState, tree: DynamicTree, max_length):
+  def propose_dynamic(self, carry: FeatureCarry, s: LoopState, tree: DynamicTree, max_length, params, draft_keys,
+                      all_greedy):
     # As propose_tree, with the frontier of depth i at slots L-1 + (i-1)*k + m (`dynamic_tree`).
     length, k = s.length, tree.top_k
     root_logits, h, cache = self._catch_up(carry, s)
@@ -243,8 +245,9 @@ class FeatureDraft:
                                             attention_mask=mask)
       return (cache, hidden), logits
 
-    tokens, parents, fed, (cache, _) = grow_dynamic_tree(tree, root_logits, level, (cache, h[:, None]))
-    return tokens, parents, fed, dataclasses.replace(carry, cache=cache)
+    tokens, parents, fed, probs, (cache, _) = grow_dynamic_tree(tree, root_logits, level, (cache, h[:, None]),
+                                                                params, draft_keys, all_greedy=all_greedy)
+    return tokens, parents, fed, probs, dataclasses.replace(carry, cache=cache)
 
   def commit_tree(self, carry, src, dst):
     # Nothing to move: the next round's catch-up rewrites the accepted path from the target's features.

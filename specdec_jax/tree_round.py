@@ -35,10 +35,11 @@ def tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t_
   length = s.length
   b, k, n = length.shape[0], tree.depth, tree.num_nodes
   dynamic = isinstance(tree, DynamicTree)
-  if dynamic:  # deterministic children, chosen at run time: verified without draft probabilities
-    nodes, parents, fed, draft_carry = drafter.propose_dynamic(s.draft, s, tree, max_length)
+  if dynamic:  # chosen at run time: top-k children (no draft probabilities), or sampled ones verified with q
+    nodes, parents, fed, draft_probs, draft_carry = drafter.propose_dynamic(s.draft, s, tree, max_length, params,
+                                                                            draft_keys, all_greedy)
     ancestors, depths = tree_ancestors(parents, k)
-    draft_probs, verify_kw = None, dict(max_depth=k)
+    verify_kw = dict(max_depth=k, sibling_draws="without_replacement")  # how a sampled tree draws
     rows = jnp.concatenate([jnp.zeros((b, 1, n), bool), ancestors], axis=1)  # t sees the context only
   else:
     nodes, draft_probs, draft_carry = drafter.propose_tree(s.draft, s, draft_keys, tree, params, all_greedy,

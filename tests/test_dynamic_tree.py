@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import reductions, tree_round
+from specdec_jax import reductions, sampling, tree_round
 from specdec_jax.decoding import generate, speculative_generate
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.dynamic_tree import DynamicTree, grow_dynamic_tree, tree_ancestors
@@ -73,7 +73,8 @@ def test_grown_tree_is_the_n_best_candidates_of_the_reference_expansion(depth, k
     fed_log.append((i, np.asarray(tokens), np.asarray(parent), np.asarray(rows)))
     return carry, jnp.asarray(table)[i][tokens]
 
-  tokens, parents, fed, _ = grow_dynamic_tree(tree, jnp.asarray(root), level, None)
+  tokens, parents, fed, probs, _ = grow_dynamic_tree(tree, jnp.asarray(root), level, None)
+  assert probs is None  # top-k children: verified without draft probabilities
   tokens, parents, fed = np.asarray(tokens), np.asarray(parents), np.asarray(fed)
   assert tokens.shape == parents.shape == fed.shape == (b, n)
   for r in range(b):
@@ -124,7 +125,7 @@ def test_growth_from_nan_or_empty_logits_still_gives_a_tree():
   def level(carry, i, tokens, parent, rows):
     return carry, jnp.full(tokens.shape + (16,), jnp.nan).at[0].set(-jnp.inf)
 
-  tokens, parents, fed, _ = grow_dynamic_tree(tree, root, level, None)
+  tokens, parents, fed, _, _ = grow_dynamic_tree(tree, root, level, None)
   parents = np.asarray(parents)
   assert all(-1 <= parents[r, j] < j for r in range(2) for j in range(6))
   assert ((np.asarray(tokens) >= 0) & (np.asarray(tokens) < 16)).all()
@@ -145,6 +146,54 @@ def test_dynamic_tree_is_checked():
   for bad in [(0, 2, 2), (2, 0, 2), (2, 2, 0), (2, 2, 7), (2.0, 2, 2), (True, 2, 2)]:
     with pytest.raises(ValueError, match="DynamicTree"):
       DynamicTree(*bad)
+  assert DynamicTree(3, 2, 10, sampled=True).num_nodes == DynamicTree(3, 2, 1).num_candidates
+  with pytest.raises(ValueError, match="sampled DynamicTree verifies every candidate.*= 10"):
+    DynamicTree(3, 2, 9, sampled=True)  # a cut by the nodes' own scores would bias their draws
+  with pytest.raises(ValueError, match="sampled must be a bool"):
+    DynamicTree(3, 2, 10, sampled="yes")
+
+
+def test_sampled_growth_draws_children_from_q_and_keeps_every_candidate():
+  """Greedy rows: the top-k pool. Random rows: distinct siblings from the processed q, which draft_probs holds."""
+  depth, k, b, v = 3, 2, 4, 11
+  tree = DynamicTree(depth, k, DynamicTree(depth, k, 1).num_candidates, sampled=True)
+  rng = np.random.default_rng(5)
+  root = jnp.asarray(rng.normal(size=(b, v)).astype(np.float32) * 2)
+  table = jnp.asarray(rng.normal(size=(depth + 1, v, v)).astype(np.float32) * 2)
+
+  def level(carry, i, tokens, parent, rows):
+    return carry, table[i][tokens]
+
+  params = SamplingParams.create(jnp.array([0.0, 0.0, 0.7, 1.3]), top_k=jnp.array([0, 0, 5, 0]))
+  keys = jax.random.split(jax.random.key(3), b)
+  tokens, parents, fed, probs, _ = grow_dynamic_tree(tree, root, level, None, params, keys, all_greedy=False)
+  full_pool = grow_dynamic_tree(DynamicTree(depth, k, tree.num_nodes), root, level, None)
+  # Greedy rows: the deterministic tree over the whole pool.
+  for got, want in zip((tokens, parents, fed), full_pool[:3]):
+    np.testing.assert_array_equal(np.asarray(got)[:2], np.asarray(want)[:2])
+  tokens, parents, probs = np.asarray(tokens), np.asarray(parents), np.asarray(probs)
+  # Every row: a tree in topological order whose expanded nodes (the root, then k per depth) have k children.
+  for r in range(b):
+    assert all(-1 <= parents[r, j] < j for j in range(tree.num_nodes))
+    counts = np.bincount(parents[r] + 1, minlength=tree.num_nodes + 1)
+    assert sorted(set(counts.tolist())) == [0, k] and (counts == k).sum() == 1 + (depth - 1) * k
+  assert probs.shape == (b, tree.num_nodes + 1, v)
+  want_root = np.asarray(jax.nn.softmax(sampling.process_logits(root, params), axis=-1))
+  np.testing.assert_allclose(probs[:, 0], want_root, rtol=1e-6, atol=1e-7)
+  for r in (2, 3):  # random rows: siblings distinct and in q's support; expanded nodes' rows are their q
+    for parent in range(-1, tree.num_nodes):
+      kids = np.flatnonzero(parents[r] == parent)
+      if kids.size:
+        assert len(set(tokens[r, kids].tolist())) == kids.size
+        assert (probs[r, parent + 1, tokens[r, kids]] > 0).all()
+        np.testing.assert_allclose(probs[r, parent + 1].sum(), 1.0, rtol=1e-5)
+      else:
+        assert not probs[r, parent + 1].any()  # a leaf: no q
+  # Another key draws other children for a random row, never for a greedy one.
+  other = grow_dynamic_tree(tree, root, level, None, params, jax.random.split(jax.random.key(4), b),
+                            all_greedy=False)[0]
+  np.testing.assert_array_equal(np.asarray(other)[:2], tokens[:2])
+  assert (np.asarray(other)[2:] != tokens[2:]).any()
 
 
 def test_max_depth_sets_the_walk_of_per_row_parents():
@@ -250,24 +299,30 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
   return TreeRejectionOutput(token_ids=toks, accepted_nodes=path, num_accepted=accepted, num_emitted=accepted + 1)
 
 
-@pytest.mark.parametrize("drafter", ["eagle", pytest.param("model", marks=pytest.mark.slow)])
-def test_sampled_dynamic_tree_is_lossless(monkeypatch, drafter):
+@pytest.mark.parametrize("drafter,tree", [("eagle", DynamicTree(2, 3, 5)),
+                                          pytest.param("model", DynamicTree(2, 3, 5), marks=pytest.mark.slow),
+                                          ("eagle", DynamicTree(2, 2, 6, sampled=True)),
+                                          pytest.param("model", DynamicTree(2, 2, 6, sampled=True),
+                                                       marks=pytest.mark.slow)])
+def test_sampled_dynamic_tree_is_lossless(monkeypatch, drafter, tree):
   """The first 3 tokens of N rows follow the target's exact joint with a dynamic tree (T=0.8, top-k 6).
 
-  Tree depth 2, width 3, 5 nodes: the first round's walk decides two tokens
-  against deterministic children, so the joint law of tokens 1..3 covers both
-  depths and a bonus. N = 20000 rows detect every total-variation shift >=
-  ~0.03 at alpha 1e-3 (asserted in the helper); accepting the first child at
-  every depth is rejected.
+  Depth 2: the first round's walk decides two tokens, against deterministic
+  children (width 3, 5 nodes) or children drawn without replacement from q and
+  verified with it (`sampled`, width 2, all 6 candidates), so the joint law of
+  tokens 1..3 covers both depths and a bonus. N = 20000 rows detect every
+  total-variation shift >= ~0.03 at alpha 1e-3 (asserted in the helper);
+  accepting the first child at every depth is rejected.
   """
   target, draft, prompts, lengths, params, joint = sampled_tree_case(drafter)
 
   def run():
     out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(8), max_new_tokens=3,
-                               num_speculative_tokens=2, draft_tree=DynamicTree(2, 3, 5))
+                               num_speculative_tokens=2, draft_tree=tree)
     return out, np.asarray(out.tokens)
 
-  out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} dynamic tree (2, 3, 5), first 3 tokens",
+  out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} {tree}, first 3 tokens",
                                    planted=(tree_round, "tree_rejection_sample", _accept_first_children))
   _check_output(out, 3, 2)
-  assert 0.05 < float(out.stats.usable_acceptance_rate) * 5 < 4.5  # nodes are accepted and rejected
+  n = tree.num_nodes
+  assert 0.05 < float(out.stats.usable_acceptance_rate) * n < n - 0.5  # nodes are accepted and rejected

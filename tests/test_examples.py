@@ -160,3 +160,18 @@ def test_flag_sweep_reads_its_sets_and_plot_scaling_refuses_a_doubled_device_cou
   assert sorted(got) == ["greedy"] and sorted(got["greedy"]) == [1, 2] and got["greedy"][2]["ms"] == 0.5
   with pytest.raises(ValueError, match="two inputs"):
     plot_scaling.load_rows([str(paths[0]), str(paths[0])])
+
+
+def test_smollm2_bench_tree_names_round_trip():
+  """bench/smollm2.py's --trees names: parse_tree and tree_name are inverses, sampled dynamic trees included."""
+  import sys  # noqa: PLC0415
+
+  sys.path.insert(0, str(EXAMPLES.parent))
+  from bench.smollm2 import parse_tree, tree_name  # noqa: PLC0415
+  from specdec_jax.dynamic_tree import DynamicTree  # noqa: PLC0415
+
+  for name in ("3x3x1x1", "2x2:iid", "d5x8x48", "d3x4x36:sampled"):
+    assert tree_name(parse_tree(name)) == name
+  assert parse_tree("d3x4x36:sampled") == DynamicTree(3, 4, 36, sampled=True)
+  with pytest.raises(ValueError, match="sampled DynamicTree"):
+    parse_tree("d3x4x20:sampled")

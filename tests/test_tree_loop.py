@@ -296,7 +296,8 @@ def test_greedy_tree_equals_generate(models, drafter, branching):
     assert int(np.sum(tree_out.stats.accepted)) > int(np.sum(chain.stats.accepted))
 
 
-@pytest.mark.parametrize("tree", [(2, 2), DynamicTree(2, 2, 4)], ids=["static", "dynamic"])
+@pytest.mark.parametrize("tree", [(2, 2), DynamicTree(2, 2, 4), DynamicTree(2, 2, 6, sampled=True)],
+                         ids=["static", "dynamic", "dynamic-sampled"])
 def test_mixed_batch_tree_and_no_recompilation(models, tree):
   """Greedy rows of a mixed batch equal plain greedy; new prompts, keys and parameters reuse the program."""
   target, _, _, trained = models
