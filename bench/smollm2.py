@@ -447,7 +447,8 @@ def plot_tokens(rows, plains, path, title):
   groups = sorted({(p["B"], p["mode"]) for p in plains} | {(r["B"], r["mode"]) for r in rows})
   if not groups:
     return None
-  series = ["plain"] + sorted({f"{r['drafter']} K={r['K']}" for r in rows}, key=lambda s: (s.split()[0], int(s[s.index("=") + 1:])))
+  series = ["plain"] + sorted({f"{r['drafter']} K={r['K']}" for r in rows},
+                              key=lambda s: (s.split()[0], int(s[s.index("=") + 1:])))
   width = 0.8 / len(series)
   fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups) + 3), 4))
   for si, name in enumerate(series):

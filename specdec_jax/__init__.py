@@ -15,4 +15,9 @@ from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, rejecti
 from specdec_jax.sampling import PenaltyState, SamplingParams, process_logits, row_keys, sample_tokens
 from specdec_jax.tree import TreeRejectionOutput, tree_rejection_sample
 
+__all__ = [
+    "DecodeStats", "GenerateOutput", "PLACEHOLDER_TOKEN_ID", "PenaltyState", "PromptLookupDrafter", "RejectionOutput",
+    "SamplingParams", "TreeRejectionOutput", "generate", "process_logits", "rejection_sample", "row_keys",
+    "sample_tokens", "speculative_generate", "tree_rejection_sample",
+]
 __version__ = "0.1.0"

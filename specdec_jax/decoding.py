@@ -588,7 +588,10 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
 
 
 def _round_stats(stats: DecodeStats, k, n, live, kept, num_emitted, room) -> DecodeStats:
-  """Adds one round's counts (K draft positions, N drafts). Every live row keeps >= 1 token; its last is the pass's own."""
+  """Adds one round's counts (K draft positions, N drafts).
+
+  Every live row keeps >= 1 token; its last is the pass's own.
+  """
   acc = jnp.maximum(kept - 1, 0)
   cut = kept < num_emitted  # EOS or the token limit ended the round early
   usable = jnp.where(cut, acc, jnp.minimum(k, room - 1))

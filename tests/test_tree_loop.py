@@ -210,9 +210,9 @@ def test_eagle_tree_levels_equal_chain_steps_on_each_root_path():
     toks = nodes[:, lv]
     hid = jnp.repeat(parent_h, tree.branching[i - 1], axis=1)
     mask = tree_attention_mask(L - 1, L - 1, tree.ancestors[lv], s)
-    logits, parent_h, tree_cache = call(drafter, toks, hid, jnp.full(toks.shape, c - 2 + i),
-                                           tree_cache, cache_slots=jnp.broadcast_to((c - 1) + jnp.arange(tree.num_nodes)[lv], toks.shape),
-                                           attention_mask=mask)
+    slots = jnp.broadcast_to((c - 1) + jnp.arange(tree.num_nodes)[lv], toks.shape)
+    logits, parent_h, tree_cache = call(drafter, toks, hid, jnp.full(toks.shape, c - 2 + i), tree_cache,
+                                           cache_slots=slots, attention_mask=mask)
     for m, j in enumerate(range(lv.start, lv.stop)):
       tree_logits[j] = logits[:, m]
   for j in range(tree.level(tree.depth).start, tree.num_nodes):  # every node lies on a leaf's root path
