@@ -27,6 +27,8 @@ from flax import nnx
 from specdec_jax.models import Transformer, TransformerConfig
 from specdec_jax.models.eagle import EagleDrafter
 
+# SmolLM2's shape written out here rather than imported from another bench script: this script also runs
+# against older checkouts, whose bench/ may lack what today's has.
 SMOLLM2 = dict(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536,
                rope_theta=1e5)
 SHAPES = ((1, 1), (1, 5), (8, 5))  # (B, T): a decode step and verification calls

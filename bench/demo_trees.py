@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,6 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
 from examples.speculative_decode import PROMPTS  # noqa: E402
 from specdec_jax import generate, speculative_generate  # noqa: E402
 from specdec_jax.dynamic_tree import DynamicTree  # noqa: E402
@@ -34,13 +34,9 @@ SHAPES = [("K=2", 2, None), ("(2, 1)", 2, (2, 1)), ("d2x2x3", 2, DynamicTree(2, 
 
 
 def _timed(fn, repeats=3):
+  """(the output of fn(), the median wall seconds of `repeats` calls after a compiling call)."""
   out = jax.block_until_ready(fn())  # compile
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return out, statistics.median(times)
+  return out, statistics.median(common.time_call(fn, repeats=repeats))
 
 
 def main(names):

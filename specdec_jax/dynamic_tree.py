@@ -57,7 +57,7 @@ import numpy as np
 
 from specdec_jax import reductions
 from specdec_jax.sampling import SamplingParams
-from specdec_jax.tree_drafts import child_tokens
+from specdec_jax.tree_drafts import child_tokens, node_keys
 
 __all__ = ["DynamicTree", "grow_dynamic_tree", "tree_ancestors"]
 
@@ -124,10 +124,21 @@ def _top_log_q(logits, k):
   NaN counts as -inf, so it can never outrank a parent; so does a row with no
   finite logit (whose log q would be -inf - -inf = NaN).
   """
-  logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits.astype(jnp.float32))
+  logits = _finite_or_neg_inf(logits)
   vals, ids = reductions.top_k(logits, k)
-  log_q = vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # <= 0: logsumexp >= the max
-  return jnp.where(jnp.isnan(log_q), -jnp.inf, log_q), ids
+  return _log_q(vals, logits), ids
+
+
+def _finite_or_neg_inf(logits):
+  """float32 logits with NaN as -inf (a NaN logit is never drafted and never outranks a parent)."""
+  return jnp.where(jnp.isnan(logits), -jnp.inf, logits.astype(jnp.float32))
+
+
+def _log_q(values, logits):
+  """log q of `values` [..., m] taken from `logits` [..., V] (NaN-free), with NaN (a row with no finite
+  logit: -inf - -inf) as -inf."""
+  log_q = values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # <= 0: logsumexp >= the max
+  return jnp.where(jnp.isnan(log_q), -jnp.inf, log_q)
 
 
 def _children(logits, k, tree, params, keys, ids, all_greedy):
@@ -140,12 +151,10 @@ def _children(logits, k, tree, params, keys, ids, all_greedy):
     log_q, tokens = _top_log_q(logits, k)
     return log_q, tokens.astype(jnp.int32), None
   b, n, _ = logits.shape
-  child_keys = jax.vmap(lambda key: jax.vmap(jax.vmap(lambda j: jax.random.fold_in(key, j)))(ids))(keys)
-  tokens, q = child_tokens(logits, k, params, child_keys, all_greedy=False, without_replacement=True)
+  tokens, q = child_tokens(logits, k, params, node_keys(keys, ids), all_greedy=False, without_replacement=True)
   tokens = tokens.reshape(b, n, k)
-  raw = jnp.where(jnp.isnan(logits), -jnp.inf, logits.astype(jnp.float32))
-  log_q = jnp.take_along_axis(raw, tokens, axis=-1) - jax.nn.logsumexp(raw, axis=-1, keepdims=True)
-  return jnp.where(jnp.isnan(log_q), -jnp.inf, log_q), tokens, q
+  raw = _finite_or_neg_inf(logits)
+  return _log_q(jnp.take_along_axis(raw, tokens, axis=-1), raw), tokens, q
 
 
 def grow_dynamic_tree(tree: DynamicTree, root_logits: jax.Array, level_logits, carry,

@@ -36,7 +36,7 @@ from specdec_jax import reductions, sampling
 from specdec_jax.sampling import SamplingParams
 from specdec_jax.tree import SIBLING_DRAWS
 
-__all__ = ["DraftTree", "tree_attention_mask", "child_tokens", "grow_tree"]
+__all__ = ["DraftTree", "tree_attention_mask", "child_tokens", "grow_tree", "node_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +210,19 @@ def child_tokens(logits: jax.Array, num_children: int, params: SamplingParams, k
   return tokens, jnp.exp(logq)
 
 
+def node_keys(keys: jax.Array, ids: jax.Array) -> jax.Array:
+  """Typed keys [B, n, k]: fold_in(keys[b], ids[m, c]) for row keys [B] and node ids int [n, k].
+
+  Each node's draw has its own key, fixed by the row and the node's index, so
+  it does not depend on the other rows or on the order nodes are drawn in.
+
+  Example:
+    >>> node_keys(jax.random.split(jax.random.key(0), 2), jnp.arange(6).reshape(3, 2)).shape
+    (2, 3, 2)
+  """
+  return jax.vmap(lambda key: jax.vmap(jax.vmap(lambda j: jax.random.fold_in(key, j)))(ids))(keys)
+
+
 def grow_tree(tree: DraftTree, root_logits: jax.Array, level_logits, carry, params: SamplingParams,
               keys: jax.Array | None, *, all_greedy: bool):
   """Drafts a whole tree, one depth per draft call.
@@ -242,7 +255,7 @@ def grow_tree(tree: DraftTree, root_logits: jax.Array, level_logits, carry, para
     if not all_greedy:
       ids = jnp.arange(tree.level_starts[i - 1], tree.level_starts[i - 1] + tree.level_sizes[i - 1],
                        dtype=jnp.int32).reshape(-1, k)
-      child_keys = jax.vmap(lambda key: jax.vmap(jax.vmap(lambda j: jax.random.fold_in(key, j)))(ids))(keys)
+      child_keys = node_keys(keys, ids)
     level_tokens, q = child_tokens(logits, k, params, child_keys, all_greedy=all_greedy,
                                    without_replacement=tree.sibling_draws == "without_replacement")
     tokens.append(level_tokens)
