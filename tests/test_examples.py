@@ -16,6 +16,15 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
+def _bench(name):
+  """bench/NAME.py as the module bench.NAME (the repository root goes on sys.path once)."""
+  import sys  # noqa: PLC0415
+
+  if str(EXAMPLES.parent) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES.parent))
+  return importlib.import_module(f"bench.{name}")
+
+
 def _load(name):
   spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
@@ -121,10 +130,7 @@ def test_train_eagle_init_continues_from_a_given_head(tmp_path):
 @pytest.mark.slow  # a bench script's smoke run (7 s); CI keeps the examples' own runs
 def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_path):
   """bench/step_profile.py --tiny on the CPU: its variants' forward equals the Transformer's, every row is there."""
-  import sys  # noqa: PLC0415
-
-  sys.path.insert(0, str(EXAMPLES.parent))
-  from bench import step_profile  # noqa: PLC0415
+  step_profile = _bench("step_profile")
 
   report = step_profile.main(["--tiny", "--out", str(tmp_path), "--target-ms", "2", "--repeats", "1",
                               "--batch-sizes", "1,2", "--variants", "before,after,after-attn", "--no-plot"])
@@ -141,10 +147,8 @@ def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_p
 def test_flag_sweep_reads_its_sets_and_plot_scaling_refuses_a_doubled_device_count(tmp_path):
   """bench/flag_sweep.py's --sets parser, and bench/plot_scaling.py's reading of sampler JSONs."""
   import json  # noqa: PLC0415
-  import sys  # noqa: PLC0415
 
-  sys.path.insert(0, str(EXAMPLES.parent))
-  from bench import flag_sweep, plot_scaling  # noqa: PLC0415
+  flag_sweep, plot_scaling = _bench("flag_sweep"), _bench("plot_scaling")
 
   assert flag_sweep.parse_sets("base=;x=--a=1 --b=2") == {"base": "", "x": "--a=1 --b=2"}
   assert next(iter(flag_sweep.GPU_SETS.values())) == ""  # the first set is the baseline: no extra flags
@@ -164,10 +168,8 @@ def test_flag_sweep_reads_its_sets_and_plot_scaling_refuses_a_doubled_device_cou
 
 def test_smollm2_bench_tree_names_round_trip():
   """bench/smollm2.py's --trees names: parse_tree and tree_name are inverses, sampled dynamic trees included."""
-  import sys  # noqa: PLC0415
-
-  sys.path.insert(0, str(EXAMPLES.parent))
-  from bench.smollm2 import parse_tree, tree_name  # noqa: PLC0415
+  smollm2 = _bench("smollm2")
+  parse_tree, tree_name = smollm2.parse_tree, smollm2.tree_name
   from specdec_jax.dynamic_tree import DynamicTree  # noqa: PLC0415
 
   for name in ("3x3x1x1", "2x2:iid", "d5x8x48", "d3x4x36:sampled"):
