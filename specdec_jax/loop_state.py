@@ -2,9 +2,10 @@
 
 `specdec_jax.decoding` builds `generate` and `speculative_generate` from these
 pieces; the kinds of draft (`specdec_jax.draft_kinds`) and the tree round
-(`specdec_jax.tree_round`) read the same `LoopState`. Of this module only
-`DecodeStats` and `GenerateOutput` are public (re-exported by
-`specdec_jax.decoding` and `specdec_jax`).
+(`specdec_jax.tree_round`) read the same `LoopState`. `DecodeStats` and
+`GenerateOutput` are the public API (re-exported by `specdec_jax.decoding`
+and `specdec_jax`); `LoopState` is the carry those internal modules share; the
+functions below are the loops' own pieces.
 """
 
 from __future__ import annotations
