@@ -93,10 +93,11 @@ def main(argv=None):
           report = json.load(f)
         entry["rows"] = report["rows"]
         entry["info"] = report["info"]
-        if report.get("kernels"):
-          entry["launches_per_step"] = round(sum(r["per_step"] for r in report["kernels"]), 1)
-          entry["kernel_us_per_step"] = round(sum(r["us_per_step"] for r in report["kernels"]), 1)
-          entry["top_kernels"] = report["kernels"][:12]
+        kernels = report.get("kernels", {}).get("after")  # step_profile traces `after` by default
+        if kernels:
+          entry["launches_per_step"] = round(sum(r["per_step"] for r in kernels), 1)
+          entry["kernel_us_per_step"] = round(sum(r["us_per_step"] for r in kernels), 1)
+          entry["top_kernels"] = kernels[:12]
       else:
         entry["error"] = tail
       results[name] = entry

@@ -367,6 +367,8 @@ def parse_args(argv=None):
   p.add_argument("--max-new-tokens", type=int, help="default 128; quick 16")
   p.add_argument("--b1-prompts", type=int, help="prompts run one after another at B=1 (default 4; quick 1)")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
+  p.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
+                 help="TransformerConfig.kernels of the target and the draft model (default xla)")
   p.add_argument("--draft-path", help="draft .safetensors (default: the shipped specdec_jax/weights/...)")
   p.add_argument("--eagle-path", help="EAGLE head .safetensors (default: the shipped specdec_jax/weights/...)")
   p.add_argument("--eagle-depth", type=int, default=6, help="unrolled depths of the EAGLE agreement section")
@@ -559,10 +561,12 @@ def main(argv=None):
   dtype = jnp.dtype(args.dtype)
   t0 = time.perf_counter()
   target, tokenizer = load_smollm2(dtype)
+  target.config = target.config.replace(kernels=args.kernels)  # a static field: a new program, same weights
   draft, draft_note = None, None
   if "model" in args.drafters or not args.skip_acceptance:
     try:
       draft = load_smollm2_draft(dtype, path=args.draft_path)
+      draft.config = draft.config.replace(kernels=args.kernels)
     except FileNotFoundError as e:
       draft_note = f"no trained draft, model-drafter rows and the acceptance section skipped: {e}"
       print(draft_note)

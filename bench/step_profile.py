@@ -13,8 +13,9 @@ for these variants of the same weights (random, SmolLM2-135M's shape):
     after-mlp     `after` without the MLP
     after-head    `after` without the final norm and LM head (the step's token comes from the residual)
     after-bare    `after` with neither attention nor MLP: embedding, norms, head and the per-layer glue
+    pallas        `after` with each block as Pallas kernels      (TransformerConfig(kernels="pallas"); GPU, bf16)
 
-and one verification call of K+1 tokens (`--k`) for `before` and `after`. The
+and one verification call of K+1 tokens (`--k`) for `before`, `after` and `pallas`. The
 variants are this script's own forward pass over `decoder_block` and friends;
 `after` is checked equal to `Transformer.__call__` (and `scan+fused` to
 `scan_layers=True`) before anything is timed. `--trace DIR` also records a
@@ -33,6 +34,7 @@ OUT/step_profile.png (step time per variant and batch size; needs matplotlib,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import gzip
 import json
@@ -48,24 +50,56 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from specdec_jax.models import Transformer, TransformerConfig  # noqa: E402
+from specdec_jax.models import pallas_attention, pallas_mlp  # noqa: E402
+from specdec_jax.models.pallas_mlp import MAX_ROWS  # noqa: E402
 from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache,  # noqa: E402
-                                            attention_block, fuse_projections, mlp_block, rms_norm)
+                                            attention_block, fuse_projections, mlp_block, pallas_block,
+                                            rms_norm)
 
 SMOLLM2 = dict(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536,
                rope_theta=1e5)
-TINY = dict(vocab_size=512, num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128)
+TINY = dict(vocab_size=512, num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=32, d_ff=128)
 
-# name -> (scan, fused, attention, mlp, head)
+# name -> (scan, fused, attention, mlp, head, pallas)
 VARIANTS = {
-    "before": (True, False, True, True, True),
-    "scan+fused": (True, True, True, True, True),
-    "unrolled": (False, False, True, True, True),
-    "after": (False, True, True, True, True),
-    "after-attn": (False, True, False, True, True),
-    "after-mlp": (False, True, True, False, True),
-    "after-head": (False, True, True, True, False),
-    "after-bare": (False, True, False, False, True),
+    "before": (True, False, True, True, True, False),
+    "scan+fused": (True, True, True, True, True, False),
+    "unrolled": (False, False, True, True, True, False),
+    "after": (False, True, True, True, True, False),
+    "after-attn": (False, True, False, True, True, False),
+    "after-mlp": (False, True, True, False, True, False),
+    "after-head": (False, True, True, True, False, False),
+    "after-bare": (False, True, False, False, True, False),
+    "pallas": (False, True, True, True, True, "pallas"),
 }
+# Tile sizes of the pallas variant, and others to compare ("pallas:NAME" in --variants):
+# NAME -> (AttentionBlocks fields, MlpBlocks fields), each over the defaults the models use.
+PALLAS_TILES = {
+    "pallas": ({}, {}),
+    "h16": ({"block_h": 16}, {}),
+    "w2": ({"num_warps": 2}, {}),
+    "h16w2": ({"block_h": 16, "num_warps": 2}, {}),
+    "h16k64s4": ({"block_h": 16, "block_k": 64, "num_stages": 4}, {}),
+    "k1024w8": ({"block_k": 1024, "num_warps": 8}, {}),
+    "h16k1024w4": ({"block_h": 16, "block_k": 1024, "num_warps": 4}, {}),
+    "mk1024w8": ({}, {"block_k1": 1024, "num_warps": 8}),
+    "mk1024w4f32": ({}, {"block_f": 32, "block_k1": 1024, "num_warps": 4}),
+    "mk64s4": ({}, {"block_k1": 64, "block_k2": 64, "num_stages": 4, "split_k": 8}),
+    "s32": ({"block_s": 32}, {}),
+    "k64s4": ({"block_k": 64, "num_stages": 4}, {}),
+    "h16k32s4": ({"block_h": 16, "block_k": 32, "num_stages": 4}, {}),
+    "h16k64s5w2": ({"block_h": 16, "block_k": 64, "num_stages": 5, "num_warps": 2}, {}),
+    "q+m64s4": ({"block_h": 16, "block_k": 64, "num_stages": 4}, {"block_k1": 64, "block_k2": 64, "num_stages": 4}),
+    "q+m64s4w4": ({"block_h": 16, "block_k": 64, "num_stages": 4},
+                  {"block_k1": 64, "block_k2": 64, "num_stages": 4, "num_warps": 4}),
+    "q+m32s4": ({"block_h": 16, "block_k": 64, "num_stages": 4}, {"block_k1": 32, "block_k2": 32, "num_stages": 4}),
+    "q+o64s4": ({"block_h": 16, "block_k": 64, "num_stages": 4, "out": {"block_k2": 64, "num_stages": 4}}, {}),
+    "q+all64s4": ({"block_h": 16, "block_k": 64, "num_stages": 4, "out": {"block_k2": 64, "num_stages": 4}},
+                  {"block_k1": 64, "block_k2": 64, "num_stages": 4}),
+}
+for _name in PALLAS_TILES:
+  if _name != "pallas":
+    VARIANTS[f"pallas:{_name}"] = (False, True, True, True, True, _name)
 
 
 def layer_params(weights: dict, variant) -> dict | list:
@@ -82,13 +116,20 @@ def layer_params(weights: dict, variant) -> dict | list:
 
 def forward(c: TransformerConfig, weights: dict, layers: dict, tokens, positions, cache: KVCache, variant):
   """The Transformer's forward pass with parts switched off: logits [B, T, V] (or the residual) and the cache."""
-  scan, _, attention, mlp, head = variant
+  scan, _, attention, mlp, head, pallas = variant
   x = jnp.take(weights["embed"], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)
   ctx = AttentionContext.create(positions, cache.max_length, c)
 
   def block(carry, layer):
     x, k_cache, v_cache = carry
     p, i = layer
+    if pallas and x.shape[0] * x.shape[1] <= MAX_ROWS:  # as kernels="pallas" ("pallas_interpret" off a GPU)
+      attn, mlp_tiles = dict(PALLAS_TILES[pallas][0]), PALLAS_TILES[pallas][1]
+      if "out" in attn:  # the output projection's tiles, over the default ones
+        attn["out"] = dataclasses.replace(pallas_attention.DEFAULT_BLOCKS.out, **attn["out"])
+      return pallas_block(c, x, p, k_cache, v_cache, i, positions, ctx, interpret=not common.has_gpu(),
+                          attn_blocks=dataclasses.replace(pallas_attention.DEFAULT_BLOCKS, **attn),
+                          mlp_blocks=dataclasses.replace(pallas_mlp.BEST_BLOCKS, **mlp_tiles)), None
     if attention:
       x, k_cache, v_cache = attention_block(c, x, rms_norm(x, p["attn_norm"], c.rms_norm_eps), p, k_cache, v_cache,
                                             i, ctx)
@@ -127,20 +168,35 @@ def step_fn(c: TransformerConfig, variant, t: int, p0: int, span: int):
   return step
 
 
-def check_against_model(c: TransformerConfig, weights: dict) -> dict:
-  """`after` equals the Transformer's default call and `scan+fused` its scan_layers=True call (max |diff|)."""
+def check_against_model(c: TransformerConfig, weights: dict, variants) -> dict:
+  """This script's `after` equals the Transformer's default call, `scan+fused` its scan_layers=True call, and
+  `pallas` (when asked for) the default call as well, while the Transformer's kernels="pallas" call is checked to
+  lower to Triton kernels ("pallas_interpret" without a GPU) and to agree too (max |diff| each)."""
   tokens = jnp.asarray(np.arange(10, dtype=np.int32).reshape(2, 5) % c.vocab_size)
   pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+  model = Transformer.from_weights(c, weights)
+  call = jax.jit(lambda t, p, m: m(t, p, m.init_cache(2, 8))[0])
+  ref = call(tokens, pos, model)
   diffs = {}
-  for name, cfg in (("after", c), ("scan+fused", c.replace(scan_layers=True))):
+  checks = [("after", c), ("scan+fused", c.replace(scan_layers=True))]
+  if "pallas" in variants:
+    kernels = "pallas" if common.has_gpu() else "pallas_interpret"
+    pallas_model = Transformer.from_weights(c.replace(kernels=kernels), weights)
+    if kernels == "pallas" and "xla.gpu.triton" not in call.lower(tokens, pos, pallas_model).as_text():
+      raise AssertionError("kernels='pallas' did not take the Pallas path for this call")
+    diffs["model(kernels=pallas)"] = float(jnp.max(jnp.abs(ref - call(tokens, pos, pallas_model))))
+    checks.append(("pallas", c))
+  for name, cfg in checks:
     model = Transformer.from_weights(cfg, weights)
-    ref, _ = jax.jit(lambda t, p, m=model: m(t, p, m.init_cache(2, 8)))(tokens, pos)
-    mine, _ = jax.jit(lambda t, p, n=name: forward(c, weights, layer_params(weights, VARIANTS[n]), t, p,
-                                                 model.init_cache(2, 8), VARIANTS[n]))(tokens, pos)
-    diffs[name] = float(jnp.max(jnp.abs(ref - mine)))
-    # Equal on a CPU in float32; a GPU may fuse the two programs differently (bf16 rounding), not more.
-    if diffs[name] > 0.02 * float(jnp.max(jnp.abs(ref))):
-      raise AssertionError(f"{name}: this script's forward differs from the Transformer's by {diffs[name]}")
+    want = call(tokens, pos, model)
+    mine = jax.jit(lambda t, p, n=name: forward(c, weights, layer_params(weights, VARIANTS[n]), t, p,
+                                                 model.init_cache(2, 8), VARIANTS[n])[0])(tokens, pos)
+    diffs[name] = float(jnp.max(jnp.abs(want - mine)))
+  # Equal on a CPU in float32; a GPU may fuse the programs differently, or the kernels round differently
+  # (bf16), not more.
+  for name, diff in diffs.items():
+    if diff > 0.02 * float(jnp.max(jnp.abs(ref))):
+      raise AssertionError(f"{name}: differs from the Transformer's default call by {diff}")
   return diffs
 
 
@@ -175,6 +231,33 @@ def kernel_table(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
   return rows[:top]
 
 
+def trace_kernels(c, weights, name, b, cache_len, p0, trace_dir, report) -> list[dict]:
+  """Profiles 20 one-token steps of variant `name` at batch b and prints its costliest kernels."""
+  layers = layer_params(weights, VARIANTS[name])
+  loop = common.timed_loop(step_fn(c, VARIANTS[name], 1, p0, max(cache_len - p0 - 1, 1)))
+  carry = (KVCache(k=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype),
+                   v=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype)),
+           jnp.full((b, 1), 7, jnp.int32))
+  jax.block_until_ready(loop(0, 4, carry, weights, layers))
+  steps = 20
+  try:  # the profiler needs CUPTI on a GPU; the timings stand without it
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      jax.block_until_ready(loop(0, steps, carry, weights, layers))
+    table = kernel_table(trace_dir, steps, top=80)
+  except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the rest)
+    table, report["trace_error"] = [], repr(e)
+    print(f"trace failed: {e!r}")
+  if table:
+    print(f"\nkernels of one `{name}` step at B={b} (top 25 by time), from the trace in {trace_dir}:")
+    for r in table[:25]:
+      print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['kernel'][:100]}")
+    print(f"  all device kernels: {sum(r['per_step'] for r in table):.0f} launches (top {len(table)} names), "
+          f"{sum(r['us_per_step'] for r in table):.0f} us per step")
+  else:
+    print(f"(no device kernels read from the trace in {trace_dir})")
+  return table
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", required=True, help="directory for step_profile.json and step_profile.png")
@@ -189,7 +272,9 @@ def main(argv=None):
   ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timing loop")
   ap.add_argument("--repeats", type=int, default=5, help="timing loops per figure (median)")
   ap.add_argument("--no-plot", action="store_true", help="skip the PNG (matplotlib is a bench extra)")
-  ap.add_argument("--trace", default="", help="also write a jax.profiler trace of `after` here and print kernels")
+  ap.add_argument("--trace", default="", help="also write a jax.profiler trace of --trace-variant here and print "
+                  "its kernels")
+  ap.add_argument("--trace-variants", default="after", help="comma list of variants to trace (default after)")
   args = ap.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
   bad = [v for v in variants if v not in VARIANTS]
@@ -208,7 +293,7 @@ def main(argv=None):
   c = TransformerConfig(**(TINY if args.tiny else SMOLLM2), dtype=jnp.dtype(dtype))
   weights = Transformer(c, rngs=__import__("flax").nnx.Rngs(0)).to_weights()
   weights = {k: jnp.asarray(v) for k, v in weights.items()}
-  diffs = check_against_model(c, weights)
+  diffs = check_against_model(c, weights, variants)
   print(f"{dtype}, L={c.num_layers}, D={c.d_model}, V={c.vocab_size}, cache {cache_len} slots; "
         f"forward checked against the Transformer: {diffs}")
 
@@ -216,7 +301,8 @@ def main(argv=None):
   rows = []
   jobs = [(b, v, 1) for b in batch_sizes for v in variants
           if not v.startswith("after-") or args.ablations_at == "all" or b == batch_sizes[0]]
-  jobs += [(b, v, args.k + 1) for b in batch_sizes for v in ("before", "after") if v in variants]
+  jobs += [(b, v, args.k + 1) for b in batch_sizes for v in variants if v in ("before", "after") or
+           v.startswith("pallas")]
   for b, name, t in jobs:
     variant = VARIANTS[name]
     layers = layer_params(weights, variant)
@@ -238,30 +324,10 @@ def main(argv=None):
             "forward_check_max_abs_diff": diffs, "rows": rows}
 
   if args.trace:
-    b = batch_sizes[0]
-    layers = layer_params(weights, VARIANTS["after"])
-    loop = common.timed_loop(step_fn(c, VARIANTS["after"], 1, p0, max(cache_len - p0 - 1, 1)))
-    carry = (KVCache(k=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype),
-                     v=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype)),
-             jnp.full((b, 1), 7, jnp.int32))
-    jax.block_until_ready(loop(0, 4, carry, weights, layers))
-    steps = 20
-    try:  # the profiler needs CUPTI on a GPU; the timings above stand without it
-      with jax.profiler.trace(args.trace, create_perfetto_trace=True):
-        jax.block_until_ready(loop(0, steps, carry, weights, layers))
-      table = kernel_table(args.trace, steps, top=80)
-    except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the rest)
-      table, report["trace_error"] = [], repr(e)
-      print(f"trace failed: {e!r}")
-    report["kernels"] = table
-    if table:
-      print(f"\nkernels of one `after` step at B={b} (top 25 by time), from the trace in {args.trace}:")
-      for r in table[:25]:
-        print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['kernel'][:100]}")
-      print(f"  all device kernels: {sum(r['per_step'] for r in table):.0f} launches (top {len(table)} names), "
-            f"{sum(r['us_per_step'] for r in table):.0f} us per step")
-    else:
-      print(f"(no device kernels read from the trace in {args.trace})")
+    report["kernels"] = {}
+    for name in [v for v in args.trace_variants.split(",") if v]:
+      report["kernels"][name] = trace_kernels(c, weights, name, batch_sizes[0], cache_len, p0,
+                                              os.path.join(args.trace, name), report)
 
   with open(os.path.join(args.out, "step_profile.json"), "w") as f:
     json.dump(report, f, indent=1)

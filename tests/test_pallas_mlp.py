@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# An experiment (issue 10), not yet used by the models: kept out of the CI subset.
-pytestmark = pytest.mark.slow
+# Most of these run with `-m slow`: the models' `kernels="pallas_interpret"` tests
+# (tests/test_pallas_attention.py) run this MLP in CI, as do the bad-input checks and one lowering case.
+_SLOW = pytest.mark.slow
 
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.pallas_mlp import MAX_ROWS, MlpBlocks, _check_args, fused_mlp, fused_mlp_supported
@@ -80,6 +81,7 @@ def _check(out, x, p, *, bf16):
   np.testing.assert_array_less(np.abs(out - truth), 2**-7 * scale)
 
 
+@_SLOW
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("bt", [(1, 1), (1, 5), (2, 8)])
 @pytest.mark.parametrize("blocks", [MlpBlocks(), SMALL_TILES, NO_SPLIT], ids=["default", "small_tiles", "no_split"])
@@ -91,6 +93,7 @@ def test_odd_shape(bt, dtype, blocks):
   _check(out, x, p, bf16=dtype == jnp.bfloat16)
 
 
+@_SLOW
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("bt", [(1, 1), (1, 5), (4, 4)])
 def test_smollm2_shape(bt, dtype):
@@ -100,6 +103,7 @@ def test_smollm2_shape(bt, dtype):
   _check(out, x, p, bf16=dtype == jnp.bfloat16)
 
 
+@_SLOW
 def test_stacked_layers_pick_the_layer_inside_the_kernel():
   """With [L, ...] weights and a traced `layer`, the result is that layer's; out-of-range layers clamp."""
   layers = 3
@@ -146,8 +150,10 @@ def test_supported():
   assert fused_mlp_supported(good[0], *good[1:]) == (jax.default_backend() == "gpu")
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-@pytest.mark.parametrize("blocks", [MlpBlocks(), NO_SPLIT, MlpBlocks(block_f=32, block_k1=256, block_k2=64, split_k=8)],
+@pytest.mark.parametrize("stacked", [False, pytest.param(True, marks=_SLOW)])
+@pytest.mark.parametrize("blocks", [MlpBlocks(), pytest.param(NO_SPLIT, marks=_SLOW),
+                                    pytest.param(MlpBlocks(block_f=32, block_k1=256, block_k2=64, split_k=8),
+                                                 marks=_SLOW)],
                          ids=["default", "no_split", "split8"])
 def test_triton_lowering(blocks, stacked):
   """The kernels lower to Triton IR for a CUDA target (what the GPU compiles); no GPU needed for this step."""

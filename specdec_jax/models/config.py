@@ -24,6 +24,8 @@ _POSITIVE_INT_FIELDS = (
     "d_ff",
 )
 
+KERNELS = ("xla", "pallas", "pallas_interpret")
+
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +64,16 @@ class TransformerConfig:
       (bench/step_profile.py measures both). The outputs are the same up to
       floating-point reassociation by the compiler.
 
+    kernels: how a chain call of few rows (B*T <= 16; the decode step, a
+      verification, a small prefill) runs a block. "xla" (the default): XLA's
+      kernels everywhere. "pallas": on a GPU, in bf16/f16, unrolled, unsharded
+      models, each block's attention half and MLP half run as hand-written
+      Pallas (Triton) kernels, three and two or three per half
+      (`models/pallas_attention.py`, `models/pallas_mlp.py`); every other
+      call, backend or dtype keeps XLA's. "pallas_interpret": the same
+      kernels in Pallas's interpreter on any backend (slow; for tests).
+      Outputs agree with "xla" up to rounding.
+
   Example:
     >>> cfg = TransformerConfig(vocab_size=64, num_layers=2, d_model=32,
     ...                         num_heads=4, num_kv_heads=2, head_dim=8,
@@ -84,6 +96,7 @@ class TransformerConfig:
   feature_layers: tuple[int, ...] = ()
   max_length: int | None = None
   scan_layers: bool = False
+  kernels: str = "xla"
 
   def __post_init__(self):
     for name in _POSITIVE_INT_FIELDS:
@@ -124,6 +137,8 @@ class TransformerConfig:
       raise ValueError(f"TransformerConfig.max_length must be None or a positive int, got {m!r}.")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"TransformerConfig.scan_layers must be a bool, got {self.scan_layers!r}.")
+    if self.kernels not in KERNELS:
+      raise ValueError(f"TransformerConfig.kernels must be one of {KERNELS}, got {self.kernels!r}.")
     # Frozen dataclass: normalise through object.__setattr__ (so equality and
     # hashing do not depend on how the dtype was spelled).
     object.__setattr__(self, "dtype", dtype)

@@ -107,6 +107,8 @@ class MlpBlocks:
 
 
 DEFAULT_BLOCKS = MlpBlocks()
+# The fastest tiles of bench/pallas_mlp.py on an H100 at 1, 5 and 16 rows (bench/RESULTS.md, section 6).
+BEST_BLOCKS = MlpBlocks(num_warps=2)
 
 
 def fused_mlp_supported(x, w_gate_up=None, w_down=None) -> bool:
@@ -329,9 +331,34 @@ def fused_mlp(x, norm_weight, w_gate_up, w_down, eps: float, layer=None, *, inte
       interpret=interpret, compiler_params=params, name="fused_mlp_gate_up",
   )(layer, x2, norm_weight, w_gate_up)
 
+  return project_residual(h, w_down, x2, layer, blocks=blocks, interpret=interpret).reshape(b, t, d)
+
+
+def project_residual(h, w, x2, layer, *, blocks: MlpBlocks = DEFAULT_BLOCKS, interpret: bool = False):
+  """x2 + h @ w[layer] for few rows, as `_down_kernel`s (one, or split over K plus one XLA fusion).
+
+  The second half of `fused_mlp`, also the output projection of `pallas_attention.fused_attention`.
+
+  Args:
+    h: [rows, F] (rows <= MAX_ROWS), w's dtype.
+    w: [L, F, D] stacked weights (a per-layer [F, D] passed as w[None]: a bitcast).
+    x2: [rows, D] residual.
+    layer: int32 [1], the layer of w (clamped into range).
+    blocks: uses block_d, block_k2, split_k, num_warps, num_stages.
+    interpret: run in Pallas's interpreter.
+
+  Returns:
+    [rows, D] in x2's dtype; the sum is accumulated in float32 and rounded once.
+
+  Example:
+    >>> y = project_residual(h, w_down[None], x2, jnp.zeros((1,), jnp.int32))  # doctest: +SKIP
+  """
+  rows, f = h.shape
+  d = x2.shape[1]
+  params = _compiler_params(blocks, interpret)
   split, chunk = blocks._split(f), blocks._chunk(f)
   residual = split == 1
-  out_shape = (jax.ShapeDtypeStruct((rows, d), x.dtype) if residual
+  out_shape = (jax.ShapeDtypeStruct((rows, d), x2.dtype) if residual
                else jax.ShapeDtypeStruct((split, rows, d), jnp.float32))
   out = pl.pallas_call(
       functools.partial(_down_kernel, rows=rows, d=d, f=f, chunk=chunk, block_d=blocks.block_d,
@@ -339,7 +366,7 @@ def fused_mlp(x, norm_weight, w_gate_up, w_down, eps: float, layer=None, *, inte
       out_shape=out_shape,
       grid=(pl.cdiv(d, blocks.block_d), split),
       interpret=interpret, compiler_params=params, name="fused_mlp_down",
-  )(layer, h, w_down, x2)
+  )(layer, h, w, x2)
   if not residual:  # one XLA fusion: sum the partials, add the residual, round
-    out = (jnp.sum(out, axis=0) + x2.astype(jnp.float32)).astype(x.dtype)
-  return out.reshape(b, t, d)
+    out = (jnp.sum(out, axis=0) + x2.astype(jnp.float32)).astype(x2.dtype)
+  return out

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specdec_jax.models import sharding
+from specdec_jax.models import pallas_attention, pallas_mlp, sharding
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.sharding import Partitioning, relayout
 
@@ -501,11 +501,17 @@ class Transformer(nnx.Module):
     ctx = AttentionContext.create(positions, cache.max_length, c, cache_slots=cache_slots,
                                   attention_mask=attention_mask)
 
+    kernels = self._block_kernels(x, cache, cache_slots, attention_mask)
+
     def block(carry, layer):
       x, k_cache, v_cache = carry
       p, i = layer  # this layer's parameters, its index
-      attn_in = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-      x, k_cache, v_cache = decoder_block(c, x, attn_in, p, k_cache, v_cache, i, ctx)
+      if kernels is not None:
+        x, k_cache, v_cache = pallas_block(c, x, p, k_cache, v_cache, i, positions, ctx,
+                                           interpret=kernels == "pallas_interpret")
+      else:
+        attn_in = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+        x, k_cache, v_cache = decoder_block(c, x, attn_in, p, k_cache, v_cache, i, ctx)
       # Each block's output is kept only when features are asked for.
       return (x, k_cache, v_cache), (x if return_features else None)
 
@@ -532,6 +538,23 @@ class Transformer(nnx.Module):
       return logits, cache
     features = jnp.concatenate([outs[i] for i in c.feature_layers], axis=-1)  # [B, T, F]
     return logits, features, cache
+
+  def _block_kernels(self, x, cache: KVCache, cache_slots, attention_mask) -> str | None:
+    """`config.kernels` where this call can take the Pallas blocks, else None (XLA's): decided at trace time."""
+    c = self.config
+    if c.kernels == "xla" or c.scan_layers or self.partitioning is not None:
+      return None
+    if cache_slots is not None or attention_mask is not None:  # tree calls: the kernels know the chain rule only
+      return None
+    if c.kernels == "pallas" and (jax.default_backend() != "gpu" or
+                                  c.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))):
+      return None
+    p = self.layers.block(0)
+    if pallas_attention.check_args(x, p["wqkv"], p["wo"], cache.k, c.num_heads, c.num_kv_heads) is not None:
+      return None
+    if pallas_mlp._check_args(x, p["mlp_norm"], p["w_gate_up"], p["w_down"]) is not None:
+      return None
+    return c.kernels
 
   def copy_cache_slots(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copies every layer's keys/values from slots `src` to slots `dst`, per row (see `copy_kv_slots`).
@@ -673,6 +696,23 @@ def decoder_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx:
   """
   x, k_cache, v_cache = attention_block(c, x, attn_in, p, k_cache, v_cache, i, ctx)
   return mlp_block(c, x, p), k_cache, v_cache
+
+
+def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx: AttentionContext, *,
+                 interpret: bool, attn_blocks=None, mlp_blocks=None):
+  """`decoder_block` of a plain (fused-projection) block as Pallas kernels: a chain call of <= 16 rows.
+
+  `Transformer._block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the
+  tile sizes default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks).
+  """
+  half = c.head_dim // 2
+  x, k_cache, v_cache = pallas_attention.fused_attention(
+      x, p["attn_norm"], p["wqkv"], p["wo"], k_cache, v_cache, i, positions, ctx.cos[:, :, 0, :half],
+      ctx.sin[:, :, 0, :half], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
+      interpret=interpret, blocks=attn_blocks or pallas_attention.DEFAULT_BLOCKS)
+  x = pallas_mlp.fused_mlp(x, p["mlp_norm"], p["w_gate_up"], p["w_down"], c.rms_norm_eps, interpret=interpret,
+                           blocks=mlp_blocks or pallas_mlp.BEST_BLOCKS)
+  return x, k_cache, v_cache
 
 
 def attention_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx: AttentionContext):

@@ -1,0 +1,307 @@
+"""The attention half of a decoder block as Pallas GPU (Triton) kernels, for chain calls of few rows.
+
+At batch 1 XLA runs a block's attention half (norm, q|k|v product, RoPE, two
+cache writes, attention, output product, residual) as about 11 small kernels
+of 1-5 us each, and the step is made of those launches, not of bytes. Here
+the same half is three kernels:
+
+  1. `_qkv_kernel`, grid ((H + 2 Hkv) Dh / (2 block_h),): a program computes
+     2 block_h of one head's Dh columns of rms_norm(x) @ wqkv (q heads, then
+     k heads, then v heads),
+     rotates q and k heads by RoPE, and writes its head: q to a [rows, H*Dh]
+     buffer, k and v straight into the cache at each row's slot (the cache
+     is aliased in and out, so the write is in place). The columns are
+     loaded as matching pieces of the head's two halves, [D, block_h] at
+     c and at c + Dh/2, which is RoPE's pairing (dims i and i + Dh/2), so
+     the rotation needs no shuffle inside a tile.
+  2. `_attention_kernel`, grid (B, H): program (b, h) attends head h's T
+     queries of row b over the live slots of the cache, [0, max position of
+     the row], in blocks of `block_s` slots with an online softmax, and
+     writes its [T, Dh] output. Query t sees slot s iff s <= positions[b, t]:
+     the chain rule of `AttentionContext` (trees keep the XLA path).
+  3. The output product plus the residual, `pallas_mlp.project_residual`
+     (the MLP's down-projection kernel on wo).
+
+Rows (B*T) are at most `MAX_ROWS` = 16, padded to 16 by masks, as in
+`pallas_mlp` (the smallest M a Triton dot takes). The cache write happens
+in kernel 1, before kernel 2 reads the cache, so a query sees its own key and
+those of the call's earlier tokens, as in `attention_block`.
+
+`interpret=True` runs the kernels in Pallas's interpreter (any backend;
+slow), which is how the tests check them on a CPU.
+
+Example:
+  >>> x, k, v = fused_attention(x, p["attn_norm"], p["wqkv"], p["wo"], cache.k, cache.v, i, positions,
+  ...                           cos, sin, num_heads=9, num_kv_heads=3, eps=1e-5)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from specdec_jax.models.pallas_mlp import MAX_ROWS, MlpBlocks, _compiler_params, _load, plgpu, project_residual
+
+_MASKED = -1e30  # a score no visible slot reaches; finite, so a block with nothing visible makes no NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+  """Tile sizes and launch parameters of `fused_attention` (block sizes powers of two, >= 16).
+
+  Attributes:
+    block_k: rows of wqkv (the D contraction) per loop step of the q|k|v kernel.
+    block_h: columns of each half of a head per program of the q|k|v kernel (capped at Dh/2);
+      Dh/(2 block_h) programs share a head, so smaller means more programs.
+    block_s: cache slots per loop step of the attention kernel.
+    out: the output product's tiles (`MlpBlocks`' block_d, block_k2, split_k).
+    num_warps, num_stages: Triton launch parameters of kernels 1 and 2.
+
+  Example:
+    >>> AttentionBlocks(block_s=32).block_s
+    32
+  """
+
+  # The defaults are the fastest of bench/step_profile.py's sweep on an H100 (bench/RESULTS.md, section 6).
+  block_k: int = 64
+  block_h: int = 16
+  block_s: int = 64
+  out: MlpBlocks = MlpBlocks(block_d=32, block_k2=128, split_k=4, num_warps=2)
+  num_warps: int = 4
+  num_stages: int = 4
+
+  def validate(self) -> None:
+    for name in ("block_k", "block_h", "block_s"):
+      v = getattr(self, name)
+      if v < 16 or v & (v - 1):
+        raise ValueError(f"AttentionBlocks.{name}={v}: must be a power of two >= 16")
+    if self.num_warps < 1 or self.num_stages < 1:
+      raise ValueError(f"AttentionBlocks: num_warps and num_stages must be >= 1: {self}")
+    self.out.validate()
+
+
+DEFAULT_BLOCKS = AttentionBlocks()
+
+
+def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int) -> str | None:
+  """None if these shapes and dtypes suit the kernels, else why not (static; safe under jit)."""
+  if len(x.shape) != 3:
+    return f"x must be [B, T, D], got shape {x.shape}"
+  b, t, d = x.shape
+  if not 1 <= b * t <= MAX_ROWS:
+    return f"B*T = {b * t} rows; the kernels take 1..{MAX_ROWS}"
+  if len(k_cache.shape) != 5 or k_cache.shape[1] != b or k_cache.shape[2] != num_kv_heads:
+    return f"cache must be [L, B={b}, Hkv={num_kv_heads}, S, Dh], got {k_cache.shape}"
+  dh = k_cache.shape[4]
+  half = dh // 2
+  if dh % 2 or half < 16 or half & (half - 1):
+    return f"head_dim = {dh}: the kernels need head_dim / 2 a power of two >= 16"
+  if num_heads % num_kv_heads:
+    return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+  n = (num_heads + 2 * num_kv_heads) * dh
+  if wqkv.shape != (d, n):
+    return f"wqkv must be [D={d}, (H + 2 Hkv) Dh = {n}], got {wqkv.shape}"
+  if wo.shape != (num_heads * dh, d):
+    return f"wo must be [H Dh = {num_heads * dh}, D={d}], got {wo.shape}"
+  dtypes = {jnp.dtype(a.dtype) for a in (x, wqkv, wo, k_cache)}
+  if len(dtypes) != 1:
+    return f"x, wqkv, wo and the cache must share one dtype, got {sorted(str(a) for a in dtypes)}"
+  return None
+
+
+def _qkv_kernel(layer_ref, slot_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _kc_in, _vc_in,
+                q_ref, kc_ref, vc_ref, *, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h):
+  """One head of q|k|v = rms_norm(x) @ wqkv, rotated (q, k) and written; see the module docstring.
+
+  Refs: layer [1] int32, slot [rows] int32 (write slot of each row's key/value; S = dropped),
+  x [rows, D], nw [D], w [D, (H + 2 Hkv) Dh], cos/sin [rows, Dh/2] float32; outputs q [rows, H Dh]
+  and the caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs: written in place).
+  As in `pallas_mlp._gate_up_kernel`, the norm's per-row scale is applied after the contraction.
+  """
+  half = dh // 2
+  per_head = half // block_h
+  h, part = pl.program_id(0) // per_head, pl.program_id(0) % per_head
+  layer = layer_ref[0]
+  r = jnp.arange(MAX_ROWS)
+  row_ok = r < rows
+  c0 = part * block_h  # this program's columns: [c0, c0 + block_h) of each half of head h
+  col0 = h * dh + c0
+
+  def body(k, carry):
+    acc1, acc2, ss = carry
+    kk = k * block_k + jnp.arange(block_k)
+    k_ok = kk < d
+    ks = pl.ds(k * block_k, block_k)
+    xt = _load(x_ref, (pl.ds(0, MAX_ROWS), ks), row_ok[:, None] & k_ok[None, :]).astype(jnp.float32)
+    nw = _load(nw_ref, (ks,), k_ok).astype(jnp.float32)
+    a = (xt * nw[None, :]).astype(w_ref.dtype)
+    w1 = _load(w_ref, (ks, pl.ds(col0, block_h)), k_ok[:, None])  # [bk, block_h] of the head's first half
+    w2 = _load(w_ref, (ks, pl.ds(col0 + half, block_h)), k_ok[:, None])  # and the matching second-half columns
+    acc1 += jnp.dot(a, w1, preferred_element_type=jnp.float32)
+    acc2 += jnp.dot(a, w2, preferred_element_type=jnp.float32)
+    ss += jnp.sum(xt * xt, axis=1)
+    return acc1, acc2, ss
+
+  zeros = jnp.zeros((MAX_ROWS, block_h), jnp.float32)
+  acc1, acc2, ss = lax.fori_loop(0, pl.cdiv(d, block_k), body, (zeros, zeros, jnp.zeros((MAX_ROWS,), jnp.float32)))
+  scale = lax.rsqrt(ss / d + eps)[:, None]
+  # Rounded to the model's dtype before RoPE, as `attention_block`'s projection output is.
+  a1 = (acc1 * scale).astype(q_ref.dtype).astype(jnp.float32)
+  a2 = (acc2 * scale).astype(q_ref.dtype).astype(jnp.float32)
+  cs = _load(cos_ref, (pl.ds(0, MAX_ROWS), pl.ds(c0, block_h)), row_ok[:, None])
+  sn = _load(sin_ref, (pl.ds(0, MAX_ROWS), pl.ds(c0, block_h)), row_ok[:, None])
+  rotate = h < heads + kv_heads  # q and k heads; v heads are not rotated
+  cs = jnp.where(rotate, cs, 1.0)
+  sn = jnp.where(rotate, sn, 0.0)
+  o1 = (a1 * cs - a2 * sn).astype(q_ref.dtype)  # rotate_half: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]
+  o2 = (a2 * cs + a1 * sn).astype(q_ref.dtype)
+
+  @pl.when(h < heads)
+  def _():
+    mask = row_ok[:, None]
+    plgpu.store(q_ref.at[pl.ds(0, MAX_ROWS), pl.ds(col0, block_h)], o1, mask=mask)
+    plgpu.store(q_ref.at[pl.ds(0, MAX_ROWS), pl.ds(col0 + half, block_h)], o2, mask=mask)
+
+  def write(cache_ref, head):
+    # Each row goes to its own (b, slot): a row is picked out of the tile by a masked sum (Triton
+    # tiles cannot be indexed), then stored as two [block_h] vectors; slot S (out of range) is masked off.
+    for row in range(rows):
+      slot = slot_ref[row]
+      ok = jnp.full((block_h,), slot < s)
+      pick = (r == row)[:, None]
+      for tile, start in ((o1, c0), (o2, c0 + half)):
+        vec = jnp.sum(jnp.where(pick, tile.astype(jnp.float32), 0.0), axis=0).astype(cache_ref.dtype)
+        plgpu.store(cache_ref.at[layer, jnp.int32(row // t), head, slot, pl.ds(start, block_h)], vec, mask=ok)
+
+  @pl.when((h >= heads) & (h < heads + kv_heads))
+  def _():
+    write(kc_ref, h - heads)
+
+  @pl.when(h >= heads + kv_heads)
+  def _():
+    write(vc_ref, h - heads - kv_heads)
+
+
+def _attention_kernel(layer_ref, pos_ref, q_ref, kc_ref, vc_ref, o_ref, *, t, group, dh, s, block_s):
+  """Head h of row b: softmax(q k^T / sqrt(Dh), slots s <= position) v over the live slots.
+
+  Refs: layer [1], pos [rows] int32, q [rows, H Dh], caches [L, B, Hkv, S, Dh], o [rows, H Dh].
+  The loop runs over the slot blocks up to the row's largest position (all S when that is out of
+  range), so a short context reads a short cache.
+  """
+  b, h = pl.program_id(0), pl.program_id(1)
+  layer = layer_ref[0]
+  hk = h // group
+  r = jnp.arange(MAX_ROWS)
+  row_ok = r < t
+  pos = _load(pos_ref, (pl.ds(b * t, MAX_ROWS),), row_ok)  # [16]; padded rows read 0, see slot 0 only
+  q = _load(q_ref, (pl.ds(b * t, MAX_ROWS), pl.ds(h * dh, dh)), row_ok[:, None])  # [16, Dh]
+  live = jnp.minimum(jnp.max(jnp.where(row_ok, pos, 0)) + 1, s)
+  scale = 1.0 / math.sqrt(dh)
+
+  def body(j, carry):
+    m, l, acc = carry
+    slots = j * block_s + jnp.arange(block_s)
+    s_ok = slots < s
+    sl = pl.ds(j * block_s, block_s)
+    kt = _load(kc_ref, (layer, b, hk, sl, pl.ds(0, dh)), s_ok[:, None])  # [bs, Dh]
+    vt = _load(vc_ref, (layer, b, hk, sl, pl.ds(0, dh)), s_ok[:, None])
+    sc = jnp.dot(q, kt.T, preferred_element_type=jnp.float32) * scale  # [16, bs]
+    sc = jnp.where((slots[None, :] <= pos[:, None]) & s_ok[None, :], sc, _MASKED)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(sc - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+  init = (jnp.full((MAX_ROWS,), _MASKED, jnp.float32), jnp.zeros((MAX_ROWS,), jnp.float32),
+          jnp.zeros((MAX_ROWS, dh), jnp.float32))
+  _, l, acc = lax.fori_loop(0, pl.cdiv(live, block_s), body, init)
+  out = acc / jnp.maximum(l, 1e-30)[:, None]
+  plgpu.store(o_ref.at[pl.ds(b * t, MAX_ROWS), pl.ds(h * dh, dh)], out.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+def _params(blocks: AttentionBlocks, interpret: bool):
+  return _compiler_params(dataclasses.replace(blocks.out, num_warps=blocks.num_warps,
+                                              num_stages=blocks.num_stages), interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret", "blocks"))
+def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions, cos, sin, *,
+                    num_heads: int, num_kv_heads: int, eps: float, interpret: bool = False,
+                    blocks: AttentionBlocks = DEFAULT_BLOCKS):
+  """x + attention(rms_norm(x)) with layer `layer`'s cache write: `attention_block` of a chain call.
+
+  Args:
+    x: [B, T, D] residual stream, B*T <= 16; the model's dtype.
+    norm_weight: [D] (`p["attn_norm"]`).
+    wqkv: [D, (H + 2 Hkv) Dh] fused projection (`p["wqkv"]`: q heads, k heads, v heads).
+    wo: [H Dh, D] output projection.
+    k_cache, v_cache: [L, B, Hkv, S, Dh], x's dtype; updated in place inside a caller's jit.
+    layer: int, which layer of the cache (static or traced; clamped by the caller's indices).
+    positions: int32 [B, T]: each token's position; its key/value goes to slot `position` (dropped
+      outside [0, S)) and its query sees the slots s <= position.
+    cos, sin: float32 [B, T, Dh/2]: RoPE's tables at `positions` (the first half of
+      `AttentionContext.cos`; both halves are equal).
+    num_heads, num_kv_heads: H and Hkv (static).
+    eps: RMSNorm epsilon (static).
+    interpret: run in Pallas's interpreter (any backend; for tests).
+    blocks: tile sizes (`AttentionBlocks`; static).
+
+  Returns:
+    (x + attention [B, T, D], k_cache, v_cache), equal to `attention_block`'s up to rounding.
+
+  Raises:
+    ValueError: shapes or dtypes the kernels do not take (see `check_args`).
+
+  Example:
+    >>> cos, sin = ctx.cos[:, :, 0, :32], ctx.sin[:, :, 0, :32]  # doctest: +SKIP
+    >>> x, kc, vc = fused_attention(x, p["attn_norm"], p["wqkv"], p["wo"], kc, vc, 3, pos, cos, sin,
+    ...                             num_heads=9, num_kv_heads=3, eps=1e-5)  # doctest: +SKIP
+  """
+  why = check_args(x, wqkv, wo, k_cache, num_heads, num_kv_heads)
+  if why:
+    raise ValueError(f"fused_attention: {why}")
+  if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+    raise ValueError(f"fused_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+  if plgpu is None:  # pragma: no cover
+    raise ValueError("fused_attention: jax.experimental.pallas.triton is not importable")
+  blocks.validate()
+  b, t, d = x.shape
+  _, _, hkv, s, dh = k_cache.shape
+  rows, half = b * t, dh // 2
+  block_h = min(blocks.block_h, half)
+  layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_cache.shape[0] - 1).reshape(1)
+  pos = positions.reshape(rows).astype(jnp.int32)
+  slots = jnp.where((pos >= 0) & (pos < s), pos, s)
+  x2 = x.reshape(rows, d)
+  params = _params(blocks, interpret)
+
+  q, k_cache, v_cache = pl.pallas_call(
+      functools.partial(_qkv_kernel, rows=rows, t=t, d=d, heads=num_heads, kv_heads=hkv, dh=dh, s=s,
+                        eps=float(eps), block_k=blocks.block_k, block_h=block_h),
+      out_shape=(jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
+                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+      grid=((num_heads + 2 * hkv) * (half // block_h),),
+      input_output_aliases={7: 1, 8: 2},
+      interpret=interpret, compiler_params=params, name="fused_attention_qkv",
+  )(layer, slots, x2, norm_weight, wqkv, cos.reshape(rows, half).astype(jnp.float32),
+    sin.reshape(rows, half).astype(jnp.float32), k_cache, v_cache)
+
+  attn = pl.pallas_call(
+      functools.partial(_attention_kernel, t=t, group=num_heads // hkv, dh=dh, s=s, block_s=blocks.block_s),
+      out_shape=jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
+      grid=(b, num_heads),
+      interpret=interpret, compiler_params=params, name="fused_attention_core",
+  )(layer, pos, q, k_cache, v_cache)
+
+  out = project_residual(attn, wo[None], x2, jnp.zeros((1,), jnp.int32), blocks=blocks.out, interpret=interpret)
+  return out.reshape(b, t, d), k_cache, v_cache
