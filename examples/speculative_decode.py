@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
   ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  ap.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
+                  help="pallas: hand-written GPU kernels for the target's and draft model's small calls "
+                       "(TransformerConfig.kernels; used on a GPU in bfloat16 only; default xla)")
   ap.add_argument("--seed", type=int, default=0)
   return ap
 
@@ -413,6 +416,11 @@ def main(argv=None):
   t0 = time.perf_counter()
   target, _ = load_smollm2(dtype)
   drafters = load_drafters(args.drafter, dtype)
+  for model in [target, *drafters.values()]:
+    if hasattr(getattr(model, "config", None), "kernels"):  # the target and the draft model (Transformers)
+      model.config = model.config.replace(kernels=args.kernels)
+  if args.kernels == "pallas" and (jax.default_backend() != "gpu" or args.dtype != "bfloat16"):
+    print("--kernels pallas: they need a GPU and --dtype bfloat16; XLA's kernels run here")
   print(f"loaded SmolLM2-135M-Instruct ({args.dtype}) and {', '.join(drafters)} in {time.perf_counter() - t0:.1f}s")
 
   max_length = tokens.shape[1] + args.max_tokens + k + 1

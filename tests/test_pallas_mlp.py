@@ -150,6 +150,18 @@ def test_supported():
   assert fused_mlp_supported(good[0], *good[1:]) == (jax.default_backend() == "gpu")
 
 
+def cuda_module_text(fn, args) -> str:
+  """The StableHLO text of jitted `fn` lowered for a CUDA target at `args` (ShapeDtypeStructs), Pallas kernels
+  lowered to Triton IR on the way; skips the test where this jaxlib has no CUDA lowering."""
+  export = pytest.importorskip("jax.export")
+  try:
+    exported = export.export(fn, platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  except NotImplementedError as e:  # pragma: no cover - a jaxlib built without the GPU lowering
+    pytest.skip(f"no CUDA lowering here: {e}")
+  return exported.mlir_module()
+
+
 @pytest.mark.parametrize("stacked", [False, pytest.param(True, marks=_SLOW)])
 @pytest.mark.parametrize("blocks", [MlpBlocks(), pytest.param(NO_SPLIT, marks=_SLOW),
                                     pytest.param(MlpBlocks(block_f=32, block_k1=256, block_k2=64, split_k=8),
@@ -157,17 +169,11 @@ def test_supported():
                          ids=["default", "no_split", "split8"])
 def test_triton_lowering(blocks, stacked):
   """The kernels lower to Triton IR for a CUDA target (what the GPU compiles); no GPU needed for this step."""
-  export = pytest.importorskip("jax.export")
   d, f = SMOL
   s = jax.ShapeDtypeStruct
   lead = (30,) if stacked else ()
   args = [s((1, 5, d), jnp.bfloat16), s(lead + (d,), jnp.bfloat16), s(lead + (d, 2 * f), jnp.bfloat16),
           s(lead + (f, d), jnp.bfloat16)] + ([s((), jnp.int32)] if stacked else [])
   fn = jax.jit(lambda x, n, a, b, *l: fused_mlp(x, n, a, b, EPS, *l, blocks=blocks))
-  try:
-    exported = export.export(fn, platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-  except NotImplementedError as e:  # pragma: no cover - a jaxlib built without the GPU lowering
-    pytest.skip(f"no CUDA lowering here: {e}")
-  text = exported.mlir_module()
+  text = cuda_module_text(fn, args)
   assert text.count("xla.gpu.triton") >= 2, "expected the two Pallas kernels as Triton custom calls"
