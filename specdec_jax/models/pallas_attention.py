@@ -90,7 +90,18 @@ DEFAULT_BLOCKS = AttentionBlocks()
 
 
 def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int) -> str | None:
-  """None if these shapes and dtypes suit the kernels, else why not (static; safe under jit)."""
+  """None if these shapes and dtypes suit the kernels, else why not (static; safe under jit).
+
+  Args:
+    x: [B, T, D] (or its ShapeDtypeStruct); wqkv [D, (H + 2 Hkv) Dh]; wo [H Dh, D];
+    k_cache: [L, B, Hkv, S, Dh]; num_heads, num_kv_heads: H and Hkv.
+
+  Example:
+    >>> s = jax.ShapeDtypeStruct
+    >>> check_args(s((1, 1, 576), jnp.bfloat16), s((576, 960), jnp.bfloat16), s((576, 576), jnp.bfloat16),
+    ...            s((30, 1, 3, 320, 64), jnp.bfloat16), 9, 3) is None
+    True
+  """
   if len(x.shape) != 3:
     return f"x must be [B, T, D], got shape {x.shape}"
   b, t, d = x.shape

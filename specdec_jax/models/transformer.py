@@ -703,7 +703,12 @@ def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx
   """`decoder_block` of a plain (fused-projection) block as Pallas kernels: a chain call of <= 16 rows.
 
   `Transformer._block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the
-  tile sizes default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks).
+  tile sizes default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks). x is
+  [B, T, D] with B*T <= 16, positions int32 [B, T]; returns (x, k_cache, v_cache) like `decoder_block`.
+
+  Example:
+    >>> x, k, v = pallas_block(cfg, x, model.layers.block(i), cache.k, cache.v, i, positions, ctx,
+    ...                        interpret=False)  # doctest: +SKIP
   """
   half = c.head_dim // 2
   x, k_cache, v_cache = pallas_attention.fused_attention(
