@@ -46,7 +46,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from specdec_jax.models.pallas_mlp import MAX_ROWS, MlpBlocks, _compiler_params, _load, plgpu, project_residual
+from specdec_jax.models.pallas_mlp import (MAX_ROWS, MlpBlocks, _compiler_params, _load, normed_products, plgpu,
+                                           project_residual)
 
 _MASKED = -1e30  # a score no visible slot reaches; finite, so a block with nothing visible makes no NaN
 
@@ -128,12 +129,14 @@ def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int) -> str |
 
 def _qkv_kernel(layer_ref, slot_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _kc_in, _vc_in,
                 q_ref, kc_ref, vc_ref, *, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h):
-  """One head of q|k|v = rms_norm(x) @ wqkv, rotated (q, k) and written; see the module docstring.
+  """2 block_h columns of one head of q|k|v = rms_norm(x) @ wqkv, rotated (q, k) and written.
+
+  See the module docstring.
 
   Refs: layer [1] int32, slot [rows] int32 (write slot of each row's key/value; S = dropped),
   x [rows, D], nw [D], w [D, (H + 2 Hkv) Dh], cos/sin [rows, Dh/2] float32; outputs q [rows, H Dh]
   and the caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs: written in place).
-  As in `pallas_mlp._gate_up_kernel`, the norm's per-row scale is applied after the contraction.
+  The norm and the product are `pallas_mlp.normed_products`, as in the MLP's gate|up kernel.
   """
   half = dh // 2
   per_head = half // block_h
@@ -144,27 +147,11 @@ def _qkv_kernel(layer_ref, slot_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _kc
   c0 = part * block_h  # this program's columns: [c0, c0 + block_h) of each half of head h
   col0 = h * dh + c0
 
-  def body(k, carry):
-    acc1, acc2, ss = carry
-    kk = k * block_k + jnp.arange(block_k)
-    k_ok = kk < d
-    ks = pl.ds(k * block_k, block_k)
-    xt = _load(x_ref, (pl.ds(0, MAX_ROWS), ks), row_ok[:, None] & k_ok[None, :]).astype(jnp.float32)
-    nw = _load(nw_ref, (ks,), k_ok).astype(jnp.float32)
-    a = (xt * nw[None, :]).astype(w_ref.dtype)
-    w1 = _load(w_ref, (ks, pl.ds(col0, block_h)), k_ok[:, None])  # [bk, block_h] of the head's first half
-    w2 = _load(w_ref, (ks, pl.ds(col0 + half, block_h)), k_ok[:, None])  # and the matching second-half columns
-    acc1 += jnp.dot(a, w1, preferred_element_type=jnp.float32)
-    acc2 += jnp.dot(a, w2, preferred_element_type=jnp.float32)
-    ss += jnp.sum(xt * xt, axis=1)
-    return acc1, acc2, ss
-
-  zeros = jnp.zeros((MAX_ROWS, block_h), jnp.float32)
-  acc1, acc2, ss = lax.fori_loop(0, pl.cdiv(d, block_k), body, (zeros, zeros, jnp.zeros((MAX_ROWS,), jnp.float32)))
-  scale = lax.rsqrt(ss / d + eps)[:, None]
+  acc1, acc2 = normed_products(x_ref, nw_ref, w_ref, (), (col0, col0 + half), block_h, None, rows=rows, d=d,
+                               eps=eps, block_k=block_k)
   # Rounded to the model's dtype before RoPE, as `attention_block`'s projection output is.
-  a1 = (acc1 * scale).astype(q_ref.dtype).astype(jnp.float32)
-  a2 = (acc2 * scale).astype(q_ref.dtype).astype(jnp.float32)
+  a1 = acc1.astype(q_ref.dtype).astype(jnp.float32)
+  a2 = acc2.astype(q_ref.dtype).astype(jnp.float32)
   cs = _load(cos_ref, (pl.ds(0, MAX_ROWS), pl.ds(c0, block_h)), row_ok[:, None])
   sn = _load(sin_ref, (pl.ds(0, MAX_ROWS), pl.ds(c0, block_h)), row_ok[:, None])
   rotate = h < heads + kv_heads  # q and k heads; v heads are not rotated
@@ -239,11 +226,6 @@ def _attention_kernel(layer_ref, pos_ref, q_ref, kc_ref, vc_ref, o_ref, *, t, gr
   plgpu.store(o_ref.at[pl.ds(b * t, MAX_ROWS), pl.ds(h * dh, dh)], out.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
-def _params(blocks: AttentionBlocks, interpret: bool):
-  return _compiler_params(dataclasses.replace(blocks.out, num_warps=blocks.num_warps,
-                                              num_stages=blocks.num_stages), interpret)
-
-
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret", "blocks"))
 def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions, cos, sin, *,
                     num_heads: int, num_kv_heads: int, eps: float, interpret: bool = False,
@@ -293,7 +275,7 @@ def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions
   pos = positions.reshape(rows).astype(jnp.int32)
   slots = jnp.where((pos >= 0) & (pos < s), pos, s)
   x2 = x.reshape(rows, d)
-  params = _params(blocks, interpret)
+  params = _compiler_params(blocks, interpret)  # num_warps, num_stages of kernels 1 and 2
 
   q, k_cache, v_cache = pl.pallas_call(
       functools.partial(_qkv_kernel, rows=rows, t=t, d=d, heads=num_heads, kv_heads=hkv, dh=dh, s=s,

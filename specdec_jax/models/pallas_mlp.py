@@ -186,6 +186,42 @@ def _layer(layer_ref, n_layers):
   return jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1)
 
 
+def normed_products(x_ref, nw_ref, w_ref, lead, starts, width, col_ok, *, rows, d, eps, block_k):
+  """rms_norm(x) @ w[..., :, start:start + width] for the two `starts`: two float32 [16, width] tiles.
+
+  Shared by the MLP's gate|up kernel and the attention's q|k|v kernel. x_ref [rows, D] (rows past
+  `rows` read as zeros), nw_ref [*lead, D], w_ref [*lead, D, N] with `lead` the leading indices (the
+  layer of stacked weights, or none); `col_ok` [1, width] masks columns past N (None: all in range).
+  The norm's scale rsqrt(mean(x^2) + eps) is one number per row, so it commutes with the
+  contraction: one loop over the K tiles accumulates (x * nw) @ W and sum(x^2), and the results are
+  scaled at the end, so the weight loads never wait for a first pass over x. (`rms_norm` rounds
+  x * scale * nw to x's dtype before the matmul; this rounds x * nw instead: the same relative
+  rounding, 2^-9 in bf16.) Padded rows get the scale rsqrt(eps): finite, never stored.
+  """
+  row_ok = jnp.arange(MAX_ROWS)[:, None] < rows  # [16, 1]
+
+  def body(k, carry):
+    acc_a, acc_b, ss = carry
+    kk = k * block_k + jnp.arange(block_k)
+    k_ok = kk < d
+    ks = pl.ds(k * block_k, block_k)
+    xt = _load(x_ref, (pl.ds(0, MAX_ROWS), ks), row_ok & k_ok[None, :]).astype(jnp.float32)  # [16, bk]
+    nw = _load(nw_ref, (*lead, ks), k_ok).astype(jnp.float32)  # [bk]
+    a = (xt * nw[None, :]).astype(w_ref.dtype)
+    wmask = k_ok[:, None] if col_ok is None else k_ok[:, None] & col_ok
+    wa = _load(w_ref, (*lead, ks, pl.ds(starts[0], width)), wmask)  # [bk, width]
+    wb = _load(w_ref, (*lead, ks, pl.ds(starts[1], width)), wmask)
+    acc_a += jnp.dot(a, wa, preferred_element_type=jnp.float32)
+    acc_b += jnp.dot(a, wb, preferred_element_type=jnp.float32)
+    ss += jnp.sum(xt * xt, axis=1)
+    return acc_a, acc_b, ss
+
+  zeros = jnp.zeros((MAX_ROWS, width), jnp.float32)
+  acc_a, acc_b, ss = lax.fori_loop(0, pl.cdiv(d, block_k), body, (zeros, zeros, jnp.zeros((MAX_ROWS,), jnp.float32)))
+  scale = lax.rsqrt(ss / d + eps)[:, None]  # [16, 1]
+  return acc_a * scale, acc_b * scale
+
+
 def _gate_up_kernel(layer_ref, x_ref, nw_ref, w_ref, h_ref, *, rows, d, f, eps, block_f, block_k):
   """One block of h = silu(n @ w_gate) * (n @ w_up), n = rms_norm(x); see the module docstring.
 
@@ -194,39 +230,15 @@ def _gate_up_kernel(layer_ref, x_ref, nw_ref, w_ref, h_ref, *, rows, d, f, eps, 
   columns). The layer is picked inside the kernel, by pointer offset, so stacked weights need no
   slice (a slice of an operand of a custom call is a copy in XLA: 3.5 MB per call here).
 
-  The norm's scale rsqrt(mean(x^2) + eps) is one number per row, so it commutes with the
-  contraction: the loop accumulates (x * nw) @ W and sum(x^2) in the same pass over the K
-  tiles and scales the [16, block_f] results at the end. One loop, whose weight loads do not
-  wait for a first pass over x. (`mlp_block` rounds x * scale * nw to x.dtype before the
-  matmul; this rounds x * nw instead: the same relative rounding, 2^-9 in bf16.)
+  The norm and both products are `normed_products`' one loop over the K tiles.
   """
   j = pl.program_id(0)
   layer = _layer(layer_ref, w_ref.shape[0])
   r = jnp.arange(MAX_ROWS)
   c = j * block_f + jnp.arange(block_f)
   row_ok, col_ok = r[:, None] < rows, c[None, :] < f  # [16, 1], [1, block_f]
-
-  def body(k, carry):
-    acc_g, acc_u, ss = carry
-    kk = k * block_k + jnp.arange(block_k)
-    k_ok = kk < d
-    ks = pl.ds(k * block_k, block_k)
-    xt = _load(x_ref, (pl.ds(0, MAX_ROWS), ks), row_ok & k_ok[None, :]).astype(jnp.float32)  # [16, bk]
-    nw = _load(nw_ref, (layer, ks), k_ok).astype(jnp.float32)  # [bk]
-    a = (xt * nw[None, :]).astype(w_ref.dtype)
-    wmask = k_ok[:, None] & col_ok
-    wg = _load(w_ref, (layer, ks, pl.ds(j * block_f, block_f)), wmask)  # [bk, bf]
-    wu = _load(w_ref, (layer, ks, pl.ds(f + j * block_f, block_f)), wmask)
-    acc_g += jnp.dot(a, wg, preferred_element_type=jnp.float32)
-    acc_u += jnp.dot(a, wu, preferred_element_type=jnp.float32)
-    ss += jnp.sum(xt * xt, axis=1)
-    return acc_g, acc_u, ss
-
-  zeros = jnp.zeros((MAX_ROWS, block_f), jnp.float32)
-  acc_g, acc_u, ss = lax.fori_loop(0, pl.cdiv(d, block_k), body,
-                                   (zeros, zeros, jnp.zeros((MAX_ROWS,), jnp.float32)))
-  scale = lax.rsqrt(ss / d + eps)[:, None]  # [16, 1]; padded rows: rsqrt(eps), finite, never stored
-  g, u = acc_g * scale, acc_u * scale
+  g, u = normed_products(x_ref, nw_ref, w_ref, (layer,), (j * block_f, f + j * block_f), block_f, col_ok,
+                         rows=rows, d=d, eps=eps, block_k=block_k)
   h = g * lax.logistic(g) * u  # silu(gate) * up, in float32
   plgpu.store(h_ref.at[pl.ds(0, MAX_ROWS), pl.ds(j * block_f, block_f)], h.astype(h_ref.dtype),
               mask=row_ok & col_ok)
@@ -264,8 +276,11 @@ def _down_kernel(layer_ref, h_ref, w_ref, x_ref, o_ref, *, rows, d, f, chunk, bl
     plgpu.store(o_ref.at[s, pl.ds(0, MAX_ROWS), cols], acc, mask=row_ok & col_ok)
 
 
-def _compiler_params(blocks: MlpBlocks, interpret: bool):
-  """Triton CompilerParams (which also pins the Triton lowering over Mosaic GPU), or None."""
+def _compiler_params(blocks, interpret: bool):
+  """Triton CompilerParams (which also pins the Triton lowering over Mosaic GPU), or None.
+
+  `blocks`: anything with num_warps and num_stages (`MlpBlocks`, `pallas_attention.AttentionBlocks`).
+  """
   if interpret or plgpu is None or not hasattr(plgpu, "CompilerParams"):
     return None
   try:
