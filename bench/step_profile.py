@@ -116,22 +116,30 @@ def layer_params(weights: dict, variant) -> dict | list:
   return [{name: jnp.array(w[i], copy=True) for name, w in stacked.items()} for i in range(len(stacked["wo"]))]
 
 
+def pallas_tiles(name: str):
+  """PALLAS_TILES[name] as (AttentionBlocks, MlpBlocks) over the models' defaults."""
+  attn, mlp_tiles = dict(PALLAS_TILES[name][0]), PALLAS_TILES[name][1]
+  if "out" in attn:  # the output projection's tiles, over the default ones
+    attn["out"] = dataclasses.replace(pallas_attention.DEFAULT_BLOCKS.out, **attn["out"])
+  return (dataclasses.replace(pallas_attention.DEFAULT_BLOCKS, **attn),
+          dataclasses.replace(pallas_mlp.BEST_BLOCKS, **mlp_tiles))
+
+
 def forward(c: TransformerConfig, weights: dict, layers: dict, tokens, positions, cache: KVCache, variant):
   """The Transformer's forward pass with parts switched off: logits [B, T, V] (or the residual) and the cache."""
   scan, _, attention, mlp, head, pallas = variant
   x = jnp.take(weights["embed"], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)
   ctx = AttentionContext.create(positions, cache.max_length, c)
 
+  if pallas:
+    attn_blocks, mlp_blocks = pallas_tiles(pallas)
+
   def block(carry, layer):
     x, k_cache, v_cache = carry
     p, i = layer
     if pallas and x.shape[0] * x.shape[1] <= MAX_ROWS:  # as kernels="pallas" ("pallas_interpret" off a GPU)
-      attn, mlp_tiles = dict(PALLAS_TILES[pallas][0]), PALLAS_TILES[pallas][1]
-      if "out" in attn:  # the output projection's tiles, over the default ones
-        attn["out"] = dataclasses.replace(pallas_attention.DEFAULT_BLOCKS.out, **attn["out"])
       return pallas_block(c, x, p, k_cache, v_cache, i, positions, ctx, interpret=not common.has_gpu(),
-                          attn_blocks=dataclasses.replace(pallas_attention.DEFAULT_BLOCKS, **attn),
-                          mlp_blocks=dataclasses.replace(pallas_mlp.BEST_BLOCKS, **mlp_tiles)), None
+                          attn_blocks=attn_blocks, mlp_blocks=mlp_blocks), None
     if attention:
       x, k_cache, v_cache = attention_block(c, x, rms_norm(x, p["attn_norm"], c.rms_norm_eps), p, k_cache, v_cache,
                                             i, ctx)
@@ -170,15 +178,17 @@ def step_fn(c: TransformerConfig, variant, t: int, p0: int, span: int):
   return step
 
 
-def check_against_model(c: TransformerConfig, weights: dict, variants) -> dict:
+def check_against_model(model: Transformer, weights: dict, variants) -> dict:
   """This script's `after` equals the Transformer's default call, `scan+fused` its scan_layers=True call, and
   `pallas` (when asked for) the default call as well, while the Transformer's kernels="pallas" call is checked to
-  lower to Triton kernels ("pallas_interpret" without a GPU) and to agree too (max |diff| each)."""
+  lower to Triton kernels ("pallas_interpret" without a GPU) and to agree too (max |diff| each). `model` holds
+  `weights` under the default config."""
+  c = model.config
   tokens = jnp.asarray(np.arange(10, dtype=np.int32).reshape(2, 5) % c.vocab_size)
   pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
-  model = Transformer.from_weights(c, weights)
   call = jax.jit(lambda t, p, m: m(t, p, m.init_cache(2, 8))[0])
   ref = call(tokens, pos, model)
+  wants = {c: ref}  # the Transformer's logits per config, each computed once
   diffs = {}
   checks = [("after", c), ("scan+fused", c.replace(scan_layers=True))]
   if "pallas" in variants:
@@ -189,11 +199,11 @@ def check_against_model(c: TransformerConfig, weights: dict, variants) -> dict:
     diffs["model(kernels=pallas)"] = float(jnp.max(jnp.abs(ref - call(tokens, pos, pallas_model))))
     checks.append(("pallas", c))
   for name, cfg in checks:
-    model = Transformer.from_weights(cfg, weights)
-    want = call(tokens, pos, model)
+    if cfg not in wants:
+      wants[cfg] = call(tokens, pos, Transformer.from_weights(cfg, weights))
     mine = jax.jit(lambda t, p, n=name: forward(c, weights, layer_params(weights, VARIANTS[n]), t, p,
                                                  model.init_cache(2, 8), VARIANTS[n])[0])(tokens, pos)
-    diffs[name] = float(jnp.max(jnp.abs(want - mine)))
+    diffs[name] = float(jnp.max(jnp.abs(wants[cfg] - mine)))
   # Equal on a CPU in float32; a GPU may fuse the programs differently, or the kernels round differently
   # (bf16), not more.
   for name, diff in diffs.items():
@@ -233,13 +243,13 @@ def kernel_table(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
   return rows[:top]
 
 
-def trace_kernels(c, weights, name, b, cache_len, p0, trace_dir, report) -> list[dict]:
-  """Profiles 20 one-token steps of variant `name` at batch b and prints its costliest kernels."""
+def trace_kernels(c, weights, name, cache: KVCache, p0, trace_dir, report) -> list[dict]:
+  """Profiles 20 one-token steps of variant `name` from a zero `cache` [L, B, Hkv, S, Dh] and prints its
+  costliest kernels."""
+  b, cache_len = cache.batch_size, cache.max_length
   layers = layer_params(weights, VARIANTS[name])
   loop = common.timed_loop(step_fn(c, VARIANTS[name], 1, p0, max(cache_len - p0 - 1, 1)))
-  carry = (KVCache(k=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype),
-                   v=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype)),
-           jnp.full((b, 1), 7, jnp.int32))
+  carry = (cache, jnp.full((b, 1), 7, jnp.int32))
   jax.block_until_ready(loop(0, 4, carry, weights, layers))
   steps = 20
   try:  # the profiler needs CUPTI on a GPU; the timings stand without it
@@ -274,14 +284,15 @@ def main(argv=None):
   ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timing loop")
   ap.add_argument("--repeats", type=int, default=5, help="timing loops per figure (median)")
   ap.add_argument("--no-plot", action="store_true", help="skip the PNG (matplotlib is a bench extra)")
-  ap.add_argument("--trace", default="", help="also write a jax.profiler trace of --trace-variant here and print "
-                  "its kernels")
+  ap.add_argument("--trace", default="", help="also write a jax.profiler trace of each --trace-variants here and "
+                  "print its kernels")
   ap.add_argument("--trace-variants", default="after", help="comma list of variants to trace (default after)")
   args = ap.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
-  bad = [v for v in variants if v not in VARIANTS]
-  if bad:
-    ap.error(f"--variants: unknown {bad}; choose from {list(VARIANTS)}")
+  for flag, names in (("--variants", variants), ("--trace-variants", args.trace_variants.split(","))):
+    bad = [v for v in names if v and v not in VARIANTS]
+    if bad:
+      ap.error(f"{flag}: unknown {bad}; choose from {list(VARIANTS)}")
   try:
     batch_sizes = [int(b) for b in (args.batch_sizes or ("1,2" if args.tiny else "1,8,32")).split(",")]
   except ValueError:
@@ -293,9 +304,9 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
 
   c = TransformerConfig(**(TINY if args.tiny else SMOLLM2), dtype=jnp.dtype(dtype))
-  weights = Transformer(c, rngs=__import__("flax").nnx.Rngs(0)).to_weights()
-  weights = {k: jnp.asarray(v) for k, v in weights.items()}
-  diffs = check_against_model(c, weights, variants)
+  model = Transformer(c, rngs=__import__("flax").nnx.Rngs(0))  # its init_cache makes every zero cache below
+  weights = {k: jnp.asarray(v) for k, v in model.to_weights().items()}
+  diffs = check_against_model(model, weights, variants)
   print(f"{dtype}, L={c.num_layers}, D={c.d_model}, V={c.vocab_size}, cache {cache_len} slots; "
         f"forward checked against the Transformer: {diffs}")
 
@@ -309,9 +320,7 @@ def main(argv=None):
     variant = VARIANTS[name]
     layers = layer_params(weights, variant)
     step = step_fn(c, variant, t, p0, max(cache_len - p0 - t, 1))
-    carry = (KVCache(k=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype),
-                     v=jnp.zeros((c.num_layers, b, c.num_kv_heads, cache_len, c.head_dim), c.dtype)),
-             jnp.full((b, t), 7, jnp.int32))
+    carry = (model.init_cache(b, cache_len), jnp.full((b, t), 7, jnp.int32))
     r = common.time_per_iter(common.timed_loop(step), carry, (weights, layers), target_s=args.target_ms / 1e3,
                              repeats=args.repeats)
     r.pop("compiled")
@@ -328,7 +337,7 @@ def main(argv=None):
   if args.trace:
     report["kernels"] = {}
     for name in [v for v in args.trace_variants.split(",") if v]:
-      report["kernels"][name] = trace_kernels(c, weights, name, batch_sizes[0], cache_len, p0,
+      report["kernels"][name] = trace_kernels(c, weights, name, model.init_cache(batch_sizes[0], cache_len), p0,
                                               os.path.join(args.trace, name), report)
 
   with open(os.path.join(args.out, "step_profile.json"), "w") as f:
