@@ -68,8 +68,8 @@ class TransformerConfig:
       verification, a small prefill) runs a block. "xla" (the default): XLA's
       kernels everywhere. "pallas": on a GPU, in bf16/f16, unrolled, unsharded
       models, each block's attention half and MLP half run as hand-written
-      Pallas (Triton) kernels, three and two or three per half
-      (`models/pallas_attention.py`, `models/pallas_mlp.py`); every other
+      Pallas (Triton) kernels, three and two, each half ending in one small
+      XLA sum (`models/pallas_attention.py`, `models/pallas_mlp.py`); every other
       call, backend or dtype keeps XLA's. "pallas_interpret": the same
       kernels in Pallas's interpreter on any backend (slow; for tests).
       Outputs agree with "xla" up to rounding.

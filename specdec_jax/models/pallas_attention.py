@@ -238,7 +238,7 @@ def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions
     wqkv: [D, (H + 2 Hkv) Dh] fused projection (`p["wqkv"]`: q heads, k heads, v heads).
     wo: [H Dh, D] output projection.
     k_cache, v_cache: [L, B, Hkv, S, Dh], x's dtype; updated in place inside a caller's jit.
-    layer: int, which layer of the cache (static or traced; clamped by the caller's indices).
+    layer: int, which layer of the cache (static or traced; clamped into [0, L)).
     positions: int32 [B, T]: each token's position; its key/value goes to slot `position` (dropped
       outside [0, S)) and its query sees the slots s <= position.
     cos, sin: float32 [B, T, Dh/2]: RoPE's tables at `positions` (the first half of
