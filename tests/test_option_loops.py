@@ -317,11 +317,10 @@ def _exact_joint_with_penalties(target, options=SAMPLED_OPTIONS):
   return joint.reshape(-1)
 
 
-@pytest.mark.parametrize("drafter, verification", [
-    ("model", "token"),
-    pytest.param("lookup", "token", marks=pytest.mark.slow),
-    pytest.param("model", "block", marks=pytest.mark.slow),
-])
+# Slow-marked (CI budget): CI checks penalties' exact law in the sampler (tests/test_sampling_options.py) and the
+# loop's penalised greedy and logprob rows here; the loop's sampled law with penalties needs `-m slow`.
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter, verification", [("model", "token"), ("lookup", "token"), ("model", "block")])
 def test_sampled_speculative_with_penalties_is_lossless(drafter, verification, monkeypatch):
   """The first 3 tokens of N_ROWS rows (own keys) follow the exact joint.
 
