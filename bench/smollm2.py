@@ -368,7 +368,9 @@ def parse_args(argv=None):
   p.add_argument("--b1-prompts", type=int, help="prompts run one after another at B=1 (default 4; quick 1)")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
   p.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
-                 help="TransformerConfig.kernels of the target and the draft model (default xla)")
+                 help="TransformerConfig.kernels of the target and the drafters (default xla)")
+  p.add_argument("--draft-kernels", choices=("xla", "pallas"),
+                 help="TransformerConfig.kernels of the drafters alone (default: --kernels)")
   p.add_argument("--draft-path", help="draft .safetensors (default: the shipped specdec_jax/weights/...)")
   p.add_argument("--eagle-path", help="EAGLE head .safetensors (default: the shipped specdec_jax/weights/...)")
   p.add_argument("--eagle-depth", type=int, default=6, help="unrolled depths of the EAGLE agreement section")
@@ -560,20 +562,18 @@ def main(argv=None):
   print(f"{info['device']} ({info['platform']}), jax {info['jax']}, python {info['python']}")
   dtype = jnp.dtype(args.dtype)
   t0 = time.perf_counter()
-  target, tokenizer = load_smollm2(dtype)
-  target.config = target.config.replace(kernels=args.kernels)  # a static field: a new program, same weights
+  target, tokenizer = load_smollm2(dtype, kernels=args.kernels)
   draft, draft_note = None, None
   if "model" in args.drafters or not args.skip_acceptance:
     try:
-      draft = load_smollm2_draft(dtype, path=args.draft_path)
-      draft.config = draft.config.replace(kernels=args.kernels)
+      draft = load_smollm2_draft(dtype, path=args.draft_path, kernels=args.draft_kernels or args.kernels)
     except FileNotFoundError as e:
       draft_note = f"no trained draft, model-drafter rows and the acceptance section skipped: {e}"
       print(draft_note)
   eagle, eagle_note = None, None
   if "eagle" in args.drafters:
     try:
-      eagle = load_smollm2_eagle(dtype, path=args.eagle_path)
+      eagle = load_smollm2_eagle(dtype, path=args.eagle_path, kernels=args.draft_kernels or args.kernels)
     except FileNotFoundError as e:
       eagle_note = f"no EAGLE head, its rows skipped: {e}"
       print(eagle_note)

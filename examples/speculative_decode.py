@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   ap.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
-                  help="pallas: hand-written GPU kernels for the target's and draft model's small calls "
+                  help="pallas: hand-written GPU kernels for the small calls of the target and the drafters "
                        "(TransformerConfig.kernels; used on a GPU in bfloat16 only; default xla)")
   ap.add_argument("--seed", type=int, default=0)
   return ap
@@ -159,26 +159,26 @@ def check_context(ap: argparse.ArgumentParser, args, longest_prompt: int) -> Non
 # ----------------------------------------------------------------------------
 
 
-def load_eagle_head(dtype):
+def load_eagle_head(dtype, kernels: str = "xla"):
   """The shipped EAGLE head for SmolLM2 (raises ImportError/AttributeError/FileNotFoundError if absent)."""
   from specdec_jax import models
-  return models.load_smollm2_eagle(dtype)
+  return models.load_smollm2_eagle(dtype, kernels=kernels)
 
 
-def load_drafters(names, dtype) -> dict:
+def load_drafters(names, dtype, kernels: str = "xla") -> dict:
   """{label: drafter} for the requested drafter names; a missing EAGLE head falls back to the draft model."""
   drafters = {}
   for name in names:
     if name == "eagle":
       try:
-        drafters["EAGLE head"] = load_eagle_head(dtype)
+        drafters["EAGLE head"] = load_eagle_head(dtype, kernels)
         continue
       except (ImportError, AttributeError, FileNotFoundError) as e:
         print(f"[no EAGLE head ({type(e).__name__}: {e}); using the draft model instead]")
         name = "model"
     if name == "model" and "draft model" not in drafters:
       try:
-        drafters["draft model"] = load_smollm2_draft(dtype)
+        drafters["draft model"] = load_smollm2_draft(dtype, kernels=kernels)
       except FileNotFoundError as e:
         print(f"[no trained draft model: {e}]")
     elif name == "lookup":
@@ -414,11 +414,8 @@ def main(argv=None):
 
   print(f"machine: {describe_machine()}")
   t0 = time.perf_counter()
-  target, _ = load_smollm2(dtype)
-  drafters = load_drafters(args.drafter, dtype)
-  for model in [target, *drafters.values()]:
-    if hasattr(getattr(model, "config", None), "kernels"):  # the target and the draft model (Transformers)
-      model.config = model.config.replace(kernels=args.kernels)
+  target, _ = load_smollm2(dtype, kernels=args.kernels)
+  drafters = load_drafters(args.drafter, dtype, args.kernels)
   if args.kernels == "pallas" and (jax.default_backend() != "gpu" or args.dtype != "bfloat16"):
     print("--kernels pallas: they need a GPU and --dtype bfloat16; XLA's kernels run here")
   print(f"loaded SmolLM2-135M-Instruct ({args.dtype}) and {', '.join(drafters)} in {time.perf_counter() - t0:.1f}s")

@@ -275,7 +275,7 @@ def draft_chain(k, carry, first, q_first, step, sample):
     return (carry, nxt, earlier.at[:, i].set(nxt)), (nxt, q)
 
   earlier = jnp.full((first.shape[0], k), -1, jnp.int32).at[:, 0].set(first)
-  (carry, _, _), (ds, qs) = jax.lax.scan(body, (carry, first, earlier), arange32(k)[1:])
+  (carry, _, _), (ds, qs) = jax.lax.scan(body, (carry, first, earlier), arange32(k)[1:], unroll=True)
   tokens = jnp.concatenate([first[:, None], ds.T], axis=1)
   probs = None if q_first is None else jnp.concatenate([q_first[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
   return tokens, probs, carry

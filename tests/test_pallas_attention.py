@@ -29,13 +29,15 @@ the float32 computation from the same inputs:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from specdec_jax.models import Transformer, TransformerConfig
+from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.pallas_attention import AttentionBlocks, check_args, fused_attention
 from specdec_jax.models.transformer import AttentionContext, attention_block, rms_norm
 from tests.test_pallas_mlp import cuda_module_text
@@ -158,14 +160,21 @@ def models():
   return xla, Transformer.from_weights(cfg.replace(kernels="pallas_interpret"), xla.to_weights())
 
 
-def test_model_calls_agree_and_only_chain_calls_of_few_rows_take_the_kernels(models):
-  """Prefill of 10 rows, a decode step (one row at a position past the cache) and a 5-token verification agree
-  with XLA's to float32 rounding; a 20-row prefill and a tree call (cache_slots, attention_mask) are XLA's
-  program, so bit-identical."""
+def test_model_calls_agree_and_only_calls_of_few_rows_take_the_kernels(models):
+  """Prefill of 10 rows, a decode step (one row at a position past the cache), a 5-token verification and a
+  tree call (cache_slots, attention_mask: a root and two children, one child's slot past the cache) agree with
+  XLA's to float32 rounding; a 20-row prefill is XLA's program, so bit-identical."""
   xla, pallas = models
   call = jax.jit(lambda m, t, p, c: m(t, p, c))
+  tree = jax.jit(lambda m, t, p, c, s, a: m(t, p, c, cache_slots=s, attention_mask=a))
   tokens = jnp.asarray(np.arange(40).reshape(2, 20) % CFG.vocab_size, jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(20, dtype=jnp.int32), (2, 20))
+  # After 11 tokens: root at slot 11 (position 11), children at slots 12 and 13 (both position 12), each seeing
+  # the context, the root and itself; row 1's second child writes past the cache (dropped: it sees the context).
+  tree_pos = jnp.asarray([[11, 12, 12], [11, 12, 12]], jnp.int32)
+  tree_slots = jnp.asarray([[11, 12, 13], [11, 12, S + 3]], jnp.int32)
+  own = jnp.arange(S)[None, None, :] == tree_slots[:, :, None]
+  tree_mask = (jnp.arange(S)[None, None, :] <= 11) | own
   caches = {}
   for name, m in (("xla", xla), ("pallas", pallas)):
     cache = m.init_cache(2, S)
@@ -173,7 +182,8 @@ def test_model_calls_agree_and_only_chain_calls_of_few_rows_take_the_kernels(mod
     step_pos = jnp.asarray([[5], [S + 5]], jnp.int32)  # row 1 past the cache: its write is dropped, it sees all S
     l2, cache = call(m, tokens[:, 5:6], step_pos, cache)
     l3, cache = call(m, tokens[:, 6:11], pos[:, 6:11], cache)
-    caches[name] = (l1, l2, l3, cache)
+    l4, cache = tree(m, tokens[:, 11:14], tree_pos, cache, tree_slots, tree_mask)
+    caches[name] = (l1, l2, l3, l4, cache)
   for got, want in zip(jax.tree.leaves(caches["pallas"]), jax.tree.leaves(caches["xla"])):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   lowered = {n: call.lower(m, tokens, pos, m.init_cache(2, S)).as_text() for n, m in (("xla", xla), ("p", pallas))}
@@ -181,14 +191,53 @@ def test_model_calls_agree_and_only_chain_calls_of_few_rows_take_the_kernels(mod
   small = {n: call.lower(m, tokens[:, :1], pos[:, :1], m.init_cache(2, S)).as_text()
            for n, m in (("xla", xla), ("p", pallas))}
   assert small["xla"] != small["p"]  # 2 rows: the kernels
-  tree = jax.jit(lambda m, t, p, c, s, a: m(t, p, c, cache_slots=s, attention_mask=a))
-  slots = pos[:, :3]
-  mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] <= pos[:, :3, None], (2, 3, S))
-  texts = [tree.lower(m, tokens[:, :3], pos[:, :3], m.init_cache(2, S), slots, mask).as_text() for m in models]
-  assert texts[0] == texts[1]
 
 
-@pytest.mark.slow  # compiles two speculative loops with interpreted kernels (about 40 s)
+@pytest.fixture(scope="module")
+def eagle_heads():
+  """An EAGLE head of two blocks (the first reads the 2D-wide input, through the kernels' prefix) and its copy
+  on the kernels; a draft vocabulary of every other token."""
+  target = Transformer(CFG.replace(feature_layers=(0, 1)), rngs=nnx.Rngs(5))
+  xla = EagleDrafter.for_target(target, num_layers=2, draft_vocab=np.arange(0, CFG.vocab_size, 2), rngs=nnx.Rngs(6))
+  config = dataclasses.replace(xla.config, layers=xla.config.layers.replace(kernels="pallas_interpret"))
+  head = target.embed[...] if CFG.tie_embeddings else target.lm_head[...].T
+  return xla, EagleDrafter.from_weights(config, xla.to_weights(), embed=target.embed[...], head_rows=head)
+
+
+def test_eagle_head_calls_agree_with_the_kernels(eagle_heads):
+  """A catch-up call (2 rows of 4 entries, logits at one entry each, one entry past the cache), a draft step and
+  a tree level (two siblings at their own slots) agree with XLA's blocks to float32 rounding: logits, hiddens
+  and both layers' caches. Calls of more than 16 rows are XLA's program."""
+  xla, pallas = eagle_heads
+  call = jax.jit(lambda m, t, h, p, c, at: m(t, h, p, c, logits_at=at))
+  step = jax.jit(lambda m, t, h, p, c: m(t, h, p, c))
+  k = jax.random.split(jax.random.key(11), 2)
+  tokens = jax.random.randint(k[0], (2, 4), 0, CFG.vocab_size)
+  hidden = jax.random.normal(k[1], (2, 4, CFG.d_model))
+  pos = jnp.asarray([[3, 4, 5, 6], [30, 31, 32, S + 1]], jnp.int32)
+  tree = jax.jit(lambda m, t, h, p, c, s, a: m(t, h, p, c, cache_slots=s, attention_mask=a))
+  sib_pos = jnp.broadcast_to(pos[:, 3:] + 2, (2, 2))
+  sib_slots = pos[:, 3:] + jnp.asarray([[2, 3]], jnp.int32)
+  sib_mask = (jnp.arange(S)[None, None, :] <= pos[:, 3:, None] + 1) | (jnp.arange(S)[None, None, :] ==
+                                                                         sib_slots[:, :, None])
+  outs = {}
+  for name, m in (("xla", xla), ("pallas", pallas)):
+    logits, h, cache = call(m, tokens, hidden, pos, m.init_cache(2, S), jnp.asarray([3, 1], jnp.int32))
+    logits2, h2, cache = step(m, tokens[:, :1], h[:, 3:], pos[:, 3:] + 1, cache)
+    level = tree(m, tokens[:, 1:3], jnp.repeat(h2, 2, axis=1), sib_pos, cache, sib_slots, sib_mask)
+    outs[name] = (logits, h, logits2, h2, *level)
+  assert np.isinf(np.asarray(outs["pallas"][0])[..., 1::2]).all()  # outside the draft vocabulary
+  for got, want in zip(jax.tree.leaves(outs["pallas"]), jax.tree.leaves(outs["xla"])):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  texts = {n: step.lower(m, tokens[:, :1], hidden[:, :1], pos[:, :1], m.init_cache(2, S)).as_text()
+           for n, m in (("xla", xla), ("p", pallas))}
+  assert texts["xla"] != texts["p"]  # 2 rows: the kernels
+  wide = jnp.zeros((2, 10), jnp.int32), jnp.zeros((2, 10, CFG.d_model)), jnp.zeros((2, 10), jnp.int32)
+  texts = [step.lower(m, *wide, m.init_cache(2, S)).as_text() for m in eagle_heads]
+  assert texts[0] == texts[1]  # 20 rows: XLA's blocks
+
+
+@pytest.mark.slow  # compiles three speculative loops with interpreted kernels
 def test_greedy_speculative_decoding_with_the_kernels_equals_generate(models):
   from specdec_jax import SamplingParams, generate, speculative_generate
 
@@ -200,6 +249,10 @@ def test_greedy_speculative_decoding_with_the_kernels_equals_generate(models):
   spec = speculative_generate(pallas, pallas, prompts, lengths, params, None, max_new_tokens=8,
                               num_speculative_tokens=3, all_greedy=True)
   np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+  # A tree of drafts (5 nodes + the root: 12 rows): verification and the draft's levels take the kernels too.
+  tree = speculative_generate(pallas, pallas, prompts, lengths, params, None, max_new_tokens=8,
+                              num_speculative_tokens=2, all_greedy=True, draft_tree=(2, 1))
+  np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(plain.tokens))
 
 
 @pytest.mark.parametrize("bt", [pytest.param((1, 1), marks=_SLOW), (1, 5), pytest.param((2, 8), marks=_SLOW)])
@@ -215,3 +268,12 @@ def test_triton_lowering(bt):
   text = cuda_module_text(fn, args)
   for name in ("fused_attention_qkv", "fused_attention_core", "fused_mlp_down"):
     assert name in text, f"expected the {name} kernel as a Triton custom call"
+  if bt == (1, 5):  # the q|k|v kernel with a prefix (the EAGLE head's first block: wqkv [2D, ...])
+    with_prefix = jax.jit(lambda x, n, a, o, kc, vc, l, p, c, sn, e: fused_attention(
+        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, prefix=(e, n)))
+    assert "fused_attention_qkv" in cuda_module_text(with_prefix, [*args[:2], s((2 * 576, 960), bf), *args[3:],
+                                                                   s((b, t, 576), bf)])
+    # a tree call: given write slots and a [B, T, S] mask
+    with_mask = jax.jit(lambda x, n, a, o, kc, vc, l, p, c, sn, m: fused_attention(
+        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, slots=p, mask=m))
+    assert "fused_attention_core" in cuda_module_text(with_mask, [*args, s((b, t, 320), jnp.bool_)])

@@ -309,10 +309,11 @@ def _right_padded(tokenizer, texts):
   return ids, prompts, lengths
 
 
-# CI runs the EAGLE head (the demo's default); the draft model and prompt lookup are slow-marked here
-# (CI budget: prompt lookup's greedy equality is checked on tiny models in test_decoding.py).
-@pytest.mark.parametrize("drafter", [pytest.param("shipped_draft", marks=pytest.mark.slow),
-                                     pytest.param("prompt_lookup", marks=pytest.mark.slow), "shipped_eagle"])
+# Slow-marked here (CI budget): CI checks the EAGLE head's greedy equality on four other prompts in
+# test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts, and prompt lookup's on tiny models in
+# test_decoding.py.
+@pytest.mark.parametrize("drafter", [pytest.param(name, marks=pytest.mark.slow)
+                                     for name in ("shipped_draft", "prompt_lookup", "shipped_eagle")])
 def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafter):
   # The shipped draft (loaded from its default path) and prompt lookup, on a
   # chat prompt and a code prompt of different lengths in one batch: float32
@@ -338,7 +339,8 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafte
 
 
 def test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts(smollm2_model):
-  """The shipped EAGLE head at K=4, greedy, float32, on prompts outside its training set.
+  """The shipped EAGLE head at K=4, greedy, float32, on prompts outside its training set; its tokens equal
+  plain greedy decoding's.
 
   Measured on a 2-core CPU (2026-11-23): mean accepted length 2.18 (acceptance
   by position 0.55, 0.67, 0.62, 0.59); the shipped 2-layer draft model gives 1.68
@@ -348,7 +350,7 @@ def test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts(smollm2_mod
   head that lost its training (or a loop that fed it the wrong features) falls
   to about 1.0.
   """
-  from specdec_jax import SamplingParams, speculative_generate
+  from specdec_jax import SamplingParams, generate, speculative_generate
 
   model, tokenizer = smollm2_model
   questions = ["Why do leaves change colour in autumn?", "Give me four ideas for a rainy weekend at home.",
@@ -356,11 +358,14 @@ def test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts(smollm2_mod
   texts = [smollm2.chat_prompt(q) for q in questions]
   texts.append("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n")
   _, prompts, lengths = _right_padded(tokenizer, texts)
+  common = dict(max_new_tokens=48, eos_token_id=smollm2.SMOLLM2_EOS_IDS, all_greedy=True)
   out = speculative_generate(model, smollm2.load_smollm2_eagle(), prompts, lengths, SamplingParams.greedy(4), None,
-                             max_new_tokens=48, num_speculative_tokens=4, eos_token_id=smollm2.SMOLLM2_EOS_IDS,
-                             all_greedy=True)
+                             num_speculative_tokens=4, **common)
   assert float(out.stats.mean_accepted_length) > 2.0, out.stats
   assert np.all(np.asarray(out.stats.acceptance_per_position) > 0.45), out.stats
+  plain = generate(model, prompts, lengths, SamplingParams.greedy(4), None, **common)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+  np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(plain.lengths))
 
 
 def test_eagle_loader_errors_name_the_file(tmp_path):
@@ -380,6 +385,12 @@ def test_eagle_loader_errors_name_the_file(tmp_path):
     smollm2.load_smollm2_eagle(path=str(path))
   with pytest.raises(ValueError, match="dtype"):
     smollm2.load_smollm2_eagle(dtype=None)
+  # A bad `kernels` is refused before any file is read (the paths here do not exist).
+  for load in (smollm2.load_smollm2_eagle, smollm2.load_smollm2_draft):
+    with pytest.raises(ValueError, match="kernels must be one of"):
+      load(path=str(tmp_path / "missing.safetensors"), kernels="cuda")
+  with pytest.raises(ValueError, match="kernels must be one of"):
+    smollm2.load_smollm2(kernels="triton")
 
 
 @pytest.mark.slow  # 20 s on 2 cores; the float32 greedy equalities above run in CI

@@ -64,8 +64,9 @@ class TransformerConfig:
       (bench/step_profile.py measures both). The outputs are the same up to
       floating-point reassociation by the compiler.
 
-    kernels: how a chain call of few rows (B*T <= 16; the decode step, a
-      verification, a small prefill) runs a block. "xla" (the default): XLA's
+    kernels: how a call of few rows (B*T <= 16; the decode step, a
+      verification, a small tree of drafts, a small prefill, an EAGLE head's
+      call) runs a block. "xla" (the default): XLA's
       kernels everywhere. "pallas": on a GPU, in bf16/f16, unrolled, unsharded
       models, each block's attention half and MLP half run as hand-written
       Pallas (Triton) kernels, three and two, each half ending in one small

@@ -52,13 +52,22 @@ from flax import nnx
 
 from specdec_jax.models import sharding
 from specdec_jax.models.config import TransformerConfig
-from specdec_jax.models.sharding import Partitioning
+from specdec_jax.models.sharding import Partitioning, relayout
 from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache, Transformer, _apply_rope,
                                             _make_param, _rope_tables, check_tree_args, constrain_cache,
-                                            copy_kv_slots, decoder_block, random_weights, rms_norm)
+                                            block_kernels, copy_kv_slots, decoder_block, mlp_block, pallas_block,
+                                            random_weights, rms_norm, tree_kernel_args)
 
 # The first block's parameters: the plain block's, plus a norm for each half of its input.
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))
+
+
+def _layout(params: Mapping[str, jax.Array], c: TransformerConfig, *, fuse_attention: bool = True,
+            fuse_mlp: bool = True) -> dict[str, jax.Array]:
+  """A block's (or a stack's) projections fused (q|k|v, gate|up: one matmul each, as the drafter holds them)
+  or separate (as the weights file stores them, and where `sharding.shard` splits them)."""
+  return relayout(params, q_width=c.num_heads * c.head_dim, kv_width=c.num_kv_heads * c.head_dim, d_ff=c.d_ff,
+                  fuse_attention=fuse_attention, fuse_mlp=fuse_mlp)
 
 
 class TargetWeight(nnx.Variable):
@@ -142,17 +151,18 @@ def eagle_weight_shapes(config: EagleConfig) -> dict[str, tuple[int, ...]]:
 
 
 class _Params(nnx.Module):
-  """A group of named parameters (one decoder block, or a stack of them).
+  """A group of named parameters (one decoder block, or a stack of them), in the layout given.
 
   `placement` = (mesh, Partitioning, leading axes) places and annotates them (`sharding.shard`).
   """
 
-  def __init__(self, weights: Mapping[str, jax.Array], names, placement=None):
-    for name in names:
-      setattr(self, name, _make_param(weights[name], name, placement))
+  def __init__(self, weights: Mapping[str, jax.Array], placement=None):
+    self.names = tuple(weights)  # static: which layout (fused or separate projections) this group holds
+    for name, value in weights.items():
+      setattr(self, name, _make_param(value, name, placement))
 
-  def values(self, names) -> dict[str, jax.Array]:
-    return {name: getattr(self, name)[...] for name in names}
+  def values(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name)[...] for name in self.names}
 
 
 class EagleDrafter(nnx.Module):
@@ -193,10 +203,7 @@ class EagleDrafter(nnx.Module):
     shapes = eagle_weight_shapes(config)
     weights = random_weights(tuple((k, v) for k, v in shapes.items() if k != "draft_vocab"), c.num_layers, c.dtype,
                              rngs.params())
-    self.fc = nnx.Param(weights["fc"])
-    self.first = _Params({n: weights[f"first.{n}"] for n in _FIRST_PARAMS}, _FIRST_PARAMS)
-    if c.num_layers > 1:
-      self.rest = _Params({n: weights[f"rest.{n}"] for n in _LAYER_PARAMS}, _LAYER_PARAMS)
+    self._set_blocks(weights)
     self.final_norm = nnx.Param(weights["final_norm"])
     v, vd = c.vocab_size, config.draft_vocab_size
     embed = 0.02 * jax.random.normal(rngs.params(), (v, c.d_model), jnp.float32)
@@ -290,10 +297,7 @@ class EagleDrafter(nnx.Module):
         raise ValueError(f"weights[{name!r}]: expected shape {shape}, got {tuple(np.shape(weights[name]))}.")
     drafter = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
     dtype = config.layers.dtype
-    drafter.fc = nnx.Param(jnp.asarray(weights["fc"], dtype))
-    drafter.first = _Params({n: jnp.asarray(weights[f"first.{n}"], dtype) for n in _FIRST_PARAMS}, _FIRST_PARAMS)
-    if config.layers.num_layers > 1:
-      drafter.rest = _Params({n: jnp.asarray(weights[f"rest.{n}"], dtype) for n in _LAYER_PARAMS}, _LAYER_PARAMS)
+    drafter._set_blocks({k: jnp.asarray(v, dtype) for k, v in weights.items() if k != "draft_vocab"})
     drafter.final_norm = nnx.Param(jnp.asarray(weights["final_norm"], dtype))
     drafter.set_target_weights(embed, head_rows, weights.get("draft_vocab"))
     return drafter
@@ -305,22 +309,38 @@ class EagleDrafter(nnx.Module):
       >>> sorted(drafter.to_weights())[:2]  # doctest: +SKIP
       ['fc', 'final_norm']
     """
+    c = self.config.layers
     out = {"fc": self.fc[...], "final_norm": self.final_norm[...]}
-    out.update({f"first.{n}": v for n, v in self.first.values(_FIRST_PARAMS).items()})
-    if self.config.layers.num_layers > 1:
-      out.update({f"rest.{n}": v for n, v in self.rest.values(_LAYER_PARAMS).items()})
+    out.update({f"first.{n}": v for n, v in _layout(self.first.values(), c, fuse_attention=False,
+                                                      fuse_mlp=False).items()})
+    if c.num_layers > 1:
+      out.update({f"rest.{n}": v for n, v in _layout(self.rest.values(), c, fuse_attention=False,
+                                                       fuse_mlp=False).items()})
     if self.config.draft_vocab_size:
       out["draft_vocab"] = self.draft_vocab[...]
     return {k: np.asarray(v) for k, v in out.items()}
+
+  def _set_blocks(self, weights: Mapping[str, jax.Array]) -> None:
+    """`fc` and the blocks from weights under `eagle_weight_shapes` names, projections fused.
+
+    Fused q|k|v and gate|up make one matmul each instead of three and two (fewer
+    launches per draft step at small batch, and the layout the Pallas kernels read).
+    """
+    c = self.config.layers
+    self.fc = nnx.Param(weights["fc"])
+    self.first = _Params(_layout({n: weights[f"first.{n}"] for n in _FIRST_PARAMS}, c))
+    if c.num_layers > 1:
+      self.rest = _Params(_layout({n: weights[f"rest.{n}"] for n in _LAYER_PARAMS}, c))
 
   # --- many devices --------------------------------------------------------------
 
   def _shard(self, mesh: jax.sharding.Mesh) -> EagleDrafter:
     """`sharding.shard` for the drafter: its parameters and the target's embedding/head placed on `mesh`.
 
-    The same rules as the transformer's (`specdec_jax.models.sharding`); the
-    drafter's projections are separate matrices already. The head's rows (the
-    draft vocabulary, Vd) are split only when both V and Vd divide.
+    The same rules as the transformer's (`specdec_jax.models.sharding`): a
+    projection split over devices is held as separate matrices, one that is not
+    stays fused. The head's rows (the draft vocabulary, Vd) are split only when
+    both V and Vd divide.
     """
     config, c = self.config, self.config.layers
     m = sharding.model_axis_size(mesh)
@@ -328,11 +348,12 @@ class EagleDrafter(nnx.Module):
                                    vocab_size=c.vocab_size)
     part = dataclasses.replace(part, vocab=part.vocab and self.head[...].shape[0] % m == 0)
     placement = (mesh, part, 0)
+    layout = {"fuse_attention": not part.heads, "fuse_mlp": not part.mlp}
     drafter = nnx.eval_shape(lambda: EagleDrafter(config, rngs=nnx.Rngs(0)))  # the structure, no random numbers
     drafter.fc = _make_param(self.fc[...], "fc", placement)
-    drafter.first = _Params(self.first.values(_FIRST_PARAMS), _FIRST_PARAMS, placement)
+    drafter.first = _Params(_layout(self.first.values(), c, **layout), placement)
     if c.num_layers > 1:
-      drafter.rest = _Params(self.rest.values(_LAYER_PARAMS), _LAYER_PARAMS, (mesh, part, 1))
+      drafter.rest = _Params(_layout(self.rest.values(), c, **layout), (mesh, part, 1))
     drafter.final_norm = _make_param(self.final_norm[...], "final_norm", placement)
     drafter.embed = sharding.param(self.embed[...], mesh, part.param_spec("embed"), TargetWeight)
     drafter.head = sharding.param(self.head[...], mesh, part.param_spec("head"), TargetWeight)
@@ -441,7 +462,30 @@ class EagleDrafter(nnx.Module):
     if self.partitioning is not None:
       emb = sharding.constrain_rows(emb)  # whole on the model axis, as in Transformer
     x = hidden.astype(c.dtype)
-    p = self.first.values(_FIRST_PARAMS)
+    p = self.first.values()
+    # The first block as Pallas kernels: the q|k|v kernel norms the embedding and the hidden each on its own.
+    first_as_plain, prefix = {**p, "attn_norm": p["hidden_norm"]}, (emb, p["input_norm"])
+    kernels = block_kernels(c, self.partitioning, x, first_as_plain, cache.k, prefix)
+    if kernels is not None:
+      interpret, tree = kernels == "pallas_interpret", tree_kernel_args(ctx, cache_slots, attention_mask)
+      x, k_cache, v_cache = pallas_block(c, x, first_as_plain, cache.k, cache.v, 0, positions, ctx,
+                                         interpret=interpret, prefix=prefix, **tree)
+      rest = self.rest.values() if c.num_layers > 1 else {}
+      for i in range(1, c.num_layers):  # unrolled: the kernels take one block's weights
+        x, k_cache, v_cache = pallas_block(c, x, {n: w[i - 1] for n, w in rest.items()}, k_cache, v_cache, i,
+                                           positions, ctx, interpret=interpret, **tree)
+    else:
+      x, k_cache, v_cache = self._xla_blocks(x, emb, p, cache, ctx)
+    out = x if logits_at is None else jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+    logits = self.full_logits(self.head_logits(out))
+    # Vocabulary-split like the target's logits.
+    if self.partitioning is not None:
+      logits = sharding.constrain(logits, self.partitioning.logits_spec())
+    return logits, x, constrain_cache(self.partitioning, KVCache(k=k_cache, v=v_cache))
+
+  def _xla_blocks(self, x, emb, p, cache: KVCache, ctx: AttentionContext):
+    """The blocks as XLA ops: the first on concat(norm(emb), norm(x)), the rest under `lax.scan`."""
+    c = self.config.layers
     attn_in = jnp.concatenate([rms_norm(emb, p["input_norm"], c.rms_norm_eps),
                                rms_norm(x, p["hidden_norm"], c.rms_norm_eps)], axis=-1)
     x, k_cache, v_cache = decoder_block(c, x, attn_in, p, cache.k, cache.v, 0, ctx)
@@ -455,13 +499,8 @@ class EagleDrafter(nnx.Module):
         return (x, k_cache, v_cache), None
 
       ids = jnp.arange(1, c.num_layers, dtype=jnp.int32)
-      (x, k_cache, v_cache), _ = jax.lax.scan(block, (x, k_cache, v_cache), (self.rest.values(_LAYER_PARAMS), ids))
-    out = x if logits_at is None else jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
-    logits = self.full_logits(self.head_logits(out))
-    # Vocabulary-split like the target's logits.
-    if self.partitioning is not None:
-      logits = sharding.constrain(logits, self.partitioning.logits_spec())
-    return logits, x, constrain_cache(self.partitioning, KVCache(k=k_cache, v=v_cache))
+      (x, k_cache, v_cache), _ = jax.lax.scan(block, (x, k_cache, v_cache), (self.rest.values(), ids))
+    return x, k_cache, v_cache
 
   def head_logits(self, x: jax.Array) -> jax.Array:
     """Final norm and head on hiddens [..., D] -> float32 logits over the draft vocabulary [..., Vd or V]."""
@@ -504,8 +543,8 @@ class EagleDrafter(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cos, sin = _rope_tables(positions, c.head_dim, c.rope_theta)
     emb = jnp.take(self.embed[...], jnp.clip(next_tokens, 0, c.vocab_size - 1), axis=0)
-    first = self.first.values(_FIRST_PARAMS)
-    rest = self.rest.values(_LAYER_PARAMS) if c.num_layers > 1 else None
+    first = self.first.values()
+    rest = self.rest.values() if c.num_layers > 1 else None
     emb_in = rms_norm(emb, first["input_norm"], c.rms_norm_eps)
     kv = [[] for _ in range(c.num_layers)]  # per layer: (k, v) of each depth so far
     hidden = self.fuse(features)
@@ -526,9 +565,10 @@ def _unrolled_block(c: TransformerConfig, x, attn_in, p, kv: list, j: int, cos, 
   """One decoder block at unroll depth j (see `EagleDrafter.unrolled_logits`); appends this depth's (k, v) to kv."""
   b, t, _ = x.shape
   h, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
-  q = _apply_rope((attn_in @ p["wq"]).reshape(b, t, h, dh), cos, sin).astype(jnp.float32)
-  k = _apply_rope((attn_in @ p["wk"]).reshape(b, t, hkv, dh), cos, sin)
-  v = (attn_in @ p["wv"]).reshape(b, t, hkv, dh)
+  qkv = attn_in @ p["wqkv"] if "wqkv" in p else jnp.concatenate([attn_in @ p[n] for n in ("wq", "wk", "wv")], -1)
+  q = _apply_rope(qkv[..., :h * dh].reshape(b, t, h, dh), cos, sin).astype(jnp.float32)
+  k = _apply_rope(qkv[..., h * dh:(h + hkv) * dh].reshape(b, t, hkv, dh), cos, sin)
+  v = qkv[..., (h + hkv) * dh:].reshape(b, t, hkv, dh)
   kv.append((k, v))
   rep = h // hkv
   scale = dh ** -0.5
@@ -556,5 +596,4 @@ def _unrolled_block(c: TransformerConfig, x, attn_in, p, kv: list, j: int, cos, 
   for i, vd in enumerate(diag_v):
     out = out + jnp.swapaxes(weights[..., t + i], 1, 2)[..., None] * vd
   x = x + out.reshape(b, t, h * dh).astype(x.dtype) @ p["wo"]
-  hm = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-  return x + (jax.nn.silu(hm @ p["w_gate"]) * (hm @ p["w_up"])) @ p["w_down"]
+  return mlp_block(c, x, p)

@@ -17,8 +17,9 @@ the same half is three kernels:
   2. `_attention_kernel`, grid (B, H): program (b, h) attends head h's T
      queries of row b over the live slots of the cache, [0, max position of
      the row], in blocks of `block_s` slots with an online softmax, and
-     writes its [T, Dh] output. Query t sees slot s iff s <= positions[b, t]:
-     the chain rule of `AttentionContext` (trees keep the XLA path).
+     writes its [T, Dh] output. Query t sees slot s iff s <= positions[b, t]
+     (the chain rule of `AttentionContext`), or, for a tree call, iff its row
+     of the given mask says so; kernel 1 then writes at the given slots.
   3. The output product plus the residual, `pallas_mlp.project_residual`
      (the MLP's down-projection kernel on wo).
 
@@ -90,12 +91,13 @@ class AttentionBlocks:
 DEFAULT_BLOCKS = AttentionBlocks()
 
 
-def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int) -> str | None:
+def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int, prefix=None) -> str | None:
   """None if these shapes and dtypes suit the kernels, else why not (static; safe under jit).
 
   Args:
-    x: [B, T, D] (or its ShapeDtypeStruct); wqkv [D, (H + 2 Hkv) Dh]; wo [H Dh, D];
-    k_cache: [L, B, Hkv, S, Dh]; num_heads, num_kv_heads: H and Hkv.
+    x: [B, T, D] (or its ShapeDtypeStruct); wqkv [D, (H + 2 Hkv) Dh] ([2D, ...] with a prefix);
+    wo [H Dh, D]; k_cache: [L, B, Hkv, S, Dh]; num_heads, num_kv_heads: H and Hkv;
+    prefix: None, or the [B, T, D] input normed ahead of x (`fused_attention`'s `prefix`).
 
   Example:
     >>> s = jax.ShapeDtypeStruct
@@ -117,27 +119,35 @@ def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int) -> str |
   if num_heads % num_kv_heads:
     return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
   n = (num_heads + 2 * num_kv_heads) * dh
-  if wqkv.shape != (d, n):
-    return f"wqkv must be [D={d}, (H + 2 Hkv) Dh = {n}], got {wqkv.shape}"
+  k = d if prefix is None else 2 * d
+  if wqkv.shape != (k, n):
+    return f"wqkv must be [{'D' if prefix is None else '2D'}={k}, (H + 2 Hkv) Dh = {n}], got {wqkv.shape}"
   if wo.shape != (num_heads * dh, d):
     return f"wo must be [H Dh = {num_heads * dh}, D={d}], got {wo.shape}"
-  dtypes = {jnp.dtype(a.dtype) for a in (x, wqkv, wo, k_cache)}
+  if prefix is not None and prefix.shape != x.shape:
+    return f"prefix must have x's shape {x.shape}, got {prefix.shape}"
+  dtypes = {jnp.dtype(a.dtype) for a in (x, wqkv, wo, k_cache, *(() if prefix is None else (prefix,)))}
   if len(dtypes) != 1:
-    return f"x, wqkv, wo and the cache must share one dtype, got {sorted(str(a) for a in dtypes)}"
+    return f"x, wqkv, wo, the cache (and prefix) must share one dtype, got {sorted(str(a) for a in dtypes)}"
   return None
 
 
-def _qkv_kernel(layer_ref, slot_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _kc_in, _vc_in,
-                q_ref, kc_ref, vc_ref, *, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h):
+def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h, prefix):
   """2 block_h columns of one head of q|k|v = rms_norm(x) @ wqkv, rotated (q, k) and written.
 
   See the module docstring.
 
   Refs: layer [1] int32, slot [rows] int32 (write slot of each row's key/value; S = dropped),
-  x [rows, D], nw [D], w [D, (H + 2 Hkv) Dh], cos/sin [rows, Dh/2] float32; outputs q [rows, H Dh]
-  and the caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs: written in place).
-  The norm and the product are `pallas_mlp.normed_products`, as in the MLP's gate|up kernel.
+  [with `prefix`: px [rows, D] and its norm weight pnw [D],] x [rows, D], nw [D],
+  w [D or 2D, (H + 2 Hkv) Dh], cos/sin [rows, Dh/2] float32; outputs q [rows, H Dh] and the
+  caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs: written in place). The norm
+  and the product are `pallas_mlp.normed_products`, as in the MLP's gate|up kernel; with a
+  prefix the product reads concat(rms_norm(px), rms_norm(x)), each part normed on its own.
   """
+  if prefix:
+    layer_ref, slot_ref, px_ref, pnw_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
+  else:
+    layer_ref, slot_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
   half = dh // 2
   per_head = half // block_h
   h, part = pl.program_id(0) // per_head, pl.program_id(0) % per_head
@@ -147,8 +157,12 @@ def _qkv_kernel(layer_ref, slot_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _kc
   c0 = part * block_h  # this program's columns: [c0, c0 + block_h) of each half of head h
   col0 = h * dh + c0
 
-  acc1, acc2 = normed_products(x_ref, nw_ref, w_ref, (), (col0, col0 + half), block_h, None, rows=rows, d=d,
-                               eps=eps, block_k=block_k)
+  product = functools.partial(normed_products, w_ref=w_ref, lead=(), starts=(col0, col0 + half), width=block_h,
+                              col_ok=None, rows=rows, d=d, eps=eps, block_k=block_k)
+  acc1, acc2 = product(x_ref, nw_ref, row0=d if prefix else 0)
+  if prefix:  # its rows of wqkv come first
+    p1, p2 = product(px_ref, pnw_ref)
+    acc1, acc2 = acc1 + p1, acc2 + p2
   # Rounded to the model's dtype before RoPE, as `attention_block`'s projection output is.
   a1 = acc1.astype(q_ref.dtype).astype(jnp.float32)
   a2 = acc2.astype(q_ref.dtype).astype(jnp.float32)
@@ -186,13 +200,19 @@ def _qkv_kernel(layer_ref, slot_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _kc
     write(vc_ref, h - heads - kv_heads)
 
 
-def _attention_kernel(layer_ref, pos_ref, q_ref, kc_ref, vc_ref, o_ref, *, t, group, dh, s, block_s):
-  """Head h of row b: softmax(q k^T / sqrt(Dh), slots s <= position) v over the live slots.
+def _attention_kernel(*refs, t, group, dh, s, block_s, masked):
+  """Head h of row b: softmax(q k^T / sqrt(Dh), visible slots) v over the live slots.
 
-  Refs: layer [1], pos [rows] int32, q [rows, H Dh], caches [L, B, Hkv, S, Dh], o [rows, H Dh].
-  The loop runs over the slot blocks up to the row's largest position (all S when that is out of
-  range), so a short context reads a short cache.
+  Refs: layer [1], pos [rows] int32, [with `masked`: mask [rows, S] int8 and live [B] int32,] q [rows, H Dh],
+  caches [L, B, Hkv, S, Dh], o [rows, H Dh]. Without a mask a query sees the slots s <= its position
+  and the loop runs over the slot blocks up to the row's largest position (all S when that is out of
+  range), so a short context reads a short cache; with one (tree calls) it sees the slots its mask row
+  marks, and the loop runs up to live[b] (one past the row's last visible slot).
   """
+  if masked:
+    layer_ref, pos_ref, mask_ref, live_ref, q_ref, kc_ref, vc_ref, o_ref = refs
+  else:
+    layer_ref, pos_ref, q_ref, kc_ref, vc_ref, o_ref = refs
   b, h = pl.program_id(0), pl.program_id(1)
   layer = layer_ref[0]
   hk = h // group
@@ -200,7 +220,10 @@ def _attention_kernel(layer_ref, pos_ref, q_ref, kc_ref, vc_ref, o_ref, *, t, gr
   row_ok = r < t
   pos = _load(pos_ref, (pl.ds(b * t, MAX_ROWS),), row_ok)  # [16]; padded rows read 0, see slot 0 only
   q = _load(q_ref, (pl.ds(b * t, MAX_ROWS), pl.ds(h * dh, dh)), row_ok[:, None])  # [16, Dh]
-  live = jnp.minimum(jnp.max(jnp.where(row_ok, pos, 0)) + 1, s)
+  if masked:
+    live = jnp.minimum(live_ref[b], s)
+  else:
+    live = jnp.minimum(jnp.max(jnp.where(row_ok, pos, 0)) + 1, s)
   scale = 1.0 / math.sqrt(dh)
 
   def body(j, carry):
@@ -211,7 +234,11 @@ def _attention_kernel(layer_ref, pos_ref, q_ref, kc_ref, vc_ref, o_ref, *, t, gr
     kt = _load(kc_ref, (layer, b, hk, sl, pl.ds(0, dh)), s_ok[:, None])  # [bs, Dh]
     vt = _load(vc_ref, (layer, b, hk, sl, pl.ds(0, dh)), s_ok[:, None])
     sc = jnp.dot(q, kt.T, preferred_element_type=jnp.float32) * scale  # [16, bs]
-    sc = jnp.where((slots[None, :] <= pos[:, None]) & s_ok[None, :], sc, _MASKED)
+    if masked:  # padded rows see nothing: their (unstored) output is 0
+      visible = _load(mask_ref, (pl.ds(b * t, MAX_ROWS), sl), row_ok[:, None] & s_ok[None, :]) != 0
+    else:
+      visible = (slots[None, :] <= pos[:, None]) & s_ok[None, :]
+    sc = jnp.where(visible, sc, _MASKED)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(sc - m_new[:, None])
@@ -229,7 +256,7 @@ def _attention_kernel(layer_ref, pos_ref, q_ref, kc_ref, vc_ref, o_ref, *, t, gr
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret", "blocks"))
 def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions, cos, sin, *,
                     num_heads: int, num_kv_heads: int, eps: float, interpret: bool = False,
-                    blocks: AttentionBlocks = DEFAULT_BLOCKS):
+                    blocks: AttentionBlocks = DEFAULT_BLOCKS, prefix=None, slots=None, mask=None):
   """x + attention(rms_norm(x)) with layer `layer`'s cache write: `attention_block` of a chain call.
 
   Args:
@@ -247,6 +274,16 @@ def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions
     eps: RMSNorm epsilon (static).
     interpret: run in Pallas's interpreter (any backend; for tests).
     blocks: tile sizes (`AttentionBlocks`; static).
+    prefix: None, or (p [B, T, D], its norm weight [D]): the attention then reads
+      concat(rms_norm(p), rms_norm(x)) [2D] through wqkv [2D, ...], each part
+      normed on its own (the EAGLE drafter's first block: p is the next token's
+      embedding, x the hidden); the residual is still x.
+    slots: None (each key/value goes to slot `position`), or int32 [B, T]: the
+      slot each token's key/value is written to (dropped outside [0, S)), as
+      `Transformer`'s `cache_slots` (trees of drafts).
+    mask: None (a query sees the slots s <= its position), or bool [B, T, S]:
+      which slots each query sees, as `Transformer`'s `attention_mask`; the
+      call's own keys are written first, so a query may see them.
 
   Returns:
     (x + attention [B, T, D], k_cache, v_cache), equal to `attention_block`'s up to rounding.
@@ -259,11 +296,17 @@ def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions
     >>> x, kc, vc = fused_attention(x, p["attn_norm"], p["wqkv"], p["wo"], kc, vc, 3, pos, cos, sin,
     ...                             num_heads=9, num_kv_heads=3, eps=1e-5)  # doctest: +SKIP
   """
-  why = check_args(x, wqkv, wo, k_cache, num_heads, num_kv_heads)
+  px, pnw = (None, None) if prefix is None else prefix
+  why = check_args(x, wqkv, wo, k_cache, num_heads, num_kv_heads, px)
   if why:
     raise ValueError(f"fused_attention: {why}")
   if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
     raise ValueError(f"fused_attention: k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+  if slots is not None and slots.shape != positions.shape:
+    raise ValueError(f"fused_attention: slots must have the shape of positions {positions.shape}, got {slots.shape}")
+  if mask is not None and mask.shape != (*positions.shape, k_cache.shape[3]):
+    raise ValueError(f"fused_attention: mask must be [B, T, S] = {(*positions.shape, k_cache.shape[3])}, "
+                     f"got {mask.shape}")
   if plgpu is None:  # pragma: no cover
     raise ValueError("fused_attention: jax.experimental.pallas.triton is not importable")
   blocks.validate()
@@ -273,28 +316,36 @@ def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions
   block_h = min(blocks.block_h, half)
   layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k_cache.shape[0] - 1).reshape(1)
   pos = positions.reshape(rows).astype(jnp.int32)
-  slots = jnp.where((pos >= 0) & (pos < s), pos, s)
+  slots = pos if slots is None else slots.reshape(rows).astype(jnp.int32)
+  slots = jnp.where((slots >= 0) & (slots < s), slots, s)
   x2 = x.reshape(rows, d)
   params = _compiler_params(blocks, interpret)  # num_warps, num_stages of kernels 1 and 2
 
+  inputs = (x2, norm_weight) if prefix is None else (px.reshape(rows, d), pnw, x2, norm_weight)
   q, k_cache, v_cache = pl.pallas_call(
       functools.partial(_qkv_kernel, rows=rows, t=t, d=d, heads=num_heads, kv_heads=hkv, dh=dh, s=s,
-                        eps=float(eps), block_k=blocks.block_k, block_h=block_h),
+                        eps=float(eps), block_k=blocks.block_k, block_h=block_h, prefix=prefix is not None),
       out_shape=(jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
                  jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
       grid=((num_heads + 2 * hkv) * (half // block_h),),
-      input_output_aliases={7: 1, 8: 2},
-      interpret=interpret, compiler_params=params, name="fused_attention_qkv",
-  )(layer, slots, x2, norm_weight, wqkv, cos.reshape(rows, half).astype(jnp.float32),
+      input_output_aliases={len(inputs) + 5: 1, len(inputs) + 6: 2},  # the caches, after layer, slots, inputs,
+      interpret=interpret, compiler_params=params, name="fused_attention_qkv",  # wqkv, cos, sin
+  )(layer, slots, *inputs, wqkv, cos.reshape(rows, half).astype(jnp.float32),
     sin.reshape(rows, half).astype(jnp.float32), k_cache, v_cache)
 
+  visibility = ()
+  if mask is not None:  # int8 [rows, S] (a Triton load of bool is not portable) and one past each row's last slot
+    seen = jnp.any(mask, axis=1)  # [B, S]
+    live = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32)[None, :], 0), axis=1)  # [B]
+    visibility = (mask.reshape(rows, s).astype(jnp.int8), live.astype(jnp.int32))
   attn = pl.pallas_call(
-      functools.partial(_attention_kernel, t=t, group=num_heads // hkv, dh=dh, s=s, block_s=blocks.block_s),
+      functools.partial(_attention_kernel, t=t, group=num_heads // hkv, dh=dh, s=s, block_s=blocks.block_s,
+                        masked=mask is not None),
       out_shape=jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
       grid=(b, num_heads),
       interpret=interpret, compiler_params=params, name="fused_attention_core",
-  )(layer, pos, q, k_cache, v_cache)
+  )(layer, pos, *visibility, q, k_cache, v_cache)
 
   out = project_residual(attn, wo[None], x2, jnp.zeros((1,), jnp.int32), blocks=blocks.out, interpret=interpret)
   return out.reshape(b, t, d), k_cache, v_cache

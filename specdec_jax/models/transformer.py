@@ -501,14 +501,15 @@ class Transformer(nnx.Module):
     ctx = AttentionContext.create(positions, cache.max_length, c, cache_slots=cache_slots,
                                   attention_mask=attention_mask)
 
-    kernels = self._block_kernels(x, cache, cache_slots, attention_mask)
+    kernels = self._block_kernels(x, cache)
+    tree = tree_kernel_args(ctx, cache_slots, attention_mask)
 
     def block(carry, layer):
       x, k_cache, v_cache = carry
       p, i = layer  # this layer's parameters, its index
       if kernels is not None:
         x, k_cache, v_cache = pallas_block(c, x, p, k_cache, v_cache, i, positions, ctx,
-                                           interpret=kernels == "pallas_interpret")
+                                           interpret=kernels == "pallas_interpret", **tree)
       else:
         attn_in = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
         x, k_cache, v_cache = decoder_block(c, x, attn_in, p, k_cache, v_cache, i, ctx)
@@ -539,22 +540,11 @@ class Transformer(nnx.Module):
     features = jnp.concatenate([outs[i] for i in c.feature_layers], axis=-1)  # [B, T, F]
     return logits, features, cache
 
-  def _block_kernels(self, x, cache: KVCache, cache_slots, attention_mask) -> str | None:
+  def _block_kernels(self, x, cache: KVCache) -> str | None:
     """`config.kernels` where this call can take the Pallas blocks, else None (XLA's): decided at trace time."""
-    c = self.config
-    if c.kernels == "xla" or c.scan_layers or self.partitioning is not None:
+    if self.config.scan_layers:
       return None
-    if cache_slots is not None or attention_mask is not None:  # tree calls: the kernels know the chain rule only
-      return None
-    if c.kernels == "pallas" and (jax.default_backend() != "gpu" or
-                                  c.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))):
-      return None
-    p = self.layers.block(0)
-    if pallas_attention.check_args(x, p["wqkv"], p["wo"], cache.k, c.num_heads, c.num_kv_heads) is not None:
-      return None
-    if pallas_mlp._check_args(x, p["mlp_norm"], p["w_gate_up"], p["w_down"]) is not None:
-      return None
-    return c.kernels
+    return block_kernels(self.config, self.partitioning, x, self.layers.block(0), cache.k)
 
   def copy_cache_slots(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copies every layer's keys/values from slots `src` to slots `dst`, per row (see `copy_kv_slots`).
@@ -698,13 +688,47 @@ def decoder_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx:
   return mlp_block(c, x, p), k_cache, v_cache
 
 
+def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None) -> str | None:
+  """`c.kernels` where a call on x [B, T, D] can take `pallas_block` with block parameters p, else None.
+
+  Decided at trace time from static facts: XLA's blocks serve sharded models, a CPU or float32 for
+  "pallas", and shapes the kernels do not take (more than 16 rows, B*T, tree calls included; see
+  `pallas_attention.check_args`). `prefix`: as for `pallas_block`.
+
+  Example:
+    >>> block_kernels(TransformerConfig.tiny(64), None, jnp.zeros((1, 1, 32)), {}, None) is None  # kernels="xla"
+    True
+  """
+  if c.kernels == "xla" or partitioning is not None:
+    return None
+  if c.kernels == "pallas" and (jax.default_backend() != "gpu" or
+                                c.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))):
+    return None
+  if pallas_attention.check_args(x, p["wqkv"], p["wo"], k_cache, c.num_heads, c.num_kv_heads,
+                                 None if prefix is None else prefix[0]) is not None:
+    return None
+  if pallas_mlp._check_args(x, p["mlp_norm"], p["w_gate_up"], p["w_down"]) is not None:
+    return None
+  return c.kernels
+
+
+def tree_kernel_args(ctx: AttentionContext, cache_slots, attention_mask) -> dict:
+  """`pallas_block`'s slots and mask for a call given these tree arguments (None for those not given)."""
+  return {"slots": None if cache_slots is None else ctx.slots,
+          "mask": None if attention_mask is None else ctx.mask[:, 0]}
+
+
 def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx: AttentionContext, *,
-                 interpret: bool, attn_blocks=None, mlp_blocks=None):
+                 interpret: bool, attn_blocks=None, mlp_blocks=None, prefix=None, slots=None, mask=None):
   """`decoder_block` of a plain (fused-projection) block as Pallas kernels: a chain call of <= 16 rows.
 
-  `Transformer._block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the
-  tile sizes default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks). x is
-  [B, T, D] with B*T <= 16, positions int32 [B, T]; returns (x, k_cache, v_cache) like `decoder_block`.
+  `block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the tile sizes
+  default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks). x is [B, T, D]
+  with B*T <= 16, positions int32 [B, T]; returns (x, k_cache, v_cache) like `decoder_block`.
+  `prefix`: None, or (e [B, T, D], its norm weight [D]) for a block whose attention reads
+  concat(rms_norm(e), rms_norm(x, p["attn_norm"])) through p["wqkv"] [2D, ...] (the EAGLE
+  drafter's first block). `slots` [B, T] and `mask` [B, T, S]: a tree call's write slots and
+  visibility (`ctx.slots`, `ctx.mask[:, 0]`; None: at `positions`, by the chain rule).
 
   Example:
     >>> x, k, v = pallas_block(cfg, x, model.layers.block(i), cache.k, cache.v, i, positions, ctx,
@@ -714,7 +738,8 @@ def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx
   x, k_cache, v_cache = pallas_attention.fused_attention(
       x, p["attn_norm"], p["wqkv"], p["wo"], k_cache, v_cache, i, positions, ctx.cos[:, :, 0, :half],
       ctx.sin[:, :, 0, :half], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
-      interpret=interpret, blocks=attn_blocks or pallas_attention.DEFAULT_BLOCKS)
+      interpret=interpret, blocks=attn_blocks or pallas_attention.DEFAULT_BLOCKS, prefix=prefix,
+      slots=slots, mask=mask)
   x = pallas_mlp.fused_mlp(x, p["mlp_norm"], p["w_gate_up"], p["w_down"], c.rms_norm_eps, interpret=interpret,
                            blocks=mlp_blocks or pallas_mlp.BEST_BLOCKS)
   return x, k_cache, v_cache

@@ -1,0 +1,190 @@
+"""The EAGLE head's draft phase alone: XLA's blocks (projections separate or fused) against the Pallas kernels.
+
+A draft phase is what `speculative_generate` runs each round before the
+target verifies: the head's catch-up call on K+1 entries (logits of one),
+then K-1 one-entry calls, each followed by `sample_tokens` (greedy: an
+argmax; T=1: a draw, and the [B, V] probabilities the loop keeps for the
+rejection sampler). The loop body is `bench/smollm2.py`'s component
+(`_eagle_round_fn`); the weights are random bf16 ones of the shipped
+SmolLM2 head's shape (2 blocks, D=576, a draft vocabulary of 8192 of 49152
+tokens): the time does not depend on their values, so no GGUF is needed.
+
+Variants:
+    xla-separate   XLA's blocks with q, k, v and gate, up as separate matrices
+                   (the drafter's layout before it fused them; what a sharded
+                   head still holds where a projection is split)
+    xla            XLA's blocks, q|k|v and gate|up fused (one matmul each)
+    pallas         TransformerConfig(kernels="pallas"): each call of at most 16
+                   rows as Pallas kernels (GPU, bf16)
+
+Usage (GPU):
+    PYTHONPATH=. python3 bench/eagle_draft.py --out $OUT/draft --ks 2,3 --modes greedy,t1 --trace /tmp/trace
+
+Writes eagle_draft.json (and eagle_draft.png): microseconds per draft phase
+and per head call, and with --trace each variant's costliest kernels (greedy,
+the first K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
+from bench import decode as bd  # noqa: E402
+from bench.smollm2 import _eagle_round_fn  # noqa: E402
+from bench.step_profile import SMOLLM2, kernel_table  # noqa: E402
+from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig  # noqa: E402
+from specdec_jax.models.eagle import _layout, _Params  # noqa: E402
+
+VARIANTS = ("xla-separate", "xla", "pallas")
+FEATURE_LAYERS = (2, 15, 27)  # the shipped head's
+
+
+def build_heads(dtype, num_layers: int, draft_vocab: int, variants) -> dict[str, EagleDrafter]:
+  """{variant: head}, all with the same random weights (see the module docstring)."""
+  target_config = TransformerConfig(**{**SMOLLM2, "num_layers": max(FEATURE_LAYERS) + 1}, dtype=dtype,
+                                    feature_layers=FEATURE_LAYERS)
+  target = nnx.eval_shape(lambda: Transformer(target_config, rngs=nnx.Rngs(0)))  # only its embedding is used
+  target.embed = nnx.Param(0.02 * jax.random.normal(jax.random.key(1), (SMOLLM2["vocab_size"], SMOLLM2["d_model"]),
+                                                    dtype))
+  vocab = np.random.default_rng(0).permutation(SMOLLM2["vocab_size"])[:draft_vocab] if draft_vocab else None
+  base = EagleDrafter.for_target(target, num_layers=num_layers, draft_vocab=vocab, rngs=nnx.Rngs(2))
+  weights, embed = base.to_weights(), target.embed[...]
+  heads = {}
+  for name in variants:
+    config = base.config
+    if name == "pallas":
+      config = dataclasses.replace(config, layers=config.layers.replace(kernels="pallas"))
+    head = EagleDrafter.from_weights(config, weights, embed=embed, head_rows=embed)
+    if name == "xla-separate":
+      c = config.layers
+      head.first = _Params(_layout(head.first.values(), c, fuse_attention=False, fuse_mlp=False))
+      if c.num_layers > 1:
+        head.rest = _Params(_layout(head.rest.values(), c, fuse_attention=False, fuse_mlp=False))
+    heads[name] = head
+  return heads
+
+
+def draft_phase(head, *, b: int, k: int, mode: str, p0: int, cache_len: int, target_s: float, repeats: int,
+                trace_dir: str | None = None) -> dict:
+  """Times one draft phase per loop iteration (median of `repeats` loops); with trace_dir, profiles 20 of them."""
+  graphdef, state = nnx.split(head)
+  params, key, _ = bd.mode_setup(mode, b, 0)
+  key = jax.random.key(0) if key is None else key
+  feats = jnp.ones((b, k + 1, head.config.feature_size), head.config.layers.dtype)
+  step = _eagle_round_fn(graphdef, k, p0, max(cache_len - p0 - 2 * k - 2, 1), mode == "greedy", mode != "greedy")
+  carry = (head.init_cache(b, cache_len), jnp.full((b,), 7, jnp.int32))
+  loop = common.timed_loop(step)
+  r = common.time_per_iter(loop, carry, (state, feats, params, key), target_s=target_s, repeats=repeats)
+  r.pop("compiled", None)
+  if trace_dir:
+    steps = 20
+    try:  # the profiler needs CUPTI on a GPU; the timings stand without it
+      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(loop(0, steps, carry, state, feats, params, key))
+      r["kernels"] = kernel_table(trace_dir, steps, top=40)
+    except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the timings)
+      r["trace_error"] = repr(e)
+  return r
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", required=True, help="directory for eagle_draft.json and .png")
+  ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+  ap.add_argument("--ks", default="2,3", help="comma list of K (draft tokens per round; default 2,3)")
+  ap.add_argument("--modes", default="greedy,t1", help="comma list of greedy, t1 (default both)")
+  ap.add_argument("--batch-size", type=int, default=1)
+  ap.add_argument("--num-layers", type=int, default=2, help="the head's blocks (default 2, the shipped head's)")
+  ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0 = all 49152)")
+  ap.add_argument("--cache-len", type=int, default=320)
+  ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on a GPU, float32 elsewhere")
+  ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
+  ap.add_argument("--repeats", type=int, default=5, help="timed loops per cell (median)")
+  ap.add_argument("--trace", help="profile each variant's first greedy cell into this directory")
+  ap.add_argument("--no-plot", action="store_true")
+  args = ap.parse_args(argv)
+  args.variants = [v for v in args.variants.split(",") if v]
+  args.modes = [m for m in args.modes.split(",") if m]
+  bad = [v for v in args.variants if v not in VARIANTS] + [m for m in args.modes if m not in ("greedy", "t1")]
+  if bad:
+    ap.error(f"unknown variant(s) or mode(s) {bad}: variants {VARIANTS}, modes greedy, t1")
+  try:
+    args.ks = [int(k) for k in args.ks.split(",")]
+  except ValueError:
+    ap.error(f"--ks must be a comma list of ints, got {args.ks!r}")
+  if min(args.ks) < 1 or args.batch_size < 1 or args.num_layers < 1 or not 0 <= args.draft_vocab <= 49152:
+    ap.error("--ks >= 1, --batch-size >= 1, --num-layers >= 1 and --draft-vocab in [0, 49152] are required")
+  if args.cache_len < 4 * max(args.ks) + 8:
+    ap.error(f"--cache-len must be at least 4 K + 8 = {4 * max(args.ks) + 8}")
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  dtype = jnp.dtype(args.dtype or ("bfloat16" if common.has_gpu() else "float32"))
+  if "pallas" in args.variants and (not common.has_gpu() or dtype == jnp.float32):
+    print("pallas: the kernels need a GPU and bf16; that variant runs XLA's blocks here")
+  os.makedirs(args.out, exist_ok=True)
+  heads = build_heads(dtype, args.num_layers, args.draft_vocab, args.variants)
+  p0 = args.cache_len // 4
+  rows, kernels = [], {}
+  for mode in args.modes:
+    for k in args.ks:
+      for name in args.variants:
+        trace = (os.path.join(args.trace, name) if args.trace and mode == args.modes[0] and k == args.ks[0]
+                 else None)
+        r = draft_phase(heads[name], b=args.batch_size, k=k, mode=mode, p0=p0, cache_len=args.cache_len,
+                        target_s=args.target_ms / 1e3, repeats=args.repeats, trace_dir=trace)
+        if "kernels" in r:
+          kernels[name] = r.pop("kernels")
+        rows.append({"variant": name, "mode": mode, "K": k, "us": r["per_iter_s"] * 1e6,
+                     "us_per_call": r["per_iter_s"] * 1e6 / k, "compile_s": r["compile_s"], "scale": r["scale"],
+                     **({"trace_error": r["trace_error"]} if "trace_error" in r else {})})
+        print(f"{mode:6s} K={k} {name:13s} {rows[-1]['us']:8.1f} us per draft phase "
+              f"({rows[-1]['us_per_call']:.1f} per head call; compile {r['compile_s']:.1f}s)", flush=True)
+  report = {"info": common.device_info(), "config": vars(args), "dtype": str(dtype), "rows": rows,
+            "kernels": kernels}
+  with open(os.path.join(args.out, "eagle_draft.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  if not args.no_plot:
+    plot(rows, os.path.join(args.out, "eagle_draft.png"), f"EAGLE draft phase, B={args.batch_size}, {dtype}, "
+         f"{report['info'].get('device')}")
+  print(f"wrote {args.out}/eagle_draft.json")
+  return report
+
+
+def plot(rows, path, title):
+  import matplotlib  # noqa: PLC0415  (only for the picture)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  cells = list(dict.fromkeys((r["mode"], r["K"]) for r in rows))
+  names = list(dict.fromkeys(r["variant"] for r in rows))
+  fig, ax = plt.subplots(figsize=(8, 4))
+  width = 0.8 / len(names)
+  for j, name in enumerate(names):
+    us = [next((r["us"] for r in rows if r["variant"] == name and (r["mode"], r["K"]) == c), 0) for c in cells]
+    ax.bar(np.arange(len(cells)) + j * width, us, width, label=name)
+  ax.set_xticks(np.arange(len(cells)) + width * (len(names) - 1) / 2, [f"{m} K={k}" for m, k in cells])
+  ax.set_ylabel("us per draft phase")
+  ax.set_title(title, fontsize=9)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  main()
