@@ -69,3 +69,11 @@ def run_worker(worker: pathlib.Path, args: tuple[str, ...] = ()) -> dict:
   if proc.returncode != 0 or not lines:
     pytest.fail(f"{worker.name} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
   return json.loads(lines[-1])
+
+
+def check_result(results: dict, name: str) -> None:
+  """Fails unless the worker ran check `name` and it passed. A check that returns several runs ("name: run")
+  and failed as a whole is reported under its own name, which is looked up too."""
+  result = results.get(name) or results.get(name.split(": ")[0])
+  assert result is not None, f"the worker did not run {name!r}; it ran {sorted(results)}"
+  assert result["ok"], result["detail"]

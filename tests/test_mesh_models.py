@@ -24,7 +24,7 @@ import pytest
 
 from specdec_jax.models import Partitioning, make_mesh, shard
 from specdec_jax.models.sharding import relayout
-from tests.eight_devices import run_worker
+from tests.eight_devices import check_result, run_worker
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mesh_worker.py"
@@ -50,25 +50,18 @@ def more_results() -> dict:
   return run_worker(WORKER, ("--part", "more"))
 
 
-def _check(results, name):
-  # A loops check that failed as a whole is reported under its mesh's name.
-  result = results.get(name) or results.get(name.split(": ")[0])
-  assert result is not None, f"the worker did not run {name!r}; it ran {sorted(results)}"
-  assert result["ok"], result["detail"]
-
-
 @pytest.mark.parametrize("name", CHECKS)
 def test_on_eight_devices_equals_one_device(worker_results, name):
-  _check(worker_results, name)
+  check_result(worker_results, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MORE_CHECKS)
 def test_on_eight_devices_more_loops(more_results, name):
-  _check(more_results, name)
+  check_result(more_results, name)
 
 
-def test_worker_runs_no_unlisted_check(worker_results):
+def test_worker_runs_no_unlistedcheck_result(worker_results):
   assert set(worker_results) <= set(CHECKS) | {name.split(": ")[0] for name in CHECKS}, sorted(worker_results)
 
 

@@ -27,7 +27,7 @@ import pytest
 
 from specdec_jax import vocab_parallel
 from specdec_jax.reductions import chunk_size
-from tests.eight_devices import run_worker
+from tests.eight_devices import check_result, run_worker
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mesh_sampler_worker.py"
@@ -94,29 +94,23 @@ def more_mesh_results() -> dict:
   return run_worker(WORKER, ("--part", "more-meshes"))
 
 
-def _check(results, name):
-  result = results.get(name)
-  assert result is not None, f"the worker did not run {name!r}; it ran {sorted(results)}"
-  assert result["ok"], result["detail"]
-
-
 @pytest.mark.parametrize("name", FAST)
 def test_on_eight_devices(worker_results, name):
-  _check(worker_results, name)
+  check_result(worker_results, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLOW)
 def test_on_eight_devices_more_meshes(more_mesh_results, name):
-  _check(more_mesh_results, name)
+  check_result(more_mesh_results, name)
 
 
-def test_worker_runs_no_unlisted_check(worker_results):
+def test_worker_runs_no_unlistedcheck_result(worker_results):
   assert set(worker_results) <= set(FAST), sorted(set(worker_results) - set(FAST))
 
 
 @pytest.mark.slow
-def test_more_meshes_part_runs_no_unlisted_check(more_mesh_results):
+def test_more_meshes_part_runs_no_unlistedcheck_result(more_mesh_results):
   assert set(more_mesh_results) <= set(SLOW), sorted(set(more_mesh_results) - set(SLOW))
 
 
