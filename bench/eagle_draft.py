@@ -44,7 +44,7 @@ from bench import decode as bd  # noqa: E402
 from bench.smollm2 import _eagle_round_fn  # noqa: E402
 from bench.step_profile import SMOLLM2, kernel_table  # noqa: E402
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig  # noqa: E402
-from specdec_jax.models.eagle import _layout, _Params  # noqa: E402
+from specdec_jax.models.eagle import _Params, _separate  # noqa: E402
 
 VARIANTS = ("xla-separate", "xla", "pallas")
 FEATURE_LAYERS = (2, 15, 27)  # the shipped head's
@@ -67,10 +67,9 @@ def build_heads(dtype, num_layers: int, draft_vocab: int, variants) -> dict[str,
       config = dataclasses.replace(config, layers=config.layers.replace(kernels="pallas"))
     head = EagleDrafter.from_weights(config, weights, embed=embed, head_rows=embed)
     if name == "xla-separate":
-      c = config.layers
-      head.first = _Params(_layout(head.first.values(), c, fuse_attention=False, fuse_mlp=False))
-      if c.num_layers > 1:
-        head.rest = _Params(_layout(head.rest.values(), c, fuse_attention=False, fuse_mlp=False))
+      head.first = _Params(_separate(head.first.values(), config.layers))
+      if num_layers > 1:
+        head.rest = _Params(_separate(head.rest.values(), config.layers))
     heads[name] = head
   return heads
 

@@ -70,6 +70,11 @@ def _layout(params: Mapping[str, jax.Array], c: TransformerConfig, *, fuse_atten
                   fuse_attention=fuse_attention, fuse_mlp=fuse_mlp)
 
 
+def _separate(params: Mapping[str, jax.Array], c: TransformerConfig) -> dict[str, jax.Array]:
+  """`_layout` with every projection separate (the weights file's layout)."""
+  return _layout(params, c, fuse_attention=False, fuse_mlp=False)
+
+
 class TargetWeight(nnx.Variable):
   """A weight the drafter borrows from its target (embedding, output head).
 
@@ -311,11 +316,9 @@ class EagleDrafter(nnx.Module):
     """
     c = self.config.layers
     out = {"fc": self.fc[...], "final_norm": self.final_norm[...]}
-    out.update({f"first.{n}": v for n, v in _layout(self.first.values(), c, fuse_attention=False,
-                                                      fuse_mlp=False).items()})
+    out.update({f"first.{n}": v for n, v in _separate(self.first.values(), c).items()})
     if c.num_layers > 1:
-      out.update({f"rest.{n}": v for n, v in _layout(self.rest.values(), c, fuse_attention=False,
-                                                       fuse_mlp=False).items()})
+      out.update({f"rest.{n}": v for n, v in _separate(self.rest.values(), c).items()})
     if self.config.draft_vocab_size:
       out["draft_vocab"] = self.draft_vocab[...]
     return {k: np.asarray(v) for k, v in out.items()}

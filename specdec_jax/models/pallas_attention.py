@@ -1,4 +1,4 @@
-"""The attention half of a decoder block as Pallas GPU (Triton) kernels, for chain calls of few rows.
+"""The attention half of a decoder block as Pallas GPU (Triton) kernels, for calls of few rows (chains and trees).
 
 At batch 1 XLA runs a block's attention half (norm, q|k|v product, RoPE, two
 cache writes, attention, output product, residual) as about 11 small kernels

@@ -720,7 +720,7 @@ def tree_kernel_args(ctx: AttentionContext, cache_slots, attention_mask) -> dict
 
 def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx: AttentionContext, *,
                  interpret: bool, attn_blocks=None, mlp_blocks=None, prefix=None, slots=None, mask=None):
-  """`decoder_block` of a plain (fused-projection) block as Pallas kernels: a chain call of <= 16 rows.
+  """`decoder_block` of a plain (fused-projection) block as Pallas kernels: a call of <= 16 rows.
 
   `block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the tile sizes
   default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks). x is [B, T, D]
