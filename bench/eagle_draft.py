@@ -152,8 +152,8 @@ def main(argv=None) -> dict:
                      **({"trace_error": r["trace_error"]} if "trace_error" in r else {})})
         print(f"{mode:6s} K={k} {name:13s} {rows[-1]['us']:8.1f} us per draft phase "
               f"({rows[-1]['us_per_call']:.1f} per head call; compile {r['compile_s']:.1f}s)", flush=True)
-  report = {"info": common.device_info(), "config": vars(args), "dtype": str(dtype), "rows": rows,
-            "kernels": kernels}
+  report = {"info": {**common.device_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")}, "config": vars(args),
+            "dtype": str(dtype), "rows": rows, "kernels": kernels}
   with open(os.path.join(args.out, "eagle_draft.json"), "w") as f:
     json.dump(report, f, indent=1)
   if not args.no_plot:
