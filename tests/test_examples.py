@@ -127,6 +127,29 @@ def test_train_eagle_init_continues_from_a_given_head(tmp_path):
     train.main(common + ["--steps", "1"])
 
 
+@pytest.mark.slow  # a bench script's smoke run; CI keeps the examples' own runs
+def test_eagle_draft_bench_variants_compute_the_same_head(tmp_path):
+  """bench/eagle_draft.py: its separate-projection head is really separate and gives the fused head's logits and
+  hiddens; a run writes one row per cell; a bad variant is refused before any head is built."""
+  eagle_draft = _bench("eagle_draft")
+  heads = eagle_draft.build_heads(jnp.float32, 2, 512, ("xla-separate", "xla"))
+  assert {"wq", "w_gate"} <= set(heads["xla-separate"].first.names)
+  assert {"wqkv", "w_gate_up"} <= set(heads["xla"].first.names) and "wq" not in heads["xla"].first.names
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 49152, (1, 3)), jnp.int32)
+  hidden = jnp.asarray(rng.normal(size=(1, 3, 576)), jnp.float32)
+  pos = jnp.arange(3, dtype=jnp.int32)[None]
+  outs = [h(tokens, hidden, pos, h.init_cache(1, 8))[:2] for h in heads.values()]
+  for got, want in zip(outs[0], outs[1]):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  report = eagle_draft.main(["--out", str(tmp_path), "--ks", "2", "--modes", "greedy", "--variants", "xla",
+                             "--draft-vocab", "512", "--target-ms", "2", "--repeats", "1", "--no-plot"])
+  assert [(r["variant"], r["mode"], r["K"]) for r in report["rows"]] == [("xla", "greedy", 2)]
+  assert report["rows"][0]["us"] > 0 and (tmp_path / "eagle_draft.json").is_file()
+  with pytest.raises(SystemExit):
+    eagle_draft.main(["--out", str(tmp_path), "--variants", "nope"])
+
+
 @pytest.mark.slow  # a bench script's smoke run (7 s); CI keeps the examples' own runs
 def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_path):
   """bench/step_profile.py --tiny on the CPU: its variants' forward equals the Transformer's, every row is there."""
