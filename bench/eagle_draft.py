@@ -21,13 +21,21 @@ Usage (GPU):
     PYTHONPATH=. python3 bench/eagle_draft.py --out $OUT/draft --ks 2,3 --modes greedy,t1 --trace /tmp/trace
 
 Writes eagle_draft.json (and eagle_draft.png): microseconds per draft phase
-and per head call, and with --trace each variant's costliest kernels (greedy,
-the first K).
+and per head call, and with --trace each variant's costliest kernels (the
+first mode, the first K).
+
+`--minimal-sampler` (a bound, not a fix): T=1 draws with `log_softmax` and
+`jax.random.categorical` instead of `sample_tokens`, whose run-time branches
+(any greedy row? any filter? any non-finite row?) each cost a device-to-host
+copy on a GPU. For temperature-only parameters it draws from the same
+distribution; what it saves is what a sampler that knew statically that no
+row filters could save.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -41,6 +49,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
+from bench import smollm2 as bench_smollm2  # noqa: E402
 from bench.smollm2 import _eagle_round_fn  # noqa: E402
 from bench.step_profile import SMOLLM2, kernel_table  # noqa: E402
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig  # noqa: E402
@@ -72,6 +81,27 @@ def build_heads(dtype, num_layers: int, draft_vocab: int, variants) -> dict[str,
         head.rest = _Params(_separate(head.rest.values(), config.layers))
     heads[name] = head
   return heads
+
+
+def minimal_sample_tokens(logits, params, key, *, all_greedy=False):
+  """`sample_tokens` for temperature-only rows, with no run-time branch: (tokens int32 [B], log_probs [B, V])."""
+  if all_greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(logits.shape, jnp.float32)
+  log_probs = jax.nn.log_softmax(logits / params.temperature[:, None], axis=-1)
+  keys = jax.random.split(key, logits.shape[0])
+  return jax.vmap(jax.random.categorical)(keys, log_probs).astype(jnp.int32), log_probs
+
+
+@contextlib.contextmanager
+def minimal_sampler(on: bool):
+  """Within: `_eagle_round_fn`'s draft steps draw with `minimal_sample_tokens` (when `on`)."""
+  saved = bench_smollm2.sample_tokens
+  if on:
+    bench_smollm2.sample_tokens = minimal_sample_tokens
+  try:
+    yield
+  finally:
+    bench_smollm2.sample_tokens = saved
 
 
 def draft_phase(head, *, b: int, k: int, mode: str, p0: int, cache_len: int, target_s: float, repeats: int,
@@ -110,7 +140,9 @@ def parse_args(argv=None):
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on a GPU, float32 elsewhere")
   ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
   ap.add_argument("--repeats", type=int, default=5, help="timed loops per cell (median)")
-  ap.add_argument("--trace", help="profile each variant's first greedy cell into this directory")
+  ap.add_argument("--trace", help="profile each variant's first cell (first mode, first K) into this directory")
+  ap.add_argument("--minimal-sampler", action="store_true",
+                  help="T=1 rows drawn without sample_tokens' run-time branches (a bound; see the docstring)")
   ap.add_argument("--no-plot", action="store_true")
   args = ap.parse_args(argv)
   args.variants = [v for v in args.variants.split(",") if v]
@@ -143,8 +175,9 @@ def main(argv=None) -> dict:
       for name in args.variants:
         trace = (os.path.join(args.trace, name) if args.trace and mode == args.modes[0] and k == args.ks[0]
                  else None)
-        r = draft_phase(heads[name], b=args.batch_size, k=k, mode=mode, p0=p0, cache_len=args.cache_len,
-                        target_s=args.target_ms / 1e3, repeats=args.repeats, trace_dir=trace)
+        with minimal_sampler(args.minimal_sampler):
+          r = draft_phase(heads[name], b=args.batch_size, k=k, mode=mode, p0=p0, cache_len=args.cache_len,
+                          target_s=args.target_ms / 1e3, repeats=args.repeats, trace_dir=trace)
         if "kernels" in r:
           kernels[name] = r.pop("kernels")
         rows.append({"variant": name, "mode": mode, "K": k, "us": r["per_iter_s"] * 1e6,
