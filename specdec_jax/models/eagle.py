@@ -56,7 +56,7 @@ from specdec_jax.models.sharding import Partitioning, relayout
 from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache, Transformer, _apply_rope,
                                             _make_param, _rope_tables, check_tree_args, constrain_cache,
                                             block_kernels, copy_kv_slots, decoder_block, mlp_block, pallas_block,
-                                            random_weights, rms_norm, tree_kernel_args)
+                                            project_qkv, random_weights, rms_norm, tree_kernel_args)
 
 # The first block's parameters: the plain block's, plus a norm for each half of its input.
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))
@@ -474,7 +474,9 @@ class EagleDrafter(nnx.Module):
       x, k_cache, v_cache = pallas_block(c, x, first_as_plain, cache.k, cache.v, 0, positions, ctx,
                                          interpret=interpret, prefix=prefix, **tree)
       rest = self.rest.values() if c.num_layers > 1 else {}
-      for i in range(1, c.num_layers):  # unrolled: the kernels take one block's weights
+      # Unrolled: the kernels take one block's weights. Slicing the stacked rest is free for the shipped head
+      # (one such block: a bitcast) but a weight copy per call for each block beyond it.
+      for i in range(1, c.num_layers):
         x, k_cache, v_cache = pallas_block(c, x, {n: w[i - 1] for n, w in rest.items()}, k_cache, v_cache, i,
                                            positions, ctx, interpret=interpret, **tree)
     else:
@@ -568,10 +570,9 @@ def _unrolled_block(c: TransformerConfig, x, attn_in, p, kv: list, j: int, cos, 
   """One decoder block at unroll depth j (see `EagleDrafter.unrolled_logits`); appends this depth's (k, v) to kv."""
   b, t, _ = x.shape
   h, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
-  qkv = attn_in @ p["wqkv"] if "wqkv" in p else jnp.concatenate([attn_in @ p[n] for n in ("wq", "wk", "wv")], -1)
-  q = _apply_rope(qkv[..., :h * dh].reshape(b, t, h, dh), cos, sin).astype(jnp.float32)
-  k = _apply_rope(qkv[..., h * dh:(h + hkv) * dh].reshape(b, t, hkv, dh), cos, sin)
-  v = qkv[..., (h + hkv) * dh:].reshape(b, t, hkv, dh)
+  q, k, v = project_qkv(c, attn_in, p)
+  q = _apply_rope(q, cos, sin).astype(jnp.float32)
+  k = _apply_rope(k, cos, sin)
   kv.append((k, v))
   rep = h // hkv
   scale = dh ** -0.5

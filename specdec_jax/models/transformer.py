@@ -745,18 +745,25 @@ def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx
   return x, k_cache, v_cache
 
 
-def attention_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx: AttentionContext):
-  """The attention half of `decoder_block`: x + attention(attn_in), with layer i's cache write."""
-  b, t, _ = x.shape
+def project_qkv(c: TransformerConfig, attn_in, p):
+  """q [B, T, H, Dh], k and v [B, T, Hkv, Dh] from attn_in [B, T, K]: one matmul through a fused `wqkv`,
+  or three through `wq`, `wk`, `wv` (a projection `sharding.shard` split); before RoPE."""
+  b, t, _ = attn_in.shape
   qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   if "wqkv" in p:  # one matmul
     qkv = attn_in @ p["wqkv"]
     q, k, v = qkv[..., :qd], qkv[..., qd:qd + kvd], qkv[..., qd + kvd:]
   else:
     q, k, v = attn_in @ p["wq"], attn_in @ p["wk"], attn_in @ p["wv"]
-  q = q.reshape(b, t, c.num_heads, c.head_dim)
-  k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
-  v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+  return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
+          v.reshape(b, t, c.num_kv_heads, c.head_dim))
+
+
+def attention_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx: AttentionContext):
+  """The attention half of `decoder_block`: x + attention(attn_in), with layer i's cache write."""
+  b, t, _ = x.shape
+  qd = c.num_heads * c.head_dim
+  q, k, v = project_qkv(c, attn_in, p)
   q, k = _apply_rope(q, ctx.cos, ctx.sin), _apply_rope(k, ctx.cos, ctx.sin)
   k_cache = _write_slots(k_cache, i, ctx, k)
   v_cache = _write_slots(v_cache, i, ctx, v)
