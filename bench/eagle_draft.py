@@ -35,7 +35,6 @@ row filters could save.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -49,7 +48,6 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
-from bench import smollm2 as bench_smollm2  # noqa: E402
 from bench.smollm2 import _eagle_round_fn  # noqa: E402
 from bench.step_profile import SMOLLM2, kernel_table  # noqa: E402
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig  # noqa: E402
@@ -92,26 +90,15 @@ def minimal_sample_tokens(logits, params, key, *, all_greedy=False):
   return jax.vmap(jax.random.categorical)(keys, log_probs).astype(jnp.int32), log_probs
 
 
-@contextlib.contextmanager
-def minimal_sampler(on: bool):
-  """Within: `_eagle_round_fn`'s draft steps draw with `minimal_sample_tokens` (when `on`)."""
-  saved = bench_smollm2.sample_tokens
-  if on:
-    bench_smollm2.sample_tokens = minimal_sample_tokens
-  try:
-    yield
-  finally:
-    bench_smollm2.sample_tokens = saved
-
-
 def draft_phase(head, *, b: int, k: int, mode: str, p0: int, cache_len: int, target_s: float, repeats: int,
-                trace_dir: str | None = None) -> dict:
+                trace_dir: str | None = None, sample=None) -> dict:
   """Times one draft phase per loop iteration (median of `repeats` loops); with trace_dir, profiles 20 of them."""
   graphdef, state = nnx.split(head)
   params, key, _ = bd.mode_setup(mode, b, 0)
   key = jax.random.key(0) if key is None else key
   feats = jnp.ones((b, k + 1, head.config.feature_size), head.config.layers.dtype)
-  step = _eagle_round_fn(graphdef, k, p0, max(cache_len - p0 - 2 * k - 2, 1), mode == "greedy", mode != "greedy")
+  step = _eagle_round_fn(graphdef, k, p0, max(cache_len - p0 - 2 * k - 2, 1), mode == "greedy", mode != "greedy",
+                         sample)
   carry = (head.init_cache(b, cache_len), jnp.full((b,), 7, jnp.int32))
   loop = common.timed_loop(step)
   r = common.time_per_iter(loop, carry, (state, feats, params, key), target_s=target_s, repeats=repeats)
@@ -175,9 +162,9 @@ def main(argv=None) -> dict:
       for name in args.variants:
         trace = (os.path.join(args.trace, name) if args.trace and mode == args.modes[0] and k == args.ks[0]
                  else None)
-        with minimal_sampler(args.minimal_sampler):
-          r = draft_phase(heads[name], b=args.batch_size, k=k, mode=mode, p0=p0, cache_len=args.cache_len,
-                          target_s=args.target_ms / 1e3, repeats=args.repeats, trace_dir=trace)
+        r = draft_phase(heads[name], b=args.batch_size, k=k, mode=mode, p0=p0, cache_len=args.cache_len,
+                        target_s=args.target_ms / 1e3, repeats=args.repeats, trace_dir=trace,
+                        sample=minimal_sample_tokens if args.minimal_sampler else None)
         if "kernels" in r:
           kernels[name] = r.pop("kernels")
         rows.append({"variant": name, "mode": mode, "K": k, "us": r["per_iter_s"] * 1e6,

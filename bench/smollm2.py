@@ -281,8 +281,11 @@ def eagle_agreement(target, drafter, tokens, mask, chunk: int, depth: int) -> di
           "t1_one_minus_tv_by_depth": (sums[:, 1] / count).round(4).tolist()}
 
 
-def _eagle_round_fn(graphdef, k: int, p0: int, span: int, all_greedy: bool, with_probs: bool):
-  """Loop body: one EAGLE draft phase (catch-up of K+1 entries, then K-1 steps), as the loop runs it."""
+def _eagle_round_fn(graphdef, k: int, p0: int, span: int, all_greedy: bool, with_probs: bool, sample=None):
+  """Loop body: one EAGLE draft phase (catch-up of K+1 entries, then K-1 steps), as the loop runs it.
+
+  `sample`: draws each draft token, with `sample_tokens`' signature (None: `sample_tokens`)."""
+  sample = sample or sample_tokens
 
   def step(i, carry, state, feats, params, key0):
     cache, token = carry
@@ -299,7 +302,7 @@ def _eagle_round_fn(graphdef, k: int, p0: int, span: int, all_greedy: bool, with
         logits, h, cache = drafter(token[:, None], h, (base + k + j)[None, None] + jnp.zeros((b, 1), jnp.int32),
                                    cache)
       key = None if all_greedy else jax.random.fold_in(key0, i * k + j)
-      token, log_probs = sample_tokens(logits[:, 0], params, key, all_greedy=all_greedy)
+      token, log_probs = sample(logits[:, 0], params, key, all_greedy=all_greedy)
       if with_probs:  # the loop keeps exp(log_probs) [B, V] for the rejection sampler
         total = total + jnp.sum(jnp.exp(log_probs), axis=-1)
       token = token.astype(jnp.int32) + (total > 1e9).astype(jnp.int32)
