@@ -57,6 +57,11 @@ def run_checks(checks: dict) -> dict[str, dict]:
   return results
 
 
+def part_arg(argv: list[str]) -> str:
+  """In a worker: the part named by `--part NAME` (its only argument), else "all"."""
+  return argv[1] if argv[:1] == ["--part"] and len(argv) == 2 else "all"
+
+
 def run_worker(worker: pathlib.Path, args: tuple[str, ...] = ()) -> dict:
   """The worker's {check: {"ok", "detail"}}; fails the calling test if the worker crashed."""
   env = dict(os.environ)

@@ -102,7 +102,7 @@ from jax.sharding import PartitionSpec as P
 from specdec_jax import SamplingParams, rejection_sample, sample_tokens
 from specdec_jax.models.sharding import make_mesh
 from specdec_jax.reductions import chunk_size
-from tests.eight_devices import exit_unless_devices, run_checks
+from tests.eight_devices import exit_unless_devices, part_arg, run_checks
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 
@@ -596,8 +596,7 @@ def main(part: str = "all") -> dict[str, dict]:
 if __name__ == "__main__":
   exit_unless_devices(NUM_DEVICES)
   begin = time.perf_counter()
-  args = sys.argv[1:]
-  res = main(args[1] if args[:1] == ["--part"] and len(args) == 2 else "all")
+  res = main(part_arg(sys.argv[1:]))
   compile_total = sum(COMPILE_SECONDS.values())
   print(f"mesh_sampler_worker: {time.perf_counter() - begin:.1f} s, {len(COMPILE_SECONDS)} compiles "
         f"({compile_total:.1f} s)", file=sys.stderr)

@@ -42,7 +42,7 @@ from specdec_jax.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.drafters import PromptLookupDrafter
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.sharding import make_mesh, shard
-from tests.eight_devices import exit_unless_devices, run_checks
+from tests.eight_devices import exit_unless_devices, part_arg, run_checks
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 
@@ -241,5 +241,4 @@ def main(part: str = "all") -> dict[str, dict]:
 
 if __name__ == "__main__":
   exit_unless_devices(NUM_DEVICES)
-  args = sys.argv[1:]
-  print(json.dumps(main(args[1] if args[:1] == ["--part"] and len(args) == 2 else "all")))
+  print(json.dumps(main(part_arg(sys.argv[1:]))))
