@@ -249,7 +249,7 @@ def test_greedy_speculative_decoding_with_the_kernels_equals_generate(models):
   spec = speculative_generate(pallas, pallas, prompts, lengths, params, None, max_new_tokens=8,
                               num_speculative_tokens=3, all_greedy=True)
   np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
-  # A tree of drafts (5 nodes + the root: 12 rows): verification and the draft's levels take the kernels too.
+  # A tree of drafts (4 nodes + the root, 2 rows: 10 rows): verification and the draft's levels take the kernels too.
   tree = speculative_generate(pallas, pallas, prompts, lengths, params, None, max_new_tokens=8,
                               num_speculative_tokens=2, all_greedy=True, draft_tree=(2, 1))
   np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(plain.tokens))
