@@ -30,12 +30,16 @@ first mode, the first K).
 copy on a GPU. For temperature-only parameters it draws from the same
 distribution; what it saves is what a sampler that knew statically that no
 row filters could save.
+
+`--no-filters`: the library's answer to that bound, `sample_tokens(...,
+no_filters=True)` (one overflow-safe pass, no run-time branch).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -52,6 +56,7 @@ from bench.smollm2 import _eagle_round_fn  # noqa: E402
 from bench.step_profile import SMOLLM2, kernel_table  # noqa: E402
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig  # noqa: E402
 from specdec_jax.models.eagle import _Params, _separate  # noqa: E402
+from specdec_jax.sampling import sample_tokens  # noqa: E402
 
 VARIANTS = ("xla-separate", "xla", "pallas")
 FEATURE_LAYERS = (2, 15, 27)  # the shipped head's
@@ -130,6 +135,7 @@ def parse_args(argv=None):
   ap.add_argument("--trace", help="profile each variant's first cell (first mode, first K) into this directory")
   ap.add_argument("--minimal-sampler", action="store_true",
                   help="T=1 rows drawn without sample_tokens' run-time branches (a bound; see the docstring)")
+  ap.add_argument("--no-filters", action="store_true", help="T=1 rows drawn by sample_tokens(..., no_filters=True)")
   ap.add_argument("--no-plot", action="store_true")
   args = ap.parse_args(argv)
   args.variants = [v for v in args.variants.split(",") if v]
@@ -164,7 +170,8 @@ def main(argv=None) -> dict:
                  else None)
         r = draft_phase(heads[name], b=args.batch_size, k=k, mode=mode, p0=p0, cache_len=args.cache_len,
                         target_s=args.target_ms / 1e3, repeats=args.repeats, trace_dir=trace,
-                        sample=minimal_sample_tokens if args.minimal_sampler else None)
+                        sample=(minimal_sample_tokens if args.minimal_sampler else
+                                functools.partial(sample_tokens, no_filters=True) if args.no_filters else None))
         if "kernels" in r:
           kernels[name] = r.pop("kernels")
         rows.append({"variant": name, "mode": mode, "K": k, "us": r["per_iter_s"] * 1e6,

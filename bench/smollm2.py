@@ -381,6 +381,8 @@ def parse_args(argv=None):
   p.add_argument("--target-ms", type=float, help="length of one component timing loop (default 50; quick 20)")
   p.add_argument("--component-repeats", type=int, help="component timing loops (median; default 5; quick 3)")
   p.add_argument("--no-components", action="store_true", help="skip the component timings (no prediction)")
+  p.add_argument("--no-filters", action="store_true",
+                 help="T=1 rows promise no top-k/top-p/min-p (the loops' no_filters=True: no run-time branches)")
   p.add_argument("--skip-generation", action="store_true", help="only the acceptance section")
   p.add_argument("--skip-acceptance", action="store_true", help="no teacher-forced acceptance section")
   p.add_argument("--acc-window", type=int, help="tokens per stdlib window (default 256; quick 64)")
@@ -634,7 +636,8 @@ def main(argv=None):
       calls = batches[b]["calls"]
       for mode in args.modes:
         params, key, all_greedy = bd.mode_setup(mode, b, args.seed)
-        kw = dict(max_new_tokens=n, eos_token_id=eos, all_greedy=all_greedy)
+        kw = dict(max_new_tokens=n, eos_token_id=eos, all_greedy=all_greedy,
+                  **({"no_filters": True} if args.no_filters and not all_greedy else {}))
         bar.set_postfix_str(f"B={b} {mode} plain")
         plain, plain_outs = None, None
         if budget.over(f"B={b} {mode}"):

@@ -425,6 +425,8 @@ def main(argv=None):
 
   params = SamplingParams.create([args.temperature], top_k=args.top_k, top_p=args.top_p)
   common = dict(max_new_tokens=args.max_tokens, eos_token_id=SMOLLM2_EOS_IDS)
+  if not greedy and args.top_k == 0 and args.top_p == 1.0:
+    common["no_filters"] = True  # temperature only: the samplers' branch-free program
   methods = make_methods(target, drafters, params, greedy, k, common)
   b = len(texts)
   bar = tqdm(total=len(methods) * (1 + b * args.repeats), desc="compile + timed runs", unit="call")

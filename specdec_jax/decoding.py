@@ -208,7 +208,8 @@ def _check_bias_vocab(where, target, params, prompt_tokens):
 
 
 def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key, *, max_new_tokens: int,
-             eos_token_id=None, all_greedy: bool = False, logprobs: str | None = None) -> GenerateOutput:
+             eos_token_id=None, all_greedy: bool = False, logprobs: str | None = None,
+             no_filters: bool = False) -> GenerateOutput:
   """Plain autoregressive decoding: one target call per token, in one jitted loop.
 
   Many devices: under `with jax.set_mesh(mesh):` (mesh axes "data" and
@@ -241,6 +242,11 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
       token's log-probability under the target, as `rejection_sample` defines
       them ("raw": log_softmax of the logits; "processed": under the
       distribution the row samples from, log_softmax for greedy rows).
+    no_filters: static promise that no row uses top-k, top-p or min-p (they
+      are then ignored): sampling compiles one overflow-safe softmax pass and
+      no run-time branch, which on a GPU saves a device-to-host copy per
+      branch and step. The same distribution; draws may differ from the
+      default program's in rare rounding ties.
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens] with -1 after each row's end,
@@ -266,7 +272,7 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
   target_def, target_arrays = _split(target, "target")
   return _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, None if all_greedy else key,
                        target_def=target_def, max_new_tokens=max_new_tokens, eos=eos, all_greedy=bool(all_greedy),
-                       logprobs=logprobs)
+                       logprobs=logprobs, no_filters=bool(no_filters))
 
 
 def _check_logprobs(where, logprobs):
@@ -274,24 +280,25 @@ def _check_logprobs(where, logprobs):
     raise ValueError(f"{where}: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy", "logprobs"))
+@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy", "logprobs",
+                                             "no_filters"))
 def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
-                  all_greedy, logprobs):
+                  all_greedy, logprobs, no_filters=False):
   # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
   program = functools.partial(_generate_program, target_def=target_def, max_new_tokens=max_new_tokens, eos=eos,
-                              all_greedy=all_greedy, logprobs=logprobs)
+                              all_greedy=all_greedy, logprobs=logprobs, no_filters=no_filters)
   return auto_axes_if_explicit(program)(target_arrays, prompt_tokens, prompt_lengths, params, key)
 
 
 def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
-                      all_greedy, logprobs):
+                      all_greedy, logprobs, no_filters=False):
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
   prompt_lengths = clip_lengths(prompt_lengths, p)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
   start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=False, where="generate",
-                 logprobs=logprobs)
+                 logprobs=logprobs, no_filters=no_filters)
   rows = arange32(b)
 
   def body(s: LoopState) -> LoopState:
@@ -299,7 +306,7 @@ def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key,
     last = gather_rows(s.tokens, s.length - 1)
     logits, cache = t_apply(last[:, None], (s.length - 1)[:, None], s.target_cache)
     token, _, token_lp = sample_next(logits[:, 0], params, position_keys(start.keys, s.length), all_greedy,
-                                 s.penalties, logprobs)
+                                     s.penalties, logprobs, no_filters)
     live = ~s.done
     # Finished rows write nowhere (index max_length is dropped) and stay put.
     slot = jnp.where(live, s.length, max_length)
@@ -326,7 +333,7 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
                          max_new_tokens: int, num_speculative_tokens: int, eos_token_id=None,
                          all_greedy: bool = False, logprobs: str | None = None,
                          draft_tree: tuple[int, ...] | DraftTree | DynamicTree | None = None,
-                         verification: str = "token") -> GenerateOutput:
+                         verification: str = "token", no_filters: bool = False) -> GenerateOutput:
   """Speculative decoding: draft K tokens, verify them in one target call, repeat.
 
   Lossless: the tokens are distributed exactly as `generate(target, ...)`'s (and
@@ -385,6 +392,13 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
       verification is as lossless and accepts at least as many drafts in
       expectation; greedy rows are unaffected. Chains only (a tree's walk is
       its own verifier).
+    no_filters: static promise that no row uses top-k, top-p or min-p (they
+      are then ignored): the draft's sampling and `rejection_sample` compile
+      one overflow-safe softmax pass and no run-time branch on the filters,
+      the overflow redo or an empty residual; on a GPU each such branch
+      copies its predicate to the host, every draft step and every round.
+      The same distribution; draws may differ from the default program's in
+      rare rounding ties. A tree round's own sampling ignores the flag.
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens], lengths int32[B], stats,
@@ -435,7 +449,8 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   return _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params,
                           None if all_greedy else key, target_def=target_def, draft_def=draft_def,
                           feature_draft=feature_draft, num_speculative_tokens=int(k), max_new_tokens=max_new_tokens,
-                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree, method=verification)
+                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree, method=verification,
+                          no_filters=bool(no_filters))
 
 
 def _slots_per_round(tree, k) -> int:
@@ -482,21 +497,22 @@ def _check_tree(where, draft_tree, k, target, draft, verification="token") -> Dr
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "feature_draft", "num_speculative_tokens",
-                                             "max_new_tokens", "eos", "all_greedy", "logprobs", "tree", "method"))
+                                             "max_new_tokens", "eos", "all_greedy", "logprobs", "tree", "method",
+                                             "no_filters"))
 def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
                      draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
-                     logprobs, tree, method="token"):
+                     logprobs, tree, method="token", no_filters=False):
   # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
   program = functools.partial(_speculative_program, target_def=target_def, draft_def=draft_def,
                               feature_draft=feature_draft, num_speculative_tokens=num_speculative_tokens,
                               max_new_tokens=max_new_tokens, eos=eos, all_greedy=all_greedy, logprobs=logprobs,
-                              tree=tree, method=method)
+                              tree=tree, method=method, no_filters=no_filters)
   return auto_axes_if_explicit(program)(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key)
 
 
 def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
                          draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
-                         logprobs, tree, method="token"):
+                         logprobs, tree, method="token", no_filters=False):
   b, p = prompt_tokens.shape
   k = num_speculative_tokens
   n = k if tree is None else tree.num_nodes  # drafts per round
@@ -518,7 +534,7 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
   prompt_lengths = clip_lengths(prompt_lengths, p)
   start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=drafter.needs_features,
-                 where=where, logprobs=logprobs)
+                 where=where, logprobs=logprobs, no_filters=no_filters)
   zeros_k = jnp.zeros((k,), jnp.int32)
   state = dataclasses.replace(
       start.state, draft=drafter.start(start, prompt_tokens, max_length),
@@ -543,7 +559,7 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
       if penalties is not None and earlier is not None:
         penalties = penalties.add_tokens(earlier, earlier >= 0)
       token, log_probs = sample_tokens(logits, params, position_keys(draft_keys, jnp.full((b,), i, jnp.int32)),
-                                       all_greedy=all_greedy, penalty_state=penalties)
+                                       all_greedy=all_greedy, no_filters=no_filters, penalty_state=penalties)
       # Greedy rejection ignores draft probabilities: do not build [B, K, V] for it.
       return token, None if all_greedy else jnp.exp(log_probs)
 
@@ -558,7 +574,7 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
         (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
       out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
                              key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs,
-                             method=method, penalty_state=s.penalties)
+                             method=method, penalty_state=s.penalties, no_filters=no_filters)
       emitted, num_emitted, emitted_lp = out.token_ids, out.num_emitted, out.logprobs  # [B, K+1], -1 after
     else:
       emitted, num_emitted, emitted_lp, t_cache, draft_carry, features = tree_round(

@@ -71,6 +71,44 @@ def categorical_with_empty(key: jax.Array, log_w: jax.Array, shards=None):
   return tok, jnp.all(chunk_logw == -jnp.inf, axis=-1)
 
 
+def categorical_with_fallback(key: jax.Array, log_w: jax.Array, fallback_log_w: jax.Array, shards=None) -> jax.Array:
+  """`categorical_with_empty`, drawing from `fallback_log_w` in the rows where `log_w` has no finite weight.
+
+  Without a branch: both chunk masses come from the same pass (the two
+  reductions read the same inputs), each row keeps one set, and only the
+  chosen chunk of the chosen weights is built. A caller that would otherwise
+  redraw under `lax.cond` avoids the predicate's device-to-host copy.
+
+  Args:
+    key: typed keys [B] (one per row).
+    log_w, fallback_log_w: f32[B, V] unnormalised log-weights (this device's
+      [B, V/m] under `shards`), V a multiple of `chunk_size(V)`.
+    shards: as for `categorical_with_empty`.
+
+  Returns:
+    int32[B]: drawn from log_w, or from fallback_log_w where log_w is all -inf
+    (meaningless where both are).
+
+  Example:
+    >>> tok = categorical_with_fallback(keys, residual_log_w, log_p)   # the residual, else p
+  """
+  b, v = log_w.shape[0], (log_w.shape[1] if shards is None else shards.vocab)
+  c = chunk_size(v)
+  n = log_w.shape[1] // c
+  main, fallback = log_w.reshape(b, n, c), fallback_log_w.reshape(b, n, c)
+
+  def chunk_log_mass(chunks):
+    m, s = max_and_sumexp(chunks)
+    logw = jnp.where(s > 0, m + jnp.log(s), -jnp.inf)  # [B, n]
+    return logw if shards is None else shards.gather(logw)
+
+  main_mass, fallback_mass = chunk_log_mass(main), chunk_log_mass(fallback)
+  empty = jnp.all(main_mass == -jnp.inf, axis=-1)
+  pick = lambda chunks, ch: jnp.take_along_axis(chunks, ch[:, None, None], axis=1)[:, 0]
+  return draw_from_chunks(key, jnp.where(empty[:, None], fallback_mass, main_mass),
+                          lambda ch: jnp.where(empty[:, None], pick(fallback, ch), pick(main, ch)), shards)
+
+
 def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weights, shards=None) -> jax.Array:
   """Two-stage Gumbel-max: a chunk by its mass, then a token inside that chunk.
 

@@ -58,12 +58,14 @@ def _lse_combine(m1, s1, m2, s2):
   """Merges two (max, sum of exp(x - max)) pairs with a single exponential.
 
   The larger max survives and only the other side's sum is rescaled. A side
-  whose max is -inf carries no mass (and exp(-inf - -inf) would be NaN).
+  whose max is -inf carries no mass (and exp(-inf - -inf) would be NaN); two
+  sides whose max is +inf add their sums (counts of +inf logits).
   """
   first = m1 >= m2
   hi, lo = jnp.where(first, m1, m2), jnp.where(first, m2, m1)
   s_hi, s_lo = jnp.where(first, s1, s2), jnp.where(first, s2, s1)
-  return hi, s_hi + jnp.where(lo == -jnp.inf, 0.0, s_lo * jnp.exp(lo - hi))
+  # lo == hi: exp(0) = 1 exactly, and +inf == +inf (two +inf logits in one chunk) must not give exp(NaN).
+  return hi, s_hi + jnp.where(lo == -jnp.inf, 0.0, jnp.where(lo == hi, s_lo, s_lo * jnp.exp(lo - hi)))
 
 
 def max_and_sumexp(x: jax.Array, *, with_argmax: bool = False):
@@ -204,6 +206,79 @@ def chunk_stats(x: jax.Array, *, with_argmax: bool = False, shards=None):
     ch = jnp.argmax(m_c, axis=-1)
     am = (ch * c + jnp.take_along_axis(first, ch[..., None], axis=-1)[..., 0]).astype(jnp.int32)
   return jnp.max(m_c, axis=-1), lse, am, chunk_logw
+
+
+def shifted_chunk_stats(logits: jax.Array, temperature: jax.Array, *, chunk: int, with_argmax: bool = False,
+                        shards=None):
+  """(shift, lse, argmax or None, chunk log-masses) of softmax(logits / T), overflow-safe in one pass, no branch.
+
+  `chunk_stats` reduces `logits / T`, which overflows for a temperature near 0
+  or logits near the float32 limit; its callers then redo those rows under a
+  run-time `lax.cond`, which on a GPU costs a device-to-host copy of the
+  predicate on every call. Here the running max is kept on the *raw* logits
+  and the running sum in units of exp((x - max) / T), so every exponent is
+  <= 0: nothing can overflow and no row needs a redo. The results describe
+  `scale_logits(logits, T, shift)` with shift = the row max (0 for a row with
+  no logit above -inf), so +inf logits share the mass and NaN counts as -inf,
+  as on every other path.
+
+  Args:
+    logits: [B, ..., V], any float dtype (this device's slice under `shards`).
+    temperature: f32[B]; greedy rows (below `GREEDY_TEMPERATURE`) count as 1.
+    chunk: static tokens per chunk; a divisor of the (local) V. `V` itself
+      gives one chunk, i.e. whole rows.
+    with_argmax: also the first index of the max (NaN counted as -inf).
+    shards: a `vocab_parallel.VocabShards`, or None. Each device reduces its
+      own chunks and the partials are gathered: the same bits as one device.
+
+  Returns:
+    (shift f32[B, ...], lse f32[B, ...] (-inf: no logit above -inf),
+    argmax int32[B, ...] or None, chunk_logw f32[B, ..., n]), the logs in the
+    shifted frame.
+
+  Example:
+    >>> shift, lse, _, _ = shifted_chunk_stats(jnp.array([[1e38, 0.0]]), jnp.array([1e-3]), chunk=2)
+    >>> shift, lse   # [1e38], [0.]: all the mass on token 0, no overflow
+  """
+  x = values(logits).astype(jnp.float32)
+  x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+  n = x.shape[-1] // chunk
+  x = x.reshape(x.shape[:-1] + (n, chunk))
+  t = jnp.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature).astype(jnp.float32)
+  t_x = jnp.broadcast_to(t.reshape(t.shape + (1,) * (x.ndim - 1)), x.shape)
+
+  def combine(a, b):
+    first = a[0] >= b[0]
+    hi, lo = jnp.where(first, a[0], b[0]), jnp.where(first, b[0], a[0])
+    s_hi, s_lo = jnp.where(first, a[1], b[1]), jnp.where(first, b[1], a[1])
+    t_ab = jnp.maximum(a[2], b[2])  # the row's T (the initial value 0 is below any)
+    # lo == hi also covers +inf == +inf; an exponent (lo - hi) / T <= 0 cannot overflow.
+    scale = jnp.where(lo == -jnp.inf, 0.0, jnp.where(lo == hi, 1.0, jnp.exp((lo - hi) / t_ab)))
+    out = (hi, s_hi + s_lo * scale, t_ab)
+    if with_argmax:
+      out += (jnp.where(a[0] > b[0], a[3], jnp.where(b[0] > a[0], b[3], jnp.minimum(a[3], b[3]))),)
+    return out
+
+  operands, init = (x, jnp.ones_like(x), t_x), (np.float32(-np.inf), np.float32(0), np.float32(0))
+  if with_argmax:
+    operands += (jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1),)
+    init += (np.int32(np.iinfo(np.int32).max),)
+  stats = jax.lax.reduce(operands, init, combine, (x.ndim - 1,))
+  m_c, log_s = stats[0], jnp.log(stats[1])  # per chunk, raw max and log sum in units of its max
+  first = stats[3] if with_argmax else None
+  if shards is not None:
+    m_c, log_s = shards.gather(m_c), shards.gather(log_s)
+    first = shards.gather(first) if with_argmax else None
+  top = jnp.max(m_c, axis=-1, keepdims=True)
+  t_c = t.reshape(t.shape + (1,) * (m_c.ndim - 1))
+  chunk_logw = jnp.where(m_c == -jnp.inf, -jnp.inf, jnp.where(m_c == top, 0.0, (m_c - top) / t_c) + log_s)
+  lse = jax.nn.logsumexp(chunk_logw, axis=-1)
+  am = None
+  if with_argmax:  # first chunk holding the max, first index inside it
+    ch = jnp.argmax(m_c, axis=-1)
+    am = (ch * chunk + jnp.take_along_axis(first, ch[..., None], axis=-1)[..., 0]).astype(jnp.int32)
+  top = top[..., 0]
+  return jnp.where(top == -jnp.inf, 0.0, top), lse, am, chunk_logw
 
 
 def sum_over_vocab(x: jax.Array, shards=None) -> jax.Array:

@@ -113,6 +113,7 @@ def rejection_sample(
     logprobs: str | None = None,
     method: str = "token",
     penalty_state: sampling.PenaltyState | None = None,
+    no_filters: bool = False,
 ) -> RejectionOutput:
   """Verifies draft tokens against the target, losslessly.
 
@@ -133,6 +134,12 @@ def rejection_sample(
       exponential, no random numbers and no probability tensor.
     all_random: static promise that no row is greedy: no argmax is computed.
       (Both flags are promises; they are not checked under jit.)
+    no_filters: static promise that no row uses top-k, top-p or min-p (they
+      are ignored). Random rows then take one overflow-safe softmax pass
+      (`sampling.position_stats`) and a chunk draw without any run-time
+      branch on the filters or the overflow redo: on a GPU every such
+      branch copies its predicate to the host, which at batch 1 costs more
+      than the work. The same distribution as without the flag.
     logprobs: static; None (default), "raw" or "processed": also return the
       log-probability of every emitted token under the target at its position.
       "raw" is `log_softmax` of the unmodified logits; "processed" is under the
@@ -235,7 +242,7 @@ def rejection_sample(
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
   program = functools.partial(_rejection_sample, all_greedy=all_greedy, all_random=all_random, logprobs=logprobs,
-                              method=method, shards=shards)
+                              method=method, no_filters=bool(no_filters), shards=shards)
   if shards is None:
     program = auto_axes_if_explicit(program)
   return program(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
@@ -475,6 +482,9 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
     return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
 
   def row_draw():
+    if any_filtered is None and v % sampling.chunk_size(v if shards is None else shards.vocab) == 0:
+      # The no-filters program has no branch: the fallback's chunk masses come from the same pass.
+      return sampling.categorical_with_fallback(key, stop_log_weights(True), stop_log_weights(False), shards)
     tok, empty = sampling.categorical_with_empty(key, stop_log_weights(True), shards)
     # A residual with no mass falls back to p. The check comes from the draw's own
     # chunk masses; the redraw runs only if needed.
@@ -495,11 +505,14 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
 
     def chunk_log_weights(ch):  # [B] -> [B, c]: the chosen chunk of the stopping row, under p
       row = jnp.take_along_axis(sampling.values(logits), s[:, None, None], axis=1).reshape(b, n_ch, c)
-      return sampling.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature)
+      return sampling.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature,
+                                   shift_s)
 
     return sampling.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c, shards)
 
-  if stats.chunk_log_mass is not None and draft_probs is None:
+  if stats.chunk_log_mass is not None and draft_probs is None and any_filtered is None:
+    tok = chunk_draw()  # no filters and no redone rows (`position_stats(no_filters=True)`)
+  elif stats.chunk_log_mass is not None and draft_probs is None:
     # Rows redone by the shift have no chunk masses: they draw from their full row.
     redone_s = at_s(stats.redone)[:, 0]
     mixed_draw = lambda: jax.lax.cond(any_(redone_s), lambda: jnp.where(redone_s, row_draw(), chunk_draw()),
@@ -510,7 +523,8 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
   return jnp.where(lse_s[:, 0] > -jnp.inf, tok, 0)  # nothing to draw from: token 0, as greedy
 
 
-def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token", shards=None):
+def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token", no_filters=False,
+             shards=None):
   """Random rows (and greedy rows of a mixed batch) in one read of the logits, in four steps."""
   b, k1 = logits.shape[:2]
   v = logits.shape[-1] if shards is None else shards.vocab
@@ -518,8 +532,10 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, met
   greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
   # 1. Every position's processed distribution: threshold, normaliser, argmax, chunk masses.
   stats = sampling.position_stats(logits, params, greedy=greedy if need_argmax else None, argmax=need_argmax,
-                                  chunks=True, shards=shards)
-  any_filtered = vocab_parallel.any_rows(sampling.filter_active(params, v, greedy=greedy), shards)
+                                  chunks=True, no_filters=no_filters, shards=shards)
+  # None: no row filters (a static promise), so no run-time branch on it.
+  any_filtered = None if no_filters else vocab_parallel.any_rows(sampling.filter_active(params, v, greedy=greedy),
+                                                                 shards)
   # 2. Each draft's log-probability under the target and the draft (gathers only).
   scores = _score_drafts(draft, logits, params, stats, draft_probs, shards)
   # 3. The accepted prefix: in log space, accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
@@ -556,11 +572,12 @@ def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method", "shards"))
+@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method", "no_filters",
+                                             "shards"))
 def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state=None, *, all_greedy, all_random,
-                      logprobs=None, method="token", shards=None):
+                      logprobs=None, method="token", no_filters=False, shards=None):
   program = functools.partial(_program, all_greedy=all_greedy, all_random=all_random, logprobs=logprobs,
-                              method=method, shards=shards)
+                              method=method, no_filters=no_filters, shards=shards)
   if shards is None:
     return program(draft, logits, params, keys, draft_probs, n, penalty_state)
   # Each device runs the program on its rows and its slice of the vocabulary.
@@ -573,7 +590,7 @@ def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state
 
 
 def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, all_greedy, all_random, logprobs,
-             method, shards):
+             method, no_filters, shards):
   """The whole sampler on one device, or on this device's rows and vocabulary slice under `shards`."""
   raw_logits = logits
   if params.has_logit_bias or params.has_penalties:
@@ -592,7 +609,7 @@ def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, all_
     out, stats = _greedy(draft, logits, live, shards), no_stats
   else:
     general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live,
-                                method=method, shards=shards)
+                                method=method, no_filters=no_filters, shards=shards)
     if all_random:
       out, stats = general(draft, logits, need_argmax=False)
     else:

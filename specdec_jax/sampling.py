@@ -60,11 +60,13 @@ from jax.sharding import PartitionSpec as P
 # The building blocks live in their own modules (parameters, reductions, penalties,
 # thresholds, draws); the names the rest of the library reads are re-exported here.
 from specdec_jax.draws import (  # noqa: F401
-    categorical_from_log_weights, categorical_with_empty, draw_from_chunks, draw_from_chunks_excluding)
+    categorical_from_log_weights, categorical_with_empty, categorical_with_fallback, draw_from_chunks,
+    draw_from_chunks_excluding)
 from specdec_jax.penalties import (  # noqa: F401
     PenaltyState, _modifies_logits, apply_penalties, penalized_view, penalty_params)
 from specdec_jax.reductions import (  # noqa: F401
-    LogitsView, _bcast, chunk_size, chunk_stats, greedy_argmax, max_and_sumexp, scale_logits, sum_over_vocab, values)
+    LogitsView, _bcast, chunk_size, chunk_stats, greedy_argmax, max_and_sumexp, scale_logits, shifted_chunk_stats,
+    sum_over_vocab, values)
 from specdec_jax.sampling_params import (  # noqa: F401
     GREEDY_TEMPERATURE, SamplingParams, check_bias_ids, check_logits_values, check_params, check_probs_values,
     row_keys, valid_probs)
@@ -117,7 +119,8 @@ class PositionStats:
 
 
 def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Array | None = None,
-                   argmax: bool = False, chunks: bool = False, shards=None) -> PositionStats:
+                   argmax: bool = False, chunks: bool = False, no_filters: bool = False,
+                   shards=None) -> PositionStats:
   """Threshold, normaliser, argmax and chunk masses of every position, in one read of the logits.
 
   The paths, chosen at run time for the whole batch (a row's numbers never
@@ -131,6 +134,7 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
   |                                    | in one more pass, only if some row is greedy              |
   | some lse not finite (overflow,     | those rows redone on logits shifted by their max          |
   | +inf logits, nothing above -inf)   | (`shift_non_finite_rows`), under a `lax.cond`             |
+  | `no_filters=True` (static)         | one overflow-safe pass (`shifted_chunk_stats`), no branch |
 
   Args:
     logits: [B, ..., V], any float dtype (after bias and penalties, if any).
@@ -143,6 +147,12 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
       reduces per chunk of `chunk_size(V)` tokens, which on an H100 is also the
       faster pass; bench/RESULTS.md). Needs V to be a multiple of the chunk
       size, else chunk_log_mass stays None.
+    no_filters: static promise that no row filters: top_k, top_p and min_p are
+      ignored, and one pass shifted by every row's max (`shifted_chunk_stats`)
+      replaces the run-time branches (the filter search, the overflow redo,
+      the argmax ride-along), which on a GPU each cost a device-to-host copy.
+      The statistics are those of the unfiltered path up to rounding (every
+      row gets a shift, so thr is -inf and nothing is redone).
     shards: a `vocab_parallel.VocabShards` inside the samplers' shard_map (the
       logits are then this device's slice [B, ..., V/m]), or None. The
       results are the whole vocabulary's, the same on every device.
@@ -164,6 +174,12 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
   chunked = (chunks and v % c == 0) or shards is not None
   n_ch = v // c if chunked else 1
   t = params.temperature
+  if no_filters:
+    shift, lse, am, chunk_logw = shifted_chunk_stats(logits, t, chunk=c if chunked else logits.shape[-1],
+                                                     with_argmax=need_argmax, shards=shards)
+    return PositionStats(shift=shift, thr=jnp.full(lead, -jnp.inf, jnp.float32), lse=lse,
+                         argmax=am if need_argmax else no_argmax, redone=jnp.zeros(lead, jnp.bool_),
+                         chunk_log_mass=chunk_logw if chunked and chunks else None)
   any_ = lambda x: any_rows(x, shards)
   # One predicate decides which rows filter; greedy rows never do.
   filters_on = filter_active(params, v, greedy=greedy)
@@ -368,7 +384,7 @@ def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingPa
 
 
 def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy: bool = False,
-                  penalty_state: PenaltyState | None = None, logprobs: str | None = None):
+                  no_filters: bool = False, penalty_state: PenaltyState | None = None, logprobs: str | None = None):
   """Plain sampling of one token per row, plus the distribution it came from.
 
   When params carry a logit bias or penalties, each row's logits first go
@@ -386,6 +402,10 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
     key: one PRNG key or a batch of B keys (see `row_keys`).
     all_greedy: static promise that every row is greedy: argmax only, no
       softmax and no random numbers for the token (log_probs is one-hot).
+    no_filters: static promise that no row uses top-k, top-p or min-p (they
+      are ignored): the program holds one overflow-safe softmax pass and no
+      run-time branch (`position_stats`). The same distribution; draws may
+      differ from the default program's in rare rounding ties.
     penalty_state: PenaltyState of batch B and vocabulary V (the rows' prompts
       and generated tokens). Needed when params carry penalties, unless they
       are concrete and all neutral (r = 1, f = p = 0).
@@ -408,6 +428,7 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
     >>> tok, logp = sample_tokens(logits, SamplingParams.create([0.0, 1.0]), jax.random.key(0))
     >>> params = SamplingParams.create(0.8, min_p=0.05, repetition_penalty=1.1)
     >>> tok, logp, lp = sample_tokens(logits, params, key, penalty_state=state, logprobs="processed")
+    >>> tok, logp = sample_tokens(logits, SamplingParams.create(1.0), key, no_filters=True)  # branch-free
   """
   where = "sample_tokens"
   if logits.ndim != 2:
@@ -419,7 +440,7 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
   check_logits_values(logits, None, f"{where}: logits")
   steps = penalty_params(params, penalty_state, b, v, where)
   keys = None if all_greedy else row_keys(key, b)
-  body = functools.partial(_sample_tokens, all_greedy=all_greedy, logprobs=logprobs)
+  body = functools.partial(_sample_tokens, all_greedy=all_greedy, no_filters=no_filters, logprobs=logprobs)
   shards = shards_for(v, b)
   if shards is None:  # (a vocabulary that does not split into whole chunks: XLA moves the data)
     return auto_axes_if_explicit(functools.partial(body, shards=None))(logits, steps, keys, penalty_state)
@@ -432,7 +453,7 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
       logits, steps, keys, penalty_state)
 
 
-def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs, shards):
+def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, no_filters, logprobs, shards):
   """`sample_tokens` after its checks, on one device or on this device's rows and vocabulary slice."""
   b, v_here = logits.shape  # v_here: this device's tokens under shards
   offset = 0 if shards is None else shards.offset()
@@ -453,7 +474,7 @@ def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs,
     return greedy_tok, one_hot, lp
   # Greedy rows' filters are ignored: their distribution is the one-hot below.
   logp = log_probs_from_stats(x, params, position_stats(x, params, greedy=params.is_greedy, chunks=True,
-                                                        shards=shards))
+                                                        no_filters=no_filters, shards=shards))
   # A row of all -inf draws index 0 (every Gumbel-perturbed weight is -inf), as greedy does.
   tok = categorical_with_empty(keys, logp, shards)[0]
   greedy = params.is_greedy
