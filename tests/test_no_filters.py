@@ -208,7 +208,7 @@ def test_rejection_sample_no_filters_every_position_chisquare(with_probs):
 
 
 def test_categorical_with_fallback_draws_from_the_fallback_only_where_empty():
-  v, n = 8, 4000
+  n = 4000
   main = np.log(np.array([[0, 1, 0, 3, 0, 0, 0, 0], [0] * 8], np.float32))
   fallback = np.log(np.array([[1] * 8, [0, 0, 0, 0, 0, 2, 2, 0]], np.float32))
   draw = jax.jit(jax.vmap(lambda kk: categorical_with_fallback(jax.random.split(kk, 2), jnp.asarray(main),
