@@ -243,10 +243,11 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
       them ("raw": log_softmax of the logits; "processed": under the
       distribution the row samples from, log_softmax for greedy rows).
     no_filters: static promise that no row uses top-k, top-p or min-p (they
-      are then ignored): sampling compiles one overflow-safe softmax pass and
-      no run-time branch, which on a GPU saves a device-to-host copy per
-      branch and step. The same distribution; draws may differ from the
-      default program's in rare rounding ties.
+      are then ignored; `SamplingParams.promise_no_filters`): sampling
+      compiles one overflow-safe softmax pass and no run-time branch, which on
+      a GPU saves a device-to-host copy per branch and step. The same
+      distribution; draws may differ from the default program's where
+      rounding ties two candidates.
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens] with -1 after each row's end,
@@ -269,10 +270,12 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
       where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy)
   _check_context(where, [("target", target)], prompt_tokens.shape[1], max_new_tokens)
   _check_bias_vocab(where, target, params, prompt_tokens)
+  if no_filters:
+    params = params.promise_no_filters()  # static: every sampling call below reads it
   target_def, target_arrays = _split(target, "target")
   return _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, None if all_greedy else key,
                        target_def=target_def, max_new_tokens=max_new_tokens, eos=eos, all_greedy=bool(all_greedy),
-                       logprobs=logprobs, no_filters=bool(no_filters))
+                       logprobs=logprobs)
 
 
 def _check_logprobs(where, logprobs):
@@ -280,25 +283,24 @@ def _check_logprobs(where, logprobs):
     raise ValueError(f"{where}: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy", "logprobs",
-                                             "no_filters"))
+@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy", "logprobs"))
 def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
-                  all_greedy, logprobs, no_filters=False):
+                  all_greedy, logprobs):
   # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
   program = functools.partial(_generate_program, target_def=target_def, max_new_tokens=max_new_tokens, eos=eos,
-                              all_greedy=all_greedy, logprobs=logprobs, no_filters=no_filters)
+                              all_greedy=all_greedy, logprobs=logprobs)
   return auto_axes_if_explicit(program)(target_arrays, prompt_tokens, prompt_lengths, params, key)
 
 
 def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
-                      all_greedy, logprobs, no_filters=False):
+                      all_greedy, logprobs):
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
   prompt_lengths = clip_lengths(prompt_lengths, p)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
   start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=False, where="generate",
-                 logprobs=logprobs, no_filters=no_filters)
+                 logprobs=logprobs)
   rows = arange32(b)
 
   def body(s: LoopState) -> LoopState:
@@ -306,7 +308,7 @@ def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key,
     last = gather_rows(s.tokens, s.length - 1)
     logits, cache = t_apply(last[:, None], (s.length - 1)[:, None], s.target_cache)
     token, _, token_lp = sample_next(logits[:, 0], params, position_keys(start.keys, s.length), all_greedy,
-                                     s.penalties, logprobs, no_filters)
+                                 s.penalties, logprobs)
     live = ~s.done
     # Finished rows write nowhere (index max_length is dropped) and stay put.
     slot = jnp.where(live, s.length, max_length)
@@ -393,12 +395,13 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
       expectation; greedy rows are unaffected. Chains only (a tree's walk is
       its own verifier).
     no_filters: static promise that no row uses top-k, top-p or min-p (they
-      are then ignored): the draft's sampling and `rejection_sample` compile
-      one overflow-safe softmax pass and no run-time branch on the filters,
-      the overflow redo or an empty residual; on a GPU each such branch
-      copies its predicate to the host, every draft step and every round.
-      The same distribution; draws may differ from the default program's in
-      rare rounding ties. A tree round's own sampling ignores the flag.
+      are then ignored; `SamplingParams.promise_no_filters`): the draft's
+      sampling (chain or tree) and the verifier compile no run-time branch on
+      the filters, the overflow redo or an empty residual. On a GPU each such
+      branch costs a device-to-host copy, several per round; at T=1 on an
+      H200 the flag took SmolLM2 with the EAGLE head (K=2) from 1350 to 1632
+      tokens/s. The same distribution; draws may differ from the default
+      program's where rounding ties two candidates.
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens], lengths int32[B], stats,
@@ -435,6 +438,8 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
                                     [("draft", draft)])
   _check_context(where, checked, prompt_tokens.shape[1], max_new_tokens)
   _check_bias_vocab(where, target, params, prompt_tokens)
+  if no_filters:
+    params = params.promise_no_filters()  # static: the draft's sampler and the verifier read it
   target_def, target_arrays = _split(target, "target")
   if isinstance(draft, PromptLookupDrafter):
     draft_def, draft_arrays = draft, None
@@ -449,8 +454,7 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
   return _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params,
                           None if all_greedy else key, target_def=target_def, draft_def=draft_def,
                           feature_draft=feature_draft, num_speculative_tokens=int(k), max_new_tokens=max_new_tokens,
-                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree, method=verification,
-                          no_filters=bool(no_filters))
+                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree, method=verification)
 
 
 def _slots_per_round(tree, k) -> int:
@@ -497,22 +501,21 @@ def _check_tree(where, draft_tree, k, target, draft, verification="token") -> Dr
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "feature_draft", "num_speculative_tokens",
-                                             "max_new_tokens", "eos", "all_greedy", "logprobs", "tree", "method",
-                                             "no_filters"))
+                                             "max_new_tokens", "eos", "all_greedy", "logprobs", "tree", "method"))
 def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
                      draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
-                     logprobs, tree, method="token", no_filters=False):
+                     logprobs, tree, method="token"):
   # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
   program = functools.partial(_speculative_program, target_def=target_def, draft_def=draft_def,
                               feature_draft=feature_draft, num_speculative_tokens=num_speculative_tokens,
                               max_new_tokens=max_new_tokens, eos=eos, all_greedy=all_greedy, logprobs=logprobs,
-                              tree=tree, method=method, no_filters=no_filters)
+                              tree=tree, method=method)
   return auto_axes_if_explicit(program)(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key)
 
 
 def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
                          draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
-                         logprobs, tree, method="token", no_filters=False):
+                         logprobs, tree, method="token"):
   b, p = prompt_tokens.shape
   k = num_speculative_tokens
   n = k if tree is None else tree.num_nodes  # drafts per round
@@ -534,7 +537,7 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
   prompt_lengths = clip_lengths(prompt_lengths, p)
   start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
                  eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=drafter.needs_features,
-                 where=where, logprobs=logprobs, no_filters=no_filters)
+                 where=where, logprobs=logprobs)
   zeros_k = jnp.zeros((k,), jnp.int32)
   state = dataclasses.replace(
       start.state, draft=drafter.start(start, prompt_tokens, max_length),
@@ -559,7 +562,7 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
       if penalties is not None and earlier is not None:
         penalties = penalties.add_tokens(earlier, earlier >= 0)
       token, log_probs = sample_tokens(logits, params, position_keys(draft_keys, jnp.full((b,), i, jnp.int32)),
-                                       all_greedy=all_greedy, no_filters=no_filters, penalty_state=penalties)
+                                       all_greedy=all_greedy, penalty_state=penalties)
       # Greedy rejection ignores draft probabilities: do not build [B, K, V] for it.
       return token, None if all_greedy else jnp.exp(log_probs)
 
@@ -574,7 +577,7 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
         (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
       out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
                              key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs,
-                             method=method, penalty_state=s.penalties, no_filters=no_filters)
+                             method=method, penalty_state=s.penalties)
       emitted, num_emitted, emitted_lp = out.token_ids, out.num_emitted, out.logprobs  # [B, K+1], -1 after
     else:
       emitted, num_emitted, emitted_lp, t_cache, draft_carry, features = tree_round(

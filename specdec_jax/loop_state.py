@@ -203,20 +203,18 @@ def prefill_inputs(prompt_tokens, prompt_lengths):
   return jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0), pos
 
 
-def sample_next(logits, params, keys, all_greedy, penalties, logprobs, no_filters=False):
+def sample_next(logits, params, keys, all_greedy, penalties, logprobs):
   """One token per row from [B, V] logits: (token [B], log_probs [B, V], its log-probability [B] or None).
 
   `penalties` is the context's `PenaltyState` (None without penalties);
-  `logprobs` the loop's mode (None: not asked for); `no_filters` the loop's
-  static promise (`sample_tokens`).
+  `logprobs` the loop's mode (None: not asked for).
   """
-  out = sample_tokens(logits, params, keys, all_greedy=all_greedy, no_filters=no_filters, penalty_state=penalties,
-                      logprobs=logprobs)
+  out = sample_tokens(logits, params, keys, all_greedy=all_greedy, penalty_state=penalties, logprobs=logprobs)
   return out if logprobs is not None else out + (None,)
 
 
 def start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,
-           all_greedy, with_features, where, logprobs=None, no_filters=False) -> Start:
+           all_greedy, with_features, where, logprobs=None) -> Start:
   """Keys, the target's prefill, the first new token, the token buffer.
 
   The prefill feeds the padded prompt at positions arange(P) and samples the
@@ -237,7 +235,7 @@ def start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, m
   if params.has_penalties:  # the context's counts, kept by the loop (static: the params' structure)
     penalties = PenaltyState.from_prompt(prompt_tokens, prompt_lengths, logits.shape[-1])
   first, first_dist, first_lp = sample_next(first_logits, params, position_keys(keys, prompt_lengths), all_greedy,
-                                            penalties, logprobs, no_filters)
+                                        penalties, logprobs)
 
   slot = arange32(max_length)[None, :]
   padded = jnp.pad(prompt_tokens, ((0, 0), (0, max_length - p)))

@@ -241,8 +241,10 @@ def rejection_sample(
   shards = vocab_parallel.shards_for(v, b)
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
+  if no_filters:
+    params = params.promise_no_filters()  # static, in the params' structure (`_general` reads it)
   program = functools.partial(_rejection_sample, all_greedy=all_greedy, all_random=all_random, logprobs=logprobs,
-                              method=method, no_filters=bool(no_filters), shards=shards)
+                              method=method, shards=shards)
   if shards is None:
     program = auto_axes_if_explicit(program)
   return program(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
@@ -511,7 +513,7 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
     return sampling.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c, shards)
 
   if stats.chunk_log_mass is not None and draft_probs is None and any_filtered is None:
-    tok = chunk_draw()  # no filters and no redone rows (`position_stats(no_filters=True)`)
+    tok = chunk_draw()  # no filters and no redone rows (`params.no_filters`: see `position_stats`)
   elif stats.chunk_log_mass is not None and draft_probs is None:
     # Rows redone by the shift have no chunk masses: they draw from their full row.
     redone_s = at_s(stats.redone)[:, 0]
@@ -523,8 +525,7 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
   return jnp.where(lse_s[:, 0] > -jnp.inf, tok, 0)  # nothing to draw from: token 0, as greedy
 
 
-def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token", no_filters=False,
-             shards=None):
+def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token", shards=None):
   """Random rows (and greedy rows of a mixed batch) in one read of the logits, in four steps."""
   b, k1 = logits.shape[:2]
   v = logits.shape[-1] if shards is None else shards.vocab
@@ -532,10 +533,10 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, met
   greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
   # 1. Every position's processed distribution: threshold, normaliser, argmax, chunk masses.
   stats = sampling.position_stats(logits, params, greedy=greedy if need_argmax else None, argmax=need_argmax,
-                                  chunks=True, no_filters=no_filters, shards=shards)
-  # None: no row filters (a static promise), so no run-time branch on it.
-  any_filtered = None if no_filters else vocab_parallel.any_rows(sampling.filter_active(params, v, greedy=greedy),
-                                                                 shards)
+                                  chunks=True, shards=shards)
+  # None: no row filters (the static promise, `params.no_filters`), so no run-time branch on it.
+  any_filtered = None if params.no_filters else vocab_parallel.any_rows(
+      sampling.filter_active(params, v, greedy=greedy), shards)
   # 2. Each draft's log-probability under the target and the draft (gathers only).
   scores = _score_drafts(draft, logits, params, stats, draft_probs, shards)
   # 3. The accepted prefix: in log space, accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
@@ -572,12 +573,11 @@ def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method", "no_filters",
-                                             "shards"))
+@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method", "shards"))
 def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state=None, *, all_greedy, all_random,
-                      logprobs=None, method="token", no_filters=False, shards=None):
+                      logprobs=None, method="token", shards=None):
   program = functools.partial(_program, all_greedy=all_greedy, all_random=all_random, logprobs=logprobs,
-                              method=method, no_filters=no_filters, shards=shards)
+                              method=method, shards=shards)
   if shards is None:
     return program(draft, logits, params, keys, draft_probs, n, penalty_state)
   # Each device runs the program on its rows and its slice of the vocabulary.
@@ -590,7 +590,7 @@ def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state
 
 
 def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, all_greedy, all_random, logprobs,
-             method, no_filters, shards):
+             method, shards):
   """The whole sampler on one device, or on this device's rows and vocabulary slice under `shards`."""
   raw_logits = logits
   if params.has_logit_bias or params.has_penalties:
@@ -609,7 +609,7 @@ def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, all_
     out, stats = _greedy(draft, logits, live, shards), no_stats
   else:
     general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live,
-                                method=method, no_filters=no_filters, shards=shards)
+                                method=method, shards=shards)
     if all_random:
       out, stats = general(draft, logits, need_argmax=False)
     else:

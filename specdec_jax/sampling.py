@@ -119,8 +119,7 @@ class PositionStats:
 
 
 def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Array | None = None,
-                   argmax: bool = False, chunks: bool = False, no_filters: bool = False,
-                   shards=None) -> PositionStats:
+                   argmax: bool = False, chunks: bool = False, shards=None) -> PositionStats:
   """Threshold, normaliser, argmax and chunk masses of every position, in one read of the logits.
 
   The paths, chosen at run time for the whole batch (a row's numbers never
@@ -134,7 +133,7 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
   |                                    | in one more pass, only if some row is greedy              |
   | some lse not finite (overflow,     | those rows redone on logits shifted by their max          |
   | +inf logits, nothing above -inf)   | (`shift_non_finite_rows`), under a `lax.cond`             |
-  | `no_filters=True` (static)         | one overflow-safe pass (`shifted_chunk_stats`), no branch |
+  | `params.no_filters` (static)       | one overflow-safe pass (`shifted_chunk_stats`), no branch |
 
   Args:
     logits: [B, ..., V], any float dtype (after bias and penalties, if any).
@@ -147,12 +146,6 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
       reduces per chunk of `chunk_size(V)` tokens, which on an H100 is also the
       faster pass; bench/RESULTS.md). Needs V to be a multiple of the chunk
       size, else chunk_log_mass stays None.
-    no_filters: static promise that no row filters: top_k, top_p and min_p are
-      ignored, and one pass shifted by every row's max (`shifted_chunk_stats`)
-      replaces the run-time branches (the filter search, the overflow redo,
-      the argmax ride-along), which on a GPU each cost a device-to-host copy.
-      The statistics are those of the unfiltered path up to rounding (every
-      row gets a shift, so thr is -inf and nothing is redone).
     shards: a `vocab_parallel.VocabShards` inside the samplers' shard_map (the
       logits are then this device's slice [B, ..., V/m]), or None. The
       results are the whole vocabulary's, the same on every device.
@@ -174,7 +167,10 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
   chunked = (chunks and v % c == 0) or shards is not None
   n_ch = v // c if chunked else 1
   t = params.temperature
-  if no_filters:
+  # The promise that no row filters (static): one pass shifted by every row's max replaces the
+  # run-time branches (the filter search, the overflow redo, the argmax ride-along), each of which
+  # costs a device-to-host copy on a GPU. The statistics are the unfiltered path's up to rounding.
+  if params.no_filters:
     shift, lse, am, chunk_logw = shifted_chunk_stats(logits, t, chunk=c if chunked else logits.shape[-1],
                                                      with_argmax=need_argmax, shards=shards)
     return PositionStats(shift=shift, thr=jnp.full(lead, -jnp.inf, jnp.float32), lse=lse,
@@ -404,8 +400,9 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
       softmax and no random numbers for the token (log_probs is one-hot).
     no_filters: static promise that no row uses top-k, top-p or min-p (they
       are ignored): the program holds one overflow-safe softmax pass and no
-      run-time branch (`position_stats`). The same distribution; draws may
-      differ from the default program's in rare rounding ties.
+      run-time branch (`position_stats`): `params.promise_no_filters()`. The
+      same distribution; draws may differ from the default program's where
+      rounding ties two candidates.
     penalty_state: PenaltyState of batch B and vocabulary V (the rows' prompts
       and generated tokens). Needed when params carry penalties, unless they
       are concrete and all neutral (r = 1, f = p = 0).
@@ -438,9 +435,11 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
   if logprobs not in (None, "raw", "processed"):
     raise ValueError(f"{where}: logprobs must be None, 'raw' or 'processed', got {logprobs!r}")
   check_logits_values(logits, None, f"{where}: logits")
+  if no_filters:
+    params = params.promise_no_filters()
   steps = penalty_params(params, penalty_state, b, v, where)
   keys = None if all_greedy else row_keys(key, b)
-  body = functools.partial(_sample_tokens, all_greedy=all_greedy, no_filters=no_filters, logprobs=logprobs)
+  body = functools.partial(_sample_tokens, all_greedy=all_greedy, logprobs=logprobs)
   shards = shards_for(v, b)
   if shards is None:  # (a vocabulary that does not split into whole chunks: XLA moves the data)
     return auto_axes_if_explicit(functools.partial(body, shards=None))(logits, steps, keys, penalty_state)
@@ -453,7 +452,7 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
       logits, steps, keys, penalty_state)
 
 
-def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, no_filters, logprobs, shards):
+def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs, shards):
   """`sample_tokens` after its checks, on one device or on this device's rows and vocabulary slice."""
   b, v_here = logits.shape  # v_here: this device's tokens under shards
   offset = 0 if shards is None else shards.offset()
@@ -474,7 +473,7 @@ def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, no_filter
     return greedy_tok, one_hot, lp
   # Greedy rows' filters are ignored: their distribution is the one-hot below.
   logp = log_probs_from_stats(x, params, position_stats(x, params, greedy=params.is_greedy, chunks=True,
-                                                        no_filters=no_filters, shards=shards))
+                                                        shards=shards))
   # A row of all -inf draws index 0 (every Gumbel-perturbed weight is -inf), as greedy does.
   tok = categorical_with_empty(keys, logp, shards)[0]
   greedy = params.is_greedy

@@ -48,6 +48,12 @@ class SamplingParams:
     logit_bias_ids: i32[B, M] or None; token ids whose logits are biased, -1 (any
       negative id) for an unused slot. Ids >= V are ignored under jit.
     logit_bias_values: f32[B, M] or None; the bias of each slot (repeated ids add up).
+    no_filters: static bool (pytree metadata, not a leaf), default False. True
+      promises that no row uses top-k, top-p or min-p: they are ignored, and
+      the samplers compile no run-time branch on them (see `sample_tokens`).
+      Set by the `no_filters=True` flags of the samplers and loops
+      (`promise_no_filters`); every function that samples reads it, so the
+      promise reaches a loop's draft sampling and its verifier alike.
 
   Example:
     >>> params = SamplingParams.create([0.0, 0.7], top_k=[0, 50], top_p=0.9, min_p=0.05)
@@ -64,6 +70,16 @@ class SamplingParams:
   presence_penalty: jax.Array | None = None  # [B]
   logit_bias_ids: jax.Array | None = None  # [B, M]
   logit_bias_values: jax.Array | None = None  # [B, M]
+  no_filters: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  def promise_no_filters(self) -> "SamplingParams":
+    """These parameters with the static promise that no row filters (`no_filters`).
+
+    Example:
+      >>> SamplingParams.create(1.0).promise_no_filters().no_filters
+      True
+    """
+    return dataclasses.replace(self, no_filters=True)
 
   @classmethod
   def greedy(cls, batch_size: int) -> "SamplingParams":

@@ -85,6 +85,8 @@ def filter_active(params: SamplingParams, vocab_size: int, *, greedy: jax.Array 
     >>> filter_active(SamplingParams.create([1.0, 1.0, 0.0], top_k=[0, 5, 5], min_p=[0.1, 0.0, 0.0]), 100)
     ... # [True, True, False]
   """
+  if params.no_filters:  # the static promise: nothing filters, whatever the fields hold
+    return jnp.zeros(params.temperature.shape, jnp.bool_)
   on = ((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1.0)
   if params.min_p is not None:
     on = on | (params.min_p > 0)

@@ -85,6 +85,7 @@ def tree_rejection_sample(
     all_greedy: bool = False,
     sibling_draws: str = "iid",
     max_depth: int | None = None,
+    no_filters: bool = False,
 ) -> TreeRejectionOutput:
   """Verifies a tree of draft tokens against the target, losslessly.
 
@@ -118,6 +119,9 @@ def tree_rejection_sample(
       (the walk's length and the outputs' width) where `parents` cannot: [B, N]
       or traced parents (a tree chosen at run time, e.g. `dynamic_tree`). Nodes
       deeper than max_depth are never accepted. None: D as described above.
+    no_filters: static promise that no row uses top-k, top-p or min-p (they
+      are ignored): each node's distribution comes from one overflow-safe
+      pass with no run-time branch (`SamplingParams.promise_no_filters`).
 
   Returns:
     TreeRejectionOutput(token_ids int32[B, D+1], accepted_nodes int32[B, D],
@@ -174,6 +178,8 @@ def tree_rejection_sample(
     keys = None
   else:
     keys = sampling.row_keys(key, b, f"{_WHERE}: key")
+  if no_filters:
+    params = params.promise_no_filters()
   return _tree_rejection_sample(draft.astype(jnp.int32), parents.astype(jnp.int32), logits, params, keys,
                                 draft_probs, num_nodes.astype(jnp.int32), depth=depth, max_children=max_children,
                                 all_greedy=all_greedy, without_replacement=sibling_draws == "without_replacement")

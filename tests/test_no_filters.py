@@ -1,9 +1,11 @@
 """The static `no_filters` promise: one overflow-safe softmax pass, no run-time branch, the same law.
 
-`no_filters=True` (in `sample_tokens`, `rejection_sample`, `generate` and
-`speculative_generate`) promises that no row uses top-k, top-p or min-p. The
-samplers then compile `reductions.shifted_chunk_stats` instead of the run-time
-branches on the filters, the overflow redo and an empty residual. Checked here:
+`no_filters=True` (in `sample_tokens`, `rejection_sample`, `tree_rejection_sample`,
+`generate` and `speculative_generate`) promises that no row uses top-k, top-p or
+min-p; it travels as static metadata of the parameters
+(`SamplingParams.promise_no_filters`). The samplers then compile
+`reductions.shifted_chunk_stats` instead of the run-time branches on the
+filters, the overflow redo and an empty residual. Checked here:
 
 * the statistics equal a float64 reference on ordinary rows and on every
   non-finite rule (overflowing temperature, +inf logits, NaN, nothing above -inf);
@@ -87,7 +89,7 @@ def test_position_stats_no_filters_equal_the_default_unfiltered_path():
   params = SamplingParams.create(t)
   for chunks in (False, True):
     want = np.asarray(log_probs_from_stats(x, params, position_stats(jnp.asarray(x), params, chunks=chunks)))
-    got_stats = position_stats(jnp.asarray(x), params, chunks=chunks, no_filters=True)
+    got_stats = position_stats(jnp.asarray(x), params.promise_no_filters(), chunks=chunks)
     got = np.asarray(log_probs_from_stats(x, params, got_stats))
     np.testing.assert_array_equal(got == -np.inf, want == -np.inf)
     np.testing.assert_allclose(np.exp(got), np.exp(want), atol=1e-6)
@@ -240,13 +242,41 @@ def test_speculative_generate_no_filters_is_lossless(monkeypatch):
   assert 0.05 < float(out.stats.acceptance_rate) < 0.95
 
 
-def test_loops_with_no_filters_keep_greedy_rows_exact():
-  target, draft = TinyLM.create(3, 16), TinyLM.create(4, 16)
+def test_the_promise_is_static_metadata_that_ignores_the_filters():
+  params = SamplingParams.create([1.0, 0.7], top_k=[2, 0], top_p=[1.0, 0.5])
+  promised = params.promise_no_filters()
+  assert promised.no_filters and not params.no_filters
+  assert jax.tree.leaves(promised) == jax.tree.leaves(params)  # no new leaf: a new structure, the same arrays
+  assert jax.tree.structure(promised) != jax.tree.structure(params)
+  np.testing.assert_array_equal(sampling.filter_active(promised, 8), [False, False])
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32))
+  want = sampling.process_logits(x, SamplingParams.create([1.0, 0.7]))  # the same rows, unfiltered
+  np.testing.assert_allclose(np.exp(sampling.process_logits(x, promised)), np.exp(want), atol=1e-6)
+
+
+def test_tree_rejection_sample_with_the_promise_has_fewer_branches():
+  from specdec_jax import tree_rejection_sample
+  b, n, v = 2, 3, 512
+  args = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n + 1, v)), SamplingParams.create([1.0, 0.5]),
+          jax.random.split(jax.random.key(0), b), jnp.full((b, n + 1, v), 1.0 / v))
+  tr = lambda d, lg, p, kk, q, **kw: tree_rejection_sample(d, np.array([-1, -1, 0]), lg, p, kk, draft_probs=q, **kw)
+  promised, default = _ops(functools.partial(tr, no_filters=True), *args), _ops(tr, *args)
+  assert len(promised.conditionals(promised.reachable())) < len(default.conditionals(default.reachable()))
+
+
+def test_loops_with_no_filters_keep_greedy_rows_exact(tree_models):
+  """Greedy rows of a mixed batch equal plain greedy decoding: a chain, a tree and the EAGLE head's tree."""
+  target, draft, _, eagle = tree_models  # float32 Transformers (tests/test_tree_loop.py), V = 16
   prompts, lengths = jnp.asarray(np.arange(12).reshape(3, 4) % 16, jnp.int32), jnp.array([4, 2, 3])
   params = SamplingParams.create([0.0, 1.0, 0.0])
   plain = generate(target, prompts, lengths, SamplingParams.greedy(3), None, max_new_tokens=6, all_greedy=True)
-  for out in (generate(target, prompts, lengths, params, jax.random.key(0), max_new_tokens=6, no_filters=True),
-              speculative_generate(target, draft, prompts, lengths, params, jax.random.key(0), max_new_tokens=6,
-                                   num_speculative_tokens=3, no_filters=True)):
+  kw = dict(max_new_tokens=6, no_filters=True)
+  for out in (generate(target, prompts, lengths, params, jax.random.key(0), **kw),
+              speculative_generate(target, draft, prompts, lengths, params, jax.random.key(0),
+                                   num_speculative_tokens=3, **kw),
+              speculative_generate(target, draft, prompts, lengths, params, jax.random.key(0),
+                                   num_speculative_tokens=2, draft_tree=(2, 1), **kw),
+              speculative_generate(target, eagle, prompts, lengths, params, jax.random.key(0),
+                                   num_speculative_tokens=2, draft_tree=(2, 2), **kw)):
     np.testing.assert_array_equal(np.asarray(out.tokens)[[0, 2]], np.asarray(plain.tokens)[[0, 2]])
     assert np.all(np.asarray(out.lengths) == 6)
