@@ -9,7 +9,7 @@ measuring. So every program here is compiled `--compiles` times afresh
 device-to-host copies per round.
 
 Usage (GPU, the GGUF joined as for bench/smollm2.py):
-    PYTHONPATH=.:/tmp/site python3 bench/loop_trace.py --out $OUT/loop --ks 2 --kernels xla,pallas --compiles 3
+    PYTHONPATH=.:/tmp/site python3 bench/loop_trace.py --out $OUT/loop --drafts 2,3x3x1x1 --kernels xla,pallas --compiles 3
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
-from bench.smollm2 import B1_ORDER, build_prompts, encode  # noqa: E402
+from bench.smollm2 import B1_ORDER, build_prompts, encode, parse_tree  # noqa: E402
 from bench.step_profile import kernel_table  # noqa: E402
 from specdec_jax import SamplingParams  # noqa: E402
 from specdec_jax.decoding import generate, speculative_generate  # noqa: E402
@@ -34,15 +34,19 @@ from specdec_jax.models import load_smollm2, load_smollm2_eagle  # noqa: E402
 from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS  # noqa: E402
 
 
-def _programs(target, eagle, k, n, eos):
-  """{name: fn(tokens, lengths, params, key)}: plain and speculative decoding, each with and without no_filters."""
+def _programs(target, eagle, drafts, n, eos):
+  """{name: fn(tokens, lengths, params, key)}: plain decoding and the head's drafts, each with and without
+  no_filters. drafts: {label: K (a chain) or a DraftTree / DynamicTree}."""
   out = {}
   for nf in (False, True):
     tag = "no_filters" if nf else "default"
     out[f"plain/{tag}"] = lambda t, l, p, key, nf=nf: generate(target, t, l, p, key, max_new_tokens=n,
                                                                eos_token_id=eos, no_filters=nf)
-    out[f"eagle/{tag}"] = lambda t, l, p, key, nf=nf: speculative_generate(
-        target, eagle, t, l, p, key, max_new_tokens=n, num_speculative_tokens=k, eos_token_id=eos, no_filters=nf)
+    for label, d in drafts.items():
+      k, tree = (d, None) if isinstance(d, int) else (d.depth, d)
+      out[f"eagle[{label}]/{tag}"] = lambda t, l, p, key, nf=nf, k=k, tree=tree: speculative_generate(
+          target, eagle, t, l, p, key, max_new_tokens=n, num_speculative_tokens=k, eos_token_id=eos,
+          draft_tree=tree, no_filters=nf)
   return out
 
 
@@ -51,15 +55,15 @@ def plot(rows, path, title):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  groups = sorted({(r["kernels"], r["K"]) for r in rows})
-  fig, ax = plt.subplots(figsize=(1.8 + 2.6 * len(groups), 4))
-  width = 0.2
-  for j, prog in enumerate(("plain/default", "plain/no_filters", "eagle/default", "eagle/no_filters")):
-    vals = [next((r["tok_s"] for r in rows if (r["kernels"], r["K"]) == g and r["program"] == prog), 0)
-            for g in groups]
-    bars = ax.bar([i + (j - 1.5) * width for i in range(len(groups))], vals, width, label=prog)
+  groups = [(r["kernels"], r["program"].split("/")[0]) for r in rows if r["program"].endswith("/default")]
+  fig, ax = plt.subplots(figsize=(1.8 + 1.8 * len(groups), 4))
+  width = 0.38
+  for j, tag in enumerate(("default", "no_filters")):
+    vals = [next(r["tok_s"] for r in rows if (r["kernels"], r["program"]) == (kern, f"{prog}/{tag}"))
+            for kern, prog in groups]
+    bars = ax.bar([i + (j - 0.5) * width for i in range(len(groups))], vals, width, label=tag)
     ax.bar_label(bars, fmt="%.0f", fontsize=7)
-  ax.set_xticks(range(len(groups)), [f"{k}, K={kk}" for k, kk in groups])
+  ax.set_xticks(range(len(groups)), [f"{kern}\n{prog}" for kern, prog in groups], fontsize=7)
   ax.set_ylabel("tokens/s (median over compiles)")
   ax.set_title(title, fontsize=9)
   ax.legend(fontsize=7, loc="upper left")
@@ -71,7 +75,9 @@ def plot(rows, path, title):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", required=True)
-  ap.add_argument("--ks", default="2")
+  ap.add_argument("--drafts", default="2",
+                  help="comma list: K for a chain of K, or a tree as bench/smollm2.py names it (3x3x1x1, "
+                       "d4x3x30:sampled); default 2")
   ap.add_argument("--kernels", default="xla,pallas", help="comma list of xla, pallas")
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--prompts", type=int, default=4, help="held-out prompts run one after another (B=1)")
@@ -96,46 +102,48 @@ def main(argv=None):
     toks, lens = encode(tokenizer, [prompts[x] for x in names])
     calls = [(jnp.asarray(toks[i:i + 1]), jnp.asarray(lens[i:i + 1])) for i in range(len(names))]
     params, key = SamplingParams.create(jnp.ones((1,), jnp.float32)), jax.random.key(0)
-    for k in map(int, args.ks.split(",")):
-      programs = _programs(target, eagle, k, args.max_new_tokens, SMOLLM2_EOS_IDS)
-      run = lambda fn: [fn(t, l, params, key) for t, l in calls]
-      medians = {name: [] for name in programs}
-      outs = {}
-      for c in range(args.compiles):
-        jax.clear_caches()  # a fresh compile (and autotuning) of every program
-        times = {name: [] for name in programs}
-        for name, fn in programs.items():
-          outs[name] = jax.block_until_ready(run(fn))
-        for _ in range(args.repeats):  # interleaved: drift hits every program alike
-          for name, fn in programs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(fn))
-            times[name].append(time.perf_counter() - t0)
-        for name in programs:
-          medians[name].append(statistics.median(times[name]))
-        print(f"{kern} K={k} compile {c}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()),
-              flush=True)
+    drafts = {x: (int(x) if x.isdigit() else parse_tree(x)) for x in args.drafts.split(",")}
+    programs = _programs(target, eagle, drafts, args.max_new_tokens, SMOLLM2_EOS_IDS)
+    run = lambda fn: [fn(t, l, params, key) for t, l in calls]
+    medians = {name: [] for name in programs}
+    outs = {}
+    for c in range(args.compiles):
+      jax.clear_caches()  # a fresh compile (and autotuning) of every program
+      times = {name: [] for name in programs}
       for name, fn in programs.items():
-        tokens = sum(int(o.lengths.sum()) for o in outs[name])
-        rounds = sum(int(o.stats.target_calls.sum()) - 1 for o in outs[name])  # the prefill is a target call too
-        row = {"kernels": kern, "K": k, "program": name, "median_s": statistics.median(medians[name]),
-               "per_compile_s": medians[name], "tokens": tokens, "rounds": rounds}
-        row["tok_s"] = tokens / row["median_s"]
-        row["us_per_round"] = row["median_s"] / rounds * 1e6
-        if args.trace:
-          d = os.path.join(args.trace, f"{kern}_k{k}_{name.replace('/', '_')}")
-          with jax.profiler.trace(d, create_perfetto_trace=True):
-            jax.block_until_ready(run(fn))
-          row["kernels_top"] = kernel_table(d, rounds, top=30)
-          row["d2h_per_round"] = sum(r["per_step"] for r in row["kernels_top"] if "D2H" in r["kernel"])
-        rows.append(row)
-      for tag in ("default", "no_filters"):
-        plain = next(r for r in rows if r["kernels"] == kern and r["K"] == k and r["program"] == f"plain/{tag}")
-        spec = next(r for r in rows if r["kernels"] == kern and r["K"] == k and r["program"] == f"eagle/{tag}")
-        spec["speedup"] = spec["tok_s"] / plain["tok_s"]
-        print(f"{kern} K={k} {tag:10s} plain {plain['tok_s']:7.1f} tok/s, EAGLE {spec['tok_s']:7.1f} tok/s "
-              f"(x{spec['speedup']:.2f}); per-compile EAGLE ms {[round(x * 1e3, 1) for x in spec['per_compile_s']]}"
-              f"; D2H/round {spec.get('d2h_per_round', '-')}", flush=True)
+        outs[name] = jax.block_until_ready(run(fn))
+      for _ in range(args.repeats):  # interleaved: drift hits every program alike
+        for name, fn in programs.items():
+          t0 = time.perf_counter()
+          jax.block_until_ready(run(fn))
+          times[name].append(time.perf_counter() - t0)
+      for name in programs:
+        medians[name].append(statistics.median(times[name]))
+      print(f"{kern} compile {c}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()),
+            flush=True)
+    for name, fn in programs.items():
+      tokens = sum(int(o.lengths.sum()) for o in outs[name])
+      rounds = sum(int(o.stats.target_calls.sum()) - 1 for o in outs[name])  # the prefill is a target call too
+      row = {"kernels": kern, "program": name, "median_s": statistics.median(medians[name]),
+             "per_compile_s": medians[name], "tokens": tokens, "rounds": rounds}
+      row["tok_s"] = tokens / row["median_s"]
+      row["us_per_round"] = row["median_s"] / rounds * 1e6
+      row["mean_accepted_length"] = tokens / rounds if name.startswith("eagle") else None
+      if args.trace:
+        d = os.path.join(args.trace, f"{kern}_{name.replace('/', '_')}")
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+          jax.block_until_ready(run(fn))
+        row["kernels_top"] = kernel_table(d, rounds, top=30)
+        row["d2h_per_round"] = sum(r["per_step"] for r in row["kernels_top"] if "D2H" in r["kernel"])
+      rows.append(row)
+    for r in rows:
+      if r["kernels"] == kern and r["program"].startswith("eagle"):
+        tag = r["program"].split("/")[1]
+        plain = next(p for p in rows if p["kernels"] == kern and p["program"] == f"plain/{tag}")
+        r["speedup"] = r["tok_s"] / plain["tok_s"]
+        print(f"{kern} {r['program']:32s} {r['tok_s']:7.1f} tok/s (x{r['speedup']:.2f} plain {plain['tok_s']:.1f});"
+              f" per-compile ms {[round(x * 1e3, 1) for x in r['per_compile_s']]}; D2H/round "
+              f"{r.get('d2h_per_round', '-')}", flush=True)
   info = {**common.device_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
   with open(os.path.join(args.out, "loop_trace.json"), "w") as f:
     json.dump({"info": info, "config": vars(args), "rows": rows}, f, indent=1)
