@@ -54,8 +54,8 @@ def values(logits):
 # ----------------------------------------------------------------------------
 
 
-def _lse_combine(m1, s1, m2, s2):
-  """Merges two (max, sum of exp(x - max)) pairs with a single exponential.
+def _lse_combine(m1, s1, m2, s2, temperature=None):
+  """Merges two (max, sum of exp((x - max) / T)) pairs with a single exponential (T = 1 when None).
 
   The larger max survives and only the other side's sum is rescaled. A side
   whose max is -inf carries no mass (and exp(-inf - -inf) would be NaN); two
@@ -64,8 +64,14 @@ def _lse_combine(m1, s1, m2, s2):
   first = m1 >= m2
   hi, lo = jnp.where(first, m1, m2), jnp.where(first, m2, m1)
   s_hi, s_lo = jnp.where(first, s1, s2), jnp.where(first, s2, s1)
+  gap = lo - hi if temperature is None else (lo - hi) / temperature  # <= 0: cannot overflow
   # lo == hi: exp(0) = 1 exactly, and +inf == +inf (two +inf logits in one chunk) must not give exp(NaN).
-  return hi, s_hi + jnp.where(lo == -jnp.inf, 0.0, jnp.where(lo == hi, s_lo, s_lo * jnp.exp(lo - hi)))
+  return hi, s_hi + jnp.where(lo == -jnp.inf, 0.0, jnp.where(lo == hi, s_lo, s_lo * jnp.exp(gap)))
+
+
+def _first_max_index(m1, i1, m2, i2):
+  """The index of the larger max; the smaller index on a tie (the combiner of a first-argmax reduction)."""
+  return jnp.where(m1 > m2, i1, jnp.where(m2 > m1, i2, jnp.minimum(i1, i2)))
 
 
 def max_and_sumexp(x: jax.Array, *, with_argmax: bool = False):
@@ -92,8 +98,7 @@ def max_and_sumexp(x: jax.Array, *, with_argmax: bool = False):
     m, s = _lse_combine(a[0], a[1], b[0], b[1])
     if not with_argmax:
       return m, s
-    i = jnp.where(a[0] > b[0], a[2], jnp.where(b[0] > a[0], b[2], jnp.minimum(a[2], b[2])))
-    return m, s, i
+    return m, s, _first_max_index(a[0], a[2], b[0], b[2])
 
   operands, init = (x, jnp.ones_like(x)), (np.float32(-np.inf), np.float32(0))
   if with_argmax:
@@ -248,16 +253,9 @@ def shifted_chunk_stats(logits: jax.Array, temperature: jax.Array, *, chunk: int
   t_x = jnp.broadcast_to(t.reshape(t.shape + (1,) * (x.ndim - 1)), x.shape)
 
   def combine(a, b):
-    first = a[0] >= b[0]
-    hi, lo = jnp.where(first, a[0], b[0]), jnp.where(first, b[0], a[0])
-    s_hi, s_lo = jnp.where(first, a[1], b[1]), jnp.where(first, b[1], a[1])
     t_ab = jnp.maximum(a[2], b[2])  # the row's T (the initial value 0 is below any)
-    # lo == hi also covers +inf == +inf; an exponent (lo - hi) / T <= 0 cannot overflow.
-    scale = jnp.where(lo == -jnp.inf, 0.0, jnp.where(lo == hi, 1.0, jnp.exp((lo - hi) / t_ab)))
-    out = (hi, s_hi + s_lo * scale, t_ab)
-    if with_argmax:
-      out += (jnp.where(a[0] > b[0], a[3], jnp.where(b[0] > a[0], b[3], jnp.minimum(a[3], b[3]))),)
-    return out
+    out = _lse_combine(a[0], a[1], b[0], b[1], t_ab) + (t_ab,)
+    return out + (_first_max_index(a[0], a[3], b[0], b[3]),) if with_argmax else out
 
   operands, init = (x, jnp.ones_like(x), t_x), (np.float32(-np.inf), np.float32(0), np.float32(0))
   if with_argmax:

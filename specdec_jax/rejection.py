@@ -134,12 +134,6 @@ def rejection_sample(
       exponential, no random numbers and no probability tensor.
     all_random: static promise that no row is greedy: no argmax is computed.
       (Both flags are promises; they are not checked under jit.)
-    no_filters: static promise that no row uses top-k, top-p or min-p (they
-      are ignored). Random rows then take one overflow-safe softmax pass
-      (`sampling.position_stats`) and a chunk draw without any run-time
-      branch on the filters or the overflow redo: on a GPU every such
-      branch copies its predicate to the host, which at batch 1 costs more
-      than the work. The same distribution as without the flag.
     logprobs: static; None (default), "raw" or "processed": also return the
       log-probability of every emitted token under the target at its position.
       "raw" is `log_softmax` of the unmodified logits; "processed" is under the
@@ -166,6 +160,13 @@ def rejection_sample(
       the argmax of the penalised logits, and all_greedy programs stay free of
       exponentials and random numbers. "raw" log-probabilities stay those of
       the unmodified logits.
+    no_filters: static promise that no row uses top-k, top-p or min-p (they
+      are ignored; `SamplingParams.promise_no_filters`). Random rows then take
+      one overflow-safe softmax pass (`sampling.position_stats`) and draw
+      without any run-time branch on the filters, the overflow redo or an
+      empty residual: on a GPU every such branch costs a conditional or a
+      host copy, which at batch 1 costs more than the work. The same
+      distribution as without the flag.
 
   Returns:
     RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
