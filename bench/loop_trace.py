@@ -9,7 +9,8 @@ measuring. So every program here is compiled `--compiles` times afresh
 device-to-host copies per round.
 
 Usage (GPU, the GGUF joined as for bench/smollm2.py):
-    PYTHONPATH=.:/tmp/site python3 bench/loop_trace.py --out $OUT/loop --drafts 2,3x3x1x1 --kernels xla,pallas --compiles 3
+    PYTHONPATH=.:/tmp/site python3 bench/loop_trace.py --out $OUT/loop --drafts 2,3x3x1x1 \
+        --kernels xla,pallas --compiles 3
 """
 
 from __future__ import annotations
