@@ -45,6 +45,9 @@ any mesh, on device 0, by the same jitted functions. The checks:
   - "<mesh> sample_tokens...": the all_greedy flag; greedy and random rows;
     top-k / top-p rows; on 1x8 and 2x4: the same tokens, and log_probs [B, V]
     with the same non-finite entries and the rest within LOGPROBS_ATOL.
+  - "... no_filters": `rejection_sample` (with draft_probs) and `sample_tokens`
+    with the static no_filters promise, "mixed" data: its one overflow-safe
+    pass gathers per-chunk partials, so the outputs must equal one device's.
   - "V=3000 ...": 60 chunks of 50 tokens, split into whole chunks over 4
     devices (2x4: sharded, 15 chunks a device) but not over 8 (1x8: 375 tokens
     a device, the ordinary program); per-row arrays replicated.
@@ -209,11 +212,11 @@ class Program:
   logprobs: str | None = None
 
 
-def _rejection(method="token", probs=False, logprobs=None, greedy_flag=False):
+def _rejection(method="token", probs=False, logprobs=None, greedy_flag=False, no_filters=False):
   def fn(drafts, logits, params, key, draft_probs, n):
     return rejection_sample(drafts, logits, params, None if greedy_flag else key,
                             draft_probs if probs else None, n, all_greedy=greedy_flag, logprobs=logprobs,
-                            method=method)
+                            method=method, no_filters=no_filters)
   return jax.jit(fn)
 
 
@@ -228,6 +231,9 @@ PROGRAMS = {
     "sample_tokens greedy flag": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, None, all_greedy=True)),
                                          greedy_flag=True),
     "sample_tokens": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, k))),
+    # The no_filters programs: one overflow-safe pass (reductions.shifted_chunk_stats) whose partials are gathered.
+    "token, draft probs, no_filters": Program("rejection", _rejection(probs=True, no_filters=True), probs=True),
+    "sample_tokens no_filters": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, k, no_filters=True))),
 }
 DATASETS = {
     "greedy flag": ("greedy",),
@@ -237,6 +243,8 @@ DATASETS = {
     "block, draft probs, logprobs=raw": ("mixed", "random", "filtered"),
     "sample_tokens greedy flag": ("greedy",),
     "sample_tokens": ("mixed", "filtered"),
+    "token, draft probs, no_filters": ("mixed",),
+    "sample_tokens no_filters": ("mixed",),
 }
 # The data sets with top-k, top-p or min-p run on these meshes only (each top-p run costs seconds on 8 CPU devices).
 FILTERED = ("filtered", "min-p", "min-p + top-k")

@@ -41,10 +41,12 @@ REJECTION = {  # program -> data sets
     "token, draft probs": ("mixed", "random", "greedy rows", "filtered"),
     "block, n-gram, min_p field": ("mixed", "min-p", "min-p + top-k"),
     "block, draft probs, logprobs=raw": ("mixed", "random", "filtered"),
+    "token, draft probs, no_filters": ("mixed",),
 }
 FILTERED, FILTERED_MESHES = ("filtered", "min-p", "min-p + top-k"), ("1x8", "2x4")
 ON_8X1 = ("greedy flag", "token, n-gram, logprobs=processed", "token, draft probs")
-SAMPLE = {"sample_tokens greedy flag": ("greedy",), "sample_tokens": ("mixed", "filtered")}
+SAMPLE = {"sample_tokens greedy flag": ("greedy",), "sample_tokens": ("mixed", "filtered"),
+          "sample_tokens no_filters": ("mixed",)}
 
 CHECKS = (
     ["vocabulary sizes"]
