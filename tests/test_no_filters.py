@@ -283,3 +283,17 @@ def test_loops_with_no_filters_keep_greedy_rows_exact(tree_models):
                                    num_speculative_tokens=2, draft_tree=(2, 2), **kw)):
     np.testing.assert_array_equal(np.asarray(out.tokens)[[0, 2]], np.asarray(plain.tokens)[[0, 2]])
     assert np.all(np.asarray(out.lengths) == 6)
+
+
+@pytest.mark.parametrize("mode", ["processed", pytest.param("raw", marks=pytest.mark.slow)])
+def test_logprobs_under_the_promise_are_the_default_programs(mode):
+  """The shifted frame changes no log-probability: the same key draws the same tokens, with the same values."""
+  target = TinyLM.create(5, 16)
+  prompts, lengths = jnp.asarray(np.arange(12).reshape(3, 4) % 16, jnp.int32), jnp.array([4, 2, 3])
+  params = SamplingParams.create([0.7, 1.0, 0.0])
+  kw = dict(max_new_tokens=6, logprobs=mode)
+  want = generate(target, prompts, lengths, params, jax.random.key(3), **kw)
+  got = generate(target, prompts, lengths, params, jax.random.key(3), no_filters=True, **kw)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+  assert np.all(np.asarray(got.logprobs) < 0)  # real log-probabilities, not placeholders
