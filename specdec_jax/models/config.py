@@ -27,6 +27,13 @@ _POSITIVE_INT_FIELDS = (
 KERNELS = ("xla", "pallas", "pallas_interpret")
 
 
+def check_kernels(kernels, name: str = "TransformerConfig.kernels") -> None:
+  """Raises ValueError naming `name` unless `kernels` is one of `KERNELS` (the config's check, usable before
+  a config exists, e.g. by a loader ahead of its file reads)."""
+  if kernels not in KERNELS:
+    raise ValueError(f"{name} must be one of {KERNELS}, got {kernels!r}.")
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
@@ -138,8 +145,7 @@ class TransformerConfig:
       raise ValueError(f"TransformerConfig.max_length must be None or a positive int, got {m!r}.")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"TransformerConfig.scan_layers must be a bool, got {self.scan_layers!r}.")
-    if self.kernels not in KERNELS:
-      raise ValueError(f"TransformerConfig.kernels must be one of {KERNELS}, got {self.kernels!r}.")
+    check_kernels(self.kernels)
     # Frozen dataclass: normalise through object.__setattr__ (so equality and
     # hashing do not depend on how the dtype was spelled).
     object.__setattr__(self, "dtype", dtype)

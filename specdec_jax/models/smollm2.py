@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.models import gguf_loader
-from specdec_jax.models.config import KERNELS, TransformerConfig
+from specdec_jax.models.config import TransformerConfig, check_kernels
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
 from specdec_jax.models.transformer import Transformer, weight_shapes
 
@@ -89,12 +89,6 @@ def _model_dtype(dtype: Any) -> jnp.dtype:
     x64 = "" if "float64" in accepted else " (float64 only with jax.config.update('jax_enable_x64', True))"
     raise ValueError(f"dtype must be one of {', '.join(accepted)}{x64}; got {dtype!r}")
   return normalized
-
-
-def _check_kernels(kernels: Any) -> None:
-  """Refuses a `kernels` value `TransformerConfig` would refuse, before any file is read."""
-  if kernels not in KERNELS:
-    raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}.")
 
 
 def _require_model_extras(*modules: str, purpose: str = "Loading SmolLM2") -> None:
@@ -260,7 +254,7 @@ def load_smollm2(dtype: Any = jnp.float32, *, kernels: str = "xla") -> tuple[Tra
     ' Paris'
   """
   dtype = _model_dtype(dtype)
-  _check_kernels(kernels)
+  check_kernels(kernels, "kernels")  # the config's own check, before any file is read
   _require_model_extras("gguf", "tokenizers")
   model = Transformer.from_weights(smollm2_config(dtype).replace(kernels=kernels), smollm2_weights())
   return model, smollm2_tokenizer()
@@ -441,7 +435,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
     49152
   """
   dtype = _model_dtype(dtype)
-  _check_kernels(kernels)
+  check_kernels(kernels, "kernels")  # the config's own check, before any file is read
   _require_model_extras("safetensors", purpose="Loading the SmolLM2 draft")
   shipped = path is None
   path = DRAFT_WEIGHTS_PATH if shipped else os.fspath(path)
@@ -560,7 +554,7 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, ker
     ...                            max_new_tokens=64, num_speculative_tokens=4)  # doctest: +SKIP
   """
   dtype = _model_dtype(dtype)
-  _check_kernels(kernels)
+  check_kernels(kernels, "kernels")  # the config's own check, before any file is read
   _require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading the SmolLM2 EAGLE head")
   shipped = path is None
   path = EAGLE_WEIGHTS_PATH if shipped else path
