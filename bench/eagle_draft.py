@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
 from bench.smollm2 import _eagle_round_fn  # noqa: E402
-from bench.step_profile import SMOLLM2, kernel_table  # noqa: E402
+from bench.step_profile import SMOLLM2, profile_kernels  # noqa: E402
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig  # noqa: E402
 from specdec_jax.models.eagle import _Params, _separate  # noqa: E402
 from specdec_jax.sampling import sample_tokens  # noqa: E402
@@ -110,12 +110,9 @@ def draft_phase(head, *, b: int, k: int, mode: str, p0: int, cache_len: int, tar
   r.pop("compiled", None)
   if trace_dir:
     steps = 20
-    try:  # the profiler needs CUPTI on a GPU; the timings stand without it
-      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        jax.block_until_ready(loop(0, steps, carry, state, feats, params, key))
-      r["kernels"] = kernel_table(trace_dir, steps, top=40)
-    except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the timings)
-      r["trace_error"] = repr(e)
+    table, error = profile_kernels(lambda: loop(0, steps, carry, state, feats, params, key), trace_dir, steps,
+                                   top=40)
+    r.update({"trace_error": error} if error else {"kernels": table})
   return r
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
-from bench.step_profile import kernel_table  # noqa: E402
+from bench.step_profile import profile_kernels  # noqa: E402
 from specdec_jax import SamplingParams, rejection_sample  # noqa: E402
 from specdec_jax.sampling import sample_tokens  # noqa: E402
 
@@ -59,12 +59,8 @@ def cell(kind, b, k, v, with_probs, flags, *, target_s, repeats, trace_dir=None)
   r = common.time_per_iter(loop, jnp.int32(0), ops, target_s=target_s, repeats=repeats)
   row = {"us": r["per_iter_s"] * 1e6, "scale": r["scale"], "compile_s": r["compile_s"]}
   if trace_dir:
-    try:  # needs CUPTI on a GPU; the timing stands without it
-      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        jax.block_until_ready(r["compiled"](0, 20, jnp.int32(0), *ops))
-      row["kernels"] = kernel_table(trace_dir, 20, top=25)
-    except Exception as e:  # noqa: BLE001
-      row["trace_error"] = repr(e)
+    table, error = profile_kernels(lambda: r["compiled"](0, 20, jnp.int32(0), *ops), trace_dir, 20, top=25)
+    row.update({"trace_error": error} if error else {"kernels": table})
   return row
 
 

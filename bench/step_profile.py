@@ -243,6 +243,19 @@ def kernel_table(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
   return rows[:top]
 
 
+def profile_kernels(run, trace_dir: str, steps: int, top: int) -> tuple[list[dict], str | None]:
+  """(`kernel_table` of one profiled `run()` of `steps` steps, None), or ([], repr(error)) if profiling failed.
+
+  The profiler needs CUPTI on a GPU; callers keep their timings either way.
+  """
+  try:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      jax.block_until_ready(run())
+    return kernel_table(trace_dir, steps, top=top), None
+  except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the rest)
+    return [], repr(e)
+
+
 def trace_kernels(c, weights, name, cache: KVCache, p0, trace_dir, report) -> list[dict]:
   """Profiles 20 one-token steps of variant `name` from a zero `cache` [L, B, Hkv, S, Dh] and prints its
   costliest kernels."""
@@ -252,13 +265,10 @@ def trace_kernels(c, weights, name, cache: KVCache, p0, trace_dir, report) -> li
   carry = (cache, jnp.full((b, 1), 7, jnp.int32))
   jax.block_until_ready(loop(0, 4, carry, weights, layers))
   steps = 20
-  try:  # the profiler needs CUPTI on a GPU; the timings stand without it
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      jax.block_until_ready(loop(0, steps, carry, weights, layers))
-    table = kernel_table(trace_dir, steps, top=80)
-  except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the rest)
-    table, report["trace_error"] = [], repr(e)
-    print(f"trace failed: {e!r}")
+  table, error = profile_kernels(lambda: loop(0, steps, carry, weights, layers), trace_dir, steps, top=80)
+  if error:
+    report["trace_error"] = error
+    print(f"trace failed: {error}")
   if table:
     print(f"\nkernels of one `{name}` step at B={b} (top 25 by time), from the trace in {trace_dir}:")
     for r in table[:25]:
