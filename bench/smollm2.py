@@ -637,7 +637,7 @@ def main(argv=None):
       for mode in args.modes:
         params, key, all_greedy = bd.mode_setup(mode, b, args.seed)
         kw = dict(max_new_tokens=n, eos_token_id=eos, all_greedy=all_greedy,
-                  **({"no_filters": True} if args.no_filters and not all_greedy else {}))
+                  no_filters=args.no_filters and not all_greedy)
         bar.set_postfix_str(f"B={b} {mode} plain")
         plain, plain_outs = None, None
         if budget.over(f"B={b} {mode}"):
