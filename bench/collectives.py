@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from specdec_jax import SamplingParams, rejection_sample  # noqa: E402
-from specdec_jax.models.sharding import make_mesh  # noqa: E402
+from specdec_jax.mesh import make_mesh  # noqa: E402
 
 _BYTES = {"f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2, "pred": 1, "s8": 1, "u8": 1, "s64": 8, "u64": 8}
 

@@ -93,8 +93,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
-from specdec_jax import (PromptLookupDrafter, SamplingParams, generate, rejection_sample,  # noqa: E402
-                         sample_tokens, speculative_generate)
+from specdec_jax import (
+  PromptLookupDrafter,
+  SamplingParams,
+  generate,
+  rejection_sample,
+  sample_tokens,
+  speculative_generate,
+)
 from specdec_jax.models import Transformer, TransformerConfig  # noqa: E402
 
 MODES = ("greedy", "t1")  # T=0 with all_greedy=True; T=1 on every row

@@ -24,10 +24,10 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 from examples.speculative_decode import PROMPTS  # noqa: E402
 from specdec_jax import generate, speculative_generate  # noqa: E402
-from specdec_jax.dynamic_tree import DynamicTree  # noqa: E402
+from specdec_jax.drafts.dynamic_tree import DynamicTree  # noqa: E402
 from specdec_jax.models import load_smollm2, load_smollm2_eagle  # noqa: E402
-from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, encode_prompts  # noqa: E402
-from specdec_jax.sampling import SamplingParams  # noqa: E402
+from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, encode_prompts  # noqa: E402
+from specdec_jax.sampling.params import SamplingParams  # noqa: E402
 
 SHAPES = [("K=2", 2, None), ("(2, 1)", 2, (2, 1)), ("d2x2x3", 2, DynamicTree(2, 2, 3)),
           ("d2x3x4", 2, DynamicTree(2, 3, 4)), ("d3x2x4", 3, DynamicTree(3, 2, 4)), ("d3x3x6", 3, DynamicTree(3, 3, 6))]

@@ -56,7 +56,7 @@ from bench.smollm2 import _eagle_round_fn  # noqa: E402
 from bench.step_profile import SMOLLM2, profile_kernels  # noqa: E402
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig  # noqa: E402
 from specdec_jax.models.eagle import _Params, _separate  # noqa: E402
-from specdec_jax.sampling import sample_tokens  # noqa: E402
+from specdec_jax.sampling.sample import sample_tokens  # noqa: E402
 
 VARIANTS = ("xla-separate", "xla", "pallas")
 FEATURE_LAYERS = (2, 15, 27)  # the shipped head's

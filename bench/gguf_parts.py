@@ -35,7 +35,7 @@ def main(argv=None):
   ap.add_argument("--parts", type=int, default=4, help="number of parts (split; default 4)")
   args = ap.parse_args(argv)
   if args.action == "split":
-    from specdec_jax.models.smollm2 import smollm2_gguf_path
+    from specdec_jax.models.loaders.smollm2 import smollm2_gguf_path
     data = open(smollm2_gguf_path(), "rb").read()
     os.makedirs(".gguf", exist_ok=True)
     for old in glob.glob(".gguf/part*"):

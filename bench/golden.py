@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specdec_jax import SamplingParams, rejection_sample  # noqa: E402
-from specdec_jax import sampling  # noqa: E402
+from specdec_jax.sampling import penalties, sample
 
 
 def _inputs(seed, b, k, v, nonfinite):
@@ -92,8 +92,8 @@ def cases():
       x = np.where(np.all(x == -np.inf, -1, keepdims=True), 0.0, x)
 
       def st(params=params, x=x):
-        tok, logp = jax.jit(sampling.sample_tokens)(x, params, jax.random.key(3))
-        return {"tok": tok, "logp": logp, "proc": jax.jit(sampling.process_logits)(logits, params)}
+        tok, logp = jax.jit(sample.sample_tokens)(x, params, jax.random.key(3))
+        return {"tok": tok, "logp": logp, "proc": jax.jit(sample.process_logits)(logits, params)}
 
       yield f"sample_tokens V={v} {kind} filt={filt}", st
     if k > 0:
@@ -104,7 +104,7 @@ def _option_cases(v, k, b, logits, probs, draft, n):
   """Bias, penalties and min-p (second-generation options) on both samplers."""
   rng = np.random.default_rng(v)
   prompt = rng.integers(0, v, size=(b, 6)).astype(np.int32)
-  state = sampling.PenaltyState.from_prompt(prompt, np.full(b, 6), v).add_tokens(draft[:, ::-1])
+  state = penalties.PenaltyState.from_prompt(prompt, np.full(b, 6), v).add_tokens(draft[:, ::-1])
   bias = {int(draft[0, 0]): -2.0, 1: 3.0}
   for kind, with_dp, lp, min_p in itertools.product(("greedy", "random", "mixed"), (False, True),
                                                      (None, "processed"), (None, 0.1)):
@@ -131,7 +131,7 @@ def _option_cases(v, k, b, logits, probs, draft, n):
     x = np.where(np.isfinite(logits[:, 0]), logits[:, 0], 0.0)
 
     def st(params=params, lp=lp, x=x):
-      res = jax.jit(functools.partial(sampling.sample_tokens, logprobs=lp))(x, params, jax.random.key(9),
+      res = jax.jit(functools.partial(sample.sample_tokens, logprobs=lp))(x, params, jax.random.key(9),
                                                                             penalty_state=state)
       return dict(zip(("tok", "logp", "lp"), res))
 

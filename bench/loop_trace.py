@@ -30,9 +30,9 @@ from bench import common  # noqa: E402
 from bench.smollm2 import B1_ORDER, build_prompts, encode, parse_tree  # noqa: E402
 from bench.step_profile import kernel_table  # noqa: E402
 from specdec_jax import SamplingParams  # noqa: E402
-from specdec_jax.decoding import generate, speculative_generate  # noqa: E402
+from specdec_jax.loop.decoding import generate, speculative_generate  # noqa: E402
 from specdec_jax.models import load_smollm2, load_smollm2_eagle  # noqa: E402
-from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS  # noqa: E402
+from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS  # noqa: E402
 
 
 def _programs(target, eagle, drafts, n, eos):

@@ -58,8 +58,8 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import device_info, has_gpu, hlo_collectives, time_call, time_per_iter, timed_loop
 from specdec_jax import SamplingParams, generate, speculative_generate
-from specdec_jax.decoding import _generate_jit, _speculative_jit, _split
-from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.models import Transformer, TransformerConfig, make_mesh, shard
 
 SMOLLM2 = {"vocab_size": 49152, "num_layers": 30, "d_model": 576, "num_heads": 9, "num_kv_heads": 3,

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.step_profile import profile_kernels  # noqa: E402
 from specdec_jax import SamplingParams, rejection_sample  # noqa: E402
-from specdec_jax.sampling import sample_tokens  # noqa: E402
+from specdec_jax.sampling.sample import sample_tokens  # noqa: E402
 
 PROGRAMS = {"default": {}, "no_filters": {"no_filters": True},
             "no_filters+all_random": {"no_filters": True, "all_random": True}}

@@ -50,8 +50,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
+from specdec_jax.kernels.mlp import MlpBlocks, fused_mlp  # noqa: E402
 from specdec_jax.models.config import TransformerConfig  # noqa: E402
-from specdec_jax.models.pallas_mlp import MlpBlocks, fused_mlp  # noqa: E402
 from specdec_jax.models.transformer import mlp_block  # noqa: E402
 
 D, F, EPS = 576, 1536, 1e-5  # SmolLM2-135M

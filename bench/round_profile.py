@@ -33,8 +33,9 @@ from bench import common  # noqa: E402
 from bench.smollm2 import build_prompts, encode, parse_tree  # noqa: E402
 from bench.step_profile import kernel_table  # noqa: E402
 from specdec_jax import speculative_generate  # noqa: E402
-from specdec_jax.models import load_smollm2, load_smollm2_eagle, smollm2  # noqa: E402
-from specdec_jax.sampling import SamplingParams  # noqa: E402
+from specdec_jax.models import load_smollm2, load_smollm2_eagle  # noqa: E402
+from specdec_jax.models.loaders import smollm2
+from specdec_jax.sampling.params import SamplingParams  # noqa: E402
 
 
 def parse_shape(s: str):

@@ -83,9 +83,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
-from specdec_jax.rejection import rejection_sample  # noqa: E402
-from specdec_jax.sampling import (  # noqa: E402
-    PenaltyState, SamplingParams, chunk_size, group_top, max_and_sumexp, threshold_and_lse)
+from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.sampling.penalties import PenaltyState
+from specdec_jax.sampling.reductions import chunk_size, max_and_sumexp
+from specdec_jax.sampling.thresholds import group_top, threshold_and_lse
+from specdec_jax.verify.chain import rejection_sample  # noqa: E402
 
 FULL_BATCH_SIZES = (1, 32, 256, 1024)
 FULL_VOCAB_SIZES = (32000, 151936)
@@ -475,7 +477,7 @@ def main(argv=None):
   grid = [(b, v) for v in args.vocab_sizes for b in args.batch_sizes]
   mesh = None
   if args.model_devices > 1:
-    from specdec_jax.models.sharding import make_mesh
+    from specdec_jax.mesh import make_mesh
     mesh = make_mesh(1, args.model_devices)
     print(f"vocabulary split over {args.model_devices} devices: {mesh}")
   with_dp = any(c in DRAFT_PROB_CASES for c in args.cases)

@@ -75,10 +75,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
 from specdec_jax import PromptLookupDrafter, generate, sample_tokens, speculative_generate  # noqa: E402
+from specdec_jax.drafts.dynamic_tree import DynamicTree  # noqa: E402
+from specdec_jax.drafts.static_tree import DraftTree  # noqa: E402
 from specdec_jax.models import load_smollm2, load_smollm2_draft, load_smollm2_eagle  # noqa: E402
-from specdec_jax.dynamic_tree import DynamicTree  # noqa: E402
-from specdec_jax.tree_drafts import DraftTree  # noqa: E402
-from specdec_jax.models import smollm2  # noqa: E402
+from specdec_jax.models.loaders import smollm2
 
 # None of these is in examples/train_draft.py's CHAT_QUESTIONS.
 HELD_OUT_QUESTIONS = [

@@ -49,12 +49,20 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
+from specdec_jax.kernels import attention as pallas_attention
+from specdec_jax.kernels import mlp as pallas_mlp
+from specdec_jax.kernels.mlp import MAX_ROWS  # noqa: E402
 from specdec_jax.models import Transformer, TransformerConfig  # noqa: E402
-from specdec_jax.models import pallas_attention, pallas_mlp  # noqa: E402
-from specdec_jax.models.pallas_mlp import MAX_ROWS  # noqa: E402
-from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache,  # noqa: E402
-                                            attention_block, fuse_projections, mlp_block, pallas_block,
-                                            rms_norm)
+from specdec_jax.models.transformer import (
+  _LAYER_PARAMS,
+  AttentionContext,
+  KVCache,
+  attention_block,
+  fuse_projections,
+  mlp_block,
+  pallas_block,
+  rms_norm,
+)
 
 SMOLLM2 = dict(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536,
                rope_theta=1e5)

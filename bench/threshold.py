@@ -4,11 +4,11 @@ The design asks to measure the sort-based threshold first, then a sort-free one,
 and keep the faster. This times, on f32 logits [B, K+1, V] with top_k=50 and
 top_p=0.9 (and top-p alone), per iteration inside one jitted fori_loop:
 
-    sorted     sampling.sorted_threshold: descending sort of the vocabulary
-    candidate  sampling.top_k_top_p_threshold: per-group top-4 (one fused
+    sorted     thresholds.sorted_threshold: descending sort of the vocabulary
+    candidate  thresholds.top_k_top_p_threshold: per-group top-4 (one fused
                variadic reduction) + a sort of V/32 candidates, exact, with a
                sort fallback when its exactness check fails
-    group_top  sampling.group_top alone (the one pass over the logits)
+    group_top  thresholds.group_top alone (the one pass over the logits)
     argmax     jnp.argmax, the one-read reference
 
 Logits are drawn like a language model's (a few large, a long Gaussian tail),
@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from specdec_jax import sampling  # noqa: E402
+from specdec_jax.sampling import thresholds
 
 
 def lm_like_logits(key, shape):
@@ -63,12 +63,12 @@ def main(argv=None):
       tk = jnp.full((b,), top_k, jnp.int32)
       tp = jnp.full((b,), top_p, jnp.float32)
       fns = {
-          "sorted": lambda x: sampling.sorted_threshold(x, tk, tp),
-          "candidate": lambda x: sampling.top_k_top_p_threshold(x, tk, tp),
-          "group_top": lambda x: sampling.group_top(x)[..., 0, 0],
+          "sorted": lambda x: thresholds.sorted_threshold(x, tk, tp),
+          "candidate": lambda x: thresholds.top_k_top_p_threshold(x, tk, tp),
+          "group_top": lambda x: thresholds.group_top(x)[..., 0, 0],
           "argmax": lambda x: jnp.argmax(x, -1).astype(jnp.float32),
       }
-      exact = np.asarray(sampling.top_k_top_p_threshold(stack[0], tk, tp) == sampling.sorted_threshold(stack[0], tk, tp))
+      exact = np.asarray(thresholds.top_k_top_p_threshold(stack[0], tk, tp) == thresholds.sorted_threshold(stack[0], tk, tp))
       for name, fn in fns.items():
         def step(i, carry, stack, fn=fn):
           x = stack[(i + (carry == jnp.float32(-1e30)).astype(jnp.int32)) % stack.shape[0]]

@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from threshold import lm_like_logits  # noqa: E402
 
-from specdec_jax import thresholds  # noqa: E402
-from specdec_jax.reductions import max_and_sumexp  # noqa: E402
+from specdec_jax.sampling import thresholds
+from specdec_jax.sampling.reductions import max_and_sumexp  # noqa: E402
 
 VARIANTS = {"sort_all": dict(_NARROW_GROUP=0),
             "narrow_128x8": dict(_NARROW_GROUP=128, _NARROW_PER_GROUP=8),

@@ -45,10 +45,10 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.sampler import _checksum  # noqa: E402
-from specdec_jax.rejection import rejection_sample  # noqa: E402
-from specdec_jax.sampling import SamplingParams  # noqa: E402
-from specdec_jax.tree import tree_rejection_sample  # noqa: E402
-from specdec_jax.tree_drafts import DraftTree  # noqa: E402
+from specdec_jax.drafts.static_tree import DraftTree  # noqa: E402
+from specdec_jax.sampling.params import SamplingParams  # noqa: E402
+from specdec_jax.verify.chain import rejection_sample  # noqa: E402
+from specdec_jax.verify.tree import tree_rejection_sample  # noqa: E402
 
 DEPTH = 4
 MODES = {"greedy_static": (0.0, False, True), "random_probs": (1.0, True, False), "random_ngram": (1.0, False, False)}

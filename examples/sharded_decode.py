@@ -42,9 +42,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax import SamplingParams, generate, speculative_generate
-from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.models import load_smollm2, load_smollm2_eagle, make_mesh, shard
-from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
+from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
 
 # SmolLM2-135M's context (tokens); tests/test_demo.py checks the other demo's copy against the config.
 MAX_CONTEXT = 8192

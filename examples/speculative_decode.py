@@ -50,9 +50,9 @@ from flax import nnx
 from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate, speculative_generate
-from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.models import load_smollm2, load_smollm2_draft
-from specdec_jax.models.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
+from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
 
 # SmolLM2-135M's context length (tokens): prompt, generated tokens and the K+1
 # verification slots must fit in it. The same as `smollm2_config().max_length`

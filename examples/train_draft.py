@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate
 from specdec_jax.models import Transformer, TransformerConfig, load_smollm2
-from specdec_jax.models import smollm2
+from specdec_jax.models.loaders import smollm2
 
 CHAT_QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple terms.",

@@ -21,7 +21,8 @@ do.
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -91,3 +92,33 @@ def auto_axes_if_explicit(fn):
   if mesh.empty or not mesh.explicit_axes:
     return fn
   return jax.sharding.auto_axes(fn, axes=tuple(mesh.explicit_axes), out_sharding=PartitionSpec())
+
+
+def make_mesh(data: int = 1, model: int = 1, *, devices=None) -> jax.sharding.Mesh:
+  """A `data` x `model` mesh of the first data*model devices, with Auto axes (XLA propagates shardings).
+
+  Args:
+    data: devices on the data axis (rows of the batch).
+    model: devices on the model axis (tensor parallelism).
+    devices: the devices to use (default `jax.devices()`); exactly data*model of them are taken.
+
+  Returns:
+    `jax.sharding.Mesh` with axis names ("data", "model").
+
+  Raises:
+    ValueError: a size is not a positive int, or there are fewer than data*model devices.
+
+  Example:
+    >>> make_mesh(data=1, model=1).shape  # doctest: +SKIP
+    OrderedDict([('data', 1), ('model', 1)])
+  """
+  for name, value in (("data", data), ("model", model)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"make_mesh: {name} must be a positive int, got {value!r}.")
+  devices = list(jax.devices() if devices is None else devices)
+  if len(devices) < data * model:
+    raise ValueError(f"make_mesh: data={data} x model={model} needs {data * model} devices, found {len(devices)} "
+                     f"(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices; set it before "
+                     f"JAX starts).")
+  grid = np.asarray(devices[:data * model], dtype=object).reshape(data, model)
+  return jax.sharding.Mesh(grid, AXIS_NAMES, axis_types=(AxisType.Auto, AxisType.Auto))

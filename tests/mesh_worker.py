@@ -38,10 +38,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax import SamplingParams, generate, speculative_generate
-from specdec_jax.decoding import _generate_jit, _speculative_jit, _split
-from specdec_jax.drafters import PromptLookupDrafter
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
+from specdec_jax.mesh import make_mesh
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
-from specdec_jax.models.sharding import make_mesh, shard
+from specdec_jax.models.sharding import shard
 from tests.eight_devices import exit_unless_devices, part_arg, run_checks
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from specdec_jax import SamplingParams, rejection_sample
-from specdec_jax.sampling import process_logits, sample_tokens
+from specdec_jax.sampling.sample import process_logits, sample_tokens
 
 # Compiling a sampler program takes seconds on a CPU: every jitted call here uses
 # one batch B = 8 (rejection_sample: [8, 4, 8]; sample_tokens: [8, 8]).

@@ -14,14 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import decoding
-from specdec_jax.decoding import DecodeStats, GenerateOutput, generate, speculative_generate
-from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput
-from specdec_jax.sampling import SamplingParams, sample_tokens
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.loop import decoding
+from specdec_jax.loop.decoding import generate, speculative_generate
+from specdec_jax.loop.state import DecodeStats, GenerateOutput
+from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.sampling.sample import sample_tokens
+from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID, RejectionOutput
 from tests.compiles import count_compiles
 from tests.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation, reference_probs
-
 
 # ----------------------------------------------------------------------------
 # Models written for the tests
@@ -490,7 +491,7 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
   sparse bins and must keep its power (detects total-variation shifts < 0.04).
   Then the verifier is swapped for a wrong one, by default a `rejection_sample`
   that accepts every draft (`planted`: (module, name in it, replacement), e.g.
-  `specdec_jax.tree_round`'s `tree_rejection_sample`), which must be rejected
+  `specdec_jax.loop.tree_round`'s `tree_rejection_sample`), which must be rejected
   at ALPHA. Returns the correct run's output.
   """
   out, samples = run()
@@ -617,6 +618,6 @@ def test_package_imports_without_flax():
   import sys
 
   code = ("import sys; import specdec_jax; from specdec_jax import rejection_sample, generate, "
-          "speculative_generate; import specdec_jax.models.adapter; "
+          "speculative_generate; import specdec_jax.loop.adapter; "
           "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('flax'))")
   subprocess.run([sys.executable, "-c", code], check=True)

@@ -225,5 +225,5 @@ def test_costs_on_smollm2(demo):
 @pytest.mark.real_model
 def test_max_context_is_smollm2s(demo):
   """The demo's context limit (needed before the weights load) is the one the GGUF declares."""
-  from specdec_jax.models.smollm2 import smollm2_config
+  from specdec_jax.models.loaders.smollm2 import smollm2_config
   assert demo.MAX_CONTEXT == smollm2_config().max_length

@@ -16,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import reductions, sampling, tree_round
-from specdec_jax.decoding import generate, speculative_generate
-from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.dynamic_tree import DynamicTree, grow_dynamic_tree, tree_ancestors
-from specdec_jax.sampling import SamplingParams, sample_tokens
-from specdec_jax.tree import TreeRejectionOutput, tree_rejection_sample
+from specdec_jax.drafts.dynamic_tree import DynamicTree, grow_dynamic_tree, tree_ancestors
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.loop import tree_round
+from specdec_jax.loop.decoding import generate, speculative_generate
+from specdec_jax.sampling import reductions, sample
+from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.sampling.sample import sample_tokens
+from specdec_jax.verify.tree import TreeRejectionOutput, tree_rejection_sample
 from tests.test_decoding import TinyLM, _check_output, _prompts, assert_first_tokens_follow
 from tests.test_eagle import _unit_target
 from tests.test_tree_loop import CONFIG, LENGTHS, V, _greedy_case, models, sampled_tree_case  # noqa: F401
@@ -179,7 +181,7 @@ def test_sampled_growth_draws_children_from_q_and_keeps_every_candidate():
     counts = np.bincount(parents[r] + 1, minlength=tree.num_nodes + 1)
     assert sorted(set(counts.tolist())) == [0, k] and (counts == k).sum() == 1 + (depth - 1) * k
   assert probs.shape == (b, tree.num_nodes + 1, v)
-  want_root = np.asarray(jax.nn.softmax(sampling.process_logits(root, params), axis=-1))
+  want_root = np.asarray(jax.nn.softmax(sample.process_logits(root, params), axis=-1))
   np.testing.assert_allclose(probs[:, 0], want_root, rtol=1e-6, atol=1e-7)
   for r in (2, 3):  # random rows: siblings distinct and in q's support; expanded nodes' rows are their q
     for parent in range(-1, tree.num_nodes):

@@ -15,13 +15,21 @@ import optax
 import pytest
 from flax import nnx
 
-from specdec_jax.decoding import generate, speculative_generate
+from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.models import Transformer, TransformerConfig, weight_shapes
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter, eagle_weight_shapes
-from specdec_jax.sampling import SamplingParams
+from specdec_jax.sampling.params import SamplingParams
 from tests.compiles import count_compiles
-from tests.test_decoding import (N_ROWS, SMALL_V, TEMPERATURE, TOP_K, _check_output, _exact_joint, _prompts,
-                                 assert_first_tokens_follow)
+from tests.test_decoding import (
+  N_ROWS,
+  SMALL_V,
+  TEMPERATURE,
+  TOP_K,
+  _check_output,
+  _exact_joint,
+  _prompts,
+  assert_first_tokens_follow,
+)
 
 V = 16
 CONFIG = TransformerConfig.tiny(V, feature_layers=(0, 1))

@@ -74,9 +74,9 @@ def test_custom_model_cache_follows_the_protocol(custom_model):
 def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
   """examples/train_eagle.py --quick: 2 steps, then 2 more from --state, equal 4 steps in one run."""
   pytest.importorskip("safetensors")
-  from safetensors.numpy import load_file
-
   import sys
+
+  from safetensors.numpy import load_file
   sys.path.insert(0, str(EXAMPLES))  # train_eagle imports train_draft's prompt lists
   try:
     train = _load("train_eagle")
@@ -97,9 +97,9 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
 def test_train_eagle_init_continues_from_a_given_head(tmp_path):
   """--init: a head trained 2 steps, continued at learning rate 0, is unchanged; with --top1-weight it moves."""
   pytest.importorskip("safetensors")
-  from safetensors.numpy import load_file
-
   import sys
+
+  from safetensors.numpy import load_file
   sys.path.insert(0, str(EXAMPLES))
   try:
     train = _load("train_eagle")
@@ -193,7 +193,7 @@ def test_smollm2_bench_tree_names_round_trip():
   """bench/smollm2.py's --trees names: parse_tree and tree_name are inverses, sampled dynamic trees included."""
   smollm2 = _bench("smollm2")
   parse_tree, tree_name = smollm2.parse_tree, smollm2.tree_name
-  from specdec_jax.dynamic_tree import DynamicTree  # noqa: PLC0415
+  from specdec_jax.drafts.dynamic_tree import DynamicTree  # noqa: PLC0415
 
   for name in ("3x3x1x1", "2x2:iid", "d5x8x48", "d3x4x36:sampled"):
     assert tree_name(parse_tree(name)) == name

@@ -25,8 +25,8 @@ import sys
 import jax
 import pytest
 
-from specdec_jax import vocab_parallel
-from specdec_jax.reductions import chunk_size
+from specdec_jax.sampling import vocab_parallel
+from specdec_jax.sampling.reductions import chunk_size
 from tests.eight_devices import check_result, run_worker
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -23,11 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import SamplingParams, rejection_sample, sampling
-from specdec_jax.decoding import generate, speculative_generate
-from specdec_jax.draws import categorical_with_fallback
-from specdec_jax.reductions import chunk_size, greedy_argmax, shifted_chunk_stats
-from specdec_jax.sampling import log_probs_from_stats, position_stats, sample_tokens
+from specdec_jax import SamplingParams, rejection_sample
+from specdec_jax.loop.decoding import generate, speculative_generate
+from specdec_jax.sampling import reductions, sample, thresholds
+from specdec_jax.sampling.draws import categorical_with_fallback
+from specdec_jax.sampling.reductions import chunk_size, greedy_argmax, shifted_chunk_stats
+from specdec_jax.sampling.sample import sample_tokens
+from specdec_jax.sampling.stats import log_probs_from_stats, position_stats
 from tests import sampling_reference as ref
 from tests import stats
 from tests.test_decoding import N_ROWS, SMALL_V, TinyLM, assert_first_tokens_follow, continuation_logits
@@ -55,7 +57,7 @@ def test_shifted_chunk_stats_match_float64_log_softmax(whole_rows):
   c = v if whole_rows else chunk_size(v)
   shift, lse, am, chunk_logw = shifted_chunk_stats(jnp.asarray(x), jnp.asarray(t), chunk=c, with_argmax=True)
   with np.errstate(invalid="ignore"):  # the empty row: -inf - -inf
-    logp = np.asarray(sampling.scale_logits(jnp.asarray(x), jnp.asarray(t), shift)) - np.asarray(lse)[:, None]
+    logp = np.asarray(reductions.scale_logits(jnp.asarray(x), jnp.asarray(t), shift)) - np.asarray(lse)[:, None]
   for i in range(len(t)):
     want = ref.processed_log_probs(x[i], temperature=float(t[i]) if t[i] > 0 else 1.0)
     kept = want > -np.inf
@@ -100,7 +102,7 @@ def test_the_plus_inf_rule_with_two_in_one_chunk_on_the_default_path():
   """Regression: two +inf logits in one chunk once made that chunk's mass NaN, so it was dropped."""
   x = np.zeros((1, 4096), np.float32)
   x[0, [5, 9]] = np.inf
-  logp = np.asarray(sampling.process_logits(jnp.asarray(x), SamplingParams.create([0.7])))
+  logp = np.asarray(sample.process_logits(jnp.asarray(x), SamplingParams.create([0.7])))
   np.testing.assert_allclose(logp[0, [5, 9]], np.log(0.5), rtol=1e-6)
   assert np.all(np.delete(logp[0], [5, 9]) == -np.inf)
 
@@ -253,14 +255,15 @@ def test_the_promise_is_static_metadata_that_ignores_the_filters():
   assert promised.no_filters and not params.no_filters
   assert jax.tree.leaves(promised) == jax.tree.leaves(params)  # no new leaf: a new structure, the same arrays
   assert jax.tree.structure(promised) != jax.tree.structure(params)
-  np.testing.assert_array_equal(sampling.filter_active(promised, 8), [False, False])
+  np.testing.assert_array_equal(thresholds.filter_active(promised, 8), [False, False])
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32))
-  want = sampling.process_logits(x, SamplingParams.create([1.0, 0.7]))  # the same rows, unfiltered
-  np.testing.assert_allclose(np.exp(sampling.process_logits(x, promised)), np.exp(want), atol=1e-6)
+  want = sample.process_logits(x, SamplingParams.create([1.0, 0.7]))  # the same rows, unfiltered
+  np.testing.assert_allclose(np.exp(sample.process_logits(x, promised)), np.exp(want), atol=1e-6)
 
 
 def test_tree_rejection_sample_with_the_promise_has_fewer_branches():
   from specdec_jax import tree_rejection_sample
+
   b, n, v = 2, 3, 512
   args = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n + 1, v)), SamplingParams.create([1.0, 0.5]),
           jax.random.split(jax.random.key(0), b), jnp.full((b, n + 1, v), 1.0 / v))

@@ -28,12 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import PromptLookupDrafter, SamplingParams, decoding, generate, rejection_sample, speculative_generate
-from specdec_jax.sampling import apply_penalties
+from specdec_jax import PromptLookupDrafter, SamplingParams, generate, rejection_sample, speculative_generate
+from specdec_jax.loop import decoding
+from specdec_jax.sampling.penalties import apply_penalties
 from tests import sampling_reference as ref
 from tests.stats import ALPHA, assert_gof, chisquare_gof
-from tests.test_decoding import (N_ROWS, SMALL_V, TinyLM, _check_output, _prompts, assert_first_tokens_follow,
-                                 continuation_logits)
+from tests.test_decoding import (
+  N_ROWS,
+  SMALL_V,
+  TinyLM,
+  _check_output,
+  _prompts,
+  assert_first_tokens_follow,
+  continuation_logits,
+)
 from tests.test_sampling_options import _rows_params
 
 V, P, MAX_NEW, K = 32, 7, 16, 3

@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specdec_jax.kernels.attention import AttentionBlocks, check_args, fused_attention
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
-from specdec_jax.models.pallas_attention import AttentionBlocks, check_args, fused_attention
 from specdec_jax.models.transformer import AttentionContext, attention_block, rms_norm
 from tests.test_pallas_mlp import cuda_module_text
 

@@ -35,8 +35,8 @@ import pytest
 # (tests/test_pallas_attention.py) run this MLP in CI, as do the bad-input checks and one lowering case.
 _SLOW = pytest.mark.slow
 
+from specdec_jax.kernels.mlp import MAX_ROWS, MlpBlocks, _check_args, fused_mlp, fused_mlp_supported
 from specdec_jax.models.config import TransformerConfig
-from specdec_jax.models.pallas_mlp import MAX_ROWS, MlpBlocks, _check_args, fused_mlp, fused_mlp_supported
 from specdec_jax.models.transformer import mlp_block
 
 SMOL = (576, 1536)

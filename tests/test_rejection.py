@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from specdec_jax import PLACEHOLDER_TOKEN_ID, RejectionOutput, SamplingParams, rejection_sample
-from specdec_jax.sampling import GREEDY_TEMPERATURE
+from specdec_jax.sampling.params import GREEDY_TEMPERATURE
 from tests import stats
 from tests.compiles import count_compiles
 

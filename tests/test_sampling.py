@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax.sampling import SamplingParams, process_logits, row_keys, sample_tokens
+from specdec_jax.sampling.params import SamplingParams, row_keys
+from specdec_jax.sampling.sample import process_logits, sample_tokens
 from tests import stats
 from tests.compiles import count_compiles
 

@@ -17,8 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import PenaltyState, SamplingParams, rejection_sample, sampling
-from specdec_jax.sampling import apply_penalties, process_logits, sample_tokens, threshold_and_lse
+from specdec_jax import PenaltyState, SamplingParams, rejection_sample
+from specdec_jax.sampling import params as params_mod
+from specdec_jax.sampling import penalties as penalties_mod
+from specdec_jax.sampling import reductions, thresholds
+from specdec_jax.sampling.penalties import apply_penalties
+from specdec_jax.sampling.sample import process_logits, sample_tokens
+from specdec_jax.sampling.thresholds import threshold_and_lse
 from tests import sampling_reference as ref
 from tests import stats
 
@@ -163,7 +168,7 @@ _DIRECT_BAD = [
 def test_check_params_covers_present_options(match, fields):
   params = SamplingParams(temperature=jnp.ones(2), top_k=jnp.zeros(2, jnp.int32), top_p=jnp.ones(2), **fields)
   with pytest.raises(ValueError, match=match):
-    sampling.check_params(params, 2, "test")
+    params_mod.check_params(params, 2, "test")
 
 
 # ----------------------------------------------------------------------------
@@ -457,13 +462,13 @@ def test_threshold_and_lse_min_p_candidates_and_fallback_equal_sorted(num_flat):
   t, k, p, m = (np.concatenate([a, f]) for a, f in zip((t, k, p, m), flat_params))
   t, k, p, m = jnp.float32(t), jnp.int32(k), jnp.float32(p), jnp.float32(m)
   thr, lse = jax.jit(functools.partial(threshold_and_lse, min_p=m))(jnp.asarray(x), t, k, p)
-  scaled = sampling.scale_logits(jnp.asarray(x), t)
-  want_thr = sampling.sorted_threshold(scaled, k, p, min_p=m)
+  scaled = reductions.scale_logits(jnp.asarray(x), t)
+  want_thr = thresholds.sorted_threshold(scaled, k, p, min_p=m)
   np.testing.assert_array_equal(thr, want_thr)
   want_lse = jax.nn.logsumexp(jnp.where(scaled >= want_thr[:, None], scaled, -jnp.inf), axis=-1)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
   # Which path each row took: the candidates are exact iff the threshold is above every group's 4th largest.
-  floor = np.asarray(sampling.group_top(scaled)[..., -1].max(axis=-1))
+  floor = np.asarray(thresholds.group_top(scaled)[..., -1].max(axis=-1))
   thr = np.asarray(thr)
   assert np.all(thr[:len(grid)][np.asarray(m[:len(grid)]) > 0] > floor[:len(grid)][np.asarray(m[:len(grid)]) > 0])
   assert np.all(thr[len(grid):] <= floor[len(grid):]), "the flat rows must need the sorted fallback"
@@ -552,8 +557,8 @@ def test_sample_tokens_rejects_bias_ids_beyond_the_vocabulary():
   with pytest.raises(ValueError, match="logit_bias"):
     sample_tokens(jnp.zeros((2, 8)), params, jax.random.key(0))
   with pytest.raises(ValueError, match="logit_bias"):
-    sampling.check_bias_ids(params, 8, "test")
-  sampling.check_bias_ids(params, 9, "test")
+    params_mod.check_bias_ids(params, 8, "test")
+  params_mod.check_bias_ids(params, 9, "test")
 
 
 def test_sample_tokens_penalties_need_a_state():
@@ -572,14 +577,14 @@ def test_sample_tokens_penalties_need_a_state():
 
 def test_penalty_params_drops_neutral_penalties_without_a_state():
   params = SamplingParams.create([1.0, 0.0], repetition_penalty=1.0, presence_penalty=0.0, logit_bias={1: 1.0})
-  out = sampling.penalty_params(params, None, 2, 4, "test")
+  out = penalties_mod.penalty_params(params, None, 2, 4, "test")
   assert not out.has_penalties and out.has_logit_bias
   state = PenaltyState.from_prompt(jnp.zeros((2, 1), jnp.int32), jnp.ones(2, jnp.int32), 4)
-  assert sampling.penalty_params(params, state, 2, 4, "test") is params
+  assert penalties_mod.penalty_params(params, state, 2, 4, "test") is params
   with pytest.raises(ValueError, match="logit_bias"):
-    sampling.penalty_params(params, state, 2, 1, "test")
+    penalties_mod.penalty_params(params, state, 2, 1, "test")
   with pytest.raises(ValueError, match="penalty_state.output_counts"):
-    sampling.penalty_params(params, PenaltyState(state.prompt_mask, jnp.zeros((2, 5), jnp.int32)), 2, 4, "test")
+    penalties_mod.penalty_params(params, PenaltyState(state.prompt_mask, jnp.zeros((2, 5), jnp.int32)), 2, 4, "test")
 
 
 def test_sample_tokens_rejects_bad_logprobs_mode_and_state_shape():

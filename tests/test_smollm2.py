@@ -26,7 +26,8 @@ pytest.importorskip("tokenizers")
 
 from flax import nnx  # noqa: E402
 
-from specdec_jax.models import gguf_loader, smollm2  # noqa: E402
+from specdec_jax.models.loaders import gguf as gguf_loader
+from specdec_jax.models.loaders import smollm2
 from specdec_jax.models.transformer import Transformer  # noqa: E402
 from tests.numpy_llama import NumpyLlama, dequantize_tensor  # noqa: E402
 
@@ -320,7 +321,8 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafte
   # greedy speculative decoding must return exactly plain greedy decoding's
   # tokens, EOS and row lengths included.
   from specdec_jax import SamplingParams, generate, speculative_generate
-  from specdec_jax.drafters import PromptLookupDrafter
+  from specdec_jax.drafts.lookup import PromptLookupDrafter
+
 
   model, tokenizer = smollm2_model
   draft = {"shipped_draft": smollm2.load_smollm2_draft, "shipped_eagle": smollm2.load_smollm2_eagle,
@@ -351,6 +353,7 @@ def test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts(smollm2_mod
   to about 1.0.
   """
   from specdec_jax import SamplingParams, generate, speculative_generate
+
 
   model, tokenizer = smollm2_model
   questions = ["Why do leaves change colour in autumn?", "Give me four ideas for a rainy weekend at home.",
@@ -401,6 +404,7 @@ def test_bf16_greedy_speculative_differs_from_plain_only_at_near_ties():
   # teacher-forced logits at its first difference must be such a near-tie (gap
   # <= 2 bf16 ulps of the top logit: 0.25 at the logits of about 28 seen here).
   from specdec_jax import SamplingParams, generate, speculative_generate
+
 
   target, tokenizer = smollm2.load_smollm2(jnp.bfloat16)
   draft = smollm2.load_smollm2_draft(jnp.bfloat16)

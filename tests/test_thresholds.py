@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specdec_jax import PenaltyState, SamplingParams, rejection_sample, sample_tokens, thresholds
-from specdec_jax.penalties import apply_penalties
-from specdec_jax.reductions import scale_logits
+from specdec_jax import PenaltyState, SamplingParams, rejection_sample, sample_tokens
+from specdec_jax.sampling import thresholds
+from specdec_jax.sampling.penalties import apply_penalties
+from specdec_jax.sampling.reductions import scale_logits
 
 V = 32000  # not a power of two: groups of 125 tokens, 256 groups, 1024 candidates -> 64 after narrowing
 

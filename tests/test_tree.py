@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from specdec_jax import SamplingParams, TreeRejectionOutput, rejection_sample, tree_rejection_sample
-from specdec_jax import tree as tree_mod
+from specdec_jax.verify import tree as tree_verifier
 from tests import stats
 from tests.compiles import count_compiles
 
@@ -381,7 +381,7 @@ def test_power_of_the_lossless_checks():
   assert tv < 0.035, tv
 
 
-_RIGHT_RESIDUAL = tree_mod._residual
+_RIGHT_RESIDUAL = tree_verifier._residual
 PLANTED = {
     # After a rejected sibling, keep r (no max(r - q, 0) at all, final draw from p included).
     "no_residual": lambda r, q, p: r,
@@ -393,12 +393,12 @@ PLANTED = {
 
 @pytest.mark.parametrize("mistake", list(PLANTED))
 def test_planted_wrong_verifier_fails_the_lossless_check(monkeypatch, mistake):
-  monkeypatch.setattr(tree_mod, "_residual", PLANTED[mistake])
-  tree_mod._tree_rejection_sample.clear_cache()  # the planted function must be traced, not a cached program
+  monkeypatch.setattr(tree_verifier, "_residual", PLANTED[mistake])
+  tree_verifier._tree_rejection_sample.clear_cache()  # the planted function must be traced, not a cached program
   try:
     first, joint, _ = _lossless_check(True, "T1", seed=11)
   finally:
-    tree_mod._tree_rejection_sample.clear_cache()
+    tree_verifier._tree_rejection_sample.clear_cache()
   assert min(first.pvalue, joint.pvalue) < stats.ALPHA, (first, joint)
 
 
@@ -607,7 +607,7 @@ def test_all_greedy_tree_program_has_no_exponential_or_random_numbers():
 def test_unrolled_greedy_walk_is_bit_identical_to_the_while_loop(monkeypatch, parents):
   """Small greedy trees unroll the walk (no early exit): the same outputs, bit for bit (mixed batches: the
   run-time all-greedy branch is not taken, so both programs also hold the random walk)."""
-  from specdec_jax import tree as tree_module
+
   rng = np.random.default_rng(0)
   b, v, n = 64, 12, len(parents)
   logits = jnp.asarray(rng.normal(size=(b, n + 1, v)) * 2, jnp.float32)
@@ -618,14 +618,14 @@ def test_unrolled_greedy_walk_is_bit_identical_to_the_while_loop(monkeypatch, pa
   num_nodes = jnp.asarray(rng.integers(0, n + 1, b), jnp.int32)
   outs = []
   for limit in (0, 10_000):  # every loop a while loop; every loop unrolled
-    monkeypatch.setattr(tree_module, "_UNROLL_LIMIT", limit)
-    tree_module._tree_rejection_sample.clear_cache()
+    monkeypatch.setattr(tree_verifier, "_UNROLL_LIMIT", limit)
+    tree_verifier._tree_rejection_sample.clear_cache()
     for greedy in (True, False):  # the static all-greedy program, and a mixed batch
       p = SamplingParams.greedy(b) if greedy else params
       outs.append(jax.tree.map(np.asarray, tree_rejection_sample(
           draft, np.array(parents), logits, p, None if greedy else jax.random.key(3), draft_probs=probs,
           num_nodes=num_nodes, all_greedy=greedy)))
-  tree_module._tree_rejection_sample.clear_cache()
+  tree_verifier._tree_rejection_sample.clear_cache()
   for a, c in ((outs[0], outs[2]), (outs[1], outs[3])):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)):
       np.testing.assert_array_equal(x, y)

@@ -15,18 +15,28 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specdec_jax import tree_round
-from specdec_jax.decoding import generate, speculative_generate
-from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.dynamic_tree import DynamicTree
+from specdec_jax.drafts.dynamic_tree import DynamicTree
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.drafts.static_tree import DraftTree, child_tokens, tree_attention_mask
+from specdec_jax.loop import tree_round
+from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.models import TransformerConfig
 from specdec_jax.models.eagle import EagleDrafter
-from specdec_jax.sampling import SamplingParams, sample_tokens
-from specdec_jax.tree import TreeRejectionOutput
-from specdec_jax.tree_drafts import DraftTree, child_tokens, tree_attention_mask
+from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.sampling.sample import sample_tokens
+from specdec_jax.verify.tree import TreeRejectionOutput
 from tests.compiles import count_compiles
-from tests.test_decoding import (N_ROWS, SMALL_V, TEMPERATURE, TOP_K, TinyLM, _check_output, _exact_joint,
-                                 _prompts, assert_first_tokens_follow)
+from tests.test_decoding import (
+  N_ROWS,
+  SMALL_V,
+  TEMPERATURE,
+  TOP_K,
+  TinyLM,
+  _check_output,
+  _exact_joint,
+  _prompts,
+  assert_first_tokens_follow,
+)
 from tests.test_eagle import _distil, _unit_target
 
 V = 16

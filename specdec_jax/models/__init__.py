@@ -1,44 +1,35 @@
 """Flax NNX decoder-only transformers with a KV cache, the EAGLE-style drafter, and loaders.
 
-Public API (imported on first use, so `specdec_jax.models.adapter` and the
-decoding loops do not pull in Flax):
-  - `TransformerConfig` (config.py): frozen, hashable model configuration.
-  - `Transformer`, `KVCache`, `weight_shapes` (transformer.py): the model, its
-    cache pytree and the shapes of its weights interface.
-  - `EagleDrafter`, `EagleConfig` (eagle.py): the feature drafter.
-  - `load_smollm2`, `load_smollm2_draft`, `load_smollm2_eagle` (smollm2.py).
-  - `shard`, `make_mesh`, `Partitioning` (sharding.py): the models on a device
-    mesh, tensor parallel over "model", data parallel over "data".
+  - `config`: `TransformerConfig`, frozen and hashable.
+  - `transformer`: `Transformer`, its cache `KVCache`, and `weight_shapes`.
+  - `eagle`: `EagleDrafter` and `EagleConfig`, the feature drafter.
+  - `sharding`: `shard` and `Partitioning`, the models on a device mesh (tensor
+    parallel over "model", data parallel over "data"); `make_mesh` comes from
+    `specdec_jax.mesh`.
+  - `loaders`: real checkpoints (`load_smollm2`, `load_smollm2_draft`, `load_smollm2_eagle`).
+
+The decoding loops never import this package: a model reaches them through its
+call protocol (`init_cache` and `__call__`; see `Transformer`).
 """
 
-import importlib
+from specdec_jax.mesh import make_mesh
+from specdec_jax.models.config import TransformerConfig
+from specdec_jax.models.eagle import EagleConfig, EagleDrafter
+from specdec_jax.models.loaders.smollm2 import load_smollm2, load_smollm2_draft, load_smollm2_eagle
+from specdec_jax.models.sharding import Partitioning, shard
+from specdec_jax.models.transformer import KVCache, Transformer, weight_shapes
 
-_EXPORTS = {
-    "TransformerConfig": "config",
-    "Transformer": "transformer",
-    "KVCache": "transformer",
-    "weight_shapes": "transformer",
-    "EagleDrafter": "eagle",
-    "EagleConfig": "eagle",
-    "load_smollm2": "smollm2",
-    "load_smollm2_draft": "smollm2",
-    "load_smollm2_eagle": "smollm2",
-    "shard": "sharding",
-    "make_mesh": "sharding",
-    "Partitioning": "sharding",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-  module = _EXPORTS.get(name)
-  if module is None:
-    raise AttributeError(f"module 'specdec_jax.models' has no attribute {name!r}")
-  value = getattr(importlib.import_module(f"specdec_jax.models.{module}"), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__():
-  return sorted(set(globals()) | set(__all__))
+__all__ = [
+  "EagleConfig",
+  "EagleDrafter",
+  "KVCache",
+  "Partitioning",
+  "Transformer",
+  "TransformerConfig",
+  "load_smollm2",
+  "load_smollm2_draft",
+  "load_smollm2_eagle",
+  "make_mesh",
+  "shard",
+  "weight_shapes",
+]

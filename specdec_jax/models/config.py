@@ -77,7 +77,7 @@ class TransformerConfig:
       kernels everywhere. "pallas": on a GPU, in bf16/f16, unrolled, unsharded
       models, each block's attention half and MLP half run as hand-written
       Pallas (Triton) kernels, three and two, each half ending in one small
-      XLA sum (`models/pallas_attention.py`, `models/pallas_mlp.py`); every other
+      XLA sum (`specdec_jax/kernels/`); every other
       call, backend or dtype keeps XLA's. "pallas_interpret": the same
       kernels in Pallas's interpreter on any backend (slow; for tests).
       Outputs agree with "xla" up to rounding.

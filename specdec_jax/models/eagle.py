@@ -53,10 +53,26 @@ from flax import nnx
 from specdec_jax.models import sharding
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.sharding import Partitioning, relayout
-from specdec_jax.models.transformer import (_LAYER_PARAMS, AttentionContext, KVCache, Transformer, _apply_rope,
-                                            _make_param, _rope_tables, check_tree_args, constrain_cache,
-                                            block_kernels, copy_kv_slots, decoder_block, mlp_block, pallas_block,
-                                            project_qkv, random_weights, rms_norm, tree_kernel_args)
+from specdec_jax.models.transformer import (
+  _LAYER_PARAMS,
+  AttentionContext,
+  KVCache,
+  Transformer,
+  _apply_rope,
+  _make_param,
+  _rope_tables,
+  block_kernels,
+  check_tree_args,
+  constrain_cache,
+  copy_kv_slots,
+  decoder_block,
+  mlp_block,
+  pallas_block,
+  project_qkv,
+  random_weights,
+  rms_norm,
+  tree_kernel_args,
+)
 
 # The first block's parameters: the plain block's, plus a norm for each half of its input.
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))

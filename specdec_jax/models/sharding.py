@@ -73,17 +73,10 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 # Re-exported: the axis names and constraints belong to every layer, the models included.
-from specdec_jax.mesh import (
-  AXIS_NAMES,
-  DATA_AXIS,
-  MODEL_AXIS,
-  axis_size,
-  constrain,
-  constrain_rows,
-)
+from specdec_jax.mesh import AXIS_NAMES, DATA_AXIS, MODEL_AXIS, axis_size, constrain, constrain_rows, make_mesh
 
 __all__ = ["AXIS_NAMES", "DATA_AXIS", "MODEL_AXIS", "Partitioning", "axis_size", "check_mesh", "constrain",
            "constrain_rows", "make_mesh", "shard"]
@@ -136,36 +129,6 @@ class Partitioning:
   def logits_spec(self) -> tuple[str | None, ...]:
     """The spec of logits [B, T, V]: rows over "data", the vocabulary over "model" where it is split."""
     return (DATA_AXIS, None, MODEL_AXIS if self.vocab else None)
-
-
-def make_mesh(data: int = 1, model: int = 1, *, devices=None) -> jax.sharding.Mesh:
-  """A `data` x `model` mesh of the first data*model devices, with Auto axes (XLA propagates shardings).
-
-  Args:
-    data: devices on the data axis (rows of the batch).
-    model: devices on the model axis (tensor parallelism).
-    devices: the devices to use (default `jax.devices()`); exactly data*model of them are taken.
-
-  Returns:
-    `jax.sharding.Mesh` with axis names ("data", "model").
-
-  Raises:
-    ValueError: a size is not a positive int, or there are fewer than data*model devices.
-
-  Example:
-    >>> make_mesh(data=1, model=1).shape  # doctest: +SKIP
-    OrderedDict([('data', 1), ('model', 1)])
-  """
-  for name, value in (("data", data), ("model", model)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-      raise ValueError(f"make_mesh: {name} must be a positive int, got {value!r}.")
-  devices = list(jax.devices() if devices is None else devices)
-  if len(devices) < data * model:
-    raise ValueError(f"make_mesh: data={data} x model={model} needs {data * model} devices, found {len(devices)} "
-                     f"(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices; set it before "
-                     f"JAX starts).")
-  grid = np.asarray(devices[:data * model], dtype=object).reshape(data, model)
-  return jax.sharding.Mesh(grid, AXIS_NAMES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def check_mesh(mesh, where: str = "shard") -> None:

@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specdec_jax.models import pallas_attention, pallas_mlp, sharding
+from specdec_jax.kernels import attention, mlp
+from specdec_jax.models import sharding
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.sharding import Partitioning, relayout
 
@@ -466,7 +467,7 @@ class Transformer(nnx.Module):
 
     i.e. `positions = L-1 + depth`, `cache_slots = L-1 + [0, 1, 2, 3]` and a
     mask of the slots below L plus each node's ancestors and itself
-    (`specdec_jax.tree_drafts.tree_attention_mask` builds it). After
+    (`specdec_jax.drafts.static_tree.tree_attention_mask` builds it). After
     verification, `copy_cache_slots` moves the accepted path's keys/values to
     the slots its positions name (L, L+1, ...), where the next round expects
     them; the other nodes' slots hold junk that no later query sees. Without
@@ -693,7 +694,7 @@ def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None
 
   Decided at trace time from static facts: XLA's blocks serve sharded models, a CPU or float32 for
   "pallas", and shapes the kernels do not take (more than 16 rows, B*T, tree calls included; see
-  `pallas_attention.check_args`). `prefix`: as for `pallas_block`.
+  `attention.check_args`). `prefix`: as for `pallas_block`.
 
   Example:
     >>> block_kernels(TransformerConfig.tiny(64), None, jnp.zeros((1, 1, 32)), {}, None) is None  # kernels="xla"
@@ -704,10 +705,10 @@ def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None
   if c.kernels == "pallas" and (jax.default_backend() != "gpu" or
                                 c.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))):
     return None
-  if pallas_attention.check_args(x, p["wqkv"], p["wo"], k_cache, c.num_heads, c.num_kv_heads,
+  if attention.check_args(x, p["wqkv"], p["wo"], k_cache, c.num_heads, c.num_kv_heads,
                                  None if prefix is None else prefix[0]) is not None:
     return None
-  if pallas_mlp._check_args(x, p["mlp_norm"], p["w_gate_up"], p["w_down"]) is not None:
+  if mlp._check_args(x, p["mlp_norm"], p["w_gate_up"], p["w_down"]) is not None:
     return None
   return c.kernels
 
@@ -735,13 +736,13 @@ def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx
     ...                        interpret=False)  # doctest: +SKIP
   """
   half = c.head_dim // 2
-  x, k_cache, v_cache = pallas_attention.fused_attention(
+  x, k_cache, v_cache = attention.fused_attention(
       x, p["attn_norm"], p["wqkv"], p["wo"], k_cache, v_cache, i, positions, ctx.cos[:, :, 0, :half],
       ctx.sin[:, :, 0, :half], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
-      interpret=interpret, blocks=attn_blocks or pallas_attention.DEFAULT_BLOCKS, prefix=prefix,
+      interpret=interpret, blocks=attn_blocks or attention.DEFAULT_BLOCKS, prefix=prefix,
       slots=slots, mask=mask)
-  x = pallas_mlp.fused_mlp(x, p["mlp_norm"], p["w_gate_up"], p["w_down"], c.rms_norm_eps, interpret=interpret,
-                           blocks=mlp_blocks or pallas_mlp.BEST_BLOCKS)
+  x = mlp.fused_mlp(x, p["mlp_norm"], p["w_gate_up"], p["w_down"], c.rms_norm_eps, interpret=interpret,
+                           blocks=mlp_blocks or mlp.BEST_BLOCKS)
   return x, k_cache, v_cache
 
 

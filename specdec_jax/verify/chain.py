@@ -32,7 +32,7 @@ bench/RESULTS.md, section 8, 2026-11-24):
 | `_general`, row draw    | with draft probs                       | + the stop row of logits and probs      |    1.87 |
 | (argmax rides along)    | mixed batch: some greedy, some random  | the same pass also keeps the argmax     |    1.95 |
 | threshold search        | some row has top-k or top-p            | group top-4 pass, candidates narrowed   |    5.19 |
-|                         | (`sampling.filter_active`)             | and sorted; + argmax pass if greedy     |         |
+|                         | (`thresholds.filter_active`)             | and sorted; + argmax pass if greedy     |         |
 | min-p only              | some row has min-p, none top-k/top-p   | the plain pass + a kept-mass pass       |    2.79 |
 | block, no draft probs   | method="block"                         | as "token"                              |    1.32 |
 | block, with draft probs | method="block"                         | + positions 1..K-1 of logits and probs  |    3.13 |
@@ -46,7 +46,7 @@ bench/RESULTS.md, section 8, 2026-11-24):
 (The penalties row counts the state's [B, V] bytes in its floor, 1.31 ms.)
 
 The code follows the table: `_rejection_sample` picks `_greedy` or `_general`;
-`_general` runs four named steps: `sampling.position_stats` (threshold,
+`_general` runs four named steps: `position_stats` (threshold,
 normaliser, argmax, chunk masses in one pass), `_score_drafts` (gathers),
 the acceptance rule (token or block), `_draw_final` (chunk draw, row draw or
 redraw).
@@ -71,9 +71,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from specdec_jax import sampling, vocab_parallel
 from specdec_jax.mesh import auto_axes_if_explicit
-from specdec_jax.sampling import SamplingParams
+from specdec_jax.sampling import draws, penalties, reductions, thresholds, vocab_parallel
+from specdec_jax.sampling.params import (
+  SamplingParams,
+  check_logits_values,
+  check_params,
+  check_probs_values,
+  row_keys,
+  valid_probs,
+)
+from specdec_jax.sampling.stats import PositionStats, position_stats, requested_log_probs
 
 PLACEHOLDER_TOKEN_ID = -1
 LOGPROBS_MODES = (None, "raw", "processed")
@@ -112,7 +120,7 @@ def rejection_sample(
     all_random: bool = False,
     logprobs: str | None = None,
     method: str = "token",
-    penalty_state: sampling.PenaltyState | None = None,
+    penalty_state: penalties.PenaltyState | None = None,
     no_filters: bool = False,
 ) -> RejectionOutput:
   """Verifies draft tokens against the target, losslessly.
@@ -156,13 +164,13 @@ def rejection_sample(
       frequency or presence penalties with non-neutral values. Every position
       applies the logit bias and the penalties before temperature, top-k,
       top-p and min-p, with the round's earlier drafts d_0 .. d_{i-1} counted
-      in position i's context (`sampling.apply_penalties`); greedy rows take
+      in position i's context (`penalties.apply_penalties`); greedy rows take
       the argmax of the penalised logits, and all_greedy programs stay free of
       exponentials and random numbers. "raw" log-probabilities stay those of
       the unmodified logits.
     no_filters: static promise that no row uses top-k, top-p or min-p (they
       are ignored; `SamplingParams.promise_no_filters`). Random rows then take
-      one overflow-safe softmax pass (`sampling.position_stats`) and draw
+      one overflow-safe softmax pass (`position_stats`) and draw
       without any run-time branch on the filters, the overflow redo or an
       empty residual: on a GPU every such branch costs a conditional or a
       host copy, which at batch 1 costs more than the work. The same
@@ -225,7 +233,7 @@ def rejection_sample(
     raise ValueError(f"rejection_sample: method must be one of {METHODS}, got {method!r}")
   b, k = _check_args(draft_token_ids, target_logits, params, draft_probs, num_draft_tokens, all_greedy, all_random)
   v = target_logits.shape[-1]
-  params = sampling.penalty_params(params, penalty_state, b, v, "rejection_sample")
+  params = penalties.penalty_params(params, penalty_state, b, v, "rejection_sample")
   if num_draft_tokens is None:
     num_draft_tokens = jnp.full((b,), k, jnp.int32)
   num_draft_tokens = jnp.asarray(num_draft_tokens)
@@ -238,7 +246,7 @@ def rejection_sample(
       raise ValueError("rejection_sample: key is required unless all_greedy=True")
     keys = None
   else:
-    keys = sampling.row_keys(key, b, "rejection_sample: key")
+    keys = row_keys(key, b, "rejection_sample: key")
   shards = vocab_parallel.shards_for(v, b)
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
@@ -288,7 +296,7 @@ def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axi
                      f"{logits.shape}, got {draft.shape}")
   if not jnp.issubdtype(draft.dtype, jnp.integer):
     raise ValueError(f"{where}: draft_token_ids must be an integer array, got dtype {draft.dtype}")
-  sampling.check_params(params, b, where)
+  check_params(params, b, where)
   if draft_probs is not None:
     dp_shape, dp_dtype = jnp.shape(draft_probs), jnp.result_type(draft_probs)
     rows, rows_name = r - 1 + probs_rows, f"{axis}+1" if probs_rows else axis
@@ -328,10 +336,10 @@ def _check_float_values(logits, draft_probs, n, k):
   if any(isinstance(a, jax.core.Tracer) for a in (logits, draft_probs, n)):
     return
   n = jnp.asarray(n)
-  sampling.check_logits_values(logits, jnp.arange(k + 1)[None, :] <= n[:, None], "rejection_sample: target_logits")
+  check_logits_values(logits, jnp.arange(k + 1)[None, :] <= n[:, None], "rejection_sample: target_logits")
   if draft_probs is None:
     return
-  sampling.check_probs_values(draft_probs, jnp.arange(k)[None, :] < n[:, None], "rejection_sample: draft_probs",
+  check_probs_values(draft_probs, jnp.arange(k)[None, :] < n[:, None], "rejection_sample: draft_probs",
                               "at positions < num_draft_tokens ([b, i])")
 
 
@@ -358,7 +366,7 @@ def _num_accepted(accept):
 
 def _greedy(draft, logits, live, shards=None):
   """Argmax-only verification: no exponential, no random numbers."""
-  t, best = sampling.greedy_argmax(logits, shards)  # [B, K+1]; NaN counts as -inf
+  t, best = reductions.greedy_argmax(logits, shards)  # [B, K+1]; NaN counts as -inf
   # A position without any logit above -inf accepts nothing (its "argmax" 0 is no choice).
   num_accepted = _num_accepted((draft == t[:, :-1]) & (best[:, :-1] > -jnp.inf) & live)
   final = jnp.take_along_axis(t, num_accepted[:, None], axis=1)[:, 0]
@@ -409,18 +417,18 @@ class _DraftScores(NamedTuple):
   log_q: jax.Array  # f32: log q_i(d_i) (0 for drafts without probabilities: one-hot q)
 
 
-def _score_drafts(draft, logits, params, stats: sampling.PositionStats, draft_probs, shards=None) -> _DraftScores:
+def _score_drafts(draft, logits, params, stats: PositionStats, draft_probs, shards=None) -> _DraftScores:
   """Gathers one logit (and one draft probability) per draft: no pass over the vocabulary."""
   k, v = draft.shape[1], (logits.shape[-1] if shards is None else shards.vocab)
   valid = (draft >= 0) & (draft < v)
   ids = jnp.where(valid, draft, 0)
-  x_d = sampling.scale_logits(vocab_parallel.take_vocab(sampling.values(logits)[:, :k], ids[..., None], shards),
+  x_d = reductions.scale_logits(vocab_parallel.take_vocab(reductions.values(logits)[:, :k], ids[..., None], shards),
                               params.temperature, stats.shift[:, :k])[..., 0]
   log_p = jnp.where((x_d >= stats.thr[:, :k]) & (stats.lse[:, :k] > -jnp.inf), x_d - stats.lse[:, :k], -jnp.inf)
   if draft_probs is None:
     log_q = jnp.zeros_like(log_p)
   else:
-    q_d = sampling.valid_probs(vocab_parallel.take_vocab(draft_probs[:, :k], ids[..., None], shards)[..., 0])
+    q_d = valid_probs(vocab_parallel.take_vocab(draft_probs[:, :k], ids[..., None], shards)[..., 0])
     log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
   return _DraftScores(ids=ids, valid=valid, log_p=log_p, log_q=log_q)
 
@@ -432,11 +440,11 @@ def _block_residual_mass(logits, params, stats, draft_probs, scores: _DraftScore
     r = jnp.exp(log_w[:, :k]) * (1.0 - jnp.exp(scores.log_p))
   elif k > 1:  # one more read of positions 1..K-1 (logits and draft probs)
     sl = slice(1, k)
-    x = sampling.scale_logits(sampling.values(logits)[:, sl], params.temperature, stats.shift[:, sl])
+    x = reductions.scale_logits(reductions.values(logits)[:, sl], params.temperature, stats.shift[:, sl])
     logp_all = jnp.where((x >= stats.thr[:, sl, None]) & (stats.lse[:, sl, None] > -jnp.inf),
                          x - stats.lse[:, sl, None], -jnp.inf)
-    q = sampling.valid_probs(draft_probs[:, sl])
-    r = sampling.sum_over_vocab(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), shards)
+    q = valid_probs(draft_probs[:, sl])
+    r = reductions.sum_over_vocab(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), shards)
     r = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), r], axis=1)
   else:
     r = jnp.zeros((b, k), jnp.float32)
@@ -469,7 +477,7 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
 
   def stop_log_weights(residual):
     """[B, V] log-weights at the stopping position, built from the inputs (fusible)."""
-    row = sampling.scale_logits(jnp.take_along_axis(sampling.values(logits), s[:, None, None], axis=1)[:, 0],
+    row = reductions.scale_logits(jnp.take_along_axis(reductions.values(logits), s[:, None, None], axis=1)[:, 0],
                                 params.temperature, shift_s)
     logp_row = jnp.where((row >= thr_s) & (lse_s > -jnp.inf), row - lse_s, -jnp.inf)
     if not residual or k == 0:
@@ -477,7 +485,7 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
     if draft_probs is None:
       # p - onehot(d), clipped at 0, is p with d removed (an id outside [0, V) removes nothing).
       return jnp.where(rejected & (token_ids == d_s), -jnp.inf, logp_row)
-    q_row = sampling.valid_probs(jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0])
+    q_row = valid_probs(jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0])
     if log_w is not None:  # block: the residual is max(w_s p_s - q_s, 0)
       logp_row = logp_row + at_s(log_w)
     # Masked and filtered tokens stay out without a select: there exp(logp_row) = 0
@@ -485,19 +493,19 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
     return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
 
   def row_draw():
-    if any_filtered is None and v % sampling.chunk_size(v if shards is None else shards.vocab) == 0:
+    if any_filtered is None and v % reductions.chunk_size(v if shards is None else shards.vocab) == 0:
       # The no-filters program has no branch: the fallback's chunk masses come from the same pass.
-      return sampling.categorical_with_fallback(key, stop_log_weights(True), stop_log_weights(False), shards)
-    tok, empty = sampling.categorical_with_empty(key, stop_log_weights(True), shards)
+      return draws.categorical_with_fallback(key, stop_log_weights(True), stop_log_weights(False), shards)
+    tok, empty = draws.categorical_with_empty(key, stop_log_weights(True), shards)
     # A residual with no mass falls back to p. The check comes from the draw's own
     # chunk masses; the redraw runs only if needed.
     return jax.lax.cond(
         any_(empty),
-        lambda: jnp.where(empty, sampling.categorical_with_empty(key, stop_log_weights(False), shards)[0], tok),
+        lambda: jnp.where(empty, draws.categorical_with_empty(key, stop_log_weights(False), shards)[0], tok),
         lambda: tok)
 
   def chunk_draw():
-    c = sampling.chunk_size(v if shards is None else shards.vocab)
+    c = reductions.chunk_size(v if shards is None else shards.vocab)
     n_ch = v // c  # this device's chunks under shards
     log_pc = jnp.take_along_axis(stats.chunk_log_mass, s[:, None, None], axis=1)[:, 0] - lse_s  # [B, n]
     if k > 0:  # residual p - onehot(d) of a rejected draft
@@ -507,11 +515,11 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
       exclude, p_d = jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), jnp.float32)
 
     def chunk_log_weights(ch):  # [B] -> [B, c]: the chosen chunk of the stopping row, under p
-      row = jnp.take_along_axis(sampling.values(logits), s[:, None, None], axis=1).reshape(b, n_ch, c)
-      return sampling.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature,
+      row = jnp.take_along_axis(reductions.values(logits), s[:, None, None], axis=1).reshape(b, n_ch, c)
+      return reductions.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature,
                                    shift_s)
 
-    return sampling.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c, shards)
+    return draws.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c, shards)
 
   if stats.chunk_log_mass is not None and draft_probs is None and any_filtered is None:
     tok = chunk_draw()  # no filters and no redone rows (`params.no_filters`: see `position_stats`)
@@ -533,11 +541,11 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, met
   k = k1 - 1
   greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
   # 1. Every position's processed distribution: threshold, normaliser, argmax, chunk masses.
-  stats = sampling.position_stats(logits, params, greedy=greedy if need_argmax else None, argmax=need_argmax,
+  stats = position_stats(logits, params, greedy=greedy if need_argmax else None, argmax=need_argmax,
                                   chunks=True, shards=shards)
   # None: no row filters (the static promise, `params.no_filters`), so no run-time branch on it.
   any_filtered = None if params.no_filters else vocab_parallel.any_rows(
-      sampling.filter_active(params, v, greedy=greedy), shards)
+      thresholds.filter_active(params, v, greedy=greedy), shards)
   # 2. Each draft's log-probability under the target and the draft (gathers only).
   scores = _score_drafts(draft, logits, params, stats, draft_probs, shards)
   # 3. The accepted prefix: in log space, accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
@@ -568,7 +576,7 @@ def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode
   raw_logits are the caller's; logits those the sampler used (after bias and penalties, if any).
   """
   processed = stats.token_log_probs(logits, out.token_ids, params.temperature, shards)
-  lp = sampling.requested_log_probs(raw_logits if mode == "raw" else logits, out.token_ids, params, processed, mode,
+  lp = requested_log_probs(raw_logits if mode == "raw" else logits, out.token_ids, params, processed, mode,
                                     greedy, shards)
   emitted = jnp.arange(logits.shape[1])[None, :] < out.num_emitted[:, None]
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
@@ -597,14 +605,14 @@ def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, all_
   if params.has_logit_bias or params.has_penalties:
     # Steps 1-3 of every position, position i counting drafts 0 .. i-1: a view, so that
     # every read of the logits applies them itself (fused) instead of reading a copy.
-    logits = sampling.penalized_view(logits, params, penalty_state, draft,
+    logits = penalties.penalized_view(logits, params, penalty_state, draft,
                                      vocab_offset=None if shards is None else shards.offset())
   b, k1 = logits.shape[:2]
   k = k1 - 1
   n = jnp.clip(n, 0, k)
   live = jnp.arange(k)[None, :] < n[:, None]
   zeros = jnp.zeros((b, k1), jnp.float32)
-  no_stats = sampling.PositionStats(shift=zeros, thr=zeros, lse=zeros, argmax=jnp.zeros((b, k1), jnp.int32),
+  no_stats = PositionStats(shift=zeros, thr=zeros, lse=zeros, argmax=jnp.zeros((b, k1), jnp.int32),
                                     redone=jnp.zeros((b, k1), jnp.bool_))  # greedy rows need none
   if all_greedy:
     out, stats = _greedy(draft, logits, live, shards), no_stats

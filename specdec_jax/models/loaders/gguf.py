@@ -26,7 +26,7 @@ Two details of llama.cpp's converter matter:
 importing this module does not need them; a missing one raises an ImportError
 that names the install command (`import_optional`). A truncated or corrupted
 file raises a `DamagedFileError` (a ValueError) that names the file
-(`damaged_file_error`); smollm2.py uses both helpers for its own files too.
+(`damaged_file_error`); `loaders.smollm2` uses both helpers for its own files too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One speculative round with a tree of drafts (static or dynamic), inside the loop's program.
 
-`specdec_jax.decoding.speculative_generate(..., draft_tree=...)` runs this
+`specdec_jax.loop.decoding.speculative_generate(..., draft_tree=...)` runs this
 round instead of the chain's: the drafter grows the tree, the target verifies
 every node in one call (tree attention), `tree_rejection_sample` walks it, and
 the accepted path's cache slots move to where a chain round would have left them.
@@ -11,11 +11,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import sampling
-from specdec_jax.dynamic_tree import DynamicTree, tree_ancestors
-from specdec_jax.loop_state import LoopState, arange32, gather_rows
-from specdec_jax.tree import tree_rejection_sample
-from specdec_jax.tree_drafts import DraftTree, tree_attention_mask
+from specdec_jax.drafts.dynamic_tree import DynamicTree, tree_ancestors
+from specdec_jax.drafts.static_tree import DraftTree, tree_attention_mask
+from specdec_jax.loop.state import LoopState, arange32, gather_rows
+from specdec_jax.sampling import sample, stats
+from specdec_jax.verify.tree import tree_rejection_sample
 
 
 def tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t_copy, params, draft_keys,
@@ -45,7 +45,7 @@ def tree_round(s: LoopState, drafter, tree: DraftTree | DynamicTree, t_apply, t_
     nodes, draft_probs, draft_carry = drafter.propose_tree(s.draft, s, draft_keys, tree, params, all_greedy,
                                                            max_length)
     parents, depths = tree.parents, jnp.asarray(tree.depths)[None, :]
-    verify_kw = dict(sibling_draws=tree.sibling_draws)  # as the drafter drew them (tree_drafts.child_tokens)
+    verify_kw = dict(sibling_draws=tree.sibling_draws)  # as the drafter drew them (static_tree.child_tokens)
     rows = np.concatenate([np.zeros((1, n), bool), tree.ancestors])  # t sees the context only
   last = gather_rows(s.tokens, length - 1)
   verify = jnp.concatenate([last[:, None], nodes], axis=1)  # [B, N+1]
@@ -88,8 +88,8 @@ def path_logprobs(logits, tokens, params, mode, all_greedy):
   if all_greedy:
     processed = jnp.zeros(tokens.shape, jnp.float32)
   else:
-    logp = sampling.process_logits(logits, params)
+    logp = sample.process_logits(logits, params)
     processed = jnp.take_along_axis(logp, jnp.clip(tokens, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-  lp = sampling.requested_log_probs(logits, tokens, params, processed, mode, greedy)
+  lp = stats.requested_log_probs(logits, tokens, params, processed, mode, greedy)
   return jnp.where(tokens >= 0, lp, 0.0)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax.mesh import DATA_AXIS, MODEL_AXIS, ambient_mesh
-from specdec_jax.reductions import chunk_size
+from specdec_jax.sampling.reductions import chunk_size
 
 
 @dataclasses.dataclass(frozen=True)

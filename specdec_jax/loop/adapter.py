@@ -11,7 +11,7 @@ the compiled program:
   - anything else (no arrays): the object itself, closed over as a constant.
 
 This module imports Flax only when it meets an NNX module (a model of that kind
-means Flax is already imported), so `specdec_jax.decoding` and the sampler work
+means Flax is already imported), so `specdec_jax.loop.decoding` and the sampler work
 without Flax.
 """
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.reductions import LogitsView, _bcast
-from specdec_jax.sampling_params import SamplingParams, _is_concrete, check_bias_ids, check_params, static_int
+from specdec_jax.sampling.params import SamplingParams, _is_concrete, check_bias_ids, check_params, static_int
+from specdec_jax.sampling.reductions import LogitsView, _bcast
 
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 

@@ -20,11 +20,11 @@ the same half is three kernels:
      writes its [T, Dh] output. Query t sees slot s iff s <= positions[b, t]
      (the chain rule of `AttentionContext`), or, for a tree call, iff its row
      of the given mask says so; kernel 1 then writes at the given slots.
-  3. The output product plus the residual, `pallas_mlp.project_residual`
+  3. The output product plus the residual, `mlp.project_residual`
      (the MLP's down-projection kernel on wo).
 
 Rows (B*T) are at most `MAX_ROWS` = 16, padded to 16 by masks, as in
-`pallas_mlp` (the smallest M a Triton dot takes). The cache write happens
+`mlp` (the smallest M a Triton dot takes). The cache write happens
 in kernel 1, before kernel 2 reads the cache, so a query sees its own key and
 those of the call's earlier tokens, as in `attention_block`.
 
@@ -47,8 +47,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from specdec_jax.models.pallas_mlp import (MAX_ROWS, MlpBlocks, _compiler_params, _load, normed_products, plgpu,
-                                           project_residual)
+from specdec_jax.kernels.mlp import (
+  MAX_ROWS,
+  MlpBlocks,
+  _compiler_params,
+  _load,
+  normed_products,
+  plgpu,
+  project_residual,
+)
 
 _MASKED = -1e30  # a score no visible slot reaches; finite, so a block with nothing visible makes no NaN
 
@@ -141,7 +148,7 @@ def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h
   [with `prefix`: px [rows, D] and its norm weight pnw [D],] x [rows, D], nw [D],
   w [D or 2D, (H + 2 Hkv) Dh], cos/sin [rows, Dh/2] float32; outputs q [rows, H Dh] and the
   caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs: written in place). The norm
-  and the product are `pallas_mlp.normed_products`, as in the MLP's gate|up kernel; with a
+  and the product are `mlp.normed_products`, as in the MLP's gate|up kernel; with a
   prefix the product reads concat(rms_norm(px), rms_norm(x)), each part normed on its own.
   """
   if prefix:

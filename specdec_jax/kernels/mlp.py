@@ -281,7 +281,7 @@ def _down_kernel(layer_ref, h_ref, w_ref, x_ref, o_ref, *, rows, d, f, chunk, bl
 def _compiler_params(blocks, interpret: bool):
   """Triton CompilerParams (which also pins the Triton lowering over Mosaic GPU), or None.
 
-  `blocks`: anything with num_warps and num_stages (`MlpBlocks`, `pallas_attention.AttentionBlocks`).
+  `blocks`: anything with num_warps and num_stages (`MlpBlocks`, `attention.AttentionBlocks`).
   """
   if interpret or plgpu is None or not hasattr(plgpu, "CompilerParams"):
     return None
@@ -354,7 +354,7 @@ def fused_mlp(x, norm_weight, w_gate_up, w_down, eps: float, layer=None, *, inte
 def project_residual(h, w, x2, layer, *, blocks: MlpBlocks = DEFAULT_BLOCKS, interpret: bool = False):
   """x2 + h @ w[layer] for few rows, as `_down_kernel`s (one, or split over K plus one XLA fusion).
 
-  The second half of `fused_mlp`, also the output projection of `pallas_attention.fused_attention`.
+  The second half of `fused_mlp`, also the output projection of `attention.fused_attention`.
 
   Args:
     h: [rows, F] (rows <= MAX_ROWS), w's dtype.

@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import reductions, sampling
-from specdec_jax.sampling import SamplingParams
-from specdec_jax.tree import SIBLING_DRAWS
+from specdec_jax.sampling import reductions, sample
+from specdec_jax.sampling.draws import categorical_from_log_weights
+from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.verify.tree import SIBLING_DRAWS
 
 __all__ = ["DraftTree", "tree_attention_mask", "child_tokens", "grow_tree", "node_keys"]
 
@@ -198,11 +199,11 @@ def child_tokens(logits: jax.Array, num_children: int, params: SamplingParams, k
   top = top.astype(jnp.int32).reshape(b, n * k)
   if all_greedy:
     return top, None
-  logq = sampling.process_logits(logits, params)  # [B, n, V]
+  logq = sample.process_logits(logits, params)  # [B, n, V]
   flat = logq.reshape(b * n, v)
   draws = []
   for c in range(k):
-    draws.append(sampling.categorical_from_log_weights(keys[:, :, c].reshape(b * n), flat))
+    draws.append(categorical_from_log_weights(keys[:, :, c].reshape(b * n), flat))
     if without_replacement and c + 1 < k:  # the next child comes from q without this token
       flat = jnp.where(jnp.arange(v)[None, :] == draws[-1][:, None], -jnp.inf, flat)
   draws = jnp.stack(draws, axis=-1).reshape(b, n * k)

@@ -28,7 +28,7 @@ the root) with children j_1 < j_2 < ... in node order:
 
 Every mode is lossless, and a chain (parents = [-1, 0, 1, ...]) has exactly the
 distribution of `rejection_sample`. p is processed as there (temperature, top-k,
-top-p; `sampling.process_logits`), with the same rules for values outside the
+top-p; `sample.process_logits`), with the same rules for values outside the
 ordinary range: NaN logits are masked, +inf logits share the mass, a node whose
 logits are all -inf accepts no child and emits token 0.
 
@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import sampling
-from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID, check_verifier_args
-from specdec_jax.sampling import SamplingParams
+from specdec_jax.sampling import draws, reductions, sample
+from specdec_jax.sampling.params import SamplingParams, check_logits_values, check_probs_values, row_keys, valid_probs
+from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID, check_verifier_args
 
 _WHERE = "tree_rejection_sample"
 SIBLING_DRAWS = ("iid", "without_replacement")
@@ -112,7 +112,7 @@ def tree_rejection_sample(
     sibling_draws: static, how the children of a node were drawn from its q
       (with draft_probs): "iid" (default), or "without_replacement": in node
       order, each from q without the tokens of the siblings before it,
-      renormalised (distinct siblings; `tree_drafts.child_tokens` draws them so).
+      renormalised (distinct siblings; `static_tree.child_tokens` draws them so).
       A child drawn when q had no mass left is never accepted. The verifier must
       be told the way the drafts were drawn: either is lossless for its own draws.
     max_depth: static int >= 1 or None: a bound on the tree's depth that sets D
@@ -177,7 +177,7 @@ def tree_rejection_sample(
       raise ValueError(f"{_WHERE}: key is required unless all_greedy=True")
     keys = None
   else:
-    keys = sampling.row_keys(key, b, f"{_WHERE}: key")
+    keys = row_keys(key, b, f"{_WHERE}: key")
   if no_filters:
     params = params.promise_no_filters()
   return _tree_rejection_sample(draft.astype(jnp.int32), parents.astype(jnp.int32), logits, params, keys,
@@ -260,14 +260,14 @@ def _check_values(draft, parents, num_nodes, logits, draft_probs):
   if np.any(bad):
     raise ValueError(f"{_WHERE}: draft_token_ids must be in [0, V={v}) at nodes < num_nodes; got {d[bad][:8]}")
   rows_used = np.concatenate([np.ones((b, 1), bool), live], axis=1)  # the root and the existing nodes
-  sampling.check_logits_values(logits, jnp.asarray(rows_used), f"{_WHERE}: target_logits")
+  check_logits_values(logits, jnp.asarray(rows_used), f"{_WHERE}: target_logits")
   if draft_probs is None:
     return
   # q of row c+1 matters only where node c has an existing child (row 0: the root).
   has_child = np.zeros((b, n + 1), bool)
   rows, cols = np.nonzero(live)
   has_child[rows, p[rows, cols] + 1] = True
-  sampling.check_probs_values(draft_probs, jnp.asarray(has_child), f"{_WHERE}: draft_probs",
+  check_probs_values(draft_probs, jnp.asarray(has_child), f"{_WHERE}: draft_probs",
                               "in the rows of nodes with children ([b, row])")
 
 
@@ -308,7 +308,7 @@ def _first(mask):
 
 def _greedy_step(row_logits, draft, children):
   """The first child whose token is the argmax; else emit the argmax."""
-  t, best = sampling.greedy_argmax(row_logits)  # NaN counts as -inf; t = 0 for an empty row
+  t, best = reductions.greedy_argmax(row_logits)  # NaN counts as -inf; t = 0 for an empty row
   match = children & (draft == t[:, None]) & (best > -jnp.inf)[:, None]
   return _Step(_first(match), t)
 
@@ -316,7 +316,7 @@ def _greedy_step(row_logits, draft, children):
 def _guess_step(logp, draft, children, key):
   """Deterministic drafts: draw x ~ p; the first child whose token is x, else emit x."""
   nonempty = jnp.any(logp > -jnp.inf, axis=-1)
-  x = jnp.where(nonempty, sampling.categorical_from_log_weights(key, logp), 0)
+  x = jnp.where(nonempty, draws.categorical_from_log_weights(key, logp), 0)
   return _Step(_first(children & (draft == x[:, None]) & nonempty[:, None]), x)
 
 
@@ -394,7 +394,7 @@ def _recursive_rejection_step(logp, q, draft, children, key, max_children, witho
   _, r, chosen, rejected_any, _, _ = jax.lax.while_loop(cond, body, init) if n and max_children else init
   # The bonus (no child rejected) draws from logp itself, not from log(exp(logp)).
   log_w = jnp.where(rejected_any[:, None], jnp.log(r), logp)
-  token = jnp.where(nonempty, sampling.categorical_from_log_weights(k_final, log_w), 0)
+  token = jnp.where(nonempty, draws.categorical_from_log_weights(k_final, log_w), 0)
   return _Step(chosen, token)
 
 
@@ -431,7 +431,7 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
   # [B, N+1, V] processed log-probabilities when they are small (see _PREPROCESS_BYTES).
   pre = None
   if not greedy_only and b * (n + 1) * v * 4 <= _PREPROCESS_BYTES:
-    pre = sampling.process_logits(logits, params)
+    pre = sample.process_logits(logits, params)
 
   def step(s: _WalkState) -> _Step:
     # Children of the current node; none at depth D (accepted_nodes has D columns).
@@ -441,11 +441,11 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
     if greedy_only:
       return greedy
     k_draw = jax.vmap(lambda kk: jax.random.fold_in(kk, s.depth))(keys)
-    logp = sampling.process_logits(row_logits, params) if pre is None else _row_at(pre, s.node)
+    logp = sample.process_logits(row_logits, params) if pre is None else _row_at(pre, s.node)
     if draft_probs is None:
       rand = _guess_step(logp, draft, children, k_draw)
     else:
-      q = sampling.valid_probs(_row_at(draft_probs, s.node))
+      q = valid_probs(_row_at(draft_probs, s.node))
       rand = _recursive_rejection_step(logp, q, draft, children, k_draw, max_children, without_replacement)
     is_greedy = params.is_greedy
     return _Step(jnp.where(is_greedy, greedy.child, rand.child), jnp.where(is_greedy, greedy.token, rand.token))

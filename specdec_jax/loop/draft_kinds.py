@@ -1,6 +1,6 @@
 """The three kinds of draft, as the speculative loop sees them.
 
-Each kind answers the same calls inside the loop's program (`specdec_jax.decoding`
+Each kind answers the same calls inside the loop's program (`specdec_jax.loop.decoding`
 explains the round they serve):
 
 - `start(start, prompt_tokens, max_length)`, after the target's prefill:
@@ -34,11 +34,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.dynamic_tree import DynamicTree, grow_dynamic_tree
-from specdec_jax.loop_state import LoopState, Start, arange32, gather_rows, prefill_inputs
-from specdec_jax.models.adapter import merge_model
-from specdec_jax.tree_drafts import DraftTree, grow_tree, tree_attention_mask
+from specdec_jax.drafts.dynamic_tree import DynamicTree, grow_dynamic_tree
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.drafts.static_tree import DraftTree, grow_tree, tree_attention_mask
+from specdec_jax.loop.adapter import merge_model
+from specdec_jax.loop.state import LoopState, Start, arange32, gather_rows, prefill_inputs
 
 
 class LookupDraft:

@@ -18,7 +18,7 @@ One speculative round for a row with context length L whose last token is t
     rejection:           accepts d1..dn, then one recovered/bonus token x
     buffer after:        t      d1 ... dn    x          (L += n + 1)
 
-Three kinds of draft share the loop (`specdec_jax.draft_kinds`: `ModelDraft`, `LookupDraft`, `FeatureDraft`):
+Three kinds of draft share the loop (`specdec_jax.loop.draft_kinds`: `ModelDraft`, `LookupDraft`, `FeatureDraft`):
 
 * A draft model must have processed every accepted token before it proposes
   again. Its K calls process u, t, d1 .. d_{K-1} but never dK, so after a round
@@ -54,18 +54,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import sampling
-from specdec_jax.draft_kinds import FeatureDraft, LookupDraft, ModelDraft
-from specdec_jax.drafters import PromptLookupDrafter
-from specdec_jax.dynamic_tree import DynamicTree
-from specdec_jax.loop_state import (DecodeStats, GenerateOutput, LoopState, arange32, clip_lengths, gather_rows,
-                                    is_eos, loop_outputs, position_keys, run_loop, sample_next, start_loop)
+from specdec_jax.drafts.dynamic_tree import DynamicTree
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.drafts.static_tree import DraftTree
+from specdec_jax.loop.adapter import ModelDef, merge_model, split_model
+from specdec_jax.loop.draft_kinds import FeatureDraft, LookupDraft, ModelDraft
+from specdec_jax.loop.state import (
+  DecodeStats,
+  GenerateOutput,
+  LoopState,
+  arange32,
+  clip_lengths,
+  gather_rows,
+  is_eos,
+  loop_outputs,
+  position_keys,
+  run_loop,
+  sample_next,
+  start_loop,
+)
+from specdec_jax.loop.tree_round import tree_round
 from specdec_jax.mesh import auto_axes_if_explicit
-from specdec_jax.models.adapter import ModelDef, merge_model, split_model
-from specdec_jax.rejection import LOGPROBS_MODES, METHODS, rejection_sample
-from specdec_jax.sampling import SamplingParams, check_params, sample_tokens
-from specdec_jax.tree_drafts import DraftTree
-from specdec_jax.tree_round import tree_round
+from specdec_jax.sampling.params import SamplingParams, check_bias_ids, check_params
+from specdec_jax.sampling.sample import sample_tokens
+from specdec_jax.verify.chain import LOGPROBS_MODES, METHODS, rejection_sample
 
 __all__ = ["DecodeStats", "GenerateOutput", "generate", "speculative_generate"]
 
@@ -200,7 +212,7 @@ def _check_bias_vocab(where, target, params, prompt_tokens):
     b = prompt_tokens.shape[0]
     one = jnp.zeros((b, 1), jnp.int32)
     v = jax.eval_shape(lambda: target(one, one, target.init_cache(b, 2))[0]).shape[-1]
-  sampling.check_bias_ids(params, int(v), where)
+  check_bias_ids(params, int(v), where)
 
 # ----------------------------------------------------------------------------
 # generate
@@ -374,10 +386,10 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
       factors (k_1, ..., k_K): each round drafts a tree in which every node at
       depth i-1 has k_i children (greedy rows: the draft's top-k_i tokens;
       random rows: k_i draws without replacement, whose probabilities the
-      verifier uses; pass a `tree_drafts.DraftTree(branching, sibling_draws="iid")`
+      verifier uses; pass a `DraftTree(branching, sibling_draws="iid")`
       instead of the tuple for i.i.d. draws),
       N = k_1 + k_1 k_2 + ... nodes in all, verified in one target call by
-      `tree_rejection_sample` (`specdec_jax.tree_drafts` shows the layout).
+      `tree_rejection_sample` (`specdec_jax.drafts.static_tree` shows the layout).
       `(1,) * K` is the chain. The target (and a draft model) must offer the
       tree extension of the model protocol (`cache_slots`, `attention_mask`,
       `copy_cache_slots`; see `Transformer`); prompt lookup takes trees

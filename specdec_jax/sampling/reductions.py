@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.sampling_params import GREEDY_TEMPERATURE
+from specdec_jax.sampling.params import GREEDY_TEMPERATURE
 
 
 @jax.tree_util.register_dataclass

@@ -1,9 +1,9 @@
 """What both decoding loops carry and share: their outputs, the loop state, the start and the end.
 
-`specdec_jax.decoding` builds `generate` and `speculative_generate` from these
-pieces; the kinds of draft (`specdec_jax.draft_kinds`) and the tree round
-(`specdec_jax.tree_round`) read the same `LoopState`. `DecodeStats` and
-`GenerateOutput` are the public API (re-exported by `specdec_jax.decoding`
+`specdec_jax.loop.decoding` builds `generate` and `speculative_generate` from these
+pieces; the kinds of draft (`specdec_jax.loop.draft_kinds`) and the tree round
+(`specdec_jax.loop.tree_round`) read the same `LoopState`. `DecodeStats` and
+`GenerateOutput` are the public API (re-exported by `specdec_jax.loop.decoding`
 and `specdec_jax`); `LoopState` is the carry those internal modules share; the
 functions below are the loops' own pieces.
 """
@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from specdec_jax.mesh import constrain_rows
-from specdec_jax.rejection import PLACEHOLDER_TOKEN_ID
-from specdec_jax.sampling import PenaltyState, row_keys, sample_tokens
+from specdec_jax.sampling.params import row_keys
+from specdec_jax.sampling.penalties import PenaltyState
+from specdec_jax.sampling.sample import sample_tokens
+from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID
 
 __all__ = ["DecodeStats", "GenerateOutput", "LoopState"]
 

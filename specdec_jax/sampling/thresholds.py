@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.reductions import _bcast, _lse_combine, scale_logits, values
-from specdec_jax.sampling_params import SamplingParams
-from specdec_jax.vocab_parallel import any_rows
+from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.sampling.reductions import _bcast, _lse_combine, scale_logits, values
+from specdec_jax.sampling.vocab_parallel import any_rows
 
 
 def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

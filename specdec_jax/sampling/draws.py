@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specdec_jax.reductions import chunk_size, max_and_sumexp
+from specdec_jax.sampling.reductions import chunk_size, max_and_sumexp
 
 
 def categorical_from_log_weights(key: jax.Array, log_w: jax.Array) -> jax.Array:

