@@ -44,7 +44,7 @@ positional argument is b1. So both shipped heads trained without
 first-moment momentum and with optax's default weight decay. The defaults are
 now AdamW's usual b1 = 0.9 and weight decay 0. Continuing the shipped head for
 2050 steps with them gained only 0.5-1.0 points of held-out agreement
-(bench/RESULTS.md, section 5b), so the shipped head stays.
+(bench/archive/RESULTS_HISTORY.md, "Continued training with momentum"), so the shipped head stays.
 
 (its `.json` records the commands as run, data size, times and held-out
 figures). Without the data flags the script makes the first, smaller head
