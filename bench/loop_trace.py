@@ -1,7 +1,7 @@
 """SmolLM2 + the EAGLE head, T=1, B=1: plain and speculative decoding with and without `no_filters`, over compiles.
 
 The same program timed after two compiles can differ by 5-15% on a GPU (bench/
-RESULTS.md, "The no_filters promise"), more than many differences worth
+RESULTS.md), more than many differences worth
 measuring. So every program here is compiled `--compiles` times afresh
 (`jax.clear_caches`), each compile timed with the programs interleaved
 (`--repeats` calls, median), and the figure is the median over compiles. With

@@ -80,17 +80,10 @@ from specdec_jax.drafts.static_tree import DraftTree  # noqa: E402
 from specdec_jax.models import load_smollm2, load_smollm2_draft, load_smollm2_eagle  # noqa: E402
 from specdec_jax.models.loaders import smollm2
 
-# None of these is in examples/train_draft.py's CHAT_QUESTIONS.
-HELD_OUT_QUESTIONS = [
-    "What are the main differences between cats and dogs as pets?",
-    "Explain how a bicycle stays upright while moving.",
-    "Write a short thank-you note to a teacher.",
-    "How do I read a CSV file in Python?",
-    "What does the mitochondria do in a cell?",
-    "Give me four ideas for a rainy weekend at home.",
-    "Why do leaves change colour in autumn?",
-    "Describe how a bill becomes a law, in simple terms.",
-]
+# Held-out chat questions, shared with examples/train_eagle.py (which must not train on them).
+with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                       "held_out_prompts.json")) as _f:
+  HELD_OUT_QUESTIONS = json.load(_f)["questions"]
 # Stdlib files in sub-packages: train_draft.py trains on the top-level *.py files only.
 CODE_PROMPT_FILES = ("json/encoder.py", "http/client.py", "logging/__init__.py", "email/utils.py",
                      "collections/__init__.py", "urllib/parse.py")  # the last two are fallbacks

@@ -82,7 +82,7 @@ VARIANTS = {
 }
 # Tile sizes of the pallas variant, and others to compare ("pallas:NAME" in --variants): NAME -> (AttentionBlocks
 # fields, MlpBlocks fields) over the defaults the models use, which are "pallas" (= the sweep's "h16k64s4").
-# Names measured in bench/RESULTS.md's sweep spell out every attention field that differs from today's defaults
+# Names measured in bench/archive/RESULTS_HISTORY.md's sweep spell out every attention field that differs from today's defaults
 # (the sweep's first runs were over older defaults, FIRST).
 FIRST = {"block_h": 32, "block_k": 128, "num_stages": 2}
 PALLAS_TILES = {

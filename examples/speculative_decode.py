@@ -66,7 +66,7 @@ REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the ed
 # 135M model answers sensibly with greedy decoding: the code prompt is a raw
 # completion (in the chat format the model writes prose about code instead).
 # None of them is a training prompt of the shipped draft or head (the chat
-# question is one of bench/smollm2.py's held-out questions), so the figures are
+# question is in examples/held_out_prompts.json), so the figures are
 # what a user's own prompts can expect.
 CHAT_QUESTION = "Why do leaves change colour in autumn?"
 PROMPTS = {

@@ -44,7 +44,7 @@ positional argument is b1. So both shipped heads trained without
 first-moment momentum and with optax's default weight decay. The defaults are
 now AdamW's usual b1 = 0.9 and weight decay 0. Continuing the shipped head for
 2050 steps with them gained only 0.5-1.0 points of held-out agreement
-(bench/RESULTS.md, section 5b), so the shipped head stays.
+(bench/archive/RESULTS_HISTORY.md, "Continued training with momentum"), so the shipped head stays.
 
 (its `.json` records the commands as run, data size, times and held-out
 figures). Without the data flags the script makes the first, smaller head
@@ -217,10 +217,8 @@ def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> l
       text = tokenizer.decode(gen[r, :n[r]].tolist()).strip().split("\n")[0].strip().strip('"')
       if 15 <= len(text) <= 200 and text.endswith("?"):
         questions.append(text)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from bench.smollm2 import HELD_OUT_QUESTIONS  # noqa: PLC0415  (the benchmark's prompts stay held out)
-
-  held_out = set(HELD_OUT_QUESTIONS)
+  with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "held_out_prompts.json")) as f:
+    held_out = set(json.load(f)["questions"])  # the benchmark's prompts stay held out
   unique = sorted({q for q in questions if q not in held_out})
   return [smollm2.chat_prompt(q) for q in unique]
 
