@@ -77,7 +77,7 @@ class AttentionBlocks:
     32
   """
 
-  # The defaults are the fastest of bench/step_profile.py's sweep on an H100 (bench/RESULTS.md, section 6).
+  # The defaults are the fastest of bench/step_profile.py's sweep on an H100 (bench/RESULTS.md).
   block_k: int = 64
   block_h: int = 16
   block_s: int = 64

@@ -107,7 +107,7 @@ class MlpBlocks:
 
 
 DEFAULT_BLOCKS = MlpBlocks()
-# The fastest tiles of bench/pallas_mlp.py on an H100 at 1, 5 and 16 rows (bench/RESULTS.md, section 6).
+# The fastest tiles measured on an H100 at 1, 5 and 16 rows (bench/RESULTS.md).
 BEST_BLOCKS = MlpBlocks(num_warps=2)
 
 

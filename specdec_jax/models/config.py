@@ -64,11 +64,11 @@ class TransformerConfig:
       0 .. max_length-1), or None for no limit. The decoding loops refuse a
       generation that would run past it.
     scan_layers: how a call runs the blocks. False (the default): unrolled,
-      one straight-line program (for SmolLM2 on an H100, 22-29% faster than
-      the scan at B=8 and 32 and for a 5-token verification, 7% slower for a
-      B=1 step; on a 2-core CPU 1.46x faster at B=1); True: `lax.scan` over
-      the stacked blocks, whose compile time does not grow with depth
-      (bench/step_profile.py measures both). The outputs are the same up to
+      one straight-line program (for SmolLM2, faster than the scan for calls
+      of several rows on an H100 and at B=1 on a CPU, a little slower for a
+      B=1 step on an H100; bench/RESULTS.md); True: `lax.scan` over the stacked blocks,
+      whose compile time does not grow with depth (bench/step_profile.py
+      measures both). The outputs are the same up to
       floating-point reassociation by the compiler.
 
     kernels: how a call of few rows (B*T <= 16; the decode step, a
