@@ -65,9 +65,11 @@ from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.models import load_smollm2, load_smollm2_draft
 from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
 
-# SmolLM2-135M's context length (tokens): prompt, generated tokens and the K+1
-# verification slots must fit in it. The same as `smollm2_config().max_length`
-# (tests/test_demo.py checks), which needs the weights; the flags are checked before.
+# SmolLM2-135M's context length (tokens): the padded prompt and the generated
+# tokens must fit in it, the loops' rule (P + max_new_tokens <= max_length; the
+# K+1 slots of drafts past the end live in the cache's headroom, not the context).
+# The same as `smollm2_config().max_length` (tests/test_demo.py checks), which
+# needs the weights; the flags are checked before.
 MAX_CONTEXT = 8192
 
 REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she "
@@ -148,20 +150,18 @@ def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
     if not p.strip():
       ap.error("--prompt must not be empty")
   # The prompt takes at least one token; say so before building the tokenizer.
-  if 1 + args.max_tokens + args.num_speculative_tokens + 1 > MAX_CONTEXT:
-    ap.error(f"--max-tokens ({args.max_tokens}) + K+1 ({args.num_speculative_tokens + 1}) plus the prompt must fit "
-             f"in SmolLM2's context of {MAX_CONTEXT} tokens")
+  if 1 + args.max_tokens > MAX_CONTEXT:
+    ap.error(f"--max-tokens ({args.max_tokens}) plus the prompt must fit in SmolLM2's context of {MAX_CONTEXT} tokens")
   names = args.drafter or DEFAULT_DRAFTERS
   args.drafter = DRAFTERS if "all" in names else tuple(dict.fromkeys(names))
   return args
 
 
 def check_context(ap: argparse.ArgumentParser, args, longest_prompt: int) -> None:
-  """Exits (code 2) if the longest prompt, the new tokens and the K+1 verification slots overflow the context."""
-  k = args.num_speculative_tokens
-  total = longest_prompt + args.max_tokens + k + 1
+  """Exits (code 2) if the longest prompt and the new tokens overflow the context (the loops' own rule)."""
+  total = longest_prompt + args.max_tokens
   if total > MAX_CONTEXT:
-    ap.error(f"the longest prompt ({longest_prompt} tokens) + --max-tokens ({args.max_tokens}) + K+1 ({k + 1}) = "
+    ap.error(f"the longest prompt ({longest_prompt} tokens) + --max-tokens ({args.max_tokens}) = "
              f"{total} tokens exceeds SmolLM2's context of {MAX_CONTEXT}")
 
 

@@ -84,9 +84,10 @@ def test_context_overflow_is_one_line_before_the_weights(no_loading, capsys, mon
   prompt = "x" * 8000
   line = _error_line(capsys, demo, ["--prompt", prompt, "--max-tokens", "200"])
   p = len(demo.chat_prompt(prompt))
-  assert f"({p} tokens)" in line and f"{p + 200 + 5} tokens exceeds" in line and "8192" in line
-  # One token less than the limit passes the check (and then reaches the forbidden weight loader).
-  room = demo.MAX_CONTEXT - p - 5
+  assert f"({p} tokens)" in line and f"{p + 200} tokens exceeds" in line and "8192" in line
+  # The loops' rule, P + max_new_tokens <= max_length: exactly full passes the check (and then reaches the
+  # forbidden weight loader); K+1 more slots are the cache's headroom, not context.
+  room = demo.MAX_CONTEXT - p
   with pytest.raises(AssertionError, match="load_smollm2 was called"):
     demo.main(["--prompt", prompt, "--max-tokens", str(room)])
 
