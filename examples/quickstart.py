@@ -4,6 +4,8 @@ Run:  python examples/quickstart.py
 
 A toy target over a 12-token vocabulary scores K=4 draft tokens per request; the
 sampler keeps the longest prefix the target agrees with and emits one more token.
+The greedy and n-gram batches use fixed drafts; the T=1 batch samples its drafts
+from the draft distribution `draft_probs` it passes, as a draft model would.
 """
 
 import jax
@@ -42,13 +44,20 @@ def main():
   show("greedy batch (all_greedy=True: no softmax, no random numbers)", draft,
        rejection_sample(draft, target_logits, greedy, key, all_greedy=True), greedy)
 
+  # At T=1 the sampler is lossless only if each draft token was drawn from the
+  # draft distribution passed beside it: here a noisy copy of the target's
+  # distribution stands in for a draft model, and the drafts are sampled from it.
   random = SamplingParams.create(jnp.ones(B))
   draft_probs = jax.nn.softmax(target_logits[:, :K] + jnp.asarray(rng.normal(size=(B, K, V)), jnp.float32))
-  show("random batch, T=1, with draft probabilities", draft,
-       rejection_sample(draft, target_logits, random, key, draft_probs=draft_probs), random)
+  key, draft_key = jax.random.split(key)
+  sampled_draft = jax.random.categorical(draft_key, jnp.log(draft_probs), axis=-1).astype(jnp.int32)  # [B, K]
+  show("random batch, T=1, drafts sampled from draft_probs", sampled_draft,
+       rejection_sample(sampled_draft, target_logits, random, key, draft_probs=draft_probs), random)
 
   mixed = SamplingParams.create([0.0, 0.7, 0.0, 1.0], top_k=[0, 5, 0, 0], top_p=[1.0, 1.0, 1.0, 0.9])
   n = (4, 3, 2, 0)
+  # Drafts without probabilities (n-gram / prompt lookup) count as certain
+  # guesses (draft_probs=None), so any tokens may be passed.
   show("mixed batch, n-gram drafts (no probabilities), ragged lengths [4, 3, 2, 0]", draft,
        rejection_sample(draft, target_logits, mixed, key, num_draft_tokens=jnp.array(n)), mixed, n)
 

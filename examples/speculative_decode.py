@@ -18,10 +18,21 @@ What the figures mean:
   - tokens/s: wall-clock after compilation (the first call of each program
     compiles it and is not timed), median of `--repeats` runs, with min-max.
     Speed-ups are ratios of medians.
+  - verdict: whether a drafter was faster, slower, or within this machine's
+    run-to-run noise. From the repeats, the speed-up lies between (drafter's
+    slowest / plain's fastest) and (drafter's fastest / plain's slowest); the
+    drafter is "faster" when that whole range is above 1, "slower" when it is
+    below 1, and "within noise" when it includes 1 (one repeat: no verdict).
   - mean accepted length: tokens emitted per target call (accepted drafts plus
     the target's own token), sum(lengths) / sum(target calls).
   - acceptance by draft position: for position i, of the rounds that reached
     draft i (drafts 0..i-1 accepted, room left), the fraction where it was accepted.
+  - usable drafts accepted: accepted drafts over the drafts that could have
+    been used (those a row still had room for before its end), so a row that
+    stops early does not count its unused drafts as rejected.
+  - at --temperature > 0, a drafter's output differs from plain decoding's by
+    design: the two programs draw different random numbers, and each output is
+    a correct sample from the target's distribution.
   - the summary: the measured cost of a round in target steps (one target call
     on K+1 tokens, plus K calls of a draft model) and the speed-up it predicts,
     mean accepted length / round cost, next to the measured one. A drafter pays
@@ -54,9 +65,11 @@ from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.models import load_smollm2, load_smollm2_draft
 from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
 
-# SmolLM2-135M's context length (tokens): prompt, generated tokens and the K+1
-# verification slots must fit in it. The same as `smollm2_config().max_length`
-# (tests/test_demo.py checks), which needs the weights; the flags are checked before.
+# SmolLM2-135M's context length (tokens): the padded prompt and the generated
+# tokens must fit in it, the loops' rule (P + max_new_tokens <= max_length; the
+# K+1 slots of drafts past the end live in the cache's headroom, not the context).
+# The same as `smollm2_config().max_length` (tests/test_demo.py checks), which
+# needs the weights; the flags are checked before.
 MAX_CONTEXT = 8192
 
 REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she "
@@ -137,20 +150,18 @@ def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
     if not p.strip():
       ap.error("--prompt must not be empty")
   # The prompt takes at least one token; say so before building the tokenizer.
-  if 1 + args.max_tokens + args.num_speculative_tokens + 1 > MAX_CONTEXT:
-    ap.error(f"--max-tokens ({args.max_tokens}) + K+1 ({args.num_speculative_tokens + 1}) plus the prompt must fit "
-             f"in SmolLM2's context of {MAX_CONTEXT} tokens")
+  if 1 + args.max_tokens > MAX_CONTEXT:
+    ap.error(f"--max-tokens ({args.max_tokens}) plus the prompt must fit in SmolLM2's context of {MAX_CONTEXT} tokens")
   names = args.drafter or DEFAULT_DRAFTERS
   args.drafter = DRAFTERS if "all" in names else tuple(dict.fromkeys(names))
   return args
 
 
 def check_context(ap: argparse.ArgumentParser, args, longest_prompt: int) -> None:
-  """Exits (code 2) if the longest prompt, the new tokens and the K+1 verification slots overflow the context."""
-  k = args.num_speculative_tokens
-  total = longest_prompt + args.max_tokens + k + 1
+  """Exits (code 2) if the longest prompt and the new tokens overflow the context (the loops' own rule)."""
+  total = longest_prompt + args.max_tokens
   if total > MAX_CONTEXT:
-    ap.error(f"the longest prompt ({longest_prompt} tokens) + --max-tokens ({args.max_tokens}) + K+1 ({k + 1}) = "
+    ap.error(f"the longest prompt ({longest_prompt} tokens) + --max-tokens ({args.max_tokens}) = "
              f"{total} tokens exceeds SmolLM2's context of {MAX_CONTEXT}")
 
 
@@ -326,6 +337,33 @@ def format_acceptance(stats) -> str:
           f"usable drafts accepted {float(stats.usable_acceptance_rate):4.2f}")
 
 
+def speed_verdict(plain_rates, drafter_rates) -> str:
+  """Faster, slower or within run-to-run noise: the drafter's tokens/s per repeat against plain decoding's.
+
+  The speed-up lies between min(drafter) / max(plain) and max(drafter) / min(plain):
+  "faster" when that range is above 1, "slower" when it is below 1, "within this
+  machine's run-to-run noise" when it includes 1. One repeat measures no noise.
+  """
+  if len(plain_rates) < 2 or len(drafter_rates) < 2:
+    return "no verdict: one timed run measures no run-to-run noise (use --repeats 3 or more)"
+  low, high = min(drafter_rates) / max(plain_rates), max(drafter_rates) / min(plain_rates)
+  span = f"speed-up between {low:.2f}x and {high:.2f}x over the repeats"
+  if low > 1:
+    return f"faster than plain decoding ({span})"
+  if high < 1:
+    return f"slower than plain decoding ({span})"
+  return f"within this machine's run-to-run noise ({span}: neither clearly faster nor slower)"
+
+
+VERDICT_RULE = ("verdict: from the repeats, a drafter's speed-up lies between its slowest run over plain decoding's "
+                "fastest and its fastest run over plain's slowest; 'faster' or 'slower' means that whole range is "
+                "above or below 1, 'within noise' that it includes 1.")
+
+SAMPLED_NOTE = ("sampled (T > 0): the drafters' texts differ from plain decoding's by design. The programs draw "
+                "different random numbers; each output is a correct sample from the target's distribution "
+                "(speculative decoding is lossless in distribution, not token for token).")
+
+
 def format_rate(n, rs) -> str:
   return f"{n:4d} tokens {statistics.median(rs):7.1f} tokens/s ({min(rs):.1f}-{max(rs):.1f})"
 
@@ -355,7 +393,10 @@ def print_block(runs, rows, greedy, title, text=None):
       if greedy:
         same = all(np.array_equal(per_prompt[r][0].tokens, runs["plain generate"][r][0].tokens) for r in rows)
         line += f"  output {'identical' if same else 'DIFFERS'} to plain greedy"
+      else:
+        line += "  output: another sample (differs by design)"
       line += "\n      " + format_acceptance(sum_stats([per_prompt[r][0].stats for r in rows]))
+      line += "\n      verdict: " + speed_verdict(plain_rates, rs)
     print(line)
 
 
@@ -385,6 +426,13 @@ def explain(step_s, verify_cost, draft_cost, k, runs, names) -> list[str]:
       measured = statistics.median(rates(per_prompt, [r])[1]) / plain
       lines.append(f"  {label:15s} {name:10s} {mal:4.2f} / {round_cost:4.2f} -> expected {mal / round_cost:4.2f}x, "
                    f"measured {measured:4.2f}x")
+  lines.append(VERDICT_RULE)
+  for label, per_prompt in runs.items():
+    if label == "plain generate":
+      continue
+    verdicts = [f"{name}: {speed_verdict(rates(runs['plain generate'], [r])[1], rates(per_prompt, [r])[1])}"
+                for r, name in enumerate(names)]
+    lines.append(f"  {label}: " + "; ".join(verdicts))
   lines.append("A drafter pays only where its mean accepted length clearly exceeds the cost of its round. "
                "Verification costs up to K+1 steps where a step is bound by arithmetic, and close to 1 where it is "
                "bound by memory traffic or kernel launches (about 1.0 on the H100 of bench/RESULTS.md at batch 1).")
@@ -436,6 +484,8 @@ def main(argv=None):
   how = "greedy" if greedy else f"sampled, T={args.temperature:g}, top-k={args.top_k}, top-p={args.top_p:g}"
   print(f"\n=== {how}  (K={k}, up to {args.max_tokens} new tokens, one prompt at a time, "
         f"median of {args.repeats} timed runs (min-max))")
+  if not greedy:
+    print(textwrap.fill(SAMPLED_NOTE, 116, initial_indent="  ", subsequent_indent="  "))
   first_drafter = next(label for label in runs if label != "plain generate")
   for r, name in enumerate(names):
     text = decoded_text(tokenizer, runs[first_drafter][r][0], tokens[r, :lengths[r]], raw[r])

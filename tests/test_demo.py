@@ -84,9 +84,10 @@ def test_context_overflow_is_one_line_before_the_weights(no_loading, capsys, mon
   prompt = "x" * 8000
   line = _error_line(capsys, demo, ["--prompt", prompt, "--max-tokens", "200"])
   p = len(demo.chat_prompt(prompt))
-  assert f"({p} tokens)" in line and f"{p + 200 + 5} tokens exceeds" in line and "8192" in line
-  # One token less than the limit passes the check (and then reaches the forbidden weight loader).
-  room = demo.MAX_CONTEXT - p - 5
+  assert f"({p} tokens)" in line and f"{p + 200} tokens exceeds" in line and "8192" in line
+  # The loops' rule, P + max_new_tokens <= max_length: exactly full passes the check (and then reaches the
+  # forbidden weight loader); K+1 more slots are the cache's headroom, not context.
+  room = demo.MAX_CONTEXT - p
   with pytest.raises(AssertionError, match="load_smollm2 was called"):
     demo.main(["--prompt", prompt, "--max-tokens", str(room)])
 
@@ -173,6 +174,53 @@ def test_one_prompt_has_no_all_prompts_block(demo, monkeypatch, capsys):
   assert "[prompt 0: Hi]" in printed and "all 1 prompts" not in printed and printed.count("  [") == 1
   assert "costs 1.50 steps on this cpu" in printed
   assert "JAX platform" in printed and "CPU cores" in printed
+
+
+@pytest.mark.parametrize("plain, drafter, word", [
+    ([10.0, 11.0, 12.0], [13.0, 14.0, 15.0], "faster than plain decoding"),   # 13 / 12 > 1
+    ([10.0, 11.0, 12.0], [7.0, 8.0, 9.9], "slower than plain decoding"),      # 9.9 / 10 < 1
+    ([10.0, 11.0, 12.0], [11.5, 13.0, 14.0], "within this machine's run-to-run noise"),  # 11.5 / 12 < 1 < 14 / 10
+    ([10.0, 10.0], [10.0, 10.0], "within this machine's run-to-run noise"),  # exactly 1 is not faster
+    ([10.0], [20.0], "no verdict"),                                          # one repeat: no noise measured
+])
+def test_speed_verdict_rule(demo, plain, drafter, word):
+  verdict = demo.speed_verdict(plain, drafter)
+  assert verdict.startswith(word), verdict
+  if len(plain) > 1:
+    assert f"between {min(drafter) / max(plain):.2f}x and {max(drafter) / min(plain):.2f}x" in verdict
+
+
+def _fake_main(demo, monkeypatch, argv, drafter_seconds):
+  """main() on one prompt with the model parts faked: plain takes 1 s per run, the drafter `drafter_seconds`."""
+  stats = _FakeStats(np.array([2]), np.array([2]), np.array([4]), np.array([1, 1]), np.array([2, 1]))
+  out = _FakeOut(np.array([4]), np.array([[5, 6, 7, 8]]), stats)
+  monkeypatch.setattr(demo, "smollm2_tokenizer", _FakeTokenizer)
+  monkeypatch.setattr(demo, "load_smollm2", lambda dtype, kernels: (object(), None))
+  monkeypatch.setattr(demo, "load_drafters", lambda names, dtype, kernels: {"prompt lookup": object()})
+  monkeypatch.setattr(demo, "measure_costs", lambda target, drafters, k, s: (0.01, 1.5, {}))
+  monkeypatch.setattr(demo, "run_all", lambda methods, *a: {
+      m: [(out, [1.0, 1.1, 0.9] if m == "plain generate" else drafter_seconds)] for m in methods})
+  monkeypatch.setattr(demo, "decoded_text", lambda *a: "some text")
+  demo.main(["--prompt", "Hi", "--drafter", "lookup", "-k", "2", *argv])
+
+
+def test_report_gives_a_verdict_per_drafter(demo, monkeypatch, capsys):
+  _fake_main(demo, monkeypatch, [], [0.5, 0.55, 0.6])  # twice as fast, far beyond the repeats' spread
+  printed = capsys.readouterr().out
+  assert "verdict: faster than plain decoding" in printed
+  assert "prompt lookup: prompt 0: faster than plain decoding" in printed
+  assert "verdict: from the repeats" in printed  # the rule is printed with the summary
+  assert "differs by design" not in printed  # greedy: outputs are compared instead
+  _fake_main(demo, monkeypatch, [], [1.0, 0.95, 1.05])
+  assert "verdict: within this machine's run-to-run noise" in capsys.readouterr().out
+
+
+def test_sampled_run_says_outputs_differ_by_design(demo, monkeypatch, capsys):
+  _fake_main(demo, monkeypatch, ["--temperature", "0.8"], [2.0, 2.1, 2.2])
+  printed = capsys.readouterr().out
+  assert "differ from plain decoding's by design" in printed and "correct sample" in printed
+  assert "output: another sample (differs by design)" in printed and "identical" not in printed
+  assert "verdict: slower than plain decoding" in printed
 
 
 @pytest.mark.real_model
