@@ -385,6 +385,9 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
       may be None with all_greedy=True.
     max_new_tokens: static int >= 1; P + max_new_tokens must not exceed the
       `max_length` of the target or the draft model, where they declare one.
+      No model is called at a position >= P + max_new_tokens: a round's drafts
+      past a row's end (which are never emitted) are fed at position
+      P + max_new_tokens - 1 instead.
     num_speculative_tokens: K, static int >= 1: draft tokens per round.
     eos_token_id: None, an int or a tuple of ints in [0, V) (static).
     all_greedy: static promise that every row is greedy; reaches the draft's

@@ -84,7 +84,7 @@ def clamp_positions(positions, end: int):
   at p sees slots <= p). Their logits only steer drafts and verdicts past the
   row's end, which `commit` drops.
   """
-  return positions  # TEMP: refactor step, the clamp comes next
+  return jnp.minimum(positions, end - 1)
 
 
 class RoundKeys(NamedTuple):
