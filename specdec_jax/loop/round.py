@@ -81,8 +81,11 @@ def clamp_positions(positions, end: int):
   Such drafts still fill the round's static shapes; moving them to end - 1 keeps
   every call inside the context `speculative_generate` checks. A call without
   `cache_slots` writes them at slot end - 1, which no needed query sees (a query
-  at p sees slots <= p). Their logits only steer drafts and verdicts past the
-  row's end, which `commit` drops.
+  at p sees slots <= p). With a chain verified token by token or a static tree,
+  the kept tokens read no logits from those positions, so every output is the
+  same as with the unclamped positions. Block verification (which weighs the
+  whole block) and a dynamic tree (whose nodes compete across depths) read them:
+  in a row's last round they may draw differently, from the same distribution.
   """
   return jnp.minimum(positions, end - 1)
 
