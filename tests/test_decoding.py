@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specdec_jax.drafts.lookup import PromptLookupDrafter
-from specdec_jax.loop import decoding
+from specdec_jax.loop import chain_round, decoding
 from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.loop.state import DecodeStats, GenerateOutput
 from specdec_jax.sampling.params import SamplingParams
@@ -501,7 +501,7 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
   _, tv_min = detectable_deviation(N_ROWS, result.num_bins)
   assert tv_min < 0.04, f"the test lost its power: {result}, detects TV >= {tv_min:.3f}"
 
-  monkeypatch.setattr(*(planted or (decoding, "rejection_sample", _accept_every_draft)))
+  monkeypatch.setattr(*(planted or (chain_round, "rejection_sample", _accept_every_draft)))
   # The planted bug must be traced in; the cache is cleared again afterwards.
   decoding._speculative_jit.clear_cache()
   try:

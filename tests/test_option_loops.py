@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from specdec_jax import PromptLookupDrafter, SamplingParams, generate, rejection_sample, speculative_generate
-from specdec_jax.loop import decoding
+from specdec_jax.loop import chain_round, decoding
 from specdec_jax.sampling.penalties import apply_penalties
 from tests import sampling_reference as ref
 from tests.stats import ALPHA, assert_gof, chisquare_gof
@@ -166,7 +166,7 @@ def _drafts_forgotten(draft_token_ids, target_logits, params, key=None, *, penal
 
 def _with_planted_verifier(monkeypatch, run):
   """run() with `_drafts_forgotten` traced into the speculative loop instead of rejection_sample."""
-  monkeypatch.setattr(decoding, "rejection_sample", _drafts_forgotten)
+  monkeypatch.setattr(chain_round, "rejection_sample", _drafts_forgotten)
   decoding._speculative_jit.clear_cache()
   try:
     return run()

@@ -2,11 +2,25 @@
 
   - `decoding`: the two public loops, their argument checks and programs.
   - `state`: the loop's state, outputs (`GenerateOutput`) and statistics (`DecodeStats`).
-  - `chain_round` and `tree_round`: one speculative round, for a chain and for a tree of drafts.
-  - `draft_kinds`: the three kinds of draft (a model, prompt lookup, a feature drafter)
-    behind one protocol.
+  - `round`: what every speculative round shares: its setup, keys, `commit` and `count`.
+  - `chain_round` and `tree_round`: the propose and verify steps of one round, for a chain
+    and for a tree of drafts.
+  - `draft_kinds`: the three draft kinds behind one protocol, `DraftKind`.
   - `adapter`: splits a Flax NNX model into a static definition and its arrays, without
     importing Flax or `specdec_jax.models` (models are reached through their call protocol).
+
+Words used throughout, each for one thing:
+
+  - drafter: the user's object that proposes tokens: a draft model, a
+    `PromptLookupDrafter` or a feature drafter such as `EagleDrafter`
+    (`speculative_generate`'s `draft` argument).
+  - draft kind: the loop's adapter for one kind of drafter, following the
+    `DraftKind` protocol: `ModelDraft`, `LookupDraft` or `FeatureDraft`. Its part
+    of the loop state is its carry (`LoopState.draft`).
+  - drafts: the tokens a draft kind proposes in a round (d1 .. dK of a chain, or
+    the N nodes of a tree).
+  - round: keys -> propose -> verify -> commit -> count, once per `lax.while_loop`
+    iteration.
 """
 
 from specdec_jax.loop.decoding import generate, speculative_generate

@@ -13,22 +13,22 @@ One speculative round for a row with context length L whose last token is t
 
     slot:         L-2    L-1    L      L+1   ...  L+K-1
     buffer:       u      t      .      .          .
-    draft:        proposes d1 .. dK (how depends on the kind of draft, below)
+    draft kind:   proposes d1 .. dK (how depends on the draft kind, below)
     target:              [t     d1     d2    ...  dK]  -> K+1 distributions (T=K+1)
     rejection:           accepts d1..dn, then one recovered/bonus token x
     buffer after:        t      d1 ... dn    x          (L += n + 1)
 
-Three kinds of draft share the loop (`specdec_jax.loop.draft_kinds`: `ModelDraft`, `LookupDraft`, `FeatureDraft`):
+Three draft kinds share the round (`specdec_jax.loop.draft_kinds.DraftKind`), one per kind of drafter:
 
-* A draft model must have processed every accepted token before it proposes
-  again. Its K calls process u, t, d1 .. d_{K-1} but never dK, so after a round
-  that accepts all K drafts the draft is missing slot L'-2 of the next round.
+* `ModelDraft`: a draft model must have processed every accepted token before it
+  proposes again. Its K calls process u, t, d1 .. d_{K-1} but never dK, so after a
+  round that accepts all K drafts the draft model is missing slot L'-2 of the next round.
   Every round therefore starts by feeding it the last TWO tokens [u, t] at
   [L-2, L-1]: after a fully accepted round this fills the hole, otherwise it
   rewrites slot L-2 with what is already there (`prompt_lengths >= 1` makes
   L >= 2 from the first round on).
-* Prompt lookup reads the token buffer and keeps no state.
-* A feature drafter (EAGLE) reads the target's features. The verification pass
+* `LookupDraft`: prompt lookup reads the token buffer and keeps no state.
+* `FeatureDraft`: a feature drafter (EAGLE) reads the target's features. The verification pass
   returns them for t, d1 .. dK; the next round first *catches up* on the n+1
   verified tokens (entries (f_p, x_{p+1}) at p = L_prev-1 .. L-2, one call of
   K+1 entries, the rest junk), which also yields d1; then it drafts d2 .. dK
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,9 @@ from specdec_jax.drafts.dynamic_tree import DynamicTree
 from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.drafts.static_tree import DraftTree
 from specdec_jax.loop.adapter import ModelDef, merge_model, split_model
-from specdec_jax.loop.draft_kinds import FeatureDraft, LookupDraft, ModelDraft
+from specdec_jax.loop.chain_round import chain_round
+from specdec_jax.loop.draft_kinds import DraftKind, FeatureDraft, LookupDraft, ModelDraft
+from specdec_jax.loop.round import RoundSetup, commit, kept_tokens, round_keys
 from specdec_jax.loop.state import (
   DecodeStats,
   GenerateOutput,
@@ -76,8 +78,7 @@ from specdec_jax.loop.state import (
 from specdec_jax.loop.tree_round import tree_round
 from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling.params import SamplingParams, check_bias_ids, check_params
-from specdec_jax.sampling.sample import sample_tokens
-from specdec_jax.verify.chain import LOGPROBS_MODES, METHODS, rejection_sample
+from specdec_jax.verify.chain import LOGPROBS_MODES, METHODS
 
 __all__ = ["DecodeStats", "GenerateOutput", "generate", "speculative_generate"]
 
@@ -147,6 +148,15 @@ def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+class _Inputs(NamedTuple):
+  """The checked request: prompts and lengths as int32, max_new_tokens as an int, EOS ids as a tuple."""
+
+  prompt_tokens: jax.Array  # int32 [B, P]
+  prompt_lengths: jax.Array  # int32 [B]
+  max_new_tokens: int
+  eos: tuple[int, ...]
+
+
 def _check_inputs(where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
                   extra_slots=1):
   prompt_tokens = jnp.asarray(prompt_tokens)
@@ -184,8 +194,8 @@ def _check_inputs(where, prompt_tokens, prompt_lengths, params, key, max_new_tok
     raise ValueError(f"{where}: eos_token_id must be None, an int or a tuple of ints, got {eos_token_id!r}")
   if any(not 0 <= e <= _INT32_MAX for e in eos):
     raise ValueError(f"{where}: eos_token_id must be token ids in [0, V) (int32), got {eos_token_id!r}")
-  return prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), int(max_new_tokens), tuple(
-      int(e) for e in eos)
+  return _Inputs(prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), int(max_new_tokens),
+                 tuple(int(e) for e in eos))
 
 
 def _check_context(where, models, p, max_new_tokens):
@@ -375,6 +385,9 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
       may be None with all_greedy=True.
     max_new_tokens: static int >= 1; P + max_new_tokens must not exceed the
       `max_length` of the target or the draft model, where they declare one.
+      No model is called at a position >= P + max_new_tokens: a round's drafts
+      past a row's end (which are never emitted) are fed at position
+      P + max_new_tokens - 1 instead.
     num_speculative_tokens: K, static int >= 1: draft tokens per round.
     eos_token_id: None, an int or a tuple of ints in [0, V) (static).
     all_greedy: static promise that every row is greedy; reaches the draft's
@@ -528,113 +541,63 @@ def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths,
 def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
                          draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
                          logprobs, tree, method="token"):
+  """The body of `speculative_generate`'s jit: models, start, rounds until every row ends, outputs.
+
+  Args:
+    target_arrays, draft_arrays: the models' arrays (`split_model`); draft_arrays is None for prompt lookup.
+    prompt_tokens: int32 [B, P]; prompt_lengths: int32 [B] (clipped into [1, P] here).
+    params: SamplingParams of batch B; key: a key or [B] keys, None when all_greedy.
+    target_def, draft_def: the models' static halves (draft_def is the `PromptLookupDrafter` itself for lookup).
+    feature_draft: the drafter reads the target's features (EAGLE).
+    num_speculative_tokens, max_new_tokens, eos, all_greedy, logprobs, tree, method: as `speculative_generate`
+      checked them (tree None for a chain).
+
+  Returns:
+    GenerateOutput, as `speculative_generate` documents it.
+
+  The round, chain or tree alike (`specdec_jax.loop.round`):
+
+      keys -> propose -> verify -> commit -> count
+              (chain_round or tree_round)
+  """
   b, p = prompt_tokens.shape
   k = num_speculative_tokens
-  n = k if tree is None else tree.num_nodes  # drafts per round
-  where = "speculative_generate"
-  # Headroom: a live row writes slots up to L+N-1 <= P + max_new_tokens + N - 1 (a dynamic tree's
-  # drafter: up to L + (K-1)*k - 1).
-  max_length = p + max_new_tokens + _slots_per_round(tree, k) + 1
-  rows = arange32(b)
-  t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
-  t_copy = None if tree is None else _copy_slots(target_def, target_arrays)
-  if isinstance(draft_def, PromptLookupDrafter):
-    drafter = LookupDraft(draft_def, k)
-  elif feature_draft:
-    drafter = FeatureDraft(draft_def, draft_arrays, b, k)
-  else:
-    drafter = ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k,
-                          copy=None if tree is None else _copy_slots(draft_def, draft_arrays))
-
   prompt_lengths = clip_lengths(prompt_lengths, p)
+  # The caches and the buffer: a live row writes slots up to L+N-1 <= P + max_new_tokens + N - 1 (a dynamic
+  # tree's drafter: up to L + (K-1)*k - 1). Positions stay below P + max_new_tokens (`clamp_positions`).
+  max_length = p + max_new_tokens + _slots_per_round(tree, k) + 1
+
+  # Models, as functions inside the program.
+  t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
+  kind = _draft_kind(draft_def, draft_arrays, feature_draft=feature_draft, b=b, k=k, tree=tree)
+  setup = RoundSetup(kind=kind, target_apply=t_apply, target_copy=None if tree is None else _copy_slots(
+      target_def, target_arrays), params=params, k=k, tree=tree, all_greedy=all_greedy, logprobs=logprobs,
+                     method=method, max_length=max_length, end=p + max_new_tokens)
+  propose_and_verify = chain_round if tree is None else tree_round
+
+  # Start: the target's prefill and first token, then the draft kind's own start.
   start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
-                 eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=drafter.needs_features,
-                 where=where, logprobs=logprobs)
+                     eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=kind.needs_features,
+                     where="speculative_generate", logprobs=logprobs)
   zeros_k = jnp.zeros((k,), jnp.int32)
   state = dataclasses.replace(
-      start.state, draft=drafter.start(start, prompt_tokens, max_length),
+      start.state, draft=kind.start(start, prompt_tokens, max_length),
       stats=dataclasses.replace(start.state.stats, accepted_per_position=zeros_k, reached_per_position=zeros_k))
 
-  def body(s: LoopState) -> LoopState:
-    live = ~s.done
-    if all_greedy:
-      draft_keys = reject_keys = None
-    else:
-      # One fresh key per row and round (L grows every round), split in two.
-      round_keys = jax.vmap(jax.random.split)(position_keys(start.keys, s.length))
-      draft_keys, reject_keys = round_keys[:, 0], round_keys[:, 1]
+  def speculative_round(s: LoopState) -> LoopState:
+    keys = round_keys(start.keys, s.length, all_greedy)
+    verified = propose_and_verify(s, keys, setup)
+    kept = kept_tokens(s, verified, prompt_lengths, eos=eos, max_new_tokens=max_new_tokens)
+    return commit(s, verified, kept, setup, prompt_lengths, eos=eos, max_new_tokens=max_new_tokens)  # and count
 
-    def sample(logits, i, earlier=None):
-      """Draft token i (static or traced) from [B, V] logits, and its distribution (None if not needed).
-
-      earlier: int32 [B, K] drafts 0 .. i-1 of this round (-1 elsewhere), which
-      penalties count as context; None for draft 0.
-      """
-      penalties = s.penalties
-      if penalties is not None and earlier is not None:
-        penalties = penalties.add_tokens(earlier, earlier >= 0)
-      token, log_probs = sample_tokens(logits, params, position_keys(draft_keys, jnp.full((b,), i, jnp.int32)),
-                                       all_greedy=all_greedy, penalty_state=penalties)
-      # Greedy rejection ignores draft probabilities: do not build [B, K, V] for it.
-      return token, None if all_greedy else jnp.exp(log_probs)
-
-    if tree is None:
-      draft_tokens, draft_probs, draft_carry = drafter.propose(s.draft, s, draft_keys, sample)  # [B, K], [B, K, V]
-      last = gather_rows(s.tokens, s.length - 1)
-      verify = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K+1]: t, d1 .. dK
-      positions = (s.length - 1)[:, None] + arange32(k + 1)[None, :]
-      if drafter.needs_features:
-        target_logits, features, t_cache = t_apply(verify, positions, s.target_cache, return_features=True)
-      else:
-        (target_logits, t_cache), features = t_apply(verify, positions, s.target_cache), None
-      out = rejection_sample(draft_token_ids=draft_tokens, target_logits=target_logits, params=params,
-                             key=reject_keys, draft_probs=draft_probs, all_greedy=all_greedy, logprobs=logprobs,
-                             method=method, penalty_state=s.penalties)
-      emitted, num_emitted, emitted_lp = out.token_ids, out.num_emitted, out.logprobs  # [B, K+1], -1 after
-    else:
-      emitted, num_emitted, emitted_lp, t_cache, draft_carry, features = tree_round(
-          s, drafter, tree, t_apply, t_copy, params, draft_keys, reject_keys, all_greedy=all_greedy,
-          logprobs=logprobs, max_length=max_length)
-
-    # Truncation inside the round: keep tokens up to the first EOS (included)
-    # and up to max_new_tokens; finished rows keep nothing.
-    j = arange32(k + 1)[None, :]
-    eos_hit = is_eos(emitted, eos) & (j < num_emitted[:, None])
-    first_eos = jnp.min(jnp.where(eos_hit, j, k + 1), axis=1)
-    room = max_new_tokens - (s.length - prompt_lengths)
-    kept = jnp.minimum(jnp.minimum(num_emitted, room), first_eos + 1)
-    kept = jnp.where(live, kept, 0).astype(jnp.int32)
-    slots = jnp.where(j < kept[:, None], s.length[:, None] + j, max_length)
-    buf = s.tokens.at[rows[:, None], slots].set(emitted, mode="drop")
-    lp = None if s.logprobs is None else s.logprobs.at[rows[:, None], slots].set(emitted_lp, mode="drop")
-    length = s.length + kept
-    done = s.done | (live & ((first_eos < kept) | (length - prompt_lengths >= max_new_tokens)))
-    stats = _round_stats(s.stats, k, n, live, kept, num_emitted, room)
-    penalties = None if s.penalties is None else s.penalties.add_tokens(emitted, j < kept[:, None])
-    return LoopState(tokens=buf, length=length, done=done, target_cache=t_cache,
-                     draft=drafter.observe(draft_carry, features, kept), stats=stats, logprobs=lp,
-                     penalties=penalties)
-
-  return loop_outputs(run_loop(body, state), prompt_lengths, max_new_tokens)
+  return loop_outputs(run_loop(speculative_round, state), prompt_lengths, max_new_tokens)
 
 
-def _round_stats(stats: DecodeStats, k, n, live, kept, num_emitted, room) -> DecodeStats:
-  """Adds one round's counts (K draft positions, N drafts).
-
-  Every live row keeps >= 1 token; its last is the pass's own.
-  """
-  acc = jnp.maximum(kept - 1, 0)
-  cut = kept < num_emitted  # EOS or the token limit ended the round early
-  usable = jnp.where(cut, acc, jnp.minimum(k, room - 1))
-  i = arange32(k)[None, :]
-  # Position i was reached if drafts before it were accepted; in a cut round only
-  # the positions before the cut count (what came after could not be emitted).
-  reached = live[:, None] & ((i < acc[:, None]) | ((i == acc[:, None]) & ~cut[:, None] & (i < room[:, None] - 1)))
-  return DecodeStats(
-      target_calls=stats.target_calls + (kept > 0),
-      drafted=stats.drafted + n * live,
-      accepted=stats.accepted + acc,
-      accepted_per_position=stats.accepted_per_position + jnp.sum(i < acc[:, None], axis=0, dtype=jnp.int32),
-      usable_drafted=stats.usable_drafted + jnp.where(live, usable, 0).astype(jnp.int32),
-      reached_per_position=stats.reached_per_position + jnp.sum(reached, axis=0, dtype=jnp.int32))
-
+def _draft_kind(draft_def, draft_arrays, *, feature_draft, b, k, tree) -> DraftKind:
+  """The draft kind that drives the drafter: `LookupDraft`, `FeatureDraft` or `ModelDraft`."""
+  if isinstance(draft_def, PromptLookupDrafter):
+    return LookupDraft(draft_def, k)
+  if feature_draft:
+    return FeatureDraft(draft_def, draft_arrays, b, k)
+  return ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k,
+                    copy=None if tree is None else _copy_slots(draft_def, draft_arrays))

@@ -1,35 +1,37 @@
-"""The three kinds of draft, as the speculative loop sees them.
+"""The three draft kinds: how the speculative loop drives each kind of drafter.
 
-Each kind answers the same calls inside the loop's program (`specdec_jax.loop.decoding`
-explains the round they serve):
+Vocabulary (as in `specdec_jax.loop`): the *drafter* is the user's object (a
+model, a `PromptLookupDrafter` or a feature drafter such as `EagleDrafter`); a
+*draft kind* is the loop's adapter for one kind of drafter (`ModelDraft`,
+`LookupDraft`, `FeatureDraft`), which follows the `DraftKind` protocol below;
+the *drafts* are the tokens it proposes. A draft kind's part of the loop state
+is its *carry* (`LoopState.draft`).
 
-- `start(start, prompt_tokens, max_length)`, after the target's prefill:
-  prompt lookup keeps no state; a draft model prefills its own cache; a
-  feature drafter (EAGLE) feeds the prefill's features.
-- `propose(carry, state, draft_keys, sample)`, a chain of K: n-gram matches in
-  the token buffer; a draft model feeds [u, t], then its own K-1 tokens; a
-  feature drafter catches up on the verified features, then drafts from its
-  own hiddens.
-- `propose_tree(...)`, a static tree: the continuations of m earlier matches;
-  one call per depth with the nodes at their own cache slots; the same for a
-  feature drafter, each node reading its parent's hidden.
-- `propose_dynamic(...)`, a dynamic tree: a model or feature drafter expands
-  its frontier at its own slots, returning the draft probabilities of a
-  sampled tree's random rows (prompt lookup is refused before tracing).
-- `commit_tree(carry, src, dst)`, after verification: a draft model moves the
-  accepted path's cache slots; the others need nothing (a feature drafter's
-  next catch-up rewrites them).
-- `observe(carry, features, kept)`: a feature drafter keeps the target's
-  features for the next catch-up.
+Every proposal takes `(carry, state, keys, params)` in that order, then its
+static options by keyword:
 
-`needs_features` tells the loop whether the target's verification pass must
-return its features.
+| method            | ModelDraft                  | LookupDraft          | FeatureDraft                     |
+|-------------------|-----------------------------|----------------------|----------------------------------|
+| `start`           | prefills its own cache      | no carry (None)      | feeds the prefill's features     |
+| `propose_chain`   | feeds [u, t], then its own  | n-gram matches in    | catches up on the verified       |
+|                   | K-1 drafts                  | the token buffer     | features, then its own hiddens   |
+| `propose_tree`    | one call per depth, nodes   | continuations of m   | as a model, each node reading    |
+|                   | at their own slots          | earlier matches      | its parent's hidden              |
+| `propose_dynamic` | expands its frontier at its | refused (TypeError;  | as a model, from its hiddens     |
+|                   | own slots                   | checked before jit)  |                                  |
+| `commit_tree`     | moves the accepted path's   | nothing              | nothing (the next catch-up       |
+|                   | cache slots                 |                      | rewrites them)                   |
+| `observe`         | nothing                     | nothing              | keeps the target's features      |
+
+`needs_features` tells the round whether the target's verification call must
+return its features. Every model call respects `RoundSetup.end`
+(`specdec_jax.loop.round.clamp_positions`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +40,81 @@ from specdec_jax.drafts.dynamic_tree import DynamicTree, grow_dynamic_tree
 from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.drafts.static_tree import DraftTree, grow_tree, tree_attention_mask
 from specdec_jax.loop.adapter import merge_model
-from specdec_jax.loop.state import LoopState, Start, arange32, gather_rows, prefill_inputs
+from specdec_jax.loop.round import clamp_positions
+from specdec_jax.loop.state import LoopState, Start, arange32, gather_rows, position_keys, prefill_inputs
+from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.sampling.sample import sample_tokens
+
+
+class Drafts(NamedTuple):
+  """A chain's or a static tree's proposal.
+
+  Attributes:
+    tokens: int32 [B, K] (a chain) or [B, N] (tree nodes in topological order).
+    probs: f32 [B, K, V] (a chain) or [B, N+1, V] (a tree: the root's q, then each
+      node's) for random rows to verify with; None for all-greedy programs and for
+      a drafter without probabilities (prompt lookup).
+    carry: the draft kind's carry after proposing.
+  """
+
+  tokens: jax.Array
+  probs: jax.Array | None
+  carry: Any
+
+
+class DynamicDrafts(NamedTuple):
+  """A dynamic tree's proposal (`grow_dynamic_tree`'s result).
+
+  Attributes:
+    tokens: int32 [B, N] nodes in topological order.
+    parents: int32 [B, N] each node's parent, -1 for the root's children.
+    fed: int32 [B, N] the frontier slot a node was fed at, -1 if never fed.
+    probs: f32 [B, N+1, V] for a sampled tree's random rows, else None.
+    carry: the draft kind's carry after proposing.
+  """
+
+  tokens: jax.Array
+  parents: jax.Array
+  fed: jax.Array
+  probs: jax.Array | None
+  carry: Any
+
+
+class DraftKind(Protocol):
+  """What the speculative round asks of a draft kind (module docstring: what each kind does).
+
+  `state` is the round's `LoopState` (length L, token buffer, penalties);
+  `keys` its typed draft keys [B] (None for all-greedy programs); `params`
+  the rows' SamplingParams. `max_length` is the slots of the caches, `end`
+  the first position no call may use (`specdec_jax.loop.round`).
+  """
+
+  needs_features: bool
+
+  def start(self, start: Start, prompt_tokens: jax.Array, max_length: int) -> Any:
+    """The carry after the target's prefill."""
+
+  def propose_chain(self, carry, state: LoopState, keys, params: SamplingParams, *, all_greedy: bool,
+                    end: int) -> Drafts:
+    """K drafts in a chain: tokens [B, K], probs [B, K, V] or None."""
+
+  def propose_tree(self, carry, state: LoopState, keys, params: SamplingParams, *, tree: DraftTree,
+                   all_greedy: bool, max_length: int, end: int) -> Drafts:
+    """The N nodes of a static tree: tokens [B, N], probs [B, N+1, V] or None."""
+
+  def propose_dynamic(self, carry, state: LoopState, keys, params: SamplingParams, *, tree: DynamicTree,
+                      all_greedy: bool, max_length: int, end: int) -> DynamicDrafts:
+    """A tree chosen by the drafter's confidence; raises TypeError for a kind that has none."""
+
+  def commit_tree(self, carry, src: jax.Array, dst: jax.Array) -> Any:
+    """After a tree's verification: the accepted path's slots src -> dst [B, K] (dst max_length: dropped)."""
+
+  def observe(self, carry, features: jax.Array | None, kept: jax.Array) -> Any:
+    """After the round's commit: the target's features [B, K+1, F] (or None) and kept [B]."""
 
 
 class LookupDraft:
-  """Prompt lookup: proposals from the token buffer, no state, no probabilities."""
+  """Prompt lookup: drafts copied from the token buffer, no carry, no probabilities."""
 
   needs_features = False
 
@@ -52,14 +124,20 @@ class LookupDraft:
   def start(self, start: Start, prompt_tokens, max_length):
     return None
 
-  def propose(self, carry, s: LoopState, draft_keys, sample):
-    return self.drafter.propose(s.tokens, s.length, self.k), None, carry
+  def propose_chain(self, carry, state: LoopState, keys, params, *, all_greedy, end) -> Drafts:
+    return Drafts(self.drafter.propose(state.tokens, state.length, self.k), None, carry)
 
-  def propose_tree(self, carry, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy, max_length):
+  def propose_tree(self, carry, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length,
+                   end) -> Drafts:
     # A tree (m, 1, ..., 1): m branches, the continuations of m different earlier matches.
-    branches = self.drafter.propose_branches(s.tokens, s.length, tree.depth, tree.branching[0])  # [B, m, K]
+    branches = self.drafter.propose_branches(state.tokens, state.length, tree.depth, tree.branching[0])  # [B, m, K]
     b = branches.shape[0]
-    return jnp.swapaxes(branches, 1, 2).reshape(b, tree.num_nodes), None, carry
+    return Drafts(jnp.swapaxes(branches, 1, 2).reshape(b, tree.num_nodes), None, carry)
+
+  def propose_dynamic(self, carry, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy, max_length,
+                      end) -> DynamicDrafts:
+    raise TypeError(f"speculative_generate: draft_tree={tree} is chosen by a drafter's confidence; prompt lookup "
+                    "has none (use a DraftTree (m, 1, ..., 1))")
 
   def commit_tree(self, carry, src, dst):
     return carry
@@ -69,7 +147,7 @@ class LookupDraft:
 
 
 class ModelDraft:
-  """A draft model: its own cache, fed [u, t] then its own K-1 tokens each round."""
+  """A draft model: its own cache, fed [u, t] then its own K-1 drafts each round."""
 
   needs_features = False
 
@@ -82,53 +160,56 @@ class ModelDraft:
     check_vocab(logits.shape[-1], start.vocab_size)
     return cache
 
-  def _first_call(self, cache, s: LoopState):
-    """Call 0 of a round: feeds [u, t] at [L-2, L-1] (module docstring: fills the slot of dK after a
+  def _first_call(self, cache, state: LoopState, end):
+    """Call 0 of a round: feeds [u, t] at [L-2, L-1] (`specdec_jax.loop.decoding`: fills the slot of dK after a
     fully accepted round; otherwise rewrites an identical slot). Returns (logits [B, 2, V], cache)."""
-    length = s.length
-    two = jnp.stack([gather_rows(s.tokens, length - 2), gather_rows(s.tokens, length - 1)], axis=1)
-    return self.apply(two, jnp.stack([length - 2, length - 1], axis=1), cache)
+    length = state.length
+    two = jnp.stack([gather_rows(state.tokens, length - 2), gather_rows(state.tokens, length - 1)], axis=1)
+    return self.apply(two, clamp_positions(jnp.stack([length - 2, length - 1], axis=1), end), cache)
 
-  def propose(self, cache, s: LoopState, draft_keys, sample):
-    length = s.length
-    logits, cache = self._first_call(cache, s)
+  def propose_chain(self, cache, state: LoopState, keys, params, *, all_greedy, end) -> Drafts:
+    length = state.length
+    sample = chain_sampler(state, keys, params, all_greedy=all_greedy)
+    logits, cache = self._first_call(cache, state, end)
     first, q_first = sample(logits[:, -1], 0)
 
-    def step(cache, token, i):
-      logits, cache = self.apply(token[:, None], (length - 1 + i)[:, None], cache)
+    def step(cache, token, i):  # d_i at position L-1+i -> logits of d_{i+1}
+      logits, cache = self.apply(token[:, None], clamp_positions((length - 1 + i)[:, None], end), cache)
       return cache, logits[:, 0]
 
     return draft_chain(self.k, cache, first, q_first, step, sample)
 
-  def propose_tree(self, cache, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy, max_length):
+  def propose_tree(self, cache, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length,
+                   end) -> Drafts:
     # Nodes are written at slot L + j (as in the target's verification) and
     # fed depth by depth; the leaves at depth K are never fed, like dK of a chain.
-    length = s.length
-    logits, cache = self._first_call(cache, s)
+    length = state.length
+    logits, cache = self._first_call(cache, state, end)
 
     def level(cache, i, tokens):
       nodes = tree.level(i)
-      pos = jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape)
+      pos = clamp_positions(jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape), end)
       slots = length[:, None] + arange32(tree.num_nodes)[None, nodes]
       mask = tree_attention_mask(length, length, tree.ancestors[nodes], max_length)
       logits, cache = self.apply(tokens, pos, cache, cache_slots=slots, attention_mask=mask)
       return cache, logits
 
-    return grow_tree(tree, logits[:, -1], level, cache, params, draft_keys, all_greedy=all_greedy)
+    return Drafts(*grow_tree(tree, logits[:, -1], level, cache, params, keys, all_greedy=all_greedy))
 
-  def propose_dynamic(self, cache, s: LoopState, tree: DynamicTree, max_length, params, draft_keys, all_greedy):
+  def propose_dynamic(self, cache, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy, max_length,
+                      end) -> DynamicDrafts:
     # The frontier of depth i sits at slots L + (i-1)*k + m (`dynamic_tree`), position L-1+i.
-    length, k = s.length, tree.top_k
-    logits, cache = self._first_call(cache, s)
+    length, k = state.length, tree.top_k
+    logits, cache = self._first_call(cache, state, end)
 
     def level(cache, i, tokens, parent, rows):
-      pos = jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape)
+      pos = clamp_positions(jnp.broadcast_to((length - 1 + i)[:, None], tokens.shape), end)
       slots = length[:, None] + (i - 1) * k + arange32(k)[None, :]
       mask = tree_attention_mask(length, length, rows, max_length)
       logits, cache = self.apply(tokens, pos, cache, cache_slots=slots, attention_mask=mask)
       return cache, logits
 
-    return grow_dynamic_tree(tree, logits[:, -1], level, cache, params, draft_keys, all_greedy=all_greedy)
+    return DynamicDrafts(*grow_dynamic_tree(tree, logits[:, -1], level, cache, params, keys, all_greedy=all_greedy))
 
   def commit_tree(self, cache, src, dst):
     # The accepted path moves to the slots of its positions, as in the target.
@@ -141,11 +222,19 @@ class ModelDraft:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FeatureCarry:
-  """A feature drafter's part of the loop state: its cache and the target's features still to catch up on."""
+  """A feature drafter's carry: its cache and the target's features still to catch up on."""
 
   cache: Any
   features: jax.Array  # [B, K+1, F]: the target's features of the last verified tokens
   fresh: jax.Array  # int32 [B]: how many of them were accepted (entries to catch up on)
+
+
+class CatchUp(NamedTuple):
+  """The first call of a feature drafter's round."""
+
+  logits: jax.Array  # [B, V]: the drafter's logits of d1
+  hidden: jax.Array  # [B, D]: its hidden there, which d1's successors read
+  cache: Any
 
 
 class FeatureDraft:
@@ -159,10 +248,6 @@ class FeatureDraft:
   def _model(self):
     return merge_model(self.model_def, self.arrays)
 
-  def _apply(self, tokens, hidden, positions, cache, logits_at=None):
-    logits, hidden, cache = self._model()(tokens, hidden, positions, cache, logits_at=logits_at)
-    return logits, hidden, cache
-
   def start(self, start: Start, prompt_tokens, max_length):
     # Entries (f_p, x_{p+1}) for p = 0 .. P-1 from the prefill's features; the
     # buffer already holds the first new token at x_{P_b}. The last real entry,
@@ -175,70 +260,72 @@ class FeatureDraft:
                        f"reads {model.config.feature_size}")
     pos = jnp.broadcast_to(arange32(p), (b, p))
     nxt = jnp.maximum(start.state.tokens[:, 1:p + 1], 0)
-    logits, _, cache = self._apply(nxt, model.fuse(feats), pos, model.init_cache(self.b, max_length),
-                                   logits_at=jnp.zeros((b,), jnp.int32))
+    logits, _, cache = model(nxt, model.fuse(feats), pos, model.init_cache(self.b, max_length),
+                             logits_at=jnp.zeros((b,), jnp.int32))
     check_vocab(logits.shape[-1], start.vocab_size)
     last = gather_rows(feats, start.state.length - 2)  # f at P_b - 1
     pending = jnp.zeros((b, self.k + 1, feats.shape[-1]), feats.dtype).at[:, 0].set(last)
     return FeatureCarry(cache=cache, features=pending, fresh=jnp.ones((b,), jnp.int32))
 
-  def _catch_up(self, carry: FeatureCarry, s: LoopState):
-    """The round's first call: (logits [B, V] of d1, the drafter's hidden there [B, D], cache)."""
+  def _catch_up(self, carry: FeatureCarry, state: LoopState, end) -> CatchUp:
+    """The round's first call, which also yields d1's logits."""
     model = self._model()
     # Catch-up: entries at base .. base+K, base = L-1-fresh; the first `fresh`
     # are the verified tokens (f_p, x_{p+1}), the rest junk that later entries
     # overwrite before anyone reads them. Entry fresh-1 (p = L-2) predicts d1.
-    base = s.length - 1 - carry.fresh
+    base = state.length - 1 - carry.fresh
     idx = base[:, None] + arange32(self.k + 1)[None, :]
-    nxt = jnp.maximum(jnp.take_along_axis(s.tokens, idx + 1, axis=1), 0)
-    logits, hidden, cache = self._apply(nxt, model.fuse(carry.features), idx, carry.cache,
-                                        logits_at=carry.fresh - 1)
-    return logits[:, 0], gather_rows(hidden, carry.fresh - 1), cache
+    nxt = jnp.maximum(jnp.take_along_axis(state.tokens, idx + 1, axis=1), 0)
+    logits, hidden, cache = model(nxt, model.fuse(carry.features), clamp_positions(idx, end), carry.cache,
+                                  logits_at=carry.fresh - 1)
+    return CatchUp(logits[:, 0], gather_rows(hidden, carry.fresh - 1), cache)
 
-  def propose(self, carry: FeatureCarry, s: LoopState, draft_keys, sample):
-    length, k = s.length, self.k
-    first_logits, h, cache = self._catch_up(carry, s)
+  def propose_chain(self, carry: FeatureCarry, state: LoopState, keys, params, *, all_greedy, end) -> Drafts:
+    length, k = state.length, self.k
+    sample = chain_sampler(state, keys, params, all_greedy=all_greedy)
+    first_logits, h, cache = self._catch_up(carry, state, end)
     first, q_first = sample(first_logits, 0)
 
-    def step(state, token, i):
-      cache, h = state
-      logits, h, cache = self._apply(token[:, None], h[:, None], (length - 2 + i)[:, None], cache)
+    def step(carried, token, i):  # d_i at position L-2+i, reading the hidden that drafted it
+      cache, h = carried
+      logits, h, cache = self._model()(token[:, None], h[:, None], clamp_positions((length - 2 + i)[:, None], end),
+                                       cache)
       return (cache, h[:, 0]), logits[:, 0]
 
     tokens, probs, (cache, _) = draft_chain(k, (cache, h), first, q_first, step, sample)
-    return tokens, probs, dataclasses.replace(carry, cache=cache)
+    return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
 
-  def propose_tree(self, carry: FeatureCarry, s: LoopState, draft_keys, tree: DraftTree, params, all_greedy,
-                   max_length):
+  def propose_tree(self, carry: FeatureCarry, state: LoopState, keys, params, *, tree: DraftTree, all_greedy,
+                   max_length, end) -> Drafts:
     # The entries of depth-i nodes sit at position L-2+i and slot L-1+j (node j),
     # each reading its parent's hidden (the catch-up's for depth 1).
-    length = s.length
-    root_logits, h, cache = self._catch_up(carry, s)
+    length = state.length
+    root_logits, h, cache = self._catch_up(carry, state, end)
 
-    def level(state, i, tokens):
-      cache, parent_h = state  # parent_h [B, n_{i-1}, D]; node m's parent is m // k_i
+    def level(carried, i, tokens):
+      cache, parent_h = carried  # parent_h [B, n_{i-1}, D]; node m's parent is m // k_i
       nodes = tree.level(i)
       hidden = jnp.repeat(parent_h, tree.branching[i - 1], axis=1)
-      pos = jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape)
+      pos = clamp_positions(jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape), end)
       slots = (length - 1)[:, None] + arange32(tree.num_nodes)[None, nodes]
       mask = tree_attention_mask(length - 1, length - 1, tree.ancestors[nodes], max_length)
       logits, hidden, cache = self._model()(tokens, hidden, pos, cache, cache_slots=slots, attention_mask=mask)
       return (cache, hidden), logits
 
-    tokens, probs, (cache, _) = grow_tree(tree, root_logits, level, (cache, h[:, None]), params, draft_keys,
+    tokens, probs, (cache, _) = grow_tree(tree, root_logits, level, (cache, h[:, None]), params, keys,
                                           all_greedy=all_greedy)
-    return tokens, probs, dataclasses.replace(carry, cache=cache)
+    return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
 
-  def propose_dynamic(self, carry: FeatureCarry, s: LoopState, tree: DynamicTree, max_length, params, draft_keys,
-                      all_greedy):
+  def propose_dynamic(self, carry: FeatureCarry, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy,
+                      max_length, end) -> DynamicDrafts:
     # As propose_tree, with the frontier of depth i at slots L-1 + (i-1)*k + m (`dynamic_tree`).
-    length, k = s.length, tree.top_k
-    root_logits, h, cache = self._catch_up(carry, s)
+    length, k = state.length, tree.top_k
+    root_logits, h, cache = self._catch_up(carry, state, end)
     rows_b = arange32(length.shape[0])[:, None]
 
-    def level(state, i, tokens, parent, rows):
-      cache, parent_h = state  # [B, k, D] (depth 1: [B, 1, D], the catch-up's; parent is 0 there)
-      pos = jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape)
+    def level(carried, i, tokens, parent, rows):
+      cache, parent_h = carried  # [B, k, D] (depth 1: [B, 1, D], the catch-up's; parent is 0 there)
+      pos = clamp_positions(jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape), end)
       slots = (length - 1)[:, None] + (i - 1) * k + arange32(k)[None, :]
       mask = tree_attention_mask(length - 1, length - 1, rows, max_length)
       logits, hidden, cache = self._model()(tokens, parent_h[rows_b, parent], pos, cache, cache_slots=slots,
@@ -246,8 +333,8 @@ class FeatureDraft:
       return (cache, hidden), logits
 
     tokens, parents, fed, probs, (cache, _) = grow_dynamic_tree(tree, root_logits, level, (cache, h[:, None]),
-                                                                params, draft_keys, all_greedy=all_greedy)
-    return tokens, parents, fed, probs, dataclasses.replace(carry, cache=cache)
+                                                                params, keys, all_greedy=all_greedy)
+    return DynamicDrafts(tokens, parents, fed, probs, dataclasses.replace(carry, cache=cache))
 
   def commit_tree(self, carry, src, dst):
     # Nothing to move: the next round's catch-up rewrites the accepted path from the target's features.
@@ -257,16 +344,38 @@ class FeatureDraft:
     return dataclasses.replace(carry, features=features, fresh=jnp.maximum(kept, 1).astype(jnp.int32))
 
 
+def chain_sampler(state: LoopState, keys, params: SamplingParams, *, all_greedy: bool):
+  """`sample(logits [B, V], i, earlier=None) -> (draft i [B], its distribution [B, V] or None)` for one round.
+
+  Draft i (static or traced) uses fold_in(keys[b], i). `earlier`: int32 [B, K]
+  drafts 0 .. i-1 of this round (-1 elsewhere), which penalties count as
+  context; None for draft 0. Greedy verification ignores draft probabilities,
+  so all-greedy programs get None instead of a [B, K, V] tensor.
+  """
+  b = state.length.shape[0]
+
+  def sample(logits, i, earlier=None):
+    penalties = state.penalties
+    if penalties is not None and earlier is not None:
+      penalties = penalties.add_tokens(earlier, earlier >= 0)
+    token, log_probs = sample_tokens(logits, params, position_keys(keys, jnp.full((b,), i, jnp.int32)),
+                                     all_greedy=all_greedy, penalty_state=penalties)
+    return token, None if all_greedy else jnp.exp(log_probs)
+
+  return sample
+
+
 def draft_chain(k, carry, first, q_first, step, sample):
   """d1 (given) then d2 .. dK by `step(carry, token, i) -> (carry, logits)`, sampled by `sample`.
 
   `sample(logits, i, earlier)` also gets the round's earlier drafts, int32
   [B, K] with -1 where none is drafted yet (penalties count them as context).
 
-  Returns (tokens int32 [B, K], probs [B, K, V] or None, carry).
+  Returns:
+    Drafts(tokens int32 [B, K], probs [B, K, V] or None, carry).
   """
   if k == 1:
-    return first[:, None], None if q_first is None else q_first[:, None], carry
+    return Drafts(first[:, None], None if q_first is None else q_first[:, None], carry)
 
   def body(c, i):
     carry, token, earlier = c
@@ -278,8 +387,7 @@ def draft_chain(k, carry, first, q_first, step, sample):
   (carry, _, _), (ds, qs) = jax.lax.scan(body, (carry, first, earlier), arange32(k)[1:], unroll=True)
   tokens = jnp.concatenate([first[:, None], ds.T], axis=1)
   probs = None if q_first is None else jnp.concatenate([q_first[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-  return tokens, probs, carry
-
+  return Drafts(tokens, probs, carry)
 
 
 def check_vocab(draft_v, target_v):

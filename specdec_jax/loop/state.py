@@ -11,7 +11,7 @@ functions below are the loops' own pieces.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -205,14 +205,22 @@ def prefill_inputs(prompt_tokens, prompt_lengths):
   return jnp.where(pos < prompt_lengths[:, None], prompt_tokens, 0), pos
 
 
-def sample_next(logits, params, keys, all_greedy, penalties, logprobs):
-  """One token per row from [B, V] logits: (token [B], log_probs [B, V], its log-probability [B] or None).
+class NextToken(NamedTuple):
+  """One sampled token per row."""
+
+  token: jax.Array  # int32 [B]
+  log_probs: jax.Array  # f32 [B, V]: the distribution it was drawn from (log one-hot for greedy rows)
+  logprob: jax.Array | None  # f32 [B]: its log-probability in the loop's `logprobs` mode, None when not asked for
+
+
+def sample_next(logits, params, keys, all_greedy, penalties, logprobs) -> NextToken:
+  """One token per row from [B, V] logits.
 
   `penalties` is the context's `PenaltyState` (None without penalties);
   `logprobs` the loop's mode (None: not asked for).
   """
   out = sample_tokens(logits, params, keys, all_greedy=all_greedy, penalty_state=penalties, logprobs=logprobs)
-  return out if logprobs is not None else out + (None,)
+  return NextToken(*out) if logprobs is not None else NextToken(*out, None)
 
 
 def start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,
@@ -236,7 +244,7 @@ def start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, m
   penalties = None
   if params.has_penalties:  # the context's counts, kept by the loop (static: the params' structure)
     penalties = PenaltyState.from_prompt(prompt_tokens, prompt_lengths, logits.shape[-1])
-  first, first_dist, first_lp = sample_next(first_logits, params, position_keys(keys, prompt_lengths), all_greedy,
+  first, _, first_lp = sample_next(first_logits, params, position_keys(keys, prompt_lengths), all_greedy,
                                         penalties, logprobs)
 
   slot = arange32(max_length)[None, :]

@@ -1,0 +1,60 @@
+"""One speculative round with a chain of K drafts, inside the loop's program.
+
+The round's five steps (`specdec_jax.loop.round`) for a row with context
+length L whose last token is t:
+
+    keys     round_keys(...)                        (in `specdec_jax.loop.decoding`)
+    propose  the draft kind drafts d1 .. dK           propose_chain
+    verify   the target scores [t, d1 .. dK] at positions L-1 .. L-1+K in one call,
+             `rejection_sample` emits d1 .. dn and one recovered or bonus token
+    commit   / count                                  (`specdec_jax.loop.round`)
+
+`tree_round` beside it does the same with a tree of drafts.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from specdec_jax.loop.draft_kinds import Drafts
+from specdec_jax.loop.round import RoundKeys, RoundSetup, Verified, clamp_positions
+from specdec_jax.loop.state import LoopState, arange32, gather_rows
+from specdec_jax.verify.chain import rejection_sample
+
+
+def chain_round(s: LoopState, keys: RoundKeys, setup: RoundSetup) -> Verified:
+  """Propose K drafts, then verify them in one target call.
+
+  Args:
+    s: the loop state at the round's start (length L [B], token buffer, caches).
+    keys: the round's `RoundKeys` (None fields for all-greedy programs).
+    setup: the program's `RoundSetup` (draft kind, target, static choices).
+
+  Returns:
+    Verified(emitted int32 [B, K+1], num_emitted [B], logprobs [B, K+1] or None,
+    target cache, draft carry, features [B, K+1, F] or None).
+
+  Example:
+    >>> verified = chain_round(state, round_keys(row_keys, state.length, False), setup)  # doctest: +SKIP
+  """
+  drafts = setup.kind.propose_chain(s.draft, s, keys.draft, setup.params, all_greedy=setup.all_greedy,
+                                    end=setup.end)
+  return verify_chain(s, drafts, keys, setup)
+
+
+def verify_chain(s: LoopState, drafts: Drafts, keys: RoundKeys, setup: RoundSetup) -> Verified:
+  """The target scores [t, d1 .. dK] in one call; `rejection_sample` emits 1 .. K+1 tokens."""
+  k = setup.k
+  last = gather_rows(s.tokens, s.length - 1)
+  tokens = jnp.concatenate([last[:, None], drafts.tokens], axis=1)  # [B, K+1]: t, d1 .. dK
+  positions = clamp_positions((s.length - 1)[:, None] + arange32(k + 1)[None, :], setup.end)
+  if setup.kind.needs_features:
+    target_logits, features, target_cache = setup.target_apply(tokens, positions, s.target_cache,
+                                                                return_features=True)
+  else:
+    (target_logits, target_cache), features = setup.target_apply(tokens, positions, s.target_cache), None
+  out = rejection_sample(draft_token_ids=drafts.tokens, target_logits=target_logits, params=setup.params,
+                         key=keys.verify, draft_probs=drafts.probs, all_greedy=setup.all_greedy,
+                         logprobs=setup.logprobs, method=setup.method, penalty_state=s.penalties)
+  return Verified(emitted=out.token_ids, num_emitted=out.num_emitted, logprobs=out.logprobs,
+                  target_cache=target_cache, draft_carry=drafts.carry, features=features)

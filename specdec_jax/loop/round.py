@@ -1,0 +1,185 @@
+"""What every speculative round shares, chain or tree: its setup, keys, verified result, commit and count.
+
+A round is five steps; `chain_round` and `tree_round` do the middle two:
+
+    keys     round_keys: one fresh (draft, verify) key pair per row
+    propose  the draft kind proposes drafts (a chain of K, or a tree of N)
+    verify   one target call scores them; the rejection sampler emits 1 .. K+1 tokens
+    commit   commit: keep tokens up to EOS / max_new_tokens, write them, advance L
+    count    count: add the round's statistics
+
+`RoundSetup` holds what the round closes over: the models as functions, the
+draft kind and the static choices (K, the tree, greedy, logprobs, verification)
+plus the two bounds every call respects:
+
+    max_length  the slots of the loop's caches and token buffer: P + max_new_tokens
+                + (slots one round writes) + 1; index max_length is the "dropped"
+                slot of a scatter with mode="drop".
+    end         P + max_new_tokens: no model is called at a position >= end.
+                `speculative_generate` checks P + max_new_tokens against a model's
+                declared `max_length`; a row's last needed position is
+                P_b + max_new_tokens - 2, so what lies past `end` belongs to drafts
+                that can never be emitted (`clamp_positions`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specdec_jax.drafts.dynamic_tree import DynamicTree
+from specdec_jax.drafts.static_tree import DraftTree
+from specdec_jax.loop.state import DecodeStats, LoopState, arange32, is_eos, position_keys
+from specdec_jax.sampling.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSetup:
+  """What one speculative round closes over, fixed for the whole program.
+
+  Attributes:
+    kind: the draft kind (`specdec_jax.loop.draft_kinds.DraftKind`).
+    target_apply: the target's `__call__(tokens, positions, cache, **kw)`.
+    target_copy: the target's `copy_cache_slots(cache, src, dst)` (trees), else None.
+    params: SamplingParams of batch B.
+    k: K, draft positions per round (a tree's depth).
+    tree: None (a chain), a `DraftTree` or a `DynamicTree`.
+    all_greedy: static promise that every row is greedy.
+    logprobs: None, "raw" or "processed".
+    method: "token" or "block" (chain verification).
+    max_length: slots of the caches and the token buffer (module docstring).
+    end: P + max_new_tokens, the first position no model is called at.
+  """
+
+  kind: Any
+  target_apply: Callable
+  target_copy: Callable | None
+  params: SamplingParams
+  k: int
+  tree: DraftTree | DynamicTree | None
+  all_greedy: bool
+  logprobs: str | None
+  method: str
+  max_length: int
+  end: int
+
+  @property
+  def drafts_per_round(self) -> int:
+    """N: K for a chain, the tree's node count for a tree."""
+    return self.k if self.tree is None else self.tree.num_nodes
+
+
+def clamp_positions(positions, end: int):
+  """positions, with those >= end moved to end - 1 (the same shape and dtype).
+
+  A position >= end = P + max_new_tokens belongs to a draft that cannot be
+  emitted: a live row has L <= P_b + max_new_tokens - 1 and emits at most
+  max_new_tokens - (L - P_b) tokens, the last from position P_b + max_new_tokens - 2.
+  Such drafts still fill the round's static shapes; moving them to end - 1 keeps
+  every call inside the context `speculative_generate` checks. A call without
+  `cache_slots` writes them at slot end - 1, which no needed query sees (a query
+  at p sees slots <= p). With a chain verified token by token or a static tree,
+  the kept tokens read no logits from those positions, so every output is the
+  same as with the unclamped positions. Block verification (which weighs the
+  whole block) and a dynamic tree (whose nodes compete across depths) read them:
+  in a row's last round they may draw differently, from the same distribution.
+  """
+  return jnp.minimum(positions, end - 1)
+
+
+class RoundKeys(NamedTuple):
+  """One round's keys, typed [B] each, or None for all-greedy programs."""
+
+  draft: jax.Array | None  # the draft kind's sampling
+  verify: jax.Array | None  # the rejection sampler's
+
+
+def round_keys(row_keys, length, all_greedy: bool) -> RoundKeys:
+  """One fresh key per row and round (L grows every round), split in two: drafting and verification."""
+  if all_greedy:
+    return RoundKeys(None, None)
+  pair = jax.vmap(jax.random.split)(position_keys(row_keys, length))
+  return RoundKeys(draft=pair[:, 0], verify=pair[:, 1])
+
+
+class Verified(NamedTuple):
+  """What a round's propose and verify steps hand to `commit`.
+
+  Attributes:
+    emitted: int32 [B, K+1] accepted drafts, then one recovered or bonus token, then -1.
+    num_emitted: int32 [B] in [1, K+1].
+    logprobs: f32 [B, K+1] the emitted tokens' log-probabilities, or None.
+    target_cache: the target's cache after the verification call.
+    draft_carry: the draft kind's carry after proposing (and, for trees, committing the path).
+    features: [B, K+1, F] the target's features of t and the emitted path, or None.
+  """
+
+  emitted: jax.Array
+  num_emitted: jax.Array
+  logprobs: jax.Array | None
+  target_cache: Any
+  draft_carry: Any
+  features: jax.Array | None
+
+
+def kept_tokens(s: LoopState, verified: Verified, prompt_lengths, *, eos, max_new_tokens) -> jax.Array:
+  """int32 [B]: how many emitted tokens each row keeps.
+
+  Up to the first EOS (included) and up to max_new_tokens; finished rows keep nothing.
+  """
+  k1 = verified.emitted.shape[1]
+  j = arange32(k1)[None, :]
+  eos_hit = is_eos(verified.emitted, eos) & (j < verified.num_emitted[:, None])
+  first_eos = jnp.min(jnp.where(eos_hit, j, k1), axis=1)
+  room = max_new_tokens - (s.length - prompt_lengths)
+  kept = jnp.minimum(jnp.minimum(verified.num_emitted, room), first_eos + 1)
+  return jnp.where(~s.done, kept, 0).astype(jnp.int32)
+
+
+def commit(s: LoopState, verified: Verified, kept, setup: RoundSetup, prompt_lengths, *, eos,
+           max_new_tokens) -> LoopState:
+  """Writes the kept tokens (and log-probabilities) into the buffer, advances L, ends rows, counts.
+
+  The draft kind observes the round last (a feature drafter keeps the target's features).
+  """
+  b, k1 = verified.emitted.shape
+  live = ~s.done
+  j = arange32(k1)[None, :]
+  rows = arange32(b)[:, None]
+  slots = jnp.where(j < kept[:, None], s.length[:, None] + j, setup.max_length)  # max_length: dropped
+  tokens = s.tokens.at[rows, slots].set(verified.emitted, mode="drop")
+  lp = None if s.logprobs is None else s.logprobs.at[rows, slots].set(verified.logprobs, mode="drop")
+  length = s.length + kept
+  hit_eos = jnp.any(is_eos(verified.emitted, eos) & (j < kept[:, None]), axis=1)
+  done = s.done | (live & (hit_eos | (length - prompt_lengths >= max_new_tokens)))
+  room = max_new_tokens - (s.length - prompt_lengths)
+  penalties = None if s.penalties is None else s.penalties.add_tokens(verified.emitted, j < kept[:, None])
+  return LoopState(tokens=tokens, length=length, done=done, target_cache=verified.target_cache,
+                   draft=setup.kind.observe(verified.draft_carry, verified.features, kept),
+                   stats=count(s.stats, setup, live, kept, verified.num_emitted, room), logprobs=lp,
+                   penalties=penalties)
+
+
+def count(stats: DecodeStats, setup: RoundSetup, live, kept, num_emitted, room) -> DecodeStats:
+  """Adds one round's counts (K draft positions, N drafts).
+
+  Every live row keeps >= 1 token; its last is the pass's own.
+  """
+  k = setup.k
+  acc = jnp.maximum(kept - 1, 0)
+  cut = kept < num_emitted  # EOS or the token limit ended the round early
+  usable = jnp.where(cut, acc, jnp.minimum(k, room - 1))
+  i = arange32(k)[None, :]
+  # Position i was reached if drafts before it were accepted; in a cut round only
+  # the positions before the cut count (what came after could not be emitted).
+  reached = live[:, None] & ((i < acc[:, None]) | ((i == acc[:, None]) & ~cut[:, None] & (i < room[:, None] - 1)))
+  return DecodeStats(
+      target_calls=stats.target_calls + (kept > 0),
+      drafted=stats.drafted + setup.drafts_per_round * live,
+      accepted=stats.accepted + acc,
+      accepted_per_position=stats.accepted_per_position + jnp.sum(i < acc[:, None], axis=0, dtype=jnp.int32),
+      usable_drafted=stats.usable_drafted + jnp.where(live, usable, 0).astype(jnp.int32),
+      reached_per_position=stats.reached_per_position + jnp.sum(reached, axis=0, dtype=jnp.int32))
