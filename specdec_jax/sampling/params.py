@@ -202,6 +202,52 @@ class SamplingParams:
     return self.logit_bias_ids is not None or self.logit_bias_values is not None
 
 
+def check_promises(where: str, params: SamplingParams, vocab_size: int, *, all_greedy: bool = False,
+                   all_random: bool = False, no_filters: bool = False) -> None:
+  """Concrete params that contradict a static promise raise; traced ones are the caller's promise (unchecked).
+
+  Args:
+    where: the function's name, for the messages.
+    params: SamplingParams of batch B.
+    vocab_size: V (a top_k >= V is off).
+    all_greedy: the promise that every row is greedy (temperature < GREEDY_TEMPERATURE).
+    all_random: the promise that no row is greedy.
+    no_filters: the promise that no random row uses top-k, top-p or min-p.
+
+  Raises:
+    ValueError: naming the flag and the offending field.
+
+  Example:
+    >>> check_promises("f", SamplingParams.create(1.0, top_k=5), 100, no_filters=True)   # raises: top_k
+  """
+  if all_greedy and all_random:
+    raise ValueError(f"{where}: all_greedy and all_random cannot both be True")
+  t = params.temperature
+  if not _is_concrete(t):
+    return
+  greedy = np.asarray(t) < GREEDY_TEMPERATURE
+  if all_greedy and not np.all(greedy):
+    raise ValueError(f"{where}: all_greedy=True promises every row is greedy, but temperature is "
+                     f"{np.asarray(t)[~greedy][:8].tolist()} (>= {GREEDY_TEMPERATURE}) at rows "
+                     f"{np.flatnonzero(~greedy)[:8].tolist()}")
+  if all_random and np.any(greedy):
+    raise ValueError(f"{where}: all_random=True promises no row is greedy, but temperature is below "
+                     f"{GREEDY_TEMPERATURE} at rows {np.flatnonzero(greedy)[:8].tolist()}")
+  if not no_filters:
+    return
+  random_rows = ~greedy
+  fields = (("top_k", params.top_k, lambda a: (a > 0) & (a < vocab_size)), ("top_p", params.top_p, lambda a: a < 1.0),
+            ("min_p", params.min_p, lambda a: a > 0))
+  for name, value, on in fields:
+    if value is None or not _is_concrete(value):
+      continue
+    a = np.asarray(value)
+    bad = on(a) & random_rows
+    if np.any(bad):
+      raise ValueError(f"{where}: no_filters=True promises no row uses top-k, top-p or min-p, but {name} is "
+                       f"{a[bad][:8].tolist()} at rows {np.flatnonzero(bad)[:8].tolist()}")
+
+
 def static_int(value, name: str, *, minimum: int) -> int:
   """`value` as a Python int >= minimum, or a ValueError naming `name` (a static size, never a traced array).
 

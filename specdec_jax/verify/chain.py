@@ -68,20 +68,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling import draws, penalties, reductions, thresholds, vocab_parallel
-from specdec_jax.sampling.params import (
-  SamplingParams,
-  check_logits_values,
-  check_params,
-  check_probs_values,
-  row_keys,
-  valid_probs,
-)
+from specdec_jax.sampling.params import SamplingParams, check_promises, row_keys, valid_probs
 from specdec_jax.sampling.stats import PositionStats, position_stats, requested_log_probs
+from specdec_jax.verify import block
+from specdec_jax.verify.checks import check_chain_values, check_verifier_args
 
 PLACEHOLDER_TOKEN_ID = -1
 LOGPROBS_MODES = (None, "raw", "processed")
@@ -231,22 +225,25 @@ def rejection_sample(
     raise ValueError(f"rejection_sample: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
   if method not in METHODS:
     raise ValueError(f"rejection_sample: method must be one of {METHODS}, got {method!r}")
-  b, k = _check_args(draft_token_ids, target_logits, params, draft_probs, num_draft_tokens, all_greedy, all_random)
-  v = target_logits.shape[-1]
-  params = penalties.penalty_params(params, penalty_state, b, v, "rejection_sample")
+  where = "rejection_sample"
+  b, k1, v = check_verifier_args(where, draft_token_ids, target_logits, params, draft_probs, num_draft_tokens,
+                                 axis="K", probs_rows=0, count_name="num_draft_tokens")
+  k = k1 - 1
+  check_promises(where, params, v, all_greedy=all_greedy, all_random=all_random,
+                 no_filters=no_filters or params.no_filters)
+  params = penalties.penalty_params(params, penalty_state, b, v, where)
   if num_draft_tokens is None:
     num_draft_tokens = jnp.full((b,), k, jnp.int32)
   num_draft_tokens = jnp.asarray(num_draft_tokens)
-  _check_values(draft_token_ids, num_draft_tokens, k, v)
   if draft_probs is not None:
     draft_probs = jnp.asarray(draft_probs)
-  _check_float_values(target_logits, draft_probs, num_draft_tokens, k)
+  check_chain_values(where, draft_token_ids, num_draft_tokens, target_logits, draft_probs)
   if key is None:
     if not all_greedy:
-      raise ValueError("rejection_sample: key is required unless all_greedy=True")
+      raise ValueError(f"{where}: key is required unless all_greedy=True")
     keys = None
   else:
-    keys = row_keys(key, b, "rejection_sample: key")
+    keys = row_keys(key, b, f"{where}: key")
   shards = vocab_parallel.shards_for(v, b)
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
@@ -258,89 +255,6 @@ def rejection_sample(
     program = auto_axes_if_explicit(program)
   return program(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
                  num_draft_tokens.astype(jnp.int32), penalty_state)
-
-
-def _check_args(draft, logits, params, draft_probs, n, all_greedy, all_random):
-  where = "rejection_sample"
-  b, k1, _ = check_verifier_args(where, draft, logits, params, draft_probs, n, axis="K", probs_rows=0,
-                                 count_name="num_draft_tokens")
-  if all_greedy and all_random:
-    raise ValueError(f"{where}: all_greedy and all_random cannot both be True")
-  return b, k1 - 1
-
-
-def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axis, probs_rows, count_name):
-  """Shapes and dtypes a verifier checks at trace time; returns (B, R, V), R = rows of target_logits.
-
-  Shared by `rejection_sample` (axis "K": R = K+1, draft_probs [B, K, V]) and
-  `tree_rejection_sample` (axis "N": R = N+1, draft_probs [B, N+1, V]).
-
-  Args:
-    where: the function's name, for the messages.
-    draft, logits: draft_token_ids [B, R-1] and target_logits [B, R, V].
-    params: SamplingParams of batch B.
-    draft_probs: None or [B, R - 1 + probs_rows, V].
-    count: None or an int [B] (num_draft_tokens, num_nodes), named `count_name`.
-    axis: the name of draft_token_ids' second axis ("K" or "N").
-    probs_rows: 0 when draft_probs has R - 1 rows, 1 when it has R.
-  """
-  if logits.ndim != 3:
-    raise ValueError(f"{where}: target_logits must be [B, {axis}+1, V], got shape {logits.shape}")
-  if not jnp.issubdtype(logits.dtype, jnp.floating):
-    raise ValueError(f"{where}: target_logits must be a float array, got dtype {logits.dtype}")
-  b, r, v = logits.shape
-  if r < 1:
-    raise ValueError(f"{where}: target_logits must have {axis}+1 >= 1 positions, got shape {logits.shape}")
-  if draft.shape != (b, r - 1):
-    raise ValueError(f"{where}: draft_token_ids must be [B, {axis}]=({b}, {r - 1}) to match target_logits "
-                     f"{logits.shape}, got {draft.shape}")
-  if not jnp.issubdtype(draft.dtype, jnp.integer):
-    raise ValueError(f"{where}: draft_token_ids must be an integer array, got dtype {draft.dtype}")
-  check_params(params, b, where)
-  if draft_probs is not None:
-    dp_shape, dp_dtype = jnp.shape(draft_probs), jnp.result_type(draft_probs)
-    rows, rows_name = r - 1 + probs_rows, f"{axis}+1" if probs_rows else axis
-    if dp_shape != (b, rows, v):
-      raise ValueError(f"{where}: draft_probs must be [B, {rows_name}, V]=({b}, {rows}, {v}), got {dp_shape}")
-    if not jnp.issubdtype(dp_dtype, jnp.floating):
-      raise ValueError(f"{where}: draft_probs must be a float array, got dtype {dp_dtype}")
-  if count is not None:
-    n_shape, n_dtype = jnp.shape(count), jnp.result_type(count)
-    if n_shape != (b,):
-      raise ValueError(f"{where}: {count_name} must be [B]=({b},), got {n_shape}")
-    if not jnp.issubdtype(n_dtype, jnp.integer):
-      raise ValueError(f"{where}: {count_name} must be an integer array, got dtype {n_dtype}")
-  return b, r, v
-
-
-def _check_values(draft, n, k, v):
-  """Range checks for concrete (eager) inputs; skipped under jit."""
-  if isinstance(n, jax.core.Tracer) or isinstance(draft, jax.core.Tracer):
-    return
-  n_np = np.asarray(n)
-  if np.any((n_np < 0) | (n_np > k)):
-    raise ValueError(f"rejection_sample: num_draft_tokens must be in [0, K={k}], got {n_np}")
-  d = np.asarray(draft)
-  live = np.arange(k)[None, :] < n_np[:, None]
-  bad = live & ((d < 0) | (d >= v))
-  if np.any(bad):
-    raise ValueError(f"rejection_sample: draft_token_ids must be in [0, V={v}) at positions < num_draft_tokens; "
-                     f"got {d[bad][:8]}")
-
-
-def _check_float_values(logits, draft_probs, n, k):
-  """Eager checks of target_logits and draft_probs at the positions that matter.
-
-  Device reductions: only flags come back to the host. Skipped under jit.
-  """
-  if any(isinstance(a, jax.core.Tracer) for a in (logits, draft_probs, n)):
-    return
-  n = jnp.asarray(n)
-  check_logits_values(logits, jnp.arange(k + 1)[None, :] <= n[:, None], "rejection_sample: target_logits")
-  if draft_probs is None:
-    return
-  check_probs_values(draft_probs, jnp.arange(k)[None, :] < n[:, None], "rejection_sample: draft_probs",
-                              "at positions < num_draft_tokens ([b, i])")
 
 
 # ----------------------------------------------------------------------------
@@ -373,41 +287,6 @@ def _greedy(draft, logits, live, shards=None):
   return _emit(draft, num_accepted, final)
 
 
-def _block_log_weights(log_p, log_q, ok):
-  """log w_j [B, K+1] of block verification: w_0 = 1, w_j = min(w_{j-1} p(d_{j-1}) / q(d_{j-1}), 1).
-
-  log_p, log_q: [B, K] log-probabilities of the drafts under the target and the
-  draft; ok: bool [B, K], False where a draft cannot be accepted (past n, or an
-  id outside [0, V)). p(d) = 0 makes w 0 from there on; q(d) = 0 < p(d) makes
-  the ratio infinite (w back to 1), as "token" accepts such a draft surely.
-  """
-  ratio = jnp.where(ok & (log_p > -jnp.inf), jnp.where(log_q > -jnp.inf, log_p - log_q, jnp.inf), -jnp.inf)
-  log_w = [jnp.zeros(log_p.shape[:1], jnp.float32)]
-  for j in range(log_p.shape[1]):  # K is small and static: a scan would cost more than it saves
-    prev = log_w[-1]
-    log_w.append(jnp.where(prev > -jnp.inf, jnp.minimum(prev + ratio[:, j], 0.0), -jnp.inf))
-  return jnp.stack(log_w, axis=1)
-
-
-def _block_stop_probs(w, residual_mass, n):
-  """h_j [B, K] for j = 1..K (column j-1): the chance that the block stops at j, given it does not stop later.
-
-  w: [B, K+1] block weights; residual_mass: [B, K+1], R_j for 1 <= j < n (other
-  columns unused); n: [B] drafts per row.
-  """
-  k = w.shape[1] - 1
-  j = jnp.arange(1, k + 1)[None, :]
-  w_j, r_j = w[:, 1:], residual_mass[:, 1:]
-  inner = jnp.where(r_j > 0, r_j / (r_j + (1.0 - w_j)), 0.0)
-  return jnp.where(j < n[:, None], inner, jnp.where(j == n[:, None], w_j, 0.0))
-
-
-def _block_num_accepted(h, u):
-  """tau [B]: the largest j in 1..K with u_j <= h_j (column j-1), else 0."""
-  j = jnp.arange(1, h.shape[1] + 1)[None, :]
-  return jnp.max(jnp.where(u <= h, j, 0), axis=1, initial=0).astype(jnp.int32)
-
-
 class _DraftScores(NamedTuple):
   """Each draft as the target and the draft see it; all [B, K]."""
 
@@ -431,24 +310,6 @@ def _score_drafts(draft, logits, params, stats: PositionStats, draft_probs, shar
     q_d = valid_probs(vocab_parallel.take_vocab(draft_probs[:, :k], ids[..., None], shards)[..., 0])
     log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
   return _DraftScores(ids=ids, valid=valid, log_p=log_p, log_q=log_q)
-
-
-def _block_residual_mass(logits, params, stats, draft_probs, scores: _DraftScores, log_w, shards=None):
-  """R_j = sum_x max(w_j p_j(x) - q_j(x), 0), [B, K+1]; only columns 1..K-1 are computed (the rest 0)."""
-  b, k = scores.log_p.shape
-  if draft_probs is None:  # q_j one-hot at d_j: R_j = w_j (1 - p_j(d_j)), from the gathered p_j(d_j)
-    r = jnp.exp(log_w[:, :k]) * (1.0 - jnp.exp(scores.log_p))
-  elif k > 1:  # one more read of positions 1..K-1 (logits and draft probs)
-    sl = slice(1, k)
-    x = reductions.scale_logits(reductions.values(logits)[:, sl], params.temperature, stats.shift[:, sl])
-    logp_all = jnp.where((x >= stats.thr[:, sl, None]) & (stats.lse[:, sl, None] > -jnp.inf),
-                         x - stats.lse[:, sl, None], -jnp.inf)
-    q = valid_probs(draft_probs[:, sl])
-    r = reductions.sum_over_vocab(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), shards)
-    r = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), r], axis=1)
-  else:
-    r = jnp.zeros((b, k), jnp.float32)
-  return jnp.concatenate([r, jnp.zeros((b, 1), jnp.float32)], axis=1)
 
 
 def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_probs, s, n, log_w, any_filtered,
@@ -558,10 +419,10 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, met
     num_accepted = _num_accepted(jnp.where(greedy[:, None], accept_greedy, accept_random) & usable)
     log_w = None
   else:
-    log_w = _block_log_weights(scores.log_p, scores.log_q, usable)  # [B, K+1]
-    r = _block_residual_mass(logits, params, stats, draft_probs, scores, log_w, shards)
-    h = _block_stop_probs(jnp.exp(log_w), r, n)
-    num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & usable), _block_num_accepted(h, u))
+    log_w = block.log_weights(scores.log_p, scores.log_q, usable)  # [B, K+1]
+    r = block.residual_mass(logits, params, stats, draft_probs, scores.log_p, log_w, shards)
+    h = block.stop_probs(jnp.exp(log_w), r, n)
+    num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & usable), block.num_accepted(h, u))
   # 4. One token from a full distribution, at the stopping position only.
   final_random = _draw_final(k_final, draft, logits, params, stats, scores, draft_probs, num_accepted, n, log_w,
                              any_filtered, shards)

@@ -48,8 +48,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.sampling import draws, reductions, sample
-from specdec_jax.sampling.params import SamplingParams, check_logits_values, check_probs_values, row_keys, valid_probs
-from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID, check_verifier_args
+from specdec_jax.sampling.params import (
+  SamplingParams,
+  check_logits_values,
+  check_probs_values,
+  check_promises,
+  row_keys,
+  valid_probs,
+)
+from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID
+from specdec_jax.verify.checks import check_probs_sum, check_verifier_args
 
 _WHERE = "tree_rejection_sample"
 SIBLING_DRAWS = ("iid", "without_replacement")
@@ -155,6 +163,7 @@ def tree_rejection_sample(
   if sibling_draws not in SIBLING_DRAWS:
     raise ValueError(f"{_WHERE}: sibling_draws must be one of {SIBLING_DRAWS}, got {sibling_draws!r}")
   b, n, v = _check_args(draft, logits, params, draft_probs, num_nodes)
+  check_promises(_WHERE, params, v, all_greedy=all_greedy, no_filters=no_filters or params.no_filters)
   if params.has_penalties or params.has_logit_bias:
     # Each node's context is its own root path: not built yet. Refuse rather than ignore them.
     raise ValueError(f"{_WHERE}: params carry repetition/frequency/presence penalties or a logit bias, which trees "
@@ -168,7 +177,7 @@ def tree_rejection_sample(
   num_nodes = jnp.asarray(num_nodes)
   if draft_probs is not None:
     draft_probs = jnp.asarray(draft_probs)
-  _check_values(draft, parents, num_nodes, logits, draft_probs)
+  _check_values(draft, parents, num_nodes, logits, draft_probs, iid=sibling_draws == "iid")
   if max_depth is not None:
     _check_max_depth(parents, num_nodes, max_depth)
     depth = int(max_depth)
@@ -200,9 +209,15 @@ def _check_args(draft, logits, params, draft_probs, num_nodes):
 def _tree_structure(parents, b, n):
   """parents as [B, N], the static depth D and the static bound on children per node.
 
-  A concrete [N] array fixes both from its values (and is checked here); [B, N]
-  parents, or traced ones, get the bounds D = N and N children.
+  A concrete [N] array (or a list or tuple of ints) fixes both from its values
+  (and is checked here); [B, N] parents, or traced ones, get the bounds D = N and N children.
   """
+  if isinstance(parents, (list, tuple)):
+    try:
+      arr = np.asarray(parents)
+    except ValueError as e:  # ragged
+      raise ValueError(f"{_WHERE}: parents must be [N] or [B, N] integers, got the ragged list {parents!r}") from e
+    parents = arr.astype(np.int32) if arr.size == 0 else arr  # an empty list has no integer dtype of its own
   shape, dtype = jnp.shape(parents), jnp.result_type(parents)
   if shape not in ((n,), (b, n)):
     raise ValueError(f"{_WHERE}: parents must be [N]=({n},) or [B, N]=({b}, {n}), got {shape}")
@@ -240,7 +255,7 @@ def _depths(parents: np.ndarray) -> np.ndarray:
   return depth
 
 
-def _check_values(draft, parents, num_nodes, logits, draft_probs):
+def _check_values(draft, parents, num_nodes, logits, draft_probs, iid):
   """Range checks of concrete (eager) inputs, at existing nodes only; skipped under jit."""
   if any(isinstance(a, jax.core.Tracer) for a in (draft, parents, num_nodes, logits, draft_probs)):
     return
@@ -267,8 +282,10 @@ def _check_values(draft, parents, num_nodes, logits, draft_probs):
   has_child = np.zeros((b, n + 1), bool)
   rows, cols = np.nonzero(live)
   has_child[rows, p[rows, cols] + 1] = True
-  check_probs_values(draft_probs, jnp.asarray(has_child), f"{_WHERE}: draft_probs",
-                              "in the rows of nodes with children ([b, row])")
+  where, rows = f"{_WHERE}: draft_probs", "in the rows of nodes with children ([b, row])"
+  check_probs_values(draft_probs, jnp.asarray(has_child), where, rows)
+  if iid:  # without replacement renormalises q itself; i.i.d. siblings read q as it is
+    check_probs_sum(draft_probs, jnp.asarray(has_child), where, rows)
 
 
 # ----------------------------------------------------------------------------
