@@ -1,9 +1,10 @@
 """Small defects of the verifiers and the sampler's API boundary, each pinned by a test.
 
 * `tree_rejection_sample` takes `parents` as a Python list or tuple;
-* concrete params that contradict a static promise (`all_greedy`, `all_random`,
-  `no_filters`) raise a ValueError naming the flag and the field (traced params
-  are the caller's promise, unchecked);
+* concrete params that contradict the `no_filters` promise raise a ValueError
+  naming the flag and the field (traced params are the caller's promise,
+  unchecked); `all_greedy` / `all_random` are defined for any temperature
+  (DESIGN.md), so temperatures do not contradict them;
 * concrete `draft_probs` rows that do not sum to 1 raise (the tree's i.i.d. mode and the chain);
 * `PenaltyState.from_prompt` refuses prompt_lengths outside [0, P];
 * `process_logits` applies the logit bias and the penalties (steps 1-3).
@@ -68,7 +69,6 @@ CONTRADICTIONS = [
     ({"no_filters": True}, SamplingParams.create([1.0, 0.7], top_k=[0, 5]), "no_filters.*top_k"),
     ({"no_filters": True}, SamplingParams.create(1.0, top_p=0.9), "no_filters.*top_p"),
     ({"no_filters": True}, SamplingParams.create(1.0, min_p=0.1), "no_filters.*min_p"),
-    ({"all_greedy": True}, SamplingParams.create([0.0, 0.8]), "all_greedy.*temperature"),
 ]
 
 
@@ -79,9 +79,12 @@ def test_contradicted_promise_raises(verifier, flags, params, message):
     verifier(params, **flags)
 
 
-def test_all_random_with_a_greedy_row_raises():
-  with pytest.raises(ValueError, match="all_random.*temperature"):
-    _chain(SamplingParams.create([0.0, 0.8]), all_random=True)
+def test_temperatures_do_not_contradict_all_greedy_or_all_random():
+  # DESIGN.md: every row is treated as greedy (random), whatever its temperature.
+  _chain(SamplingParams.create([0.0, 0.8]), all_random=True)
+  _chain(SamplingParams.create([0.0, 0.8], top_k=5), all_greedy=True, no_filters=True)
+  with pytest.raises(ValueError, match="no_filters.*top_k"):  # under all_random a zero-temperature row is random
+    _chain(SamplingParams.create([0.0, 0.8], top_k=[5, 0]), all_random=True, no_filters=True)
 
 
 @pytest.mark.parametrize("verifier", [_chain, _tree, _sample])

@@ -204,15 +204,19 @@ class SamplingParams:
 
 def check_promises(where: str, params: SamplingParams, vocab_size: int, *, all_greedy: bool = False,
                    all_random: bool = False, no_filters: bool = False) -> None:
-  """Concrete params that contradict a static promise raise; traced ones are the caller's promise (unchecked).
+  """Concrete params that contradict the no-filters promise raise; traced ones are the caller's promise (unchecked).
+
+  all_greedy and all_random are checked only against each other: DESIGN.md
+  defines them for any temperature (every row is then treated as greedy, or as
+  random), so a temperature does not contradict them.
 
   Args:
     where: the function's name, for the messages.
     params: SamplingParams of batch B.
     vocab_size: V (a top_k >= V is off).
-    all_greedy: the promise that every row is greedy (temperature < GREEDY_TEMPERATURE).
-    all_random: the promise that no row is greedy.
-    no_filters: the promise that no random row uses top-k, top-p or min-p.
+    all_greedy, all_random: the samplers' static flags.
+    no_filters: the promise that no random row uses top-k, top-p or min-p
+      (a greedy row's filters are ignored, so they contradict nothing).
 
   Raises:
     ValueError: naming the flag and the offending field.
@@ -222,20 +226,11 @@ def check_promises(where: str, params: SamplingParams, vocab_size: int, *, all_g
   """
   if all_greedy and all_random:
     raise ValueError(f"{where}: all_greedy and all_random cannot both be True")
-  t = params.temperature
-  if not _is_concrete(t):
+  if not no_filters or all_greedy or not _is_concrete(params.temperature):
     return
-  greedy = np.asarray(t) < GREEDY_TEMPERATURE
-  if all_greedy and not np.all(greedy):
-    raise ValueError(f"{where}: all_greedy=True promises every row is greedy, but temperature is "
-                     f"{np.asarray(t)[~greedy][:8].tolist()} (>= {GREEDY_TEMPERATURE}) at rows "
-                     f"{np.flatnonzero(~greedy)[:8].tolist()}")
-  if all_random and np.any(greedy):
-    raise ValueError(f"{where}: all_random=True promises no row is greedy, but temperature is below "
-                     f"{GREEDY_TEMPERATURE} at rows {np.flatnonzero(greedy)[:8].tolist()}")
-  if not no_filters:
-    return
-  random_rows = ~greedy
+  random_rows = np.asarray(params.temperature) >= GREEDY_TEMPERATURE
+  if all_random:
+    random_rows = np.ones_like(random_rows)
   fields = (("top_k", params.top_k, lambda a: (a > 0) & (a < vocab_size)), ("top_p", params.top_p, lambda a: a < 1.0),
             ("min_p", params.min_p, lambda a: a > 0))
   for name, value, on in fields:
