@@ -9,6 +9,8 @@ jit the documented rules apply instead.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +26,17 @@ def _concrete(*arrays) -> bool:
   return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
-def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axis, probs_rows, count_name):
-  """Shapes and dtypes a verifier checks at trace time; returns (B, R, V), R = rows of target_logits.
+class VerifierShape(NamedTuple):
+  """The sizes a verifier's arguments agree on."""
+
+  batch: int  # B
+  rows: int  # R: positions of target_logits (K+1 or N+1)
+  vocab: int  # V
+
+
+def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axis, probs_rows,
+                        count_name) -> VerifierShape:
+  """Shapes and dtypes a verifier checks at trace time; returns VerifierShape(B, R, V), R = rows of target_logits.
 
   Shared by `rejection_sample` (axis "K": R = K+1, draft_probs [B, K, V]) and
   `tree_rejection_sample` (axis "N": R = N+1, draft_probs [B, N+1, V]).
@@ -65,7 +76,7 @@ def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axi
       raise ValueError(f"{where}: {count_name} must be [B]=({b},), got {n_shape}")
     if not jnp.issubdtype(n_dtype, jnp.integer):
       raise ValueError(f"{where}: {count_name} must be an integer array, got dtype {n_dtype}")
-  return b, r, v
+  return VerifierShape(b, r, v)
 
 
 def check_chain_values(where, draft, n, logits, draft_probs):
