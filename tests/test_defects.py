@@ -40,8 +40,9 @@ def test_tree_parents_as_a_python_sequence(parents):
 
 def test_tree_parents_ragged_list_names_parents():
   with pytest.raises(ValueError, match="parents"):
-    tree_rejection_sample(jnp.array([[3, 4]]), [[-1], [-1, 0]], _logits((1, 3, 16)), SamplingParams.greedy(1),
-                          all_greedy=True)
+    tree_rejection_sample(
+      jnp.array([[3, 4]]), [[-1], [-1, 0]], _logits((1, 3, 16)), SamplingParams.greedy(1), all_greedy=True
+    )
 
 
 # ---- promises contradicted by concrete params -------------------------------
@@ -56,8 +57,9 @@ def _chain(params, **flags):
 def _tree(params, **flags):
   b = params.batch_size
   key = None if flags.get("all_greedy") else jax.random.key(0)
-  return tree_rejection_sample(jnp.zeros((b, 2), jnp.int32), np.array([-1, 0]), _logits((b, 3, 16)), params, key,
-                               **flags)
+  return tree_rejection_sample(
+    jnp.zeros((b, 2), jnp.int32), np.array([-1, 0]), _logits((b, 3, 16)), params, key, **flags
+  )
 
 
 def _sample(params, **flags):
@@ -66,9 +68,9 @@ def _sample(params, **flags):
 
 
 CONTRADICTIONS = [
-    ({"no_filters": True}, SamplingParams.create([1.0, 0.7], top_k=[0, 5]), "no_filters.*top_k"),
-    ({"no_filters": True}, SamplingParams.create(1.0, top_p=0.9), "no_filters.*top_p"),
-    ({"no_filters": True}, SamplingParams.create(1.0, min_p=0.1), "no_filters.*min_p"),
+  ({"no_filters": True}, SamplingParams.create([1.0, 0.7], top_k=[0, 5]), "no_filters.*top_k"),
+  ({"no_filters": True}, SamplingParams.create(1.0, top_p=0.9), "no_filters.*top_p"),
+  ({"no_filters": True}, SamplingParams.create(1.0, min_p=0.1), "no_filters.*min_p"),
 ]
 
 
@@ -110,8 +112,7 @@ def _probs(shape, scale=1.0):
 
 
 def test_tree_iid_draft_probs_must_sum_to_one():
-  args = (jnp.array([[1, 2]]), np.array([-1, -1]), _logits((1, 3, 16)), SamplingParams.create(1.0),
-          jax.random.key(0))
+  args = (jnp.array([[1, 2]]), np.array([-1, -1]), _logits((1, 3, 16)), SamplingParams.create(1.0), jax.random.key(0))
   tree_rejection_sample(*args, draft_probs=_probs((1, 3, 16)))  # normalised: accepted
   with pytest.raises(ValueError, match="draft_probs must sum to 1"):
     tree_rejection_sample(*args, draft_probs=_probs((1, 3, 16), 0.5))
@@ -147,8 +148,9 @@ def test_process_logits_applies_bias_and_penalties():
   b, v = 2, 32
   logits = _logits((b, v), seed=3)
   state = PenaltyState.from_prompt(jnp.array([[1, 2], [3, 4]]), jnp.array([2, 2]), v).add_tokens(jnp.array([5, 6]))
-  params = SamplingParams.create([0.8, 1.2], top_k=[0, 10], repetition_penalty=1.5, presence_penalty=0.3,
-                                 logit_bias={7: 2.0})
+  params = SamplingParams.create(
+    [0.8, 1.2], top_k=[0, 10], repetition_penalty=1.5, presence_penalty=0.3, logit_bias={7: 2.0}
+  )
   got = sample.process_logits(logits, params, state)
   plain = SamplingParams.create([0.8, 1.2], top_k=[0, 10])
   want = sample.process_logits(penalties.apply_penalties(jnp.asarray(logits), params, state), plain)

@@ -31,20 +31,59 @@ def _params(min_p, options, no_filters):
 
 def all_plans():
   """(switches, plan) for every combination of the static switches."""
-  for (all_greedy, all_random, no_filters, min_p, options, draft_probs, logprobs, method, v,
-       sharded) in itertools.product((False, True), (False, True), (False, True), (False, True), (False, True),
-                                     (False, True), (None, "raw", "processed"), ("token", "block"), VOCABS,
-                                     (False, True)):
+  for (
+    all_greedy,
+    all_random,
+    no_filters,
+    min_p,
+    options,
+    draft_probs,
+    logprobs,
+    method,
+    v,
+    sharded,
+  ) in itertools.product(
+    (False, True),
+    (False, True),
+    (False, True),
+    (False, True),
+    (False, True),
+    (False, True),
+    (None, "raw", "processed"),
+    ("token", "block"),
+    VOCABS,
+    (False, True),
+  ):
     if all_greedy and all_random:
       continue
     if sharded and v % 2048:  # shards_for splits only vocabularies of whole chunks per device
       continue
-    switches = dict(all_greedy=all_greedy, all_random=all_random, no_filters=no_filters, min_p=min_p,
-                    options=options, draft_probs=draft_probs, logprobs=logprobs, method=method, v=v, sharded=sharded)
-    yield switches, plan.chain_plan(_params(min_p, options, no_filters), vocab=v,
-                                    local_vocab=v // 2 if sharded else v, draft_probs=draft_probs,
-                                    all_greedy=all_greedy, all_random=all_random, logprobs=logprobs, method=method,
-                                    sharded=sharded)
+    switches = dict(
+      all_greedy=all_greedy,
+      all_random=all_random,
+      no_filters=no_filters,
+      min_p=min_p,
+      options=options,
+      draft_probs=draft_probs,
+      logprobs=logprobs,
+      method=method,
+      v=v,
+      sharded=sharded,
+    )
+    yield (
+      switches,
+      plan.chain_plan(
+        _params(min_p, options, no_filters),
+        vocab=v,
+        local_vocab=v // 2 if sharded else v,
+        draft_probs=draft_probs,
+        all_greedy=all_greedy,
+        all_random=all_random,
+        logprobs=logprobs,
+        method=method,
+        sharded=sharded,
+      ),
+    )
 
 
 PLANS = list(all_plans())
@@ -91,8 +130,9 @@ def test_plan_invariants(switches, p):
   if not switches["min_p"]:
     assert "min-p only" not in names
   assert ("bias / penalties" in names) == switches["options"]
-  assert ("block residual pass" in names) == (switches["method"] == "block" and switches["draft_probs"]
-                                              and not switches["all_greedy"])
+  assert ("block residual pass" in names) == (
+    switches["method"] == "block" and switches["draft_probs"] and not switches["all_greedy"]
+  )
 
 
 def test_every_plan_in_the_enumeration_is_checked():
@@ -104,8 +144,10 @@ def test_every_plan_in_the_enumeration_is_checked():
       assert "threshold search" not in p.paths() and "overflow redo" not in p.paths()
 
 
-@pytest.mark.parametrize("flags", [dict(all_greedy=True), dict(all_random=True), {}, dict(no_filters=True),
-                                   dict(method="block", logprobs="raw")])
+@pytest.mark.parametrize(
+  "flags",
+  [dict(all_greedy=True), dict(all_random=True), {}, dict(no_filters=True), dict(method="block", logprobs="raw")],
+)
 def test_rejection_sample_traces_with_the_plan_chain_plan_makes(monkeypatch, flags):
   seen = []
   original = chain._program
@@ -130,8 +172,9 @@ def test_rejection_sample_traces_with_the_plan_chain_plan_makes(monkeypatch, fla
 def test_position_stats_holds_the_passes_its_plan_names(monkeypatch, min_p, no_filters):
   ran = []
   for name, fn in list(stats_module._PASSES.items()):
-    monkeypatch.setitem(stats_module._PASSES, name, lambda raw, _fn=fn, _name=name, **kw: (ran.append(_name),
-                                                                                           _fn(raw, **kw))[1])
+    monkeypatch.setitem(
+      stats_module._PASSES, name, lambda raw, _fn=fn, _name=name, **kw: (ran.append(_name), _fn(raw, **kw))[1]
+    )
   params = _params(min_p, False, no_filters)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 96)).astype(np.float32))
   stats_module.position_stats(x, params)

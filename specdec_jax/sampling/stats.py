@@ -344,7 +344,7 @@ def log_probs_from_stats(logits: jax.Array, params: SamplingParams, stats: Posit
 
 
 def log_softmax_stats(logits: jax.Array, shards=None) -> ShiftedStats:
-  """ShiftedStats(shift, thr, lse) of the unmodified distribution, softmax(logits) at temperature 1, for `token_log_probs`.
+  """ShiftedStats(shift, thr, lse) of the unmodified distribution, softmax(logits) at T = 1, for `token_log_probs`.
 
   One pass over the logits (`max_and_sumexp`); rows whose normaliser is not
   finite (+inf logits, overflow, nothing above -inf) are redone as in

@@ -66,8 +66,9 @@ def residual_mass(logits, params, stats: PositionStats, draft_probs, log_p, log_
   elif k > 1:  # one more read of positions 1..K-1 (logits and draft probs)
     sl = slice(1, k)
     x = reductions.scale_logits(reductions.values(logits)[:, sl], params.temperature, stats.shift[:, sl])
-    logp_all = jnp.where((x >= stats.thr[:, sl, None]) & (stats.lse[:, sl, None] > -jnp.inf),
-                         x - stats.lse[:, sl, None], -jnp.inf)
+    logp_all = jnp.where(
+      (x >= stats.thr[:, sl, None]) & (stats.lse[:, sl, None] > -jnp.inf), x - stats.lse[:, sl, None], -jnp.inf
+    )
     q = valid_probs(draft_probs[:, sl])
     r = reductions.sum_over_vocab(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), shards)
     r = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), r], axis=1)

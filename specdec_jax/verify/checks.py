@@ -34,8 +34,9 @@ class VerifierShape(NamedTuple):
   vocab: int  # V
 
 
-def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axis, probs_rows,
-                        count_name) -> VerifierShape:
+def check_verifier_args(
+  where, draft, logits, params, draft_probs, count, *, axis, probs_rows, count_name
+) -> VerifierShape:
   """Shapes and dtypes a verifier checks at trace time; returns VerifierShape(B, R, V), R = rows of target_logits.
 
   Shared by `rejection_sample` (axis "K": R = K+1, draft_probs [B, K, V]) and
@@ -58,8 +59,10 @@ def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axi
   if r < 1:
     raise ValueError(f"{where}: target_logits must have {axis}+1 >= 1 positions, got shape {logits.shape}")
   if draft.shape != (b, r - 1):
-    raise ValueError(f"{where}: draft_token_ids must be [B, {axis}]=({b}, {r - 1}) to match target_logits "
-                     f"{logits.shape}, got {draft.shape}")
+    raise ValueError(
+      f"{where}: draft_token_ids must be [B, {axis}]=({b}, {r - 1}) to match target_logits "
+      f"{logits.shape}, got {draft.shape}"
+    )
   if not jnp.issubdtype(draft.dtype, jnp.integer):
     raise ValueError(f"{where}: draft_token_ids must be an integer array, got dtype {draft.dtype}")
   check_params(params, b, where)
@@ -95,8 +98,9 @@ def check_chain_values(where, draft, n, logits, draft_probs):
   live = np.arange(k)[None, :] < n_np[:, None]
   bad = live & ((d < 0) | (d >= v))
   if np.any(bad):
-    raise ValueError(f"{where}: draft_token_ids must be in [0, V={v}) at positions < num_draft_tokens; "
-                     f"got {d[bad][:8]}")
+    raise ValueError(
+      f"{where}: draft_token_ids must be in [0, V={v}) at positions < num_draft_tokens; got {d[bad][:8]}"
+    )
   if not _concrete(logits, draft_probs):
     return
   n = jnp.asarray(n)
@@ -128,5 +132,7 @@ def check_probs_sum(probs, used, where: str, positions: str) -> None:
   bad = np.asarray((jnp.abs(total - 1.0) > tol) & used)
   if bool(np.any(bad)):
     at = np.argwhere(bad)[:8]
-    raise ValueError(f"{where} must sum to 1 (within {tol:g}) over the vocabulary {positions}; got sums "
-                     f"{np.asarray(total)[tuple(at.T)].tolist()} at {at.tolist()}")
+    raise ValueError(
+      f"{where} must sum to 1 (within {tol:g}) over the vocabulary {positions}; got sums "
+      f"{np.asarray(total)[tuple(at.T)].tolist()} at {at.tolist()}"
+    )

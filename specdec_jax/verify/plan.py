@@ -17,6 +17,8 @@ run-time ones, each behind a function named for what it decides:
     _if_any_residual_empty   (chain)  a residual with no mass is redrawn from p
     _if_any_row_needs_log_softmax (stats)  "raw"/greedy log-probabilities need one more pass
 
+(`tree_rejection_sample` has its own `_if_all_rows_greedy` in `tree`.)
+
 `sampler_paths()` is the table of every path (when it is taken, what it reads);
 `SamplerPlan.paths()` lists the ones a plan's program holds. Measured costs per
 path are in bench/RESULTS.md.
@@ -52,34 +54,60 @@ class SamplerPath(NamedTuple):
 
 
 _PATHS = (
-    SamplerPath("greedy", "all_greedy=True, or at run time every row greedy (`_if_all_rows_greedy`)",
-                "one argmax pass; no exp, no RNG"),
-    SamplerPath("general", "some row may be random", "the statistics pass, the drafts' gathers, one draw"),
-    SamplerPath("argmax ride-along", "some row may be greedy and some random (neither promise)",
-                "the same pass also keeps the argmax, when some row is greedy (run time)"),
-    SamplerPath("no-filters pass", "no_filters=True", "one overflow-safe pass shifted by the row max; no branch"),
-    SamplerPath("plain pass", "no row filters (run time)", "one pass of (max, sum exp) per chunk or per row"),
-    SamplerPath("threshold search", "some row has top-k or top-p (run time)",
-                "group top-4 pass, candidates narrowed and sorted; + argmax pass if some row is greedy"),
-    SamplerPath("min-p only", "params carry min-p; some row has it, none top-k/top-p (run time)",
-                "the plain pass + a kept-mass pass"),
-    SamplerPath("overflow redo", "some row's normaliser not finite (run time; not under no_filters)",
-                "+ a max pass and a sort, for those batches"),
-    SamplerPath("chunk draw", "nothing filtered, no draft probs, V a multiple of the chunk size",
-                "one chunk of the stopping row"),
-    SamplerPath("row draw", "filtered or redone rows, draft probs, or V not a multiple of the chunk size",
-                "the stopping row of logits (and of draft probs)"),
-    SamplerPath("empty-residual redraw", "a residual with no mass (rounding; run time)", "the stopping row once more"),
-    SamplerPath("block", 'method="block"', "as token, from the same gathers"),
-    SamplerPath("block residual pass", 'method="block" with draft probs', "+ positions 1..K-1 of logits and probs"),
-    SamplerPath("bias / penalties", "params carry a logit bias or penalties", "+ the [B, V] state, fused into reads"),
-    SamplerPath("logprobs processed", 'logprobs="processed"', "gathers only (the sampler's statistics)"),
-    SamplerPath("logprobs raw", 'logprobs="raw"',
-                "+ a log-normaliser pass for rows not at T=1 or filtered, greedy rows too (run time)"),
+  SamplerPath(
+    "greedy",
+    "all_greedy=True, or at run time every row greedy (`_if_all_rows_greedy`)",
+    "one argmax pass; no exp, no RNG",
+  ),
+  SamplerPath("general", "some row may be random", "the statistics pass, the drafts' gathers, one draw"),
+  SamplerPath(
+    "argmax ride-along",
+    "some row may be greedy and some random (neither promise)",
+    "the same pass also keeps the argmax, when some row is greedy (run time)",
+  ),
+  SamplerPath("no-filters pass", "no_filters=True", "one overflow-safe pass shifted by the row max; no branch"),
+  SamplerPath("plain pass", "no row filters (run time)", "one pass of (max, sum exp) per chunk or per row"),
+  SamplerPath(
+    "threshold search",
+    "some row has top-k or top-p (run time)",
+    "group top-4 pass, candidates narrowed and sorted; + argmax pass if some row is greedy",
+  ),
+  SamplerPath(
+    "min-p only",
+    "params carry min-p; some row has it, none top-k/top-p (run time)",
+    "the plain pass + a kept-mass pass",
+  ),
+  SamplerPath(
+    "overflow redo",
+    "some row's normaliser not finite (run time; not under no_filters)",
+    "+ a max pass and a sort, for those batches",
+  ),
+  SamplerPath(
+    "chunk draw", "nothing filtered, no draft probs, V a multiple of the chunk size", "one chunk of the stopping row"
+  ),
+  SamplerPath(
+    "row draw",
+    "filtered or redone rows, draft probs, or V not a multiple of the chunk size",
+    "the stopping row of logits (and of draft probs)",
+  ),
+  SamplerPath("empty-residual redraw", "a residual with no mass (rounding; run time)", "the stopping row once more"),
+  SamplerPath("block", 'method="block"', "as token, from the same gathers"),
+  SamplerPath("block residual pass", 'method="block" with draft probs', "+ positions 1..K-1 of logits and probs"),
+  SamplerPath("bias / penalties", "params carry a logit bias or penalties", "+ the [B, V] state, fused into reads"),
+  SamplerPath("logprobs processed", 'logprobs="processed"', "gathers only (the sampler's statistics)"),
+  SamplerPath(
+    "logprobs raw",
+    'logprobs="raw"',
+    "+ a log-normaliser pass for rows not at T=1 or filtered, greedy rows too (run time)",
+  ),
 )
 
-_STATS_PATH = {NO_FILTERS_PASS: "no-filters pass", PLAIN_PASS: "plain pass", MIN_P_PASS: "min-p only",
-               FILTERED_PASS: "threshold search"}
+_STATS_PATH = {
+  NO_FILTERS_PASS: "no-filters pass",
+  PLAIN_PASS: "plain pass",
+  MIN_P_PASS: "min-p only",
+  FILTERED_PASS: "threshold search",
+}
 
 
 def sampler_paths() -> tuple[SamplerPath, ...]:
@@ -161,9 +189,18 @@ class SamplerPlan:
     return tuple(names)
 
 
-def chain_plan(params: SamplingParams, *, vocab: int, local_vocab: int, draft_probs: bool = False,
-               all_greedy: bool = False, all_random: bool = False, logprobs: str | None = None,
-               method: str = "token", sharded: bool = False) -> SamplerPlan:
+def chain_plan(
+  params: SamplingParams,
+  *,
+  vocab: int,
+  local_vocab: int,
+  draft_probs: bool = False,
+  all_greedy: bool = False,
+  all_random: bool = False,
+  logprobs: str | None = None,
+  method: str = "token",
+  sharded: bool = False,
+) -> SamplerPlan:
   """The `SamplerPlan` of one `rejection_sample` call, from its static switches and static facts.
 
   Args:
@@ -197,6 +234,13 @@ def chain_plan(params: SamplingParams, *, vocab: int, local_vocab: int, draft_pr
       draw = ROW_DRAW_WITH_FALLBACK
     else:
       draw = ROW_DRAW
-  return SamplerPlan(verifier=verifier, stats=stats, method=method, draw=draw, draft_probs=draft_probs,
-                     penalties=params.has_logit_bias or params.has_penalties, logprobs=logprobs,
-                     greedy_rows="all" if all_greedy else "none" if all_random else "per_row")
+  return SamplerPlan(
+    verifier=verifier,
+    stats=stats,
+    method=method,
+    draw=draw,
+    draft_probs=draft_probs,
+    penalties=params.has_logit_bias or params.has_penalties,
+    logprobs=logprobs,
+    greedy_rows="all" if all_greedy else "none" if all_random else "per_row",
+  )

@@ -526,6 +526,10 @@ def _tree_rejection_sample(draft, parents, logits, params, keys, draft_probs, nu
                            without_replacement=without_replacement)
   if all_greedy:
     return walk(draft, logits=logits, greedy_only=True)
-  # Run-time shortcut: an all-greedy batch skips the softmax and the random numbers.
-  return jax.lax.cond(jnp.all(params.is_greedy), lambda d, x: walk(d, logits=x, greedy_only=True),
-                      lambda d, x: walk(d, logits=x, greedy_only=False), draft, logits)
+  return _if_all_rows_greedy(params, lambda d, x: walk(d, logits=x, greedy_only=True),
+                             lambda d, x: walk(d, logits=x, greedy_only=False), draft, logits)
+
+
+def _if_all_rows_greedy(params, greedy_walk, walk, *operands):
+  """Run-time branch: an all-greedy batch skips the softmax and the random numbers."""
+  return jax.lax.cond(jnp.all(params.is_greedy), greedy_walk, walk, *operands)
