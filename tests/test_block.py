@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from specdec_jax import SamplingParams, rejection_sample
-from specdec_jax.verify import chain
+from specdec_jax.verify import block
 from tests.stats import ALPHA, assert_gof, chisquare_gof
 
 V = 3
@@ -260,13 +260,13 @@ def test_sampler_block_planted_rule_fails_the_same_check(monkeypatch):
   p, q = make_models(seed=11, depth=4)
   n = np.full(12000, 3)
 
-  original = chain._block_stop_probs
+  original = block.stop_probs
 
   def planted(w, residual_mass, n):  # forgets the 1 - w_j term: stops as late as it can
     inner = (jnp.arange(1, w.shape[1])[None, :] < n[:, None]) & (residual_mass[:, 1:] > 0)
     return jnp.where(inner, 1.0, original(w, residual_mass, n))
 
-  monkeypatch.setattr(chain, "_block_stop_probs", planted)
+  monkeypatch.setattr(block, "stop_probs", planted)
   jax.clear_caches()
   try:
     results = _gof(p, q, 3, n, True, seed=5)

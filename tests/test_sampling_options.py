@@ -534,7 +534,8 @@ def test_process_logits_and_sample_tokens_without_options_are_bit_identical():
                                   presence_penalty=0.0, logit_bias={3: 0.0})
   state = PenaltyState.from_prompt(jnp.asarray(rng.integers(0, v, (b, 5)), jnp.int32), jnp.full((b,), 5), v)
   state = state.add_tokens(jnp.asarray(rng.integers(0, v, (b, 4)), jnp.int32))
-  np.testing.assert_array_equal(jax.jit(process_logits)(logits, plain), jax.jit(process_logits)(logits, neutral))
+  np.testing.assert_array_equal(jax.jit(process_logits)(logits, plain),
+                                jax.jit(process_logits)(logits, neutral, state))  # traced penalties need the state
   for seed in range(3):
     key = jax.random.key(seed)
     want = _sample(logits, plain, key)

@@ -8,7 +8,8 @@ The modules, in the order they build on each other:
   - `thresholds`: the top-k / top-p / min-p threshold search (step 4's filters).
   - `vocab_parallel`: the vocabulary split over the "model" axis of a mesh.
   - `draws`: drawing a token from unnormalised weights (Gumbel-max over chunks).
-  - `stats`: `PositionStats`, what one pass over a position's logits knows, and log-probabilities.
+  - `stats`: `PositionStats`, what one pass over a position's logits knows (its passes chosen by a
+    `StatsPlan` at trace time), and log-probabilities.
   - `sample`: `sample_tokens` and `process_logits`.
 
 Processing order for a row (docs/api.md); steps 1-3 only when the request sets

@@ -202,6 +202,47 @@ class SamplingParams:
     return self.logit_bias_ids is not None or self.logit_bias_values is not None
 
 
+def check_promises(where: str, params: SamplingParams, vocab_size: int, *, all_greedy: bool = False,
+                   all_random: bool = False, no_filters: bool = False) -> None:
+  """Concrete params that contradict the no-filters promise raise; traced ones are the caller's promise (unchecked).
+
+  all_greedy and all_random are checked only against each other: DESIGN.md
+  defines them for any temperature (every row is then treated as greedy, or as
+  random), so a temperature does not contradict them.
+
+  Args:
+    where: the function's name, for the messages.
+    params: SamplingParams of batch B.
+    vocab_size: V (a top_k >= V is off).
+    all_greedy, all_random: the samplers' static flags.
+    no_filters: the promise that no random row uses top-k, top-p or min-p
+      (a greedy row's filters are ignored, so they contradict nothing).
+
+  Raises:
+    ValueError: naming the flag and the offending field.
+
+  Example:
+    >>> check_promises("f", SamplingParams.create(1.0, top_k=5), 100, no_filters=True)   # raises: top_k
+  """
+  if all_greedy and all_random:
+    raise ValueError(f"{where}: all_greedy and all_random cannot both be True")
+  if not no_filters or all_greedy or not _is_concrete(params.temperature):
+    return
+  random_rows = np.asarray(params.temperature) >= GREEDY_TEMPERATURE
+  if all_random:
+    random_rows = np.ones_like(random_rows)
+  fields = (("top_k", params.top_k, lambda a: (a > 0) & (a < vocab_size)), ("top_p", params.top_p, lambda a: a < 1.0),
+            ("min_p", params.min_p, lambda a: a > 0))
+  for name, value, on in fields:
+    if value is None or not _is_concrete(value):
+      continue
+    a = np.asarray(value)
+    bad = on(a) & random_rows
+    if np.any(bad):
+      raise ValueError(f"{where}: no_filters=True promises no row uses top-k, top-p or min-p, but {name} is "
+                       f"{a[bad][:8].tolist()} at rows {np.flatnonzero(bad)[:8].tolist()}")
+
+
 def static_int(value, name: str, *, minimum: int) -> int:
   """`value` as a Python int >= minimum, or a ValueError naming `name` (a static size, never a traced array).
 

@@ -50,7 +50,8 @@ class PenaltyState:
 
     Args:
       prompt_tokens: int[B, P] right-padded prompts.
-      prompt_lengths: int[B]; only the first prompt_lengths[b] tokens of row b count.
+      prompt_lengths: int[B] in [0, P]; only the first prompt_lengths[b] tokens of row b count
+        (checked when concrete).
       vocab_size: V, a static int >= 1.
 
     Returns:
@@ -69,6 +70,11 @@ class PenaltyState:
     lengths = jnp.asarray(prompt_lengths)
     if lengths.shape != (b,):
       raise ValueError(f"PenaltyState.from_prompt: prompt_lengths must have shape [B]=({b},), got {lengths.shape}")
+    if _is_concrete(lengths):
+      bad = (np.asarray(lengths) < 0) | (np.asarray(lengths) > p)
+      if np.any(bad):
+        raise ValueError(f"PenaltyState.from_prompt: prompt_lengths must be in [0, P={p}], got "
+                         f"{np.asarray(lengths)[bad][:8].tolist()} at rows {np.flatnonzero(bad)[:8].tolist()}")
     used = jnp.arange(p, dtype=jnp.int32)[None, :] < lengths[:, None]
     rows, idx = _scatter_index(tokens, used, v)
     mask = jnp.zeros((b, v), jnp.bool_).at[rows, idx].set(True, mode="drop")

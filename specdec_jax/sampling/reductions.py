@@ -7,7 +7,7 @@ The samplers' cost is memory traffic: each function here reads its input once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +177,16 @@ def greedy_argmax(logits: jax.Array, shards=None):
   return shards.min(ids), top
 
 
-def chunk_stats(x: jax.Array, *, with_argmax: bool = False, shards=None):
+class ChunkStats(NamedTuple):
+  """`chunk_stats`' results."""
+
+  max: jax.Array  # f32 [...]
+  lse: jax.Array  # f32 [...]
+  argmax: jax.Array | None  # int32 [...], or None without with_argmax
+  chunk_log_mass: jax.Array  # f32 [..., n]
+
+
+def chunk_stats(x: jax.Array, *, with_argmax: bool = False, shards=None) -> ChunkStats:
   """(max, lse, argmax or None, chunk log-masses [..., n]) of x over its last axis in chunks of `chunk_size(V)`.
 
   The per-chunk (max, sum of exps[, argmax]) come from one pass (`max_and_sumexp`
@@ -191,7 +200,7 @@ def chunk_stats(x: jax.Array, *, with_argmax: bool = False, shards=None):
     shards: a `vocab_parallel.VocabShards`, or None.
 
   Returns:
-    (max f32[...], lse f32[...], argmax int32[...] or None, chunk_logw f32[..., n]).
+    ChunkStats(max f32[...], lse f32[...], argmax int32[...] or None, chunk_log_mass f32[..., n]).
 
   Example:
     >>> m, lse, _, chunk_logw = chunk_stats(jnp.zeros((2, 4096)))   # lse = log 4096
@@ -210,11 +219,20 @@ def chunk_stats(x: jax.Array, *, with_argmax: bool = False, shards=None):
   if with_argmax:  # first chunk holding the max, first index inside it
     ch = jnp.argmax(m_c, axis=-1)
     am = (ch * c + jnp.take_along_axis(first, ch[..., None], axis=-1)[..., 0]).astype(jnp.int32)
-  return jnp.max(m_c, axis=-1), lse, am, chunk_logw
+  return ChunkStats(jnp.max(m_c, axis=-1), lse, am, chunk_logw)
+
+
+class ShiftedChunkStats(NamedTuple):
+  """`shifted_chunk_stats`' results, the logs in the frame shifted by `shift`."""
+
+  shift: jax.Array  # f32 [B, ...]: the row max (0 for a row with no logit above -inf)
+  lse: jax.Array  # f32 [B, ...]
+  argmax: jax.Array | None  # int32 [B, ...], or None without with_argmax
+  chunk_log_mass: jax.Array  # f32 [B, ..., n]
 
 
 def shifted_chunk_stats(logits: jax.Array, temperature: jax.Array, *, chunk: int, with_argmax: bool = False,
-                        shards=None):
+                        shards=None) -> ShiftedChunkStats:
   """(shift, lse, argmax or None, chunk log-masses) of softmax(logits / T), overflow-safe in one pass, no branch.
 
   `chunk_stats` reduces `logits / T`, which overflows for a temperature near 0
@@ -237,7 +255,7 @@ def shifted_chunk_stats(logits: jax.Array, temperature: jax.Array, *, chunk: int
       own chunks and the partials are gathered: the same bits as one device.
 
   Returns:
-    (shift f32[B, ...], lse f32[B, ...] (-inf: no logit above -inf),
+    ShiftedChunkStats(shift f32[B, ...], lse f32[B, ...] (-inf: no logit above -inf),
     argmax int32[B, ...] or None, chunk_logw f32[B, ..., n]), the logs in the
     shifted frame.
 
@@ -276,7 +294,7 @@ def shifted_chunk_stats(logits: jax.Array, temperature: jax.Array, *, chunk: int
     ch = jnp.argmax(m_c, axis=-1)
     am = (ch * chunk + jnp.take_along_axis(first, ch[..., None], axis=-1)[..., 0]).astype(jnp.int32)
   top = top[..., 0]
-  return jnp.where(top == -jnp.inf, 0.0, top), lse, am, chunk_logw
+  return ShiftedChunkStats(jnp.where(top == -jnp.inf, 0.0, top), lse, am, chunk_logw)
 
 
 def sum_over_vocab(x: jax.Array, shards=None) -> jax.Array:
@@ -298,12 +316,9 @@ def chunk_size(v: int) -> int:
   """Tokens per chunk when a pass over the vocabulary is split into chunks.
 
   Real vocabularies (V >= 8192) get a divisor of V near 1024 (512 to 8192) that
-  is a multiple of 4 (so loads can be vectorised). Measured on an H100 (bench/
-  RESULTS.md), one pass of (max, sum of exps, argmax) over [1024, 5, 151936]
-  took 1.04x the memory floor in chunks of 4748 tokens, 1.21x over whole rows,
-  and about 1.5x in chunks of 128 or of 1187 (a prime) tokens; over V=32000,
-  chunks of 1000 took 1.23x and whole rows 1.36x. The few dozen chunk totals and
-  one chunk's tokens are then cheap to sample from. Otherwise a size near
+  is a multiple of 4 (so loads can be vectorised): such chunks read closest to
+  the memory floor, whole rows and odd sizes slower (figures: bench/RESULTS.md).
+  The few dozen chunk totals and one chunk's tokens are then cheap to sample from. Otherwise a size near
   sqrt(V), preferring a divisor (no padded copy); tiny test vocabularies get
   chunks of 2 or more, so that they exercise the same paths.
 
@@ -326,8 +341,8 @@ def chunk_size(v: int) -> int:
 def top_k(x: jax.Array, k: int, *, group: int = 128) -> tuple[jax.Array, jax.Array]:
   """`jax.lax.top_k(x, k)` over the last axis, the same values and indices, found through group maxima.
 
-  XLA's TopK kernel took 64 us per call for k=8 over [8, 49152] on an H100
-  (bench/round_profile.py). Here one pass takes the max of every group of
+  XLA's TopK kernel is slow for small k over a large vocabulary (bench/round_profile.py).
+  Here one pass takes the max of every group of
   `group` columns, a small top_k picks the k best groups, and a top_k over
   their k * group entries finishes: the k largest entries lie in the k groups
   with the largest maxima. The chosen groups are gathered in column order, so

@@ -1,8 +1,8 @@
 """Plain (non-speculative) sampling of one token per row, and the processed distribution.
 
 `sample_tokens` is the sampler of `generate` and of draft models; `process_logits`
-gives the log-probabilities after temperature and the filters (step 4 of the
-processing order in `specdec_jax.sampling`'s docstring).
+gives the log-probabilities of the distribution it draws random rows from (steps
+1-4 of the processing order in `specdec_jax.sampling`'s docstring).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from specdec_jax.sampling.params import (
   SamplingParams,
   check_logits_values,
   check_params,
+  check_promises,
   row_keys,
 )
 from specdec_jax.sampling.penalties import (
@@ -36,11 +37,14 @@ from specdec_jax.sampling.stats import log_probs_from_stats, position_stats, req
 from specdec_jax.sampling.vocab_parallel import row_spec, sharded_call, shards_for, take_vocab
 
 
-def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-  """Log-probabilities after temperature, top-k, top-p and min-p (every row as random).
+def process_logits(logits: jax.Array, params: SamplingParams, penalty_state: PenaltyState | None = None) -> jax.Array:
+  """Log-probabilities of the processed distribution (steps 1-4), every row taken as random.
 
-  Step 4 of the processing order only: the logit bias and the penalties
-  (`apply_penalties`) are the caller's, before this. min-p is read from
+  Steps 1-3 (the logit bias and the penalties, `apply_penalties`) apply when
+  params carry them, with `penalty_state` as the context; then temperature,
+  top-k, top-p and min-p (step 4). The result is the distribution
+  `sample_tokens` draws a random row's token from. Without bias and penalty
+  fields the program is the step-4-only one. min-p is read from
   `params.min_p` (None: off, and the program is the one without min-p).
   Greedy rows are processed as random rows at temperature 1 (with their own
   filters); callers pick argmax for them.
@@ -48,17 +52,28 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
   logit above -inf comes out all -inf (see the module docstring).
 
   Args:
-    logits: [B, ..., V], any float dtype.
+    logits: [B, ..., V], any float dtype ([B, V] or [B, K+1, V] when params
+      carry a bias or penalties; positions of a round count no drafts).
     params: SamplingParams of batch B.
+    penalty_state: PenaltyState of batch B and vocabulary V, needed when params
+      carry penalties, unless they are concrete and all neutral (as for `sample_tokens`).
 
   Returns:
     f32[B, ..., V] normalised log-probabilities, -inf for removed tokens.
 
+  Raises:
+    ValueError: penalties without a penalty_state, or concrete logit-bias ids >= V.
+
   Example:
     >>> logp = process_logits(jnp.zeros((2, 5)), SamplingParams.create(1.0, top_k=2))
+    >>> logp = process_logits(logits, SamplingParams.create(0.8, repetition_penalty=1.2), state)   # steps 1-4
   """
-  return log_probs_from_stats(logits, params, position_stats(logits, params))
-
+  x = logits
+  if params.has_logit_bias or params.has_penalties:
+    params = penalty_params(params, penalty_state, logits.shape[0], logits.shape[-1], "process_logits")
+    if params.has_logit_bias or params.has_penalties:  # (neutral concrete penalties were dropped)
+      x = penalized_view(logits, params, penalty_state)
+  return log_probs_from_stats(x, params, position_stats(x, params))
 
 
 def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy: bool = False,
@@ -101,7 +116,9 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
   Raises:
     ValueError: for a bad shape, params or logprobs mode, penalties without a
       penalty_state, concrete logit-bias ids >= V, and for concrete logits
-      holding a NaN or a row with no logit above -inf.
+      holding a NaN or a row with no logit above -inf; for concrete params that
+      contradict all_greedy (a temperature >= GREEDY_TEMPERATURE) or no_filters
+      (a random row with top-k, top-p or min-p).
 
   Example:
     >>> tok, logp = sample_tokens(logits, SamplingParams.create([0.0, 1.0]), jax.random.key(0))
@@ -117,6 +134,7 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
   if logprobs not in (None, "raw", "processed"):
     raise ValueError(f"{where}: logprobs must be None, 'raw' or 'processed', got {logprobs!r}")
   check_logits_values(logits, None, f"{where}: logits")
+  check_promises(where, params, v, all_greedy=all_greedy, no_filters=no_filters or params.no_filters)
   if no_filters:
     params = params.promise_no_filters()
   steps = penalty_params(params, penalty_state, b, v, where)

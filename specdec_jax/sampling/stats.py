@@ -10,6 +10,8 @@ docstring.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,7 @@ from specdec_jax.sampling.reductions import (
   values,
 )
 from specdec_jax.sampling.thresholds import (
+  ShiftedStats,
   filter_active,
   shift_non_finite_rows,
   threshold_and_lse,
@@ -80,22 +83,200 @@ class PositionStats:
     return token_log_probs(logits, tokens, temperature, self.shift, self.thr, self.lse, shards=shards)
 
 
+# The statistics passes a program can hold (`StatsPlan.passes`).
+NO_FILTERS_PASS = "no_filters"  # one overflow-safe pass shifted by each row's max: the static promise, no branch
+PLAIN_PASS = "plain"  # (max, sum of exps[, argmax]) per chunk or per row: no row filters
+MIN_P_PASS = "min_p_only"  # the plain pass, then a kept-mass pass: min-p rows, none with top-k/top-p
+FILTERED_PASS = "filtered"  # sort-free threshold search (`threshold_and_lse`): some row has top-k or top-p
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StatsPlan:
+  """What `position_stats` compiles, decided once at trace time from static facts.
+
+  Attributes:
+    passes: the statistics passes the program holds, in the order of the
+      run-time choice among them: (NO_FILTERS_PASS,) under the no-filters
+      promise (no run-time branch); (PLAIN_PASS, FILTERED_PASS) chosen by
+      `_if_any_row_filters`; (PLAIN_PASS, MIN_P_PASS, FILTERED_PASS) when
+      params carry min-p, chosen by `_filter_pass_index`.
+    argmax: the greedy rows' argmax is computed (it rides along in the plain
+      pass, or takes one more pass after the threshold search), only when
+      `_if_any_row_greedy` says some row needs it.
+    chunked: the unfiltered pass reduces per chunk of `chunk_size(V)` tokens.
+    chunk_masses: `PositionStats.chunk_log_mass` is returned.
+
+  Example:
+    >>> stats_plan(SamplingParams.create(1.0), 4096, greedy_rows=False, argmax=False, chunks=True).passes
+    ('plain', 'filtered')
+  """
+
+  passes: tuple[str, ...]
+  argmax: bool
+  chunked: bool
+  chunk_masses: bool
+
+  @property
+  def overflow_redo(self) -> bool:
+    """Rows whose one-pass normaliser is not finite are redone under a run-time branch (not in the no-filters pass)."""
+    return self.passes != (NO_FILTERS_PASS,)
+
+
+def stats_plan(params: SamplingParams, vocab_size: int, *, greedy_rows: bool, argmax: bool, chunks: bool,
+               sharded: bool = False) -> StatsPlan:
+  """The `StatsPlan` of `position_stats(logits, params, greedy=..., argmax=argmax, chunks=chunks, shards=...)`.
+
+  Args:
+    params: SamplingParams; only its structure (no_filters, min_p present) is read.
+    vocab_size: V, the whole vocabulary's size.
+    greedy_rows: whether some row may be greedy (`position_stats`' greedy is not None).
+    argmax, chunks: as for `position_stats`.
+    sharded: the vocabulary is split over devices (always chunked).
+
+  Returns:
+    StatsPlan.
+
+  Example:
+    >>> stats_plan(SamplingParams.create(1.0).promise_no_filters(), 96, greedy_rows=True, argmax=True,
+    ...            chunks=False).passes
+    ('no_filters',)
+  """
+  # Else reshaping into chunks would copy the logits. A split vocabulary is always chunked.
+  chunked = (chunks and vocab_size % chunk_size(vocab_size) == 0) or sharded
+  if params.no_filters:
+    passes = (NO_FILTERS_PASS,)
+  elif params.min_p is None:
+    passes = (PLAIN_PASS, FILTERED_PASS)
+  else:
+    passes = (PLAIN_PASS, MIN_P_PASS, FILTERED_PASS)
+  return StatsPlan(passes=passes, argmax=argmax and greedy_rows, chunked=chunked, chunk_masses=chunked and chunks)
+
+
+class PassStats(NamedTuple):
+  """What one statistics pass leaves, before the overflow redo; leading axes [B, ...] of the logits."""
+
+  thr: jax.Array  # f32: keep iff scaled logit >= thr (-inf: nothing filtered)
+  lse: jax.Array  # f32: log-normaliser of the kept set (may be non-finite: then the row is redone)
+  argmax: jax.Array  # int32: greedy rows' argmax (zeros when not computed)
+  chunk_log_mass: jax.Array  # f32 [B, ..., n]: per-chunk log-masses (-inf where stale: filtered rows)
+
+
+class _OnePass(NamedTuple):
+  """The plain pass: (max, lse, argmax, chunk log-masses) of the unfiltered distribution."""
+
+  max: jax.Array
+  lse: jax.Array
+  argmax: jax.Array
+  chunk_log_mass: jax.Array
+
+
+def _if_any_row_greedy(greedy, shards, some_greedy, none_greedy, *operands):
+  """Run-time branch: the argmax is worth computing only if some row (on any device) is greedy."""
+  return jax.lax.cond(any_rows(greedy, shards), some_greedy, none_greedy, *operands)
+
+
+def _if_any_row_filters(filters_on, shards, filtered, plain, *operands):
+  """Run-time branch: the threshold search runs only if some row (on any device) filters."""
+  return jax.lax.cond(any_rows(filters_on, shards), filtered, plain, *operands)
+
+
+def _filter_pass_index(params: SamplingParams, greedy, vocab_size: int, shards) -> jax.Array:
+  """Run-time choice among (PLAIN_PASS, MIN_P_PASS, FILTERED_PASS): 2 if a row has top-k/top-p, 1 if min-p only."""
+  top_on = (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1.0)) & ~greedy
+  min_p_on = (params.min_p > 0) & ~greedy
+  return jnp.where(any_rows(top_on, shards), 2, jnp.where(any_rows(min_p_on, shards), 1, 0))
+
+
+def _one_pass(raw, temperature, plan: StatsPlan, with_argmax: bool, shards) -> _OnePass:
+  """(max, lse, argmax, chunk log-masses) of the unfiltered distribution, in one read of the logits."""
+  lead = raw.shape[:-1]
+  no_argmax = jnp.zeros(lead, jnp.int32)
+  x = scale_logits(raw, temperature)  # greedy rows are scaled by 1, so the argmax of x is theirs
+  if not plan.chunked:
+    stats = max_and_sumexp(x, with_argmax=with_argmax)
+    lse = stats[0] + jnp.log(stats[1])
+    return _OnePass(stats[0], lse, (stats[2] if with_argmax else no_argmax), jnp.zeros(lead + (1,), jnp.float32))
+  m, lse, am, chunk_logw = chunk_stats(x, with_argmax=with_argmax, shards=shards)
+  return _OnePass(m, lse, (am if with_argmax else no_argmax), chunk_logw)
+
+
+def _one_pass_with_argmax(raw, params: SamplingParams, plan: StatsPlan, greedy, shards) -> _OnePass:
+  """The plain pass; the argmax rides along in it when the plan asks and some row is greedy."""
+  t = params.temperature
+  if not plan.argmax:
+    return _one_pass(raw, t, plan, False, shards)
+  return _if_any_row_greedy(greedy, shards, lambda r: _one_pass(r, t, plan, True, shards),
+                            lambda r: _one_pass(r, t, plan, False, shards), raw)
+
+
+def _plain_pass(raw, *, params: SamplingParams, plan: StatsPlan, greedy, shards) -> PassStats:
+  """PLAIN_PASS: nothing filtered; one pass."""
+  one = _one_pass_with_argmax(raw, params, plan, greedy, shards)
+  return PassStats(jnp.full(raw.shape[:-1], -jnp.inf, jnp.float32), one.lse, one.argmax, one.chunk_log_mass)
+
+
+def _min_p_pass(raw, *, params: SamplingParams, plan: StatsPlan, greedy, shards) -> PassStats:
+  """MIN_P_PASS: min-p alone needs no threshold search: its cut is max + log(min_p), known after the plain pass.
+
+  One more pass sums the kept mass. (Same threshold as `threshold_and_lse`; the
+  normaliser may differ from it in rounding.)
+  """
+  m, lse, am, chunk_logw = _one_pass_with_argmax(raw, params, plan, greedy, shards)
+  on = _bcast((params.min_p > 0) & ~greedy, m)
+  thr = jnp.where(on, m + jnp.log(jnp.where(on, _bcast(params.min_p, m), 1.0)), -jnp.inf)
+  x = scale_logits(raw, params.temperature)
+  kept = sum_over_vocab(jnp.where(x >= thr[..., None], jnp.exp(x - m[..., None]), 0.0), shards)
+  return PassStats(thr, jnp.where(on, m + jnp.log(kept), lse), am, jnp.full_like(chunk_logw, -jnp.inf))
+
+
+def _filtered_pass(raw, *, params: SamplingParams, plan: StatsPlan, greedy, shards) -> PassStats:
+  """FILTERED_PASS: the threshold search; the argmax takes one more read, only if some row is greedy."""
+  lead = raw.shape[:-1]
+  v = raw.shape[-1] if shards is None else shards.vocab
+  n_ch = v // chunk_size(v) if plan.chunked else 1
+  thr, lse = threshold_and_lse(raw, params.temperature, params.top_k, params.top_p, min_p=params.min_p,
+                               shards=shards)
+  no_argmax = jnp.zeros(lead, jnp.int32)
+  am = no_argmax
+  if plan.argmax:
+    am = _if_any_row_greedy(greedy, shards, lambda r: greedy_argmax(r, shards)[0], lambda r: no_argmax, raw)
+  return PassStats(thr, lse, am, jnp.full(lead + (n_ch,), -jnp.inf, jnp.float32))
+
+
+_PASSES = {PLAIN_PASS: _plain_pass, MIN_P_PASS: _min_p_pass, FILTERED_PASS: _filtered_pass}
+
+
+def _no_filters_stats(logits, params: SamplingParams, plan: StatsPlan, shards) -> PositionStats:
+  """NO_FILTERS_PASS: one pass shifted by every row's max replaces the run-time branches.
+
+  The filter search, the overflow redo and the argmax ride-along each cost a
+  device-to-host copy on a GPU. The statistics are the plain pass's up to rounding.
+  """
+  lead = logits.shape[:-1]
+  c = chunk_size(logits.shape[-1] if shards is None else shards.vocab)
+  shift, lse, am, chunk_logw = shifted_chunk_stats(logits, params.temperature,
+                                                   chunk=c if plan.chunked else logits.shape[-1],
+                                                   with_argmax=plan.argmax, shards=shards)
+  return PositionStats(shift=shift, thr=jnp.full(lead, -jnp.inf, jnp.float32), lse=lse,
+                       argmax=am if plan.argmax else jnp.zeros(lead, jnp.int32), redone=jnp.zeros(lead, jnp.bool_),
+                       chunk_log_mass=chunk_logw if plan.chunk_masses else None)
+
+
 def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Array | None = None,
                    argmax: bool = False, chunks: bool = False, shards=None) -> PositionStats:
   """Threshold, normaliser, argmax and chunk masses of every position, in one read of the logits.
 
-  The paths, chosen at run time for the whole batch (a row's numbers never
-  depend on which path its neighbours send the batch down, except in rounding
-  of the normaliser: see below):
+  Which passes the program holds is static (`stats_plan`; the pass names are
+  this module's *_PASS constants); which of them runs is chosen at run time for
+  the whole batch (a row's numbers never depend on which pass its neighbours
+  send the batch down, except in rounding of the normaliser):
 
-  | condition                          | pass over the logits                                      |
-  | ---------------------------------- | --------------------------------------------------------- |
-  | no row filters (top-k/top-p/min-p) | (max, sum of exps[, argmax]) per chunk, or per row        |
-  | some row filters                   | sort-free threshold search (`threshold_and_lse`); argmax  |
-  |                                    | in one more pass, only if some row is greedy              |
-  | some lse not finite (overflow,     | those rows redone on logits shifted by their max          |
-  | +inf logits, nothing above -inf)   | (`shift_non_finite_rows`), under a `lax.cond`             |
-  | `params.no_filters` (static)       | one overflow-safe pass (`shifted_chunk_stats`), no branch |
+  * NO_FILTERS_PASS (`params.no_filters`): one overflow-safe pass, no branch.
+  * PLAIN_PASS or FILTERED_PASS, by `_if_any_row_filters`; with min-p in the
+    params, PLAIN_PASS, MIN_P_PASS or FILTERED_PASS, by `_filter_pass_index`.
+    Then rows whose normaliser is not finite (overflow, +inf logits, nothing
+    above -inf) are redone on logits shifted by their max
+    (`shift_non_finite_rows`, its own run-time branch).
 
   Args:
     logits: [B, ..., V], any float dtype (after bias and penalties, if any).
@@ -120,84 +301,30 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
     >>> logp = jnp.where(scale_logits(logits, params.temperature, stats.shift) >= stats.thr[:, None], ...)
   """
   b, v = logits.shape[0], (logits.shape[-1] if shards is None else shards.vocab)
-  lead = logits.shape[:-1]
-  need_argmax = argmax and greedy is not None
+  plan = stats_plan(params, v, greedy_rows=greedy is not None, argmax=argmax, chunks=chunks,
+                    sharded=shards is not None)
+  if plan.passes == (NO_FILTERS_PASS,):
+    return _no_filters_stats(logits, params, plan, shards)
   greedy = jnp.zeros((b,), jnp.bool_) if greedy is None else greedy
-  no_argmax = jnp.zeros(lead, jnp.int32)
-  c = chunk_size(v)
-  # Else reshaping into chunks would copy the logits. A split vocabulary is always chunked.
-  chunked = (chunks and v % c == 0) or shards is not None
-  n_ch = v // c if chunked else 1
-  t = params.temperature
-  # The promise that no row filters (static): one pass shifted by every row's max replaces the
-  # run-time branches (the filter search, the overflow redo, the argmax ride-along), each of which
-  # costs a device-to-host copy on a GPU. The statistics are the unfiltered path's up to rounding.
-  if params.no_filters:
-    shift, lse, am, chunk_logw = shifted_chunk_stats(logits, t, chunk=c if chunked else logits.shape[-1],
-                                                     with_argmax=need_argmax, shards=shards)
-    return PositionStats(shift=shift, thr=jnp.full(lead, -jnp.inf, jnp.float32), lse=lse,
-                         argmax=am if need_argmax else no_argmax, redone=jnp.zeros(lead, jnp.bool_),
-                         chunk_log_mass=chunk_logw if chunked and chunks else None)
-  any_ = lambda x: any_rows(x, shards)
   # One predicate decides which rows filter; greedy rows never do.
   filters_on = filter_active(params, v, greedy=greedy)
   min_p = None if params.min_p is None else jnp.where(filters_on, params.min_p, 0.0)
-
-  # Scaling happens inside each consumer (reductions, gathers) so it fuses there:
+  # Scaling happens inside each pass (reductions, gathers) so it fuses there:
   # a scaled copy passed into lax.cond would be materialised, tripling the traffic.
-  def plain_stats(raw, with_argmax):
-    """(max, lse, argmax, chunk log-masses) of the unfiltered distribution: one pass."""
-    x = scale_logits(raw, t)  # greedy rows are scaled by 1, so the argmax of x is theirs
-    if not chunked:
-      stats = max_and_sumexp(x, with_argmax=with_argmax)
-      lse = stats[0] + jnp.log(stats[1])
-      return stats[0], lse, (stats[2] if with_argmax else no_argmax), jnp.zeros(lead + (1,), jnp.float32)
-    m, lse, am, chunk_logw = chunk_stats(x, with_argmax=with_argmax, shards=shards)
-    return m, lse, (am if with_argmax else no_argmax), chunk_logw
-
-  def plain_with_max(raw):
-    if not need_argmax:
-      return plain_stats(raw, False)
-    # The argmax rides along in the same pass, but only when some row is greedy.
-    return jax.lax.cond(any_(greedy), lambda r: plain_stats(r, True), lambda r: plain_stats(r, False), raw)
-
-  def plain(raw):
-    _, lse, am, chunk_logw = plain_with_max(raw)
-    return jnp.full(lead, -jnp.inf, jnp.float32), lse, am, chunk_logw
-
-  def min_p_only(raw):
-    # min-p alone needs no threshold search: its cut is max + log(min_p), known after
-    # the plain pass; one more pass sums the kept mass. (Same threshold as
-    # `threshold_and_lse`; the normaliser may differ from it in rounding.)
-    m, lse, am, chunk_logw = plain_with_max(raw)
-    on = _bcast(mp_rows, m)
-    thr = jnp.where(on, m + jnp.log(jnp.where(on, _bcast(params.min_p, m), 1.0)), -jnp.inf)
-    x = scale_logits(raw, t)
-    kept = sum_over_vocab(jnp.where(x >= thr[..., None], jnp.exp(x - m[..., None]), 0.0), shards)
-    return thr, jnp.where(on, m + jnp.log(kept), lse), am, jnp.full_like(chunk_logw, -jnp.inf)
-
-  def filtered(raw):
-    thr, lse = threshold_and_lse(raw, t, params.top_k, params.top_p, min_p=params.min_p, shards=shards)
-    am = no_argmax
-    if need_argmax:  # one more read of the logits, only if some row is greedy
-      am = jax.lax.cond(any_(greedy), lambda r: greedy_argmax(r, shards)[0], lambda r: no_argmax, raw)
-    return thr, lse, am, jnp.full(lead + (n_ch,), -jnp.inf, jnp.float32)
-
-  if params.min_p is None:
-    thr, lse, am, chunk_logw = jax.lax.cond(any_(filters_on), filtered, plain, logits)
+  passes = [functools.partial(_PASSES[name], params=params, plan=plan, greedy=greedy, shards=shards)
+            for name in plan.passes]
+  if len(passes) == 2:
+    thr, lse, am, chunk_logw = _if_any_row_filters(filters_on, shards, passes[1], passes[0], logits)
   else:
-    mp_rows = (params.min_p > 0) & ~greedy
-    top_on = (((params.top_k > 0) & (params.top_k < v)) | (params.top_p < 1.0)) & ~greedy  # top-k/top-p rows
-    branch = jnp.where(any_(top_on), 2, jnp.where(any_(mp_rows), 1, 0))
-    thr, lse, am, chunk_logw = jax.lax.switch(branch, [plain, min_p_only, filtered], logits)
+    thr, lse, am, chunk_logw = jax.lax.switch(_filter_pass_index(params, greedy, v, shards), passes, logits)
   # Rows whose one-pass lse is not finite are redone on logits shifted by their max;
   # only they get a nonzero shift, so the other rows' values stay as computed.
   redone = ~jnp.isfinite(lse)
-  shift, thr, lse = shift_non_finite_rows(logits, t, jnp.where(filters_on, params.top_k, 0),
+  shift, thr, lse = shift_non_finite_rows(logits, params.temperature, jnp.where(filters_on, params.top_k, 0),
                                           jnp.where(filters_on, params.top_p, 1.0), thr, lse, min_p=min_p,
                                           shards=shards)
   return PositionStats(shift=shift, thr=thr, lse=lse, argmax=am, redone=redone,
-                       chunk_log_mass=chunk_logw if chunked and chunks else None)
+                       chunk_log_mass=chunk_logw if plan.chunk_masses else None)
 
 
 def log_probs_from_stats(logits: jax.Array, params: SamplingParams, stats: PositionStats) -> jax.Array:
@@ -216,8 +343,8 @@ def log_probs_from_stats(logits: jax.Array, params: SamplingParams, stats: Posit
 # ----------------------------------------------------------------------------
 
 
-def log_softmax_stats(logits: jax.Array, shards=None):
-  """(shift, thr, lse) of the unmodified distribution, softmax(logits) at temperature 1, for `token_log_probs`.
+def log_softmax_stats(logits: jax.Array, shards=None) -> ShiftedStats:
+  """ShiftedStats(shift, thr, lse) of the unmodified distribution, softmax(logits) at T = 1, for `token_log_probs`.
 
   One pass over the logits (`max_and_sumexp`); rows whose normaliser is not
   finite (+inf logits, overflow, nothing above -inf) are redone as in
@@ -230,7 +357,7 @@ def log_softmax_stats(logits: jax.Array, shards=None):
       `position_stats` does, so both give the same bits.
 
   Returns:
-    (shift, thr, lse), each f32[B, ...]; thr is -inf (nothing filtered).
+    ShiftedStats(shift, thr, lse), each f32[B, ...]; thr is -inf (nothing filtered).
 
   Example:
     >>> stats = log_softmax_stats(logits)   # then token_log_probs(logits, tokens, ones, *stats)
@@ -273,6 +400,11 @@ def token_log_probs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array
   return jnp.where((x >= thr) & (lse > -jnp.inf), x - lse, -jnp.inf)
 
 
+def _if_any_row_needs_log_softmax(needs, shards, log_softmax, zeros):
+  """Run-time branch: the log-normaliser pass of the unmodified logits runs only if some row needs it."""
+  return jax.lax.cond(any_rows(needs, shards), log_softmax, zeros)
+
+
 def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingParams, processed: jax.Array,
                         mode: str, greedy: jax.Array, shards=None) -> jax.Array:
   """The log-probabilities `mode` asks for ("raw" or "processed"), given the sampled distribution's.
@@ -310,8 +442,8 @@ def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingPa
     if modified is not None:
       own = own & ~modified
   ones = jnp.ones((b,), jnp.float32)
-  other = jax.lax.cond(any_rows(~own, shards),
-                       lambda: token_log_probs(logits, tokens, ones, *log_softmax_stats(logits, shards), shards=shards),
-                       lambda: jnp.zeros(tokens.shape, jnp.float32))
+  other = _if_any_row_needs_log_softmax(
+      ~own, shards, lambda: token_log_probs(logits, tokens, ones, *log_softmax_stats(logits, shards), shards=shards),
+      lambda: jnp.zeros(tokens.shape, jnp.float32))
   return jnp.where(_bcast(own, processed), processed, other)
 

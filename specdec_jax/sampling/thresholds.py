@@ -8,6 +8,7 @@ the logits plus a sort of a few thousand candidates.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,17 @@ from specdec_jax.sampling.reductions import _bcast, _lse_combine, scale_logits, 
 from specdec_jax.sampling.vocab_parallel import any_rows
 
 
+class ShiftedStats(NamedTuple):
+  """A processed distribution as three numbers per position: keep x >= thr, log p = x - lse, x scaled after a shift."""
+
+  shift: jax.Array  # f32 [B, ...]: subtracted before dividing by the temperature (0 except on redone rows)
+  thr: jax.Array  # f32 [B, ...]: keep iff scale_logits(logits, T, shift) >= thr
+  lse: jax.Array  # f32 [B, ...]: log-normaliser of the kept set (-inf: no logit above -inf)
+
+
 def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                          thr: jax.Array, lse: jax.Array, *, min_p: jax.Array | None = None, shards=None):
+                          thr: jax.Array, lse: jax.Array, *, min_p: jax.Array | None = None,
+                          shards=None) -> ShiftedStats:
   """Redoes (thr, lse) of the rows whose log-normaliser `lse` is not finite.
 
   The one-pass reductions compute `logits / T`, which overflows for a small
@@ -43,7 +53,7 @@ def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
       normalisers equal to rounding.
 
   Returns:
-    (shift, thr, lse), each f32[B, ...]: scale with `scale_logits(logits,
+    ShiftedStats(shift, thr, lse), each f32[B, ...]: scale with `scale_logits(logits,
     temperature, shift)`; lse is -inf exactly for rows with no logit above -inf
     (no NaN anywhere).
 
@@ -64,9 +74,9 @@ def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.
       new_thr, new_lse = _sorted_threshold_and_lse(scaled, top_k, top_p, min_p=min_p)
     else:
       new_thr, new_lse = _bisect_batch(scaled, top_k, top_p, min_p, shards)
-    return shift, jnp.where(redo, new_thr, thr), jnp.where(empty, -jnp.inf, jnp.where(redo, new_lse, lse))
+    return ShiftedStats(shift, jnp.where(redo, new_thr, thr), jnp.where(empty, -jnp.inf, jnp.where(redo, new_lse, lse)))
 
-  return jax.lax.cond(any_rows(redo, shards), fix, lambda raw: (jnp.zeros_like(lse), thr, lse), logits)
+  return jax.lax.cond(any_rows(redo, shards), fix, lambda raw: ShiftedStats(jnp.zeros_like(lse), thr, lse), logits)
 
 
 def filter_active(params: SamplingParams, vocab_size: int, *, greedy: jax.Array | None = None) -> jax.Array:
@@ -121,6 +131,12 @@ def _sorted_threshold_and_lse(scaled, top_k, top_p, *, min_p=None):
   return thr, xs[..., 0] + jnp.log(mass)
 
 
+class _SortedCut(NamedTuple):
+  thr: jax.Array  # the threshold (top-k, top-p and min-p combined)
+  kth: jax.Array  # the k-th largest value (top-k's own cut)
+  kept_mass: jax.Array  # the kept set's mass, in units of exp(x - max)
+
+
 def _threshold_from_sorted(xs, top_k, top_p, v, total_mass=None, m=None, *, min_p=None):
   """Threshold from values sorted descending along the last axis.
 
@@ -164,7 +180,7 @@ def _threshold_from_sorted(xs, top_k, top_p, v, total_mass=None, m=None, *, min_
     thr = jnp.maximum(thr, mth)
     on = on | mp_on
   kept_mass = jnp.where(on, jnp.sum(jnp.where(xs >= thr[..., None], e, 0.0), axis=-1), row_mass)
-  return thr, kth, kept_mass
+  return _SortedCut(thr, kth, kept_mass)
 
 
 # The sort-free threshold search keeps the _PER_GROUP largest values of each
@@ -282,6 +298,12 @@ def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
   return threshold_and_lse(scaled, None, top_k, top_p, group_size=group_size, min_p=min_p)[0]
 
 
+class _CandidateSearch(NamedTuple):
+  thr: jax.Array
+  lse: jax.Array
+  exact: jax.Array  # bool: the candidates vouch for the answer (else the row is redone)
+
+
 def _threshold_from_candidates(flat, floor, *, top_k, top_p, v, total, m, min_p):
   """(thr, lse, exact) from unsorted candidates [..., C]: every token outside them is <= floor.
 
@@ -300,7 +322,7 @@ def _threshold_from_candidates(flat, floor, *, top_k, top_p, v, total, m, min_p)
     # depends on the top-k set's mass, which needs an exact top-k value.
     mp_on = _bcast(min_p > 0, thr)
     exact = jnp.where(k_on | p_on | mp_on, (thr > floor) & (kth_exact | ~(k_on & p_on)), True)
-  return thr, m + jnp.log(kept_mass), exact
+  return _CandidateSearch(thr, m + jnp.log(kept_mass), exact)
 
 
 def _redo_rows(ok, results, operand, redo_some, redo_all, shards=None):
@@ -411,8 +433,8 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
     # top-4s) can be kept when the threshold clears the 8th largest of each such
     # block (the exactness check sees that through the raised floor). Batches where
     # some row needs more (top-k in the hundreds, wide top-p) redo the search on all
-    # 4G candidates, with no new read of the logits. On an H100 this cut the search
-    # from 7.6 to 4.7 ms at B=1024, K=4, V=151936, top-k 50 (bench/RESULTS.md).
+    # 4G candidates, with no new read of the logits (the narrower sort is the faster search;
+    # figures: bench/RESULTS.md).
     tops2 = group_top(flat, _NARROW_GROUP, _NARROW_PER_GROUP)  # [..., 4G/128, 8]
     narrow_floor = jnp.maximum(floor, jnp.max(tops2[..., -1], axis=-1))
     thr, lse, exact = from_candidates(tops2.reshape(tops2.shape[:-2] + (-1,)), narrow_floor)

@@ -1,9 +1,12 @@
 """Verification: the lossless rejection samplers that decide which drafts the target keeps.
 
+  - `checks`: the argument checks both verifiers share.
+  - `plan`: `SamplerPlan`, the chain verifier's static decisions made once at trace
+    time, and `sampler_paths()`, the table of its paths.
+  - `block`: the helpers of block verification (`method="block"`).
   - `chain`: `rejection_sample`, K drafts in a row, token by token (`method="token"`)
-    or by block verification (`method="block"`, in `block`).
+    or by block verification (`method="block"`).
   - `tree`: `tree_rejection_sample`, a tree of drafts walked from the root.
-  - `checks`: the argument checks both share.
 
 They read logits through `specdec_jax.sampling` and know nothing of models or caches.
 """

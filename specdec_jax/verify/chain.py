@@ -19,37 +19,16 @@ The random path needs, per position, only log p_i(d_i) = x_i[d_i]/T - logsumexp(
 request (the stopping position) is gathered to draw the recovered/bonus token.
 A mixed batch computes the argmax and the logsumexp in the same single pass.
 
-Every path, when it is taken, what it reads, and what it costs (H100, B=1024,
-K=4, V=151936, float32; time / floor, floor = one read of the logits, 1.05 ms;
-bench/RESULTS.md, section 8, 2026-11-24):
+Every path, when it is taken and what it reads, is the table `verify.plan.sampler_paths()`
+returns; the static choices among them are one frozen `SamplerPlan` (`verify.plan.chain_plan`),
+made once at trace time, and the `lax.cond`s left in the program are the run-time ones, each
+named for what it decides (listed in `verify.plan`). Measured costs per path: bench/RESULTS.md.
 
-| path                    | taken when                             | reads                                   | x floor |
-| ----------------------- | -------------------------------------- | --------------------------------------- | ------: |
-| `_greedy`               | all_greedy=True (or, at run time, all  | one argmax pass; no exp, no RNG         |    1.01 |
-|                         | rows greedy: a `lax.cond`)             |                                         |         |
-| `_general`, chunk draw  | random rows, nothing filtered, no      | one pass of (max, sum exp) per chunk of |    1.29 |
-|                         | draft probs                            | ~4.7k tokens; one chunk of the stop row |         |
-| `_general`, row draw    | with draft probs                       | + the stop row of logits and probs      |    1.87 |
-| (argmax rides along)    | mixed batch: some greedy, some random  | the same pass also keeps the argmax     |    1.95 |
-| threshold search        | some row has top-k or top-p            | group top-4 pass, candidates narrowed   |    5.19 |
-|                         | (`thresholds.filter_active`)             | and sorted; + argmax pass if greedy     |         |
-| min-p only              | some row has min-p, none top-k/top-p   | the plain pass + a kept-mass pass       |    2.79 |
-| block, no draft probs   | method="block"                         | as "token"                              |    1.32 |
-| block, with draft probs | method="block"                         | + positions 1..K-1 of logits and probs  |    3.13 |
-| overflow redo           | some row's normaliser not finite       | + a max pass and a sort, those batches  |  (rare) |
-| empty-residual redraw   | a residual with no mass (rounding)     | + the stop row once more                |  (rare) |
-| bias / penalties        | params carry them (n-gram drafts)      | + the [B, V] state, fused into reads    |    2.25 |
-| logprobs "processed"    | logprobs="processed"                   | gathers only (the sampler's statistics) |    1.40 |
-| logprobs "raw"          | logprobs="raw"; rows not at T=1 or     | + a log-normaliser pass for those rows  |    1.31 |
-|                         | filtered (greedy rows too) pay a pass  | (run only when some row needs it)       |         |
-
-(The penalties row counts the state's [B, V] bytes in its floor, 1.31 ms.)
-
-The code follows the table: `_rejection_sample` picks `_greedy` or `_general`;
-`_general` runs four named steps: `position_stats` (threshold,
-normaliser, argmax, chunk masses in one pass), `_score_drafts` (gathers),
-the acceptance rule (token or block), `_draw_final` (chunk draw, row draw or
-redraw).
+The code follows the plan: `_program` runs `_greedy`, `_general` or both under
+`_if_all_rows_greedy` (`plan.verifier`); `_general` runs four named steps:
+`position_stats` (threshold, normaliser, argmax, chunk masses in one pass;
+`plan.stats`), `_score_drafts` (gathers), the acceptance rule (`plan.method`;
+`block` for "block"), `_draw_final` (`plan.draw`: chunk draw, row draw or redraw).
 
 Inputs outside the ordinary range (the rules of `specdec_jax.sampling`, the same
 for greedy, random and mixed batches; a row never depends on its neighbours):
@@ -68,20 +47,23 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling import draws, penalties, reductions, thresholds, vocab_parallel
-from specdec_jax.sampling.params import (
-  SamplingParams,
-  check_logits_values,
-  check_params,
-  check_probs_values,
-  row_keys,
-  valid_probs,
-)
+from specdec_jax.sampling.params import SamplingParams, check_promises, row_keys, valid_probs
 from specdec_jax.sampling.stats import PositionStats, position_stats, requested_log_probs
+from specdec_jax.verify import block
+from specdec_jax.verify.checks import check_chain_values, check_verifier_args
+from specdec_jax.verify.plan import (
+  CHUNK_DRAW,
+  CHUNK_OR_ROW_DRAW,
+  GENERAL_VERIFIER,
+  GREEDY_VERIFIER,
+  ROW_DRAW_WITH_FALLBACK,
+  SamplerPlan,
+  chain_plan,
+)
 
 PLACEHOLDER_TOKEN_ID = -1
 LOGPROBS_MODES = (None, "raw", "processed")
@@ -231,116 +213,38 @@ def rejection_sample(
     raise ValueError(f"rejection_sample: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
   if method not in METHODS:
     raise ValueError(f"rejection_sample: method must be one of {METHODS}, got {method!r}")
-  b, k = _check_args(draft_token_ids, target_logits, params, draft_probs, num_draft_tokens, all_greedy, all_random)
-  v = target_logits.shape[-1]
-  params = penalties.penalty_params(params, penalty_state, b, v, "rejection_sample")
+  where = "rejection_sample"
+  b, k1, v = check_verifier_args(where, draft_token_ids, target_logits, params, draft_probs, num_draft_tokens,
+                                 axis="K", probs_rows=0, count_name="num_draft_tokens")
+  k = k1 - 1
+  check_promises(where, params, v, all_greedy=all_greedy, all_random=all_random,
+                 no_filters=no_filters or params.no_filters)
+  params = penalties.penalty_params(params, penalty_state, b, v, where)
   if num_draft_tokens is None:
     num_draft_tokens = jnp.full((b,), k, jnp.int32)
   num_draft_tokens = jnp.asarray(num_draft_tokens)
-  _check_values(draft_token_ids, num_draft_tokens, k, v)
   if draft_probs is not None:
     draft_probs = jnp.asarray(draft_probs)
-  _check_float_values(target_logits, draft_probs, num_draft_tokens, k)
+  check_chain_values(where, draft_token_ids, num_draft_tokens, target_logits, draft_probs)
   if key is None:
     if not all_greedy:
-      raise ValueError("rejection_sample: key is required unless all_greedy=True")
+      raise ValueError(f"{where}: key is required unless all_greedy=True")
     keys = None
   else:
-    keys = row_keys(key, b, "rejection_sample: key")
+    keys = row_keys(key, b, f"{where}: key")
   shards = vocab_parallel.shards_for(v, b)
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
   if no_filters:
     params = params.promise_no_filters()  # static, in the params' structure (`_general` reads it)
-  program = functools.partial(_rejection_sample, all_greedy=all_greedy, all_random=all_random, logprobs=logprobs,
-                              method=method, shards=shards)
+  plan = chain_plan(params, vocab=v, local_vocab=v if shards is None else shards.local,
+                    draft_probs=draft_probs is not None, all_greedy=all_greedy, all_random=all_random,
+                    logprobs=logprobs, method=method, sharded=shards is not None)
+  program = functools.partial(_rejection_sample, plan=plan, shards=shards)
   if shards is None:
     program = auto_axes_if_explicit(program)
   return program(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
                  num_draft_tokens.astype(jnp.int32), penalty_state)
-
-
-def _check_args(draft, logits, params, draft_probs, n, all_greedy, all_random):
-  where = "rejection_sample"
-  b, k1, _ = check_verifier_args(where, draft, logits, params, draft_probs, n, axis="K", probs_rows=0,
-                                 count_name="num_draft_tokens")
-  if all_greedy and all_random:
-    raise ValueError(f"{where}: all_greedy and all_random cannot both be True")
-  return b, k1 - 1
-
-
-def check_verifier_args(where, draft, logits, params, draft_probs, count, *, axis, probs_rows, count_name):
-  """Shapes and dtypes a verifier checks at trace time; returns (B, R, V), R = rows of target_logits.
-
-  Shared by `rejection_sample` (axis "K": R = K+1, draft_probs [B, K, V]) and
-  `tree_rejection_sample` (axis "N": R = N+1, draft_probs [B, N+1, V]).
-
-  Args:
-    where: the function's name, for the messages.
-    draft, logits: draft_token_ids [B, R-1] and target_logits [B, R, V].
-    params: SamplingParams of batch B.
-    draft_probs: None or [B, R - 1 + probs_rows, V].
-    count: None or an int [B] (num_draft_tokens, num_nodes), named `count_name`.
-    axis: the name of draft_token_ids' second axis ("K" or "N").
-    probs_rows: 0 when draft_probs has R - 1 rows, 1 when it has R.
-  """
-  if logits.ndim != 3:
-    raise ValueError(f"{where}: target_logits must be [B, {axis}+1, V], got shape {logits.shape}")
-  if not jnp.issubdtype(logits.dtype, jnp.floating):
-    raise ValueError(f"{where}: target_logits must be a float array, got dtype {logits.dtype}")
-  b, r, v = logits.shape
-  if r < 1:
-    raise ValueError(f"{where}: target_logits must have {axis}+1 >= 1 positions, got shape {logits.shape}")
-  if draft.shape != (b, r - 1):
-    raise ValueError(f"{where}: draft_token_ids must be [B, {axis}]=({b}, {r - 1}) to match target_logits "
-                     f"{logits.shape}, got {draft.shape}")
-  if not jnp.issubdtype(draft.dtype, jnp.integer):
-    raise ValueError(f"{where}: draft_token_ids must be an integer array, got dtype {draft.dtype}")
-  check_params(params, b, where)
-  if draft_probs is not None:
-    dp_shape, dp_dtype = jnp.shape(draft_probs), jnp.result_type(draft_probs)
-    rows, rows_name = r - 1 + probs_rows, f"{axis}+1" if probs_rows else axis
-    if dp_shape != (b, rows, v):
-      raise ValueError(f"{where}: draft_probs must be [B, {rows_name}, V]=({b}, {rows}, {v}), got {dp_shape}")
-    if not jnp.issubdtype(dp_dtype, jnp.floating):
-      raise ValueError(f"{where}: draft_probs must be a float array, got dtype {dp_dtype}")
-  if count is not None:
-    n_shape, n_dtype = jnp.shape(count), jnp.result_type(count)
-    if n_shape != (b,):
-      raise ValueError(f"{where}: {count_name} must be [B]=({b},), got {n_shape}")
-    if not jnp.issubdtype(n_dtype, jnp.integer):
-      raise ValueError(f"{where}: {count_name} must be an integer array, got dtype {n_dtype}")
-  return b, r, v
-
-
-def _check_values(draft, n, k, v):
-  """Range checks for concrete (eager) inputs; skipped under jit."""
-  if isinstance(n, jax.core.Tracer) or isinstance(draft, jax.core.Tracer):
-    return
-  n_np = np.asarray(n)
-  if np.any((n_np < 0) | (n_np > k)):
-    raise ValueError(f"rejection_sample: num_draft_tokens must be in [0, K={k}], got {n_np}")
-  d = np.asarray(draft)
-  live = np.arange(k)[None, :] < n_np[:, None]
-  bad = live & ((d < 0) | (d >= v))
-  if np.any(bad):
-    raise ValueError(f"rejection_sample: draft_token_ids must be in [0, V={v}) at positions < num_draft_tokens; "
-                     f"got {d[bad][:8]}")
-
-
-def _check_float_values(logits, draft_probs, n, k):
-  """Eager checks of target_logits and draft_probs at the positions that matter.
-
-  Device reductions: only flags come back to the host. Skipped under jit.
-  """
-  if any(isinstance(a, jax.core.Tracer) for a in (logits, draft_probs, n)):
-    return
-  n = jnp.asarray(n)
-  check_logits_values(logits, jnp.arange(k + 1)[None, :] <= n[:, None], "rejection_sample: target_logits")
-  if draft_probs is None:
-    return
-  check_probs_values(draft_probs, jnp.arange(k)[None, :] < n[:, None], "rejection_sample: draft_probs",
-                              "at positions < num_draft_tokens ([b, i])")
 
 
 # ----------------------------------------------------------------------------
@@ -373,41 +277,6 @@ def _greedy(draft, logits, live, shards=None):
   return _emit(draft, num_accepted, final)
 
 
-def _block_log_weights(log_p, log_q, ok):
-  """log w_j [B, K+1] of block verification: w_0 = 1, w_j = min(w_{j-1} p(d_{j-1}) / q(d_{j-1}), 1).
-
-  log_p, log_q: [B, K] log-probabilities of the drafts under the target and the
-  draft; ok: bool [B, K], False where a draft cannot be accepted (past n, or an
-  id outside [0, V)). p(d) = 0 makes w 0 from there on; q(d) = 0 < p(d) makes
-  the ratio infinite (w back to 1), as "token" accepts such a draft surely.
-  """
-  ratio = jnp.where(ok & (log_p > -jnp.inf), jnp.where(log_q > -jnp.inf, log_p - log_q, jnp.inf), -jnp.inf)
-  log_w = [jnp.zeros(log_p.shape[:1], jnp.float32)]
-  for j in range(log_p.shape[1]):  # K is small and static: a scan would cost more than it saves
-    prev = log_w[-1]
-    log_w.append(jnp.where(prev > -jnp.inf, jnp.minimum(prev + ratio[:, j], 0.0), -jnp.inf))
-  return jnp.stack(log_w, axis=1)
-
-
-def _block_stop_probs(w, residual_mass, n):
-  """h_j [B, K] for j = 1..K (column j-1): the chance that the block stops at j, given it does not stop later.
-
-  w: [B, K+1] block weights; residual_mass: [B, K+1], R_j for 1 <= j < n (other
-  columns unused); n: [B] drafts per row.
-  """
-  k = w.shape[1] - 1
-  j = jnp.arange(1, k + 1)[None, :]
-  w_j, r_j = w[:, 1:], residual_mass[:, 1:]
-  inner = jnp.where(r_j > 0, r_j / (r_j + (1.0 - w_j)), 0.0)
-  return jnp.where(j < n[:, None], inner, jnp.where(j == n[:, None], w_j, 0.0))
-
-
-def _block_num_accepted(h, u):
-  """tau [B]: the largest j in 1..K with u_j <= h_j (column j-1), else 0."""
-  j = jnp.arange(1, h.shape[1] + 1)[None, :]
-  return jnp.max(jnp.where(u <= h, j, 0), axis=1, initial=0).astype(jnp.int32)
-
-
 class _DraftScores(NamedTuple):
   """Each draft as the target and the draft see it; all [B, K]."""
 
@@ -433,119 +302,134 @@ def _score_drafts(draft, logits, params, stats: PositionStats, draft_probs, shar
   return _DraftScores(ids=ids, valid=valid, log_p=log_p, log_q=log_q)
 
 
-def _block_residual_mass(logits, params, stats, draft_probs, scores: _DraftScores, log_w, shards=None):
-  """R_j = sum_x max(w_j p_j(x) - q_j(x), 0), [B, K+1]; only columns 1..K-1 are computed (the rest 0)."""
-  b, k = scores.log_p.shape
-  if draft_probs is None:  # q_j one-hot at d_j: R_j = w_j (1 - p_j(d_j)), from the gathered p_j(d_j)
-    r = jnp.exp(log_w[:, :k]) * (1.0 - jnp.exp(scores.log_p))
-  elif k > 1:  # one more read of positions 1..K-1 (logits and draft probs)
-    sl = slice(1, k)
-    x = reductions.scale_logits(reductions.values(logits)[:, sl], params.temperature, stats.shift[:, sl])
-    logp_all = jnp.where((x >= stats.thr[:, sl, None]) & (stats.lse[:, sl, None] > -jnp.inf),
-                         x - stats.lse[:, sl, None], -jnp.inf)
-    q = valid_probs(draft_probs[:, sl])
-    r = reductions.sum_over_vocab(jnp.maximum(jnp.exp(logp_all + log_w[:, sl, None]) - q, 0.0), shards)
-    r = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), r], axis=1)
+class _StopRow(NamedTuple):
+  """The stopping position s [B] of every row and what the draws read there."""
+
+  s: jax.Array  # int32 [B]: num_accepted, the position of the recovered or bonus token
+  thr: jax.Array  # f32 [B, 1]
+  lse: jax.Array  # f32 [B, 1]
+  shift: jax.Array  # f32 [B]
+  rejected: jax.Array  # bool [B, 1]: a draft was rejected there (s < n), so the residual applies
+  draft_at: jax.Array  # int32 [B]: the draft column read at s (clipped into [0, K-1])
+  draft: jax.Array  # int32 [B, 1]: the draft token at s; may be out of range
+
+
+def _stop_row(draft, stats: PositionStats, s, n) -> _StopRow:
+  at_s = lambda a: jnp.take_along_axis(a, s[:, None], axis=1)  # [B, K+1] -> [B, 1]
+  s_draft = jnp.minimum(s, max(draft.shape[1] - 1, 0))
+  return _StopRow(s=s, thr=at_s(stats.thr), lse=at_s(stats.lse), shift=at_s(stats.shift)[:, 0],
+                  rejected=(s < n)[:, None], draft_at=s_draft,
+                  draft=jnp.take_along_axis(draft, s_draft[:, None], axis=1))
+
+
+def _stop_log_weights(residual: bool, logits, params, draft_probs, stop: _StopRow, log_w, shards):
+  """[B, V] log-weights at the stopping position, built from the inputs (fusible): p, or the residual."""
+  k = logits.shape[1] - 1
+  token_ids = jnp.arange(logits.shape[-1])[None, :] + (0 if shards is None else shards.offset())
+  row = reductions.scale_logits(jnp.take_along_axis(reductions.values(logits), stop.s[:, None, None], axis=1)[:, 0],
+                                params.temperature, stop.shift)
+  logp_row = jnp.where((row >= stop.thr) & (stop.lse > -jnp.inf), row - stop.lse, -jnp.inf)
+  if not residual or k == 0:
+    return logp_row
+  if draft_probs is None:
+    # p - onehot(d), clipped at 0, is p with d removed (an id outside [0, V) removes nothing).
+    return jnp.where(stop.rejected & (token_ids == stop.draft), -jnp.inf, logp_row)
+  q_row = valid_probs(jnp.take_along_axis(draft_probs, stop.draft_at[:, None, None], axis=1)[:, 0])
+  if log_w is not None:  # block: the residual is max(w_s p_s - q_s, 0)
+    logp_row = logp_row + jnp.take_along_axis(log_w, stop.s[:, None], axis=1)
+  # Masked and filtered tokens stay out without a select: there exp(logp_row) = 0
+  # and q_row >= 0 (valid_probs), so the residual is log(0) = -inf.
+  return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(stop.rejected, q_row, 0.0), 0.0))
+
+
+def _if_any_residual_empty(empty, shards, redraw, keep):
+  """Run-time branch: redraw from p only if some row's residual had no mass (rounding)."""
+  return jax.lax.cond(vocab_parallel.any_rows(empty, shards), redraw, keep)
+
+
+def _row_draw(key, weights, plan: SamplerPlan, shards):
+  """Reads the stopping row (and its draft probabilities) once; weights(residual) gives its log-weights."""
+  if plan.draw == ROW_DRAW_WITH_FALLBACK:
+    # The no-filters program has no branch: the fallback's chunk masses come from the same pass.
+    return draws.categorical_with_fallback(key, weights(True), weights(False), shards)
+  tok, empty = draws.categorical_with_empty(key, weights(True), shards)
+  # A residual with no mass falls back to p. The check comes from the draw's own chunk masses.
+  return _if_any_residual_empty(
+      empty, shards, lambda: jnp.where(empty, draws.categorical_with_empty(key, weights(False), shards)[0], tok),
+      lambda: tok)
+
+
+def _chunk_draw(key, logits, params, stats: PositionStats, scores: _DraftScores, stop: _StopRow, shards):
+  """Picks a chunk by the masses the one pass left, then reads that chunk of the stopping row."""
+  b, k1, v = logits.shape  # v: this device's tokens under shards
+  k = k1 - 1
+  c = reductions.chunk_size(v if shards is None else shards.vocab)
+  n_ch = v // c  # this device's chunks under shards
+  log_pc = jnp.take_along_axis(stats.chunk_log_mass, stop.s[:, None, None], axis=1)[:, 0] - stop.lse  # [B, n]
+  if k > 0:  # residual p - onehot(d) of a rejected draft
+    exclude = jnp.where(stop.rejected[:, 0], stop.draft[:, 0], -1)
+    p_d = jnp.exp(jnp.take_along_axis(scores.log_p, stop.draft_at[:, None], axis=1))[:, 0]
   else:
-    r = jnp.zeros((b, k), jnp.float32)
-  return jnp.concatenate([r, jnp.zeros((b, 1), jnp.float32)], axis=1)
+    exclude, p_d = jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), jnp.float32)
+
+  def chunk_log_weights(ch):  # [B] -> [B, c]: the chosen chunk of the stopping row, under p
+    row = jnp.take_along_axis(reductions.values(logits), stop.s[:, None, None], axis=1).reshape(b, n_ch, c)
+    return reductions.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature,
+                                   stop.shift)
+
+  return draws.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c, shards)
+
+
+def _if_any_row_filtered(any_filtered, filtered, unfiltered):
+  """Run-time branch: filtered rows have no chunk masses, so some filtered row sends the batch to the row draw."""
+  return jax.lax.cond(any_filtered, filtered, unfiltered)
+
+
+def _if_any_stop_row_redone(redone, shards, some_redone, none_redone):
+  """Run-time branch: rows redone by the overflow shift have no chunk masses; only then is the row draw run too."""
+  return jax.lax.cond(vocab_parallel.any_rows(redone, shards), some_redone, none_redone)
 
 
 def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_probs, s, n, log_w, any_filtered,
-                shards=None):
+                plan: SamplerPlan, shards=None):
   """The recovered or bonus token of every row, drawn at its stopping position s [B] (random rows' rule).
 
-  Three ways to draw, from the cheapest (see the decision table above):
-  * chunk draw (nothing filtered, no draft probabilities, V a multiple of the
-    chunk size): pick a chunk by the masses the one pass left, read one chunk;
-  * row draw (filtered, or with draft probabilities, or a row redone by the
-    overflow shift): read the stopping row (and its draft probabilities) once;
-  * redraw from p (a residual with no mass, possible only through rounding):
-    read the row once more, under a `lax.cond` run only when some row needs it.
-
-  Under `shards` every draw reads only this device's slice (`sampling.draws`).
+  `plan.draw` says how (see `verify.plan`): the chunk draw (nothing filtered,
+  no draft probabilities, V a multiple of the chunk size) reads one chunk; the
+  row draw (filtered, with draft probabilities, or a row redone by the overflow
+  shift) reads the stopping row once; an empty residual (rounding) is redrawn
+  from p. Under `shards` every draw reads only this device's slice (`sampling.draws`).
   """
-  b, k1, v = logits.shape  # v: this device's tokens under shards
-  k = k1 - 1
-  any_ = lambda x: vocab_parallel.any_rows(x, shards)
-  token_ids = jnp.arange(v)[None, :] + (0 if shards is None else shards.offset())
-  at_s = lambda a: jnp.take_along_axis(a, s[:, None], axis=1)  # [B, K+1] -> [B, 1]
-  thr_s, lse_s, shift_s = at_s(stats.thr), at_s(stats.lse), at_s(stats.shift)[:, 0]
-  rejected = (s < n)[:, None]
-  s_draft = jnp.minimum(s, max(k - 1, 0))
-  d_s = jnp.take_along_axis(draft, s_draft[:, None], axis=1)  # [B, 1]; may be out of range
-
-  def stop_log_weights(residual):
-    """[B, V] log-weights at the stopping position, built from the inputs (fusible)."""
-    row = reductions.scale_logits(jnp.take_along_axis(reductions.values(logits), s[:, None, None], axis=1)[:, 0],
-                                params.temperature, shift_s)
-    logp_row = jnp.where((row >= thr_s) & (lse_s > -jnp.inf), row - lse_s, -jnp.inf)
-    if not residual or k == 0:
-      return logp_row
-    if draft_probs is None:
-      # p - onehot(d), clipped at 0, is p with d removed (an id outside [0, V) removes nothing).
-      return jnp.where(rejected & (token_ids == d_s), -jnp.inf, logp_row)
-    q_row = valid_probs(jnp.take_along_axis(draft_probs, s_draft[:, None, None], axis=1)[:, 0])
-    if log_w is not None:  # block: the residual is max(w_s p_s - q_s, 0)
-      logp_row = logp_row + at_s(log_w)
-    # Masked and filtered tokens stay out without a select: there exp(logp_row) = 0
-    # and q_row >= 0 (valid_probs), so the residual is log(0) = -inf.
-    return jnp.log(jnp.maximum(jnp.exp(logp_row) - jnp.where(rejected, q_row, 0.0), 0.0))
-
-  def row_draw():
-    if any_filtered is None and v % reductions.chunk_size(v if shards is None else shards.vocab) == 0:
-      # The no-filters program has no branch: the fallback's chunk masses come from the same pass.
-      return draws.categorical_with_fallback(key, stop_log_weights(True), stop_log_weights(False), shards)
-    tok, empty = draws.categorical_with_empty(key, stop_log_weights(True), shards)
-    # A residual with no mass falls back to p. The check comes from the draw's own
-    # chunk masses; the redraw runs only if needed.
-    return jax.lax.cond(
-        any_(empty),
-        lambda: jnp.where(empty, draws.categorical_with_empty(key, stop_log_weights(False), shards)[0], tok),
-        lambda: tok)
-
-  def chunk_draw():
-    c = reductions.chunk_size(v if shards is None else shards.vocab)
-    n_ch = v // c  # this device's chunks under shards
-    log_pc = jnp.take_along_axis(stats.chunk_log_mass, s[:, None, None], axis=1)[:, 0] - lse_s  # [B, n]
-    if k > 0:  # residual p - onehot(d) of a rejected draft
-      exclude = jnp.where(rejected[:, 0], d_s[:, 0], -1)
-      p_d = jnp.exp(jnp.take_along_axis(scores.log_p, s_draft[:, None], axis=1))[:, 0]
-    else:
-      exclude, p_d = jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), jnp.float32)
-
-    def chunk_log_weights(ch):  # [B] -> [B, c]: the chosen chunk of the stopping row, under p
-      row = jnp.take_along_axis(reductions.values(logits), s[:, None, None], axis=1).reshape(b, n_ch, c)
-      return reductions.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature,
-                                   shift_s)
-
-    return draws.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c, shards)
-
-  if stats.chunk_log_mass is not None and draft_probs is None and any_filtered is None:
+  stop = _stop_row(draft, stats, s, n)
+  weights = functools.partial(_stop_log_weights, logits=logits, params=params, draft_probs=draft_probs, stop=stop,
+                              log_w=log_w, shards=shards)
+  row_draw = lambda: _row_draw(key, weights, plan, shards)
+  chunk_draw = lambda: _chunk_draw(key, logits, params, stats, scores, stop, shards)
+  if plan.draw == CHUNK_DRAW:
     tok = chunk_draw()  # no filters and no redone rows (`params.no_filters`: see `position_stats`)
-  elif stats.chunk_log_mass is not None and draft_probs is None:
-    # Rows redone by the shift have no chunk masses: they draw from their full row.
-    redone_s = at_s(stats.redone)[:, 0]
-    mixed_draw = lambda: jax.lax.cond(any_(redone_s), lambda: jnp.where(redone_s, row_draw(), chunk_draw()),
-                                      chunk_draw)
-    tok = jax.lax.cond(any_filtered, row_draw, mixed_draw)
+  elif plan.draw == CHUNK_OR_ROW_DRAW:
+    redone_s = jnp.take_along_axis(stats.redone, s[:, None], axis=1)[:, 0]
+    mixed_draw = lambda: _if_any_stop_row_redone(redone_s, shards, lambda: jnp.where(redone_s, row_draw(),
+                                                                                      chunk_draw()), chunk_draw)
+    tok = _if_any_row_filtered(any_filtered, row_draw, mixed_draw)
   else:
     tok = row_draw()
-  return jnp.where(lse_s[:, 0] > -jnp.inf, tok, 0)  # nothing to draw from: token 0, as greedy
+  return jnp.where(stop.lse[:, 0] > -jnp.inf, tok, 0)  # nothing to draw from: token 0, as greedy
 
 
-def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, method="token", shards=None):
+def _general(draft, logits, params, keys, draft_probs, n, live, plan: SamplerPlan, shards=None):
   """Random rows (and greedy rows of a mixed batch) in one read of the logits, in four steps."""
   b, k1 = logits.shape[:2]
   v = logits.shape[-1] if shards is None else shards.vocab
   k = k1 - 1
-  greedy = params.is_greedy if need_argmax else jnp.zeros((b,), bool)
+  greedy = params.is_greedy if plan.argmax else jnp.zeros((b,), bool)
   # 1. Every position's processed distribution: threshold, normaliser, argmax, chunk masses.
-  stats = position_stats(logits, params, greedy=greedy if need_argmax else None, argmax=need_argmax,
-                                  chunks=True, shards=shards)
-  # None: no row filters (the static promise, `params.no_filters`), so no run-time branch on it.
-  any_filtered = None if params.no_filters else vocab_parallel.any_rows(
-      thresholds.filter_active(params, v, greedy=greedy), shards)
+  stats = position_stats(logits, params, greedy=greedy if plan.argmax else None, argmax=plan.argmax, chunks=True,
+                         shards=shards)
+  # Read only by the chunk-or-row draw (under the no-filters promise no row filters, statically).
+  any_filtered = None
+  if plan.draw == CHUNK_OR_ROW_DRAW:
+    any_filtered = vocab_parallel.any_rows(thresholds.filter_active(params, v, greedy=greedy), shards)
   # 2. Each draft's log-probability under the target and the draft (gathers only).
   scores = _score_drafts(draft, logits, params, stats, draft_probs, shards)
   # 3. The accepted prefix: in log space, accept d_i iff log u + log q_i(d_i) < log p_i(d_i).
@@ -553,18 +437,18 @@ def _general(draft, logits, params, keys, draft_probs, n, live, need_argmax, met
   u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,), jnp.float32))(k_accept)
   usable = live & scores.valid
   accept_greedy = (scores.ids == stats.argmax[:, :k]) & (stats.lse[:, :k] > -jnp.inf)
-  if method == "token":
+  if plan.method == "token":
     accept_random = jnp.log(u) + scores.log_q < scores.log_p
     num_accepted = _num_accepted(jnp.where(greedy[:, None], accept_greedy, accept_random) & usable)
     log_w = None
   else:
-    log_w = _block_log_weights(scores.log_p, scores.log_q, usable)  # [B, K+1]
-    r = _block_residual_mass(logits, params, stats, draft_probs, scores, log_w, shards)
-    h = _block_stop_probs(jnp.exp(log_w), r, n)
-    num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & usable), _block_num_accepted(h, u))
+    log_w = block.log_weights(scores.log_p, scores.log_q, usable)  # [B, K+1]
+    r = block.residual_mass(logits, params, stats, draft_probs, scores.log_p, log_w, shards)
+    h = block.stop_probs(jnp.exp(log_w), r, n)
+    num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & usable), block.num_accepted(h, u))
   # 4. One token from a full distribution, at the stopping position only.
   final_random = _draw_final(k_final, draft, logits, params, stats, scores, draft_probs, num_accepted, n, log_w,
-                             any_filtered, shards)
+                             any_filtered, plan, shards)
   final = jnp.where(greedy, jnp.take_along_axis(stats.argmax, num_accepted[:, None], axis=1)[:, 0], final_random)
   return _emit(draft, num_accepted, final), dataclasses.replace(stats, chunk_log_mass=None)
 
@@ -582,11 +466,10 @@ def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "all_random", "logprobs", "method", "shards"))
-def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state=None, *, all_greedy, all_random,
-                      logprobs=None, method="token", shards=None):
-  program = functools.partial(_program, all_greedy=all_greedy, all_random=all_random, logprobs=logprobs,
-                              method=method, shards=shards)
+@functools.partial(jax.jit, static_argnames=("plan", "shards"))
+def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state=None, *, plan: SamplerPlan,
+                      shards=None):
+  program = functools.partial(_program, plan=plan, shards=shards)
   if shards is None:
     return program(draft, logits, params, keys, draft_probs, n, penalty_state)
   # Each device runs the program on its rows and its slice of the vocabulary.
@@ -598,37 +481,37 @@ def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state
   return sharded(draft, logits, params, keys, draft_probs, n, penalty_state)
 
 
-def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, all_greedy, all_random, logprobs,
-             method, shards):
+def _if_all_rows_greedy(params, shards, greedy, general, *operands):
+  """Run-time branch: an all-greedy batch skips the softmax path entirely."""
+  return jax.lax.cond(~vocab_parallel.any_rows(~params.is_greedy, shards), greedy, general, *operands)
+
+
+def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, plan: SamplerPlan, shards):
   """The whole sampler on one device, or on this device's rows and vocabulary slice under `shards`."""
   raw_logits = logits
-  if params.has_logit_bias or params.has_penalties:
+  if plan.penalties:
     # Steps 1-3 of every position, position i counting drafts 0 .. i-1: a view, so that
     # every read of the logits applies them itself (fused) instead of reading a copy.
     logits = penalties.penalized_view(logits, params, penalty_state, draft,
-                                     vocab_offset=None if shards is None else shards.offset())
+                                      vocab_offset=None if shards is None else shards.offset())
   b, k1 = logits.shape[:2]
   k = k1 - 1
   n = jnp.clip(n, 0, k)
   live = jnp.arange(k)[None, :] < n[:, None]
   zeros = jnp.zeros((b, k1), jnp.float32)
   no_stats = PositionStats(shift=zeros, thr=zeros, lse=zeros, argmax=jnp.zeros((b, k1), jnp.int32),
-                                    redone=jnp.zeros((b, k1), jnp.bool_))  # greedy rows need none
-  if all_greedy:
+                           redone=jnp.zeros((b, k1), jnp.bool_))  # greedy rows need none
+  general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live, plan=plan,
+                              shards=shards)
+  if plan.verifier == GREEDY_VERIFIER:
     out, stats = _greedy(draft, logits, live, shards), no_stats
+  elif plan.verifier == GENERAL_VERIFIER:
+    out, stats = general(draft, logits)
   else:
-    general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live,
-                                method=method, shards=shards)
-    if all_random:
-      out, stats = general(draft, logits, need_argmax=False)
-    else:
-      # Run-time shortcut: an all-greedy batch skips the softmax path entirely.
-      out, stats = jax.lax.cond(~vocab_parallel.any_rows(~params.is_greedy, shards),
-                                lambda d, x: (_greedy(d, x, live, shards), no_stats),
-                                lambda d, x: general(d, x, need_argmax=True),
-                                draft, logits)
-  if logprobs is None:
+    out, stats = _if_all_rows_greedy(params, shards, lambda d, x: (_greedy(d, x, live, shards), no_stats), general,
+                                     draft, logits)
+  if plan.logprobs is None:
     return out
   # The static promises decide which rows count as greedy, as they do for the tokens.
-  greedy = jnp.full((b,), all_greedy) if all_greedy or all_random else params.is_greedy
-  return _with_logprobs(out, raw_logits, logits, params, stats, logprobs, greedy, shards)
+  greedy = params.is_greedy if plan.greedy_rows == "per_row" else jnp.full((b,), plan.greedy_rows == "all")
+  return _with_logprobs(out, raw_logits, logits, params, stats, plan.logprobs, greedy, shards)

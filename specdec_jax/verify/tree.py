@@ -48,8 +48,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.sampling import draws, reductions, sample
-from specdec_jax.sampling.params import SamplingParams, check_logits_values, check_probs_values, row_keys, valid_probs
-from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID, check_verifier_args
+from specdec_jax.sampling.params import (
+  SamplingParams,
+  check_logits_values,
+  check_probs_values,
+  check_promises,
+  row_keys,
+  valid_probs,
+)
+from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID
+from specdec_jax.verify.checks import check_probs_sum, check_verifier_args
 
 _WHERE = "tree_rejection_sample"
 SIBLING_DRAWS = ("iid", "without_replacement")
@@ -155,6 +163,7 @@ def tree_rejection_sample(
   if sibling_draws not in SIBLING_DRAWS:
     raise ValueError(f"{_WHERE}: sibling_draws must be one of {SIBLING_DRAWS}, got {sibling_draws!r}")
   b, n, v = _check_args(draft, logits, params, draft_probs, num_nodes)
+  check_promises(_WHERE, params, v, all_greedy=all_greedy, no_filters=no_filters or params.no_filters)
   if params.has_penalties or params.has_logit_bias:
     # Each node's context is its own root path: not built yet. Refuse rather than ignore them.
     raise ValueError(f"{_WHERE}: params carry repetition/frequency/presence penalties or a logit bias, which trees "
@@ -168,7 +177,7 @@ def tree_rejection_sample(
   num_nodes = jnp.asarray(num_nodes)
   if draft_probs is not None:
     draft_probs = jnp.asarray(draft_probs)
-  _check_values(draft, parents, num_nodes, logits, draft_probs)
+  _check_values(draft, parents, num_nodes, logits, draft_probs, iid=sibling_draws == "iid")
   if max_depth is not None:
     _check_max_depth(parents, num_nodes, max_depth)
     depth = int(max_depth)
@@ -190,33 +199,54 @@ def tree_rejection_sample(
 # ----------------------------------------------------------------------------
 
 
-def _check_args(draft, logits, params, draft_probs, num_nodes):
-  """Shapes and dtypes (trace time); returns (B, N, V)."""
-  b, n1, v = check_verifier_args(_WHERE, draft, logits, params, draft_probs, num_nodes, axis="N", probs_rows=1,
-                                 count_name="num_nodes")
-  return b, n1 - 1, v
+class _TreeSizes(NamedTuple):
+  batch: int  # B
+  nodes: int  # N
+  vocab: int  # V
 
 
-def _tree_structure(parents, b, n):
+def _check_args(draft, logits, params, draft_probs, num_nodes) -> _TreeSizes:
+  """Shapes and dtypes (trace time)."""
+  shape = check_verifier_args(_WHERE, draft, logits, params, draft_probs, num_nodes, axis="N", probs_rows=1,
+                              count_name="num_nodes")
+  return _TreeSizes(shape.batch, shape.rows - 1, shape.vocab)
+
+
+class _TreeStructure(NamedTuple):
+  """A tree's parents and its static bounds."""
+
+  parents: jax.Array  # int32 [B, N]
+  depth: int  # D: the deepest node's depth (N for [B, N] or traced parents)
+  max_children: int  # the most children of one node (N for [B, N] or traced parents)
+
+
+def _tree_structure(parents, b, n) -> _TreeStructure:
   """parents as [B, N], the static depth D and the static bound on children per node.
 
-  A concrete [N] array fixes both from its values (and is checked here); [B, N]
-  parents, or traced ones, get the bounds D = N and N children.
+  A concrete [N] array (or a list or tuple of ints) fixes both from its values
+  (and is checked here); [B, N] parents, or traced ones, get the bounds D = N and N children.
   """
+  if isinstance(parents, (list, tuple)):
+    try:
+      arr = np.asarray(parents)
+    except ValueError as e:  # ragged
+      raise ValueError(f"{_WHERE}: parents must be [N] or [B, N] integers, got the ragged list {parents!r}") from e
+    parents = arr.astype(np.int32) if arr.size == 0 else arr  # an empty list has no integer dtype of its own
   shape, dtype = jnp.shape(parents), jnp.result_type(parents)
   if shape not in ((n,), (b, n)):
     raise ValueError(f"{_WHERE}: parents must be [N]=({n},) or [B, N]=({b}, {n}), got {shape}")
   if not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"{_WHERE}: parents must be an integer array, got dtype {dtype}")
   if len(shape) == 2 or isinstance(parents, jax.core.Tracer):
-    return jnp.broadcast_to(jnp.asarray(parents), (b, n)), n, n
+    return _TreeStructure(jnp.broadcast_to(jnp.asarray(parents), (b, n)), n, n)
   p = np.asarray(parents).astype(np.int64)
   bad = (p < -1) | (p >= np.arange(n))
   if np.any(bad):
     raise ValueError(f"{_WHERE}: parents[j] must be in [-1, j) (nodes in topological order, -1 = the root); "
                      f"got parents[{np.flatnonzero(bad)[:8].tolist()}] = {p[bad][:8].tolist()}")
   max_children = int(np.bincount(p + 1, minlength=1).max()) if n else 0
-  return jnp.broadcast_to(jnp.asarray(p, jnp.int32), (b, n)), int(_depths(p).max(initial=0)), max_children
+  return _TreeStructure(jnp.broadcast_to(jnp.asarray(p, jnp.int32), (b, n)), int(_depths(p).max(initial=0)),
+                        max_children)
 
 
 def _check_max_depth(parents, num_nodes, max_depth):
@@ -240,7 +270,7 @@ def _depths(parents: np.ndarray) -> np.ndarray:
   return depth
 
 
-def _check_values(draft, parents, num_nodes, logits, draft_probs):
+def _check_values(draft, parents, num_nodes, logits, draft_probs, iid):
   """Range checks of concrete (eager) inputs, at existing nodes only; skipped under jit."""
   if any(isinstance(a, jax.core.Tracer) for a in (draft, parents, num_nodes, logits, draft_probs)):
     return
@@ -267,8 +297,10 @@ def _check_values(draft, parents, num_nodes, logits, draft_probs):
   has_child = np.zeros((b, n + 1), bool)
   rows, cols = np.nonzero(live)
   has_child[rows, p[rows, cols] + 1] = True
-  check_probs_values(draft_probs, jnp.asarray(has_child), f"{_WHERE}: draft_probs",
-                              "in the rows of nodes with children ([b, row])")
+  where, rows = f"{_WHERE}: draft_probs", "in the rows of nodes with children ([b, row])"
+  check_probs_values(draft_probs, jnp.asarray(has_child), where, rows)
+  if iid:  # without replacement renormalises q itself; i.i.d. siblings read q as it is
+    check_probs_sum(draft_probs, jnp.asarray(has_child), where, rows)
 
 
 # ----------------------------------------------------------------------------
@@ -327,6 +359,17 @@ def _residual(r, q, p):
   return jnp.where(mass > 0, res / jnp.where(mass > 0, mass, 1.0), p)
 
 
+class _SlotCarry(NamedTuple):
+  """The loop state of `_recursive_rejection_step`, per row b."""
+
+  slot: jax.Array  # int32 []: the child slot being decided
+  residual: jax.Array  # f32 [B, V]: r, the distribution the next child is tested against
+  chosen: jax.Array  # int32 [B]: the accepted child, -1 = none yet
+  rejected_any: jax.Array  # bool [B]: some child was rejected (the final draw reads r, not p)
+  removed: jax.Array  # int32 [B, C]: without replacement, the rejected siblings' tokens (-1 = none)
+  removed_mass: jax.Array  # f32 [B]: their mass under q
+
+
 def _recursive_rejection_step(logp, q, draft, children, key, max_children, without_replacement=False):
   """Drafts drawn from q: SpecInfer's recursive rejection sampling over the children.
 
@@ -348,13 +391,12 @@ def _recursive_rejection_step(logp, q, draft, children, key, max_children, witho
   def pending(c, chosen):
     return (chosen < 0) & (c < num_children)
 
-  def cond(carry):
-    c, _, chosen = carry[:3]
-    return (c < max_children) & jnp.any(pending(c, chosen))
+  def cond(carry: _SlotCarry):
+    return (carry.slot < max_children) & jnp.any(pending(carry.slot, carry.chosen))
 
   total = jnp.sum(q, axis=-1) if without_replacement else None  # (about 1)
 
-  def body(carry):
+  def body(carry: _SlotCarry) -> _SlotCarry:
     c, r, chosen, rejected_any, removed, removed_mass = carry
     at_slot = children & (rank == c)
     j = jnp.argmax(at_slot, axis=1).astype(jnp.int32)
@@ -387,24 +429,24 @@ def _recursive_rejection_step(logp, q, draft, children, key, max_children, witho
       q_own = jnp.take_along_axis(q, safe, axis=1)[:, 0]
       removed = jnp.where(drop[:, None] & (jnp.arange(removed.shape[1])[None, :] == c), safe, removed)
       removed_mass = removed_mass + jnp.where(drop, q_own, 0.0)
-    return c + 1, r, jnp.where(accept, j, chosen), rejected_any | reject, removed, removed_mass
+    return _SlotCarry(c + 1, r, jnp.where(accept, j, chosen), rejected_any | reject, removed, removed_mass)
 
-  init = (jnp.int32(0), p, jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool),
-          jnp.full((b, max(max_children, 1)), -1, jnp.int32), jnp.zeros((b,), jnp.float32))
-  _, r, chosen, rejected_any, _, _ = jax.lax.while_loop(cond, body, init) if n and max_children else init
+  init = _SlotCarry(jnp.int32(0), p, jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool),
+                    jnp.full((b, max(max_children, 1)), -1, jnp.int32), jnp.zeros((b,), jnp.float32))
+  final = jax.lax.while_loop(cond, body, init) if n and max_children else init
+  r, chosen, rejected_any = final.residual, final.chosen, final.rejected_any
   # The bonus (no child rejected) draws from logp itself, not from log(exp(logp)).
   log_w = jnp.where(rejected_any[:, None], jnp.log(r), logp)
   token = jnp.where(nonempty, draws.categorical_from_log_weights(k_final, log_w), 0)
   return _Step(chosen, token)
 
 
-# A greedy walk of a small tree runs unrolled: at B=1 on an H100 each iteration of an XLA
-# while loop cost more than a depth's argmax (0.064 -> 0.028 ms per call for N=8, V=151936;
-# bench/tree_sampler.py, RESULTS.md section 7). Random walks stay while loops: unrolled, their
-# per-depth conditionals and draws ran slower (0.50 -> 0.58 ms) and compiled 5x longer. The
-# bodies guard every update with the row's own state, so unrolling gives bit-identical outputs.
+# A greedy walk of a small tree runs unrolled: at small batch an XLA while-loop iteration costs
+# more than a depth's argmax. Random walks stay while loops: unrolled, their per-depth
+# conditionals and draws run slower and compile much longer (figures: bench/RESULTS.md, trees).
+# The bodies guard every update with the row's own state, so unrolling gives bit-identical outputs.
 _UNROLL_LIMIT = 24  # (D + 1): unrolled greedy walk bodies
-_UNROLL_MAX_BATCH = 64  # at B=256 the unrolled walk was slower (0.105 -> 0.147 ms, N=16, V=49152)
+_UNROLL_MAX_BATCH = 64  # at larger batches the unrolled walk is the slower one
 # Random walks of small inputs process every row's logits in one pass before the walk
 # (the per-depth processing is a chain of small kernels inside the loop otherwise).
 _PREPROCESS_BYTES = 64 * 2**20
@@ -484,6 +526,10 @@ def _tree_rejection_sample(draft, parents, logits, params, keys, draft_probs, nu
                            without_replacement=without_replacement)
   if all_greedy:
     return walk(draft, logits=logits, greedy_only=True)
-  # Run-time shortcut: an all-greedy batch skips the softmax and the random numbers.
-  return jax.lax.cond(jnp.all(params.is_greedy), lambda d, x: walk(d, logits=x, greedy_only=True),
-                      lambda d, x: walk(d, logits=x, greedy_only=False), draft, logits)
+  return _if_all_rows_greedy(params, lambda d, x: walk(d, logits=x, greedy_only=True),
+                             lambda d, x: walk(d, logits=x, greedy_only=False), draft, logits)
+
+
+def _if_all_rows_greedy(params, greedy_walk, walk, *operands):
+  """Run-time branch: an all-greedy batch skips the softmax and the random numbers."""
+  return jax.lax.cond(jnp.all(params.is_greedy), greedy_walk, walk, *operands)
