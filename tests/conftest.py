@@ -29,7 +29,7 @@ jax.config.update("jax_enable_x64", False)
 @pytest.fixture(scope="session")
 def tree_models():
   """The tree tests' models (tests/test_tree_loop.py, tests/test_dynamic_tree.py), built once."""
-  from tests.test_tree_loop import build_models
+  from tests.loop.test_tree_round import build_models
   return build_models()
 
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.compiles import count_compiles
+from tests.support.compiles import count_compiles
 
 
 def test_count_compiles_sees_a_new_shape_and_not_a_repeat_call():

@@ -25,8 +25,7 @@ from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling.params import SamplingParams
 from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.verify.tree import TreeRejectionOutput
-from tests.compiles import count_compiles
-from tests.test_decoding import (
+from tests.loop.test_decoding import (
   N_ROWS,
   SMALL_V,
   TEMPERATURE,
@@ -37,7 +36,8 @@ from tests.test_decoding import (
   _prompts,
   assert_first_tokens_follow,
 )
-from tests.test_eagle import _distil, _unit_target
+from tests.models.test_eagle import _distil, _unit_target
+from tests.support.compiles import count_compiles
 
 V = 16
 CONFIG = TransformerConfig.tiny(V, feature_layers=(0, 1))

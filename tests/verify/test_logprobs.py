@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specdec_jax import SamplingParams, rejection_sample
-from tests.stats import HloProgram, reference_probs
+from tests.support.stats import HloProgram, reference_probs
 
 B, K, V = 6, 3, 40
 
@@ -148,7 +148,7 @@ def test_bad_logprobs_mode_is_a_value_error():
 # ----------------------------------------------------------------------------
 
 from specdec_jax import PromptLookupDrafter, generate, speculative_generate  # noqa: E402
-from tests.test_decoding import TinyLM, _prompts  # noqa: E402
+from tests.loop.test_decoding import TinyLM, _prompts  # noqa: E402
 
 LV, LP, LMAX = 32, 7, 12
 LOOP_LENGTHS = [7, 3, 1, 5]

@@ -43,7 +43,7 @@ from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.mesh import make_mesh
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.sharding import shard
-from tests.eight_devices import exit_unless_devices, part_arg, run_checks
+from tests.support.eight_devices import exit_unless_devices, part_arg, run_checks
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 

@@ -24,10 +24,10 @@ import pytest
 
 from specdec_jax.models import Partitioning, make_mesh, shard
 from specdec_jax.models.sharding import relayout
-from tests.eight_devices import check_result, run_worker
+from tests.support.eight_devices import check_result, run_worker
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "mesh_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "support" / "mesh_worker.py"
 
 LOOP_RUNS = ("generate greedy", "generate sampled", "speculative greedy, draft model",
              "speculative greedy, prompt lookup", "speculative greedy, EAGLE", "speculative sampled, draft model")

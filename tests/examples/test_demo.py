@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "speculative_decode.py"
+_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "speculative_decode.py"
 
 
 @pytest.fixture(scope="module")

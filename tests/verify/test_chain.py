@@ -30,8 +30,8 @@ import pytest
 
 from specdec_jax import PLACEHOLDER_TOKEN_ID, RejectionOutput, SamplingParams, rejection_sample
 from specdec_jax.sampling.params import GREEDY_TEMPERATURE
-from tests import stats
-from tests.compiles import count_compiles
+from tests.support import stats
+from tests.support.compiles import count_compiles
 
 K, V, B = 3, 8, 4  # the shared small shape: draft [4, 3], logits [4, 4, 8]
 

@@ -1,6 +1,6 @@
 """Shared test helpers: chi-square checks, float64 references, HLO inspection.
 
-Three groups, importable from any test file (`from tests.stats import ...`):
+Three groups, importable from any test file (`from tests.support.stats import ...`):
 
 * Goodness of fit. `chisquare_gof` compares samples with expected probabilities:
   an outcome of probability 0 that occurs fails outright, bins with an expected

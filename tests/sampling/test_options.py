@@ -24,8 +24,8 @@ from specdec_jax.sampling import reductions, thresholds
 from specdec_jax.sampling.penalties import apply_penalties
 from specdec_jax.sampling.sample import process_logits, sample_tokens
 from specdec_jax.sampling.thresholds import threshold_and_lse
-from tests import sampling_reference as ref
-from tests import stats
+from tests.support import sampling_reference as ref
+from tests.support import stats
 
 _sample = jax.jit(sample_tokens, static_argnames=("all_greedy", "logprobs"))
 _apply = jax.jit(apply_penalties)

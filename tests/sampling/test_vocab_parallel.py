@@ -27,10 +27,10 @@ import pytest
 
 from specdec_jax.sampling import vocab_parallel
 from specdec_jax.sampling.reductions import chunk_size
-from tests.eight_devices import check_result, run_worker
+from tests.support.eight_devices import check_result, run_worker
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "mesh_sampler_worker.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "support" / "mesh_sampler_worker.py"
 
 # The worker's tables (tests/mesh_sampler_worker.py), written out: a check the worker
 # runs must be listed here, and each listed check must have run.

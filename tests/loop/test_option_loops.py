@@ -31,9 +31,7 @@ import pytest
 from specdec_jax import PromptLookupDrafter, SamplingParams, generate, rejection_sample, speculative_generate
 from specdec_jax.loop import decoding
 from specdec_jax.sampling.penalties import apply_penalties
-from tests import sampling_reference as ref
-from tests.stats import ALPHA, assert_gof, chisquare_gof
-from tests.test_decoding import (
+from tests.loop.test_decoding import (
   N_ROWS,
   SMALL_V,
   TinyLM,
@@ -42,7 +40,9 @@ from tests.test_decoding import (
   assert_first_tokens_follow,
   continuation_logits,
 )
-from tests.test_sampling_options import _rows_params
+from tests.sampling.test_options import _rows_params
+from tests.support import sampling_reference as ref
+from tests.support.stats import ALPHA, assert_gof, chisquare_gof
 
 V, P, MAX_NEW, K = 32, 7, 16, 3
 LENGTHS = [7, 3, 1, 5, 4]

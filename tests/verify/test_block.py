@@ -26,7 +26,7 @@ import pytest
 
 from specdec_jax import SamplingParams, rejection_sample
 from specdec_jax.verify import chain
-from tests.stats import ALPHA, assert_gof, chisquare_gof
+from tests.support.stats import ALPHA, assert_gof, chisquare_gof
 
 V = 3
 

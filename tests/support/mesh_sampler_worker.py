@@ -105,7 +105,7 @@ from jax.sharding import PartitionSpec as P
 from specdec_jax import SamplingParams, rejection_sample, sample_tokens
 from specdec_jax.mesh import make_mesh
 from specdec_jax.sampling.reductions import chunk_size
-from tests.eight_devices import exit_unless_devices, part_arg, run_checks
+from tests.support.eight_devices import exit_unless_devices, part_arg, run_checks
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 

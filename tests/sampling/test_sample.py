@@ -15,8 +15,8 @@ import pytest
 
 from specdec_jax.sampling.params import SamplingParams, row_keys
 from specdec_jax.sampling.sample import process_logits, sample_tokens
-from tests import stats
-from tests.compiles import count_compiles
+from tests.support import stats
+from tests.support.compiles import count_compiles
 
 process_logits_jit = jax.jit(process_logits)
 sample_tokens_jit = jax.jit(sample_tokens, static_argnames=("all_greedy",))

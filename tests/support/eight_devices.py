@@ -16,7 +16,7 @@ import traceback
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Compiling dominates a worker's time, most of it in XLA's CPU code generation for small
 # programs: LLVM at level 0 halves it, and the older elemental emitters (instead of the

@@ -29,7 +29,7 @@ from flax import nnx  # noqa: E402
 from specdec_jax.models.loaders import gguf as gguf_loader
 from specdec_jax.models.loaders import smollm2
 from specdec_jax.models.transformer import Transformer  # noqa: E402
-from tests.numpy_llama import NumpyLlama, dequantize_tensor  # noqa: E402
+from tests.support.numpy_llama import NumpyLlama, dequantize_tensor  # noqa: E402
 
 # Starts with "The capital of France is" (5 tokens), 12 tokens in all; logits at
 # index 4 see only that prefix (causal), so one forward serves two tests.

@@ -33,8 +33,8 @@ import pytest
 
 from specdec_jax import SamplingParams, TreeRejectionOutput, rejection_sample, tree_rejection_sample
 from specdec_jax.verify import tree as tree_verifier
-from tests import stats
-from tests.compiles import count_compiles
+from tests.support import stats
+from tests.support.compiles import count_compiles
 
 PARENTS = np.array([-1, -1, -1, 0, 0, 1, 3], np.int32)
 N, D, V = 7, 3, 6

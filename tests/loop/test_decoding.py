@@ -21,8 +21,8 @@ from specdec_jax.loop.state import DecodeStats, GenerateOutput
 from specdec_jax.sampling.params import SamplingParams
 from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID, RejectionOutput
-from tests.compiles import count_compiles
-from tests.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation, reference_probs
+from tests.support.compiles import count_compiles
+from tests.support.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation, reference_probs
 
 # ----------------------------------------------------------------------------
 # Models written for the tests

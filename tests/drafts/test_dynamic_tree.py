@@ -24,9 +24,9 @@ from specdec_jax.sampling import reductions, sample
 from specdec_jax.sampling.params import SamplingParams
 from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.verify.tree import TreeRejectionOutput, tree_rejection_sample
-from tests.test_decoding import TinyLM, _check_output, _prompts, assert_first_tokens_follow
-from tests.test_eagle import _unit_target
-from tests.test_tree_loop import CONFIG, LENGTHS, V, _greedy_case, models, sampled_tree_case  # noqa: F401
+from tests.loop.test_decoding import TinyLM, _check_output, _prompts, assert_first_tokens_follow
+from tests.loop.test_tree_round import CONFIG, LENGTHS, V, _greedy_case, models, sampled_tree_case  # noqa: F401
+from tests.models.test_eagle import _unit_target
 
 # ----------------------------------------------------------------------------
 # The growth

@@ -19,8 +19,7 @@ from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.models import Transformer, TransformerConfig, weight_shapes
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter, eagle_weight_shapes
 from specdec_jax.sampling.params import SamplingParams
-from tests.compiles import count_compiles
-from tests.test_decoding import (
+from tests.loop.test_decoding import (
   N_ROWS,
   SMALL_V,
   TEMPERATURE,
@@ -30,6 +29,7 @@ from tests.test_decoding import (
   _prompts,
   assert_first_tokens_follow,
 )
+from tests.support.compiles import count_compiles
 
 V = 16
 CONFIG = TransformerConfig.tiny(V, feature_layers=(0, 1))
