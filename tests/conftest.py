@@ -28,8 +28,8 @@ jax.config.update("jax_enable_x64", False)
 
 @pytest.fixture(scope="session")
 def tree_models():
-  """The tree tests' models (tests/test_tree_loop.py, tests/test_dynamic_tree.py), built once."""
-  from tests.loop.test_tree_round import build_models
+  """(target, draft model, untrained EAGLE drafter, distilled EAGLE drafter), built once (tests/support/tiny_transformers.py)."""
+  from tests.support.tiny_transformers import build_models
   return build_models()
 
 

@@ -24,9 +24,9 @@ from specdec_jax.sampling import reductions, sample
 from specdec_jax.sampling.params import SamplingParams
 from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.verify.tree import TreeRejectionOutput, tree_rejection_sample
-from tests.loop.test_decoding import TinyLM, _check_output, _prompts, assert_first_tokens_follow
-from tests.loop.test_tree_round import CONFIG, LENGTHS, V, _greedy_case, models, sampled_tree_case  # noqa: F401
-from tests.models.test_eagle import _unit_target
+from tests.support.lossless import assert_first_tokens_follow
+from tests.support.tiny_lm import TinyLM, check_output, make_prompts
+from tests.support.tiny_transformers import CONFIG, LENGTHS, V, greedy_case, sampled_tree_case, unit_target
 
 # ----------------------------------------------------------------------------
 # The growth
@@ -225,17 +225,17 @@ def test_max_depth_sets_the_walk_of_per_row_parents():
 
 @pytest.mark.parametrize("drafter,tree", [("model", DynamicTree(3, 2, 6)), ("eagle", DynamicTree(3, 3, 7)),
                                           pytest.param("eagle", DynamicTree(2, 2, 2), marks=pytest.mark.slow)])
-def test_greedy_dynamic_tree_equals_generate(models, drafter, tree):  # noqa: F811
+def test_greedy_dynamic_tree_equals_generate(tree_models, drafter, tree):
   """Ragged prompts, EOS inside rounds, max_new_tokens cutting a round: the tokens of plain greedy."""
-  target, draft, untrained, trained = models
-  prompts, lengths, params, kw, plain = _greedy_case(target)
+  target, draft, untrained, trained = tree_models
+  prompts, lengths, params, kw, plain = greedy_case(target)
   drafts = {"model": [draft], "eagle": [untrained, trained]}[drafter]
   for d in drafts:
     out = speculative_generate(target, d, prompts, lengths, params, None, num_speculative_tokens=tree.depth,
                                draft_tree=tree, **kw)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.lengths, plain.lengths)
-    _check_output(out, 15, tree.depth, eos=(kw["eos_token_id"],))
+    check_output(out, 15, tree.depth, eos=(kw["eos_token_id"],))
     st = jax.tree.map(np.asarray, out.stats)
     np.testing.assert_array_equal(st.drafted, tree.num_nodes * (st.target_calls - 1))
   if drafter == "eagle":  # the distilled drafter's tree is accepted more often than the untrained one's
@@ -249,8 +249,8 @@ def test_a_target_drafting_for_itself_has_every_reached_position_accepted():
   """With the whole candidate pool kept, the drafter's top-1 path is in the tree; a drafter equal to the
   target then never misses, which needs its cache to hold every accepted path at the right slots (8 rows,
   40 tokens; leaving the drafter's cache unmoved misses 4 positions of 226)."""
-  target = _unit_target(CONFIG, seed=3)
-  prompts, lengths = _prompts(7, V, [6, 5, 7, 4, 6, 3, 5, 6], 8)
+  target = unit_target(CONFIG, seed=3)
+  prompts, lengths = make_prompts(7, V, [6, 5, 7, 4, 6, 3, 5, 6], 8)
   tree = DynamicTree(3, 2, DynamicTree(3, 2, 1).num_candidates)
   params = SamplingParams.greedy(8)
   kw = dict(max_new_tokens=40, all_greedy=True)
@@ -262,9 +262,9 @@ def test_a_target_drafting_for_itself_has_every_reached_position_accepted():
   np.testing.assert_array_equal(st.accepted_per_position, st.reached_per_position)
 
 
-def test_bad_dynamic_trees_are_refused(models):  # noqa: F811
-  target, draft, _, _ = models
-  prompts, lengths = _prompts(0, V, LENGTHS, 4)
+def test_bad_dynamic_trees_are_refused(tree_models):
+  target, draft, _, _ = tree_models
+  prompts, lengths = make_prompts(0, V, LENGTHS, 4)
   kw = dict(max_new_tokens=4, num_speculative_tokens=2, all_greedy=True)
   args = (prompts, lengths, SamplingParams.greedy(4), None)
   with pytest.raises(ValueError, match="depth num_speculative_tokens=2"):
@@ -327,6 +327,6 @@ def test_sampled_dynamic_tree_is_lossless(monkeypatch, drafter, tree):
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} {tree}, first 3 tokens",
                                    planted=(tree_round, "tree_rejection_sample", _accept_first_children))
-  _check_output(out, 3, 2)
+  check_output(out, 3, 2)
   n = tree.num_nodes
   assert 0.05 < float(out.stats.usable_acceptance_rate) * n < n - 0.5  # nodes are accepted and rejected

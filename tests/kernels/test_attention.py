@@ -40,7 +40,7 @@ from flax import nnx
 from specdec_jax.kernels.attention import AttentionBlocks, check_args, fused_attention
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.transformer import AttentionContext, attention_block, rms_norm
-from tests.kernels.test_mlp import cuda_module_text
+from tests.support.lowering import cuda_module_text
 
 CFG = TransformerConfig(vocab_size=96, num_layers=2, d_model=96, num_heads=6, num_kv_heads=2, head_dim=64, d_ff=160)
 S = 40

@@ -38,6 +38,7 @@ _SLOW = pytest.mark.slow
 from specdec_jax.kernels.mlp import MAX_ROWS, MlpBlocks, _check_args, fused_mlp, fused_mlp_supported
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.transformer import mlp_block
+from tests.support.lowering import cuda_module_text
 
 SMOL = (576, 1536)
 ODD = (96, 160)
@@ -148,18 +149,6 @@ def test_supported():
                      s((30, 1536, 576), jnp.bfloat16)) is None
   assert _check_args(good[0], s((576,), jnp.bfloat16), s((30, 576, 3072), jnp.bfloat16), None) is not None
   assert fused_mlp_supported(good[0], *good[1:]) == (jax.default_backend() == "gpu")
-
-
-def cuda_module_text(fn, args) -> str:
-  """The StableHLO text of jitted `fn` lowered for a CUDA target at `args` (ShapeDtypeStructs), Pallas kernels
-  lowered to Triton IR on the way; skips the test where this jaxlib has no CUDA lowering."""
-  export = pytest.importorskip("jax.export")
-  try:
-    exported = export.export(fn, platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-  except NotImplementedError as e:  # pragma: no cover - a jaxlib built without the GPU lowering
-    pytest.skip(f"no CUDA lowering here: {e}")
-  return exported.mlir_module()
 
 
 @pytest.mark.parametrize("stacked", [False, pytest.param(True, marks=_SLOW)])

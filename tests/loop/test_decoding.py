@@ -7,7 +7,6 @@ Three kinds of model go through the loops, one per way a model rides through jit
   - `specdec_jax.models.Transformer`: a Flax NNX module, split and merged.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,102 +14,12 @@ import numpy as np
 import pytest
 
 from specdec_jax.drafts.lookup import PromptLookupDrafter
-from specdec_jax.loop import decoding
 from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.loop.state import DecodeStats, GenerateOutput
 from specdec_jax.sampling.params import SamplingParams
-from specdec_jax.sampling.sample import sample_tokens
-from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID, RejectionOutput
 from tests.support.compiles import count_compiles
-from tests.support.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation, reference_probs
-
-# ----------------------------------------------------------------------------
-# Models written for the tests
-# ----------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TinyLM:
-  """One attention layer; cache [2, B, S, D] (keys, values), written at positions."""
-
-  embed: jax.Array  # [V, D]
-  wqkv: jax.Array  # [3, D, D]
-  unembed: jax.Array  # [D, V]
-
-  traces = 0  # class attribute, not a field: counts traced calls
-
-  @classmethod
-  def create(cls, seed, vocab_size, d=16, logit_scale=3.0):
-    r = np.random.default_rng(seed)
-    return cls(embed=jnp.asarray(r.normal(size=(vocab_size, d)), jnp.float32),
-               wqkv=jnp.asarray(r.normal(size=(3, d, d)) / np.sqrt(d), jnp.float32),
-               unembed=jnp.asarray(r.normal(size=(d, vocab_size)) * logit_scale / np.sqrt(d), jnp.float32))
-
-  def init_cache(self, batch_size, max_length):
-    return jnp.zeros((2, batch_size, max_length, self.embed.shape[1]), jnp.float32)
-
-  def __call__(self, tokens, positions, cache):
-    TinyLM.traces += 1
-    b, _ = tokens.shape
-    s, d = cache.shape[2], cache.shape[3]
-    freq = (1.0 / (10.0 ** (jnp.arange(d // 2) / (d // 2)))).astype(jnp.float32)  # float32 under x64 too
-    ang = positions[..., None].astype(jnp.float32) * freq[None, None, :]
-    x = self.embed[tokens] + jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)
-    q, k, v = x @ self.wqkv[0], x @ self.wqkv[1], x @ self.wqkv[2]
-    slots = jnp.where((positions >= 0) & (positions < s), positions, s)  # out of range -> dropped
-    rows = jnp.arange(b)[:, None]
-    cache = cache.at[0, rows, slots].set(k, mode="drop").at[1, rows, slots].set(v, mode="drop")
-    scores = jnp.einsum("btd,bsd->bts", q, cache[0]) / np.sqrt(d)
-    scores = jnp.where(jnp.arange(s)[None, None, :] <= positions[..., None], scores, -jnp.inf)
-    h = jnp.tanh(x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), cache[1]))
-    return h @ self.unembed, cache
-
-
-class BigramLM:
-  """Not a pytree: next-token logits from a table; the cache is a dummy scalar."""
-
-  def __init__(self, table):
-    self.table = np.asarray(table, np.float32)  # [V, V]
-
-  def init_cache(self, batch_size, max_length):
-    return jnp.zeros((), jnp.int32)
-
-  def __call__(self, tokens, positions, cache):
-    return jnp.asarray(self.table)[tokens], cache + 1
-
-
-def _prompts(seed, vocab_size, lengths, p):
-  r = np.random.default_rng(seed)
-  tokens = r.integers(0, vocab_size, (len(lengths), p))
-  tokens = np.where(np.arange(p)[None, :] < np.asarray(lengths)[:, None], tokens, -7)  # odd padding
-  return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
-
-
-def _check_output(out: GenerateOutput, max_new_tokens, k, eos=()):
-  """Invariants every output satisfies."""
-  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-  st = jax.tree.map(np.asarray, out.stats)
-  assert tokens.shape == (lengths.shape[0], max_new_tokens) and tokens.dtype == np.int32
-  assert np.all((lengths >= 1) & (lengths <= max_new_tokens))
-  live = np.arange(max_new_tokens)[None, :] < lengths[:, None]
-  assert np.all(tokens[~live] == PLACEHOLDER_TOKEN_ID) and np.all(tokens[live] >= 0)
-  for row, n in zip(tokens, lengths):
-    hits = [i for i in range(n) if row[i] in eos]
-    # A row ends at its first EOS, or at max_new_tokens without one.
-    assert hits == ([n - 1] if hits else []) and (hits or n == max_new_tokens)
-  np.testing.assert_array_equal(lengths, st.accepted + st.target_calls)
-  assert np.all(st.accepted <= st.drafted) and np.all(st.target_calls >= 1)
-  assert st.accepted_per_position.shape == (k,)
-  assert st.accepted_per_position.sum() == st.accepted.sum()
-  assert np.all(np.diff(st.accepted_per_position) <= 0)  # position i+1 needs position i
-  # Usable drafts lie between the accepted and the proposed ones; a position is
-  # accepted only where it was reached, and reached only after the one before.
-  assert np.all(st.accepted <= st.usable_drafted) and np.all(st.usable_drafted <= st.drafted)
-  assert st.reached_per_position.shape == (k,)
-  assert np.all(st.accepted_per_position <= st.reached_per_position)
-  assert np.all(st.reached_per_position[1:] <= st.accepted_per_position[:-1])
-
+from tests.support.lossless import N_ROWS, SMALL_V, TEMPERATURE, TOP_K, assert_first_tokens_follow, exact_joint
+from tests.support.tiny_lm import BigramLM, TinyLM, check_output, make_prompts
 
 # ----------------------------------------------------------------------------
 # Greedy: speculative == plain, token for token
@@ -128,7 +37,7 @@ EOS = (28, 31)
 @pytest.fixture(scope="module")
 def greedy_setup():
   target, draft = TinyLM.create(0, V), TinyLM.create(1, V)
-  prompts, lengths = _prompts(0, V, LENGTHS, P)
+  prompts, lengths = make_prompts(0, V, LENGTHS, P)
   params = SamplingParams.greedy(len(LENGTHS))
   plain = generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, eos_token_id=EOS,
                    all_greedy=True)
@@ -147,8 +56,8 @@ def test_greedy_speculative_equals_generate(greedy_setup, k, drafter):
                              num_speculative_tokens=k, eos_token_id=EOS, all_greedy=True)
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.lengths, plain.lengths)
-  _check_output(out, MAX_NEW, k, eos=EOS)
-  _check_output(plain, MAX_NEW, 0, eos=EOS)
+  check_output(out, MAX_NEW, k, eos=EOS)
+  check_output(plain, MAX_NEW, 0, eos=EOS)
   st = plain.stats
   np.testing.assert_array_equal(st.target_calls, plain.lengths)
   assert float(st.acceptance_rate) == 0.0 and float(st.mean_accepted_length) == 1.0
@@ -162,7 +71,7 @@ SAMPLED_B = 4
 
 def _sampled_inputs(seed):
   r = np.random.default_rng(seed)
-  prompts, lengths = _prompts(seed, V, r.integers(1, P + 1, SAMPLED_B), P)
+  prompts, lengths = make_prompts(seed, V, r.integers(1, P + 1, SAMPLED_B), P)
   greedy = r.uniform(size=SAMPLED_B) < 0.3
   params = SamplingParams.create(np.where(greedy, 0.0, r.uniform(0.3, 1.5, SAMPLED_B)),
                                  top_k=r.integers(0, 9, SAMPLED_B), top_p=r.uniform(0.5, 1.0, SAMPLED_B))
@@ -181,7 +90,7 @@ def test_identical_draft_is_always_accepted():
   """
   k, b, max_new = 3, 8, 17
   model = TinyLM.create(2, V)
-  prompts, lengths = _prompts(1, V, [7, 1, 2, 3, 4, 5, 6, 7], P)
+  prompts, lengths = make_prompts(1, V, [7, 1, 2, 3, 4, 5, 6, 7], P)
   out = speculative_generate(model, model, prompts, lengths, SamplingParams.greedy(b), None,
                              max_new_tokens=max_new, num_speculative_tokens=k, all_greedy=True)
   assert float(out.stats.acceptance_rate) == 1.0
@@ -193,7 +102,7 @@ def test_identical_draft_is_always_accepted():
   for seed in (20, 21):
     prompts, lengths, params, keys = _sampled_inputs(seed)
     sampled = speculative_generate(model, model, prompts, lengths, params, keys, **SAMPLED)
-    _check_output(sampled, SAMPLED["max_new_tokens"], k, eos=SAMPLED["eos_token_id"])
+    check_output(sampled, SAMPLED["max_new_tokens"], k, eos=SAMPLED["eos_token_id"])
     full_rounds = 1 + -(-(np.asarray(sampled.lengths) - 1) // (k + 1))  # prefill + ceil((n - 1) / (K + 1))
     np.testing.assert_array_equal(sampled.stats.target_calls, full_rounds)
 
@@ -209,7 +118,7 @@ def test_bigram_model_not_a_pytree_runs_through_both_loops():
   table = np.full((v, v), -5.0)
   table[np.arange(v), (3 * np.arange(v) + 1) % v] = 5.0  # next = 3 t + 1 mod v
   model = BigramLM(table)
-  prompts, lengths = _prompts(2, v, [3, 1, 2], 4)
+  prompts, lengths = make_prompts(2, v, [3, 1, 2], 4)
   last = np.asarray(prompts)[np.arange(3), np.asarray(lengths) - 1]
   expected = np.zeros((3, 6), np.int64)
   for i in range(6):
@@ -222,7 +131,7 @@ def test_bigram_model_not_a_pytree_runs_through_both_loops():
     out = speculative_generate(model, draft, prompts, lengths, params, None, max_new_tokens=6,
                                num_speculative_tokens=2, all_greedy=True)
     np.testing.assert_array_equal(out.tokens, expected)
-    _check_output(out, 6, 2)
+    check_output(out, 6, 2)
   # max_new_tokens=1: the prefill's token only, the loop runs no round.
   one = speculative_generate(model, model, prompts, lengths, params, None, max_new_tokens=1,
                              num_speculative_tokens=2, all_greedy=True)
@@ -235,7 +144,7 @@ def test_no_recompilation_for_new_prompts_params_keys_and_weights():
     prompts, lengths, params, keys = _sampled_inputs(seed)
     out = speculative_generate(TinyLM.create(seed, V), TinyLM.create(seed + 100, V), prompts, lengths, params,
                                keys, **SAMPLED)
-    _check_output(out, SAMPLED["max_new_tokens"], SAMPLED["num_speculative_tokens"], eos=SAMPLED["eos_token_id"])
+    check_output(out, SAMPLED["max_new_tokens"], SAMPLED["num_speculative_tokens"], eos=SAMPLED["eos_token_id"])
     return out
 
   call(0)
@@ -255,7 +164,7 @@ def test_generate_does_not_recompile_for_new_prompts_params_keys_and_weights():
     prompts, lengths, params, keys = _sampled_inputs(seed)
     out = generate(TinyLM.create(seed, V), prompts, lengths, params, keys,
                    max_new_tokens=SAMPLED["max_new_tokens"], eos_token_id=SAMPLED["eos_token_id"])
-    _check_output(out, SAMPLED["max_new_tokens"], 0, eos=SAMPLED["eos_token_id"])
+    check_output(out, SAMPLED["max_new_tokens"], 0, eos=SAMPLED["eos_token_id"])
 
   call(0)
   with count_compiles("_generate_jit") as compiled:
@@ -282,7 +191,7 @@ def test_all_greedy_loop_program_has_no_exponential_or_random_bits():
   # holds no exp and no PRNG (threefry) instruction.
   r = np.random.default_rng(5)
   target, draft = BigramLM(r.normal(size=(V, V))), BigramLM(r.normal(size=(V, V)))
-  prompts, lengths = _prompts(0, V, LENGTHS, P)
+  prompts, lengths = make_prompts(0, V, LENGTHS, P)
   params = SamplingParams.greedy(len(LENGTHS))
 
   def program(**flags):
@@ -334,13 +243,13 @@ def test_nnx_transformer_greedy_and_no_recompile_for_new_weights():
 
   target = make(0)
   assert isinstance(target, nnx.Module)
-  prompts, lengths = _prompts(6, V, [5, 2, 6], 6)
+  prompts, lengths = make_prompts(6, V, [5, 2, 6], 6)
   params = SamplingParams.greedy(3)
   kwargs = dict(max_new_tokens=10, all_greedy=True)
   plain = generate(target, prompts, lengths, params, None, **kwargs)
   out = speculative_generate(target, make(1), prompts, lengths, params, None, num_speculative_tokens=3, **kwargs)
   np.testing.assert_array_equal(out.tokens, plain.tokens)
-  _check_output(out, 10, 3)
+  check_output(out, 10, 3)
   with count_compiles("_speculative_jit") as compiled:
     same = speculative_generate(target, target, prompts, lengths, params, None, num_speculative_tokens=3, **kwargs)
   np.testing.assert_array_equal(same.tokens, plain.tokens)
@@ -371,7 +280,7 @@ def test_prompt_lookup_proposals():
 
 def test_argument_errors_name_the_argument():
   model = TinyLM.create(0, V)
-  prompts, lengths = _prompts(0, V, [3, 2], 4)
+  prompts, lengths = make_prompts(0, V, [3, 2], 4)
   params = SamplingParams.greedy(2)
   kw = dict(max_new_tokens=4, num_speculative_tokens=2, all_greedy=True)
   with pytest.raises(ValueError, match="prompt_lengths"):
@@ -406,44 +315,6 @@ def test_outputs_are_pytrees():
 # Sampled: lossless end to end (chi-square on the joint of the first 3 tokens)
 # ----------------------------------------------------------------------------
 
-SMALL_V, N_ROWS, TEMPERATURE, TOP_K = 8, 20000, 0.8, 6
-
-
-def continuation_logits(target, prompt):
-  """The target's logits at positions P-1, P, P+1 of prompt + (x1, x2), for every (x1, x2): [V*V, 3, V].
-
-  Rows are x1-major; from full forwards without cache reuse. Position P-1 scores
-  x1, P scores x2 given x1, P+1 scores x3 given x1 and x2.
-  """
-  v = SMALL_V
-  x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
-  seqs = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], axis=1)
-  n, t = seqs.shape
-  logits, _ = target(jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(t)[None, :], (n, t)),
-                     target.init_cache(n, t))
-  return np.asarray(logits)[:, -3:]
-
-
-def _exact_joint(target, prompt):
-  """p(x1, x2, x3 | prompt), flattened [V^3], from full forwards without cache reuse."""
-  v = SMALL_V
-  # p(x1), p(x2 | x1), p(x3 | x1, x2) with float64 reference processing.
-  probs = reference_probs(continuation_logits(target, prompt), TEMPERATURE, top_k=TOP_K)
-  p1 = probs[0, 0]  # [V]
-  p2 = probs[:, 1].reshape(v, v, v)[:, 0]  # [x1, x2]: any x2 row serves, it is not yet seen
-  p3 = probs[:, 2].reshape(v, v, v)  # [x1, x2, x3]
-  return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
-
-
-def _accept_every_draft(draft_token_ids, target_logits, params, key=None, draft_probs=None, all_greedy=False,
-                        **_):
-  """A planted bug: keeps every draft token and appends a target-sampled bonus."""
-  b, k = draft_token_ids.shape
-  bonus, _ = sample_tokens(target_logits[:, k], params, key, all_greedy=all_greedy)
-  return RejectionOutput(token_ids=jnp.concatenate([draft_token_ids, bonus[:, None]], axis=1),
-                         num_accepted=jnp.full((b,), k, jnp.int32), num_emitted=jnp.full((b,), k + 1, jnp.int32))
-
-
 @pytest.mark.parametrize("verification", ["token", pytest.param("block", marks=pytest.mark.slow)])
 def test_sampled_speculative_is_lossless(monkeypatch, verification):
   """The first 3 tokens of N rows (each with its own key) follow the target's exact joint.
@@ -460,7 +331,7 @@ def test_sampled_speculative_is_lossless(monkeypatch, verification):
   prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
   lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
   params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  joint = _exact_joint(target, prompt)
+  joint = exact_joint(target, prompt)
   np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
 
   def run():
@@ -469,7 +340,7 @@ def test_sampled_speculative_is_lossless(monkeypatch, verification):
     return out, np.asarray(out.tokens)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"speculative_generate({verification}), first 3 tokens")
-  _check_output(out, 3, 2)
+  check_output(out, 3, 2)
   assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # the draft differs: rejections happen
 
 
@@ -482,35 +353,6 @@ def test_verification_is_checked():
   with pytest.raises(ValueError, match="verifies chains"):
     speculative_generate(target, target, prompts, lengths, SamplingParams.greedy(1), None, max_new_tokens=2,
                          num_speculative_tokens=2, all_greedy=True, verification="block", draft_tree=(2, 1))
-
-
-def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
-  """Chi-square of the first 3 tokens against `joint`, and a planted bug shown to fail the same check.
-
-  run() -> (GenerateOutput, int [N_ROWS, 3] first tokens). The check pools
-  sparse bins and must keep its power (detects total-variation shifts < 0.04).
-  Then the verifier is swapped for a wrong one, by default a `rejection_sample`
-  that accepts every draft (`planted`: (module, name in it, replacement), e.g.
-  `specdec_jax.loop.tree_round`'s `tree_rejection_sample`), which must be rejected
-  at ALPHA. Returns the correct run's output.
-  """
-  out, samples = run()
-  weights = np.array([SMALL_V ** 2, SMALL_V, 1])
-  result = chisquare_gof(samples @ weights, joint, label=label)
-  assert_gof(result)
-  _, tv_min = detectable_deviation(N_ROWS, result.num_bins)
-  assert tv_min < 0.04, f"the test lost its power: {result}, detects TV >= {tv_min:.3f}"
-
-  monkeypatch.setattr(*(planted or (decoding, "rejection_sample", _accept_every_draft)))
-  # The planted bug must be traced in; the cache is cleared again afterwards.
-  decoding._speculative_jit.clear_cache()
-  try:
-    _, wrong = run()
-  finally:
-    monkeypatch.undo()
-    decoding._speculative_jit.clear_cache()
-  assert chisquare_gof(wrong @ weights, joint).pvalue < ALPHA
-  return out
 
 
 # ----------------------------------------------------------------------------
@@ -554,7 +396,7 @@ class _ShortContextLM(TinyLM):
 def test_generation_past_the_model_context_is_refused():
   base = TinyLM.create(0, V)
   model = _ShortContextLM(embed=base.embed, wqkv=base.wqkv, unembed=base.unembed)
-  prompts, lengths = _prompts(0, V, [5, 3], 8)
+  prompts, lengths = make_prompts(0, V, [5, 3], 8)
   params = SamplingParams.greedy(2)
   with pytest.raises(ValueError, match=r"max_new_tokens=13 .* target\.max_length=20"):
     generate(model, prompts, lengths, params, None, max_new_tokens=13, all_greedy=True)
@@ -599,10 +441,10 @@ def test_prompt_lengths_out_of_range_under_jit_are_clipped(greedy_setup):
 def test_short_runs_do_not_undercount_acceptance():
   """An identical draft at max_new_tokens=12: every usable draft is accepted, at every position."""
   model = TinyLM.create(2, V)
-  prompts, lengths = _prompts(4, V, [7, 1, 2, 3], P)
+  prompts, lengths = make_prompts(4, V, [7, 1, 2, 3], P)
   out = speculative_generate(model, model, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=12,
                              num_speculative_tokens=4, all_greedy=True)
-  _check_output(out, 12, 4)
+  check_output(out, 12, 4)
   st = out.stats
   assert float(st.acceptance_rate) < 1.0  # drafts past the limit count as proposed
   assert float(st.usable_acceptance_rate) == 1.0

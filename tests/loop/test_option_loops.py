@@ -31,18 +31,11 @@ import pytest
 from specdec_jax import PromptLookupDrafter, SamplingParams, generate, rejection_sample, speculative_generate
 from specdec_jax.loop import decoding
 from specdec_jax.sampling.penalties import apply_penalties
-from tests.loop.test_decoding import (
-  N_ROWS,
-  SMALL_V,
-  TinyLM,
-  _check_output,
-  _prompts,
-  assert_first_tokens_follow,
-  continuation_logits,
-)
-from tests.sampling.test_options import _rows_params
 from tests.support import sampling_reference as ref
+from tests.support.lossless import N_ROWS, SMALL_V, assert_first_tokens_follow, continuation_logits
+from tests.support.option_rows import rows_params
 from tests.support.stats import ALPHA, assert_gof, chisquare_gof
+from tests.support.tiny_lm import TinyLM, check_output, make_prompts
 
 V, P, MAX_NEW, K = 32, 7, 16, 3
 LENGTHS = [7, 3, 1, 5, 4]
@@ -59,12 +52,12 @@ _OPTION_NAMES = ("repetition_penalty", "frequency_penalty", "presence_penalty", 
 
 
 def _greedy_params():
-  return dataclasses.replace(_rows_params([dict(r, temperature=0.0) for r in GREEDY_ROWS]), min_p=None)
+  return dataclasses.replace(rows_params([dict(r, temperature=0.0) for r in GREEDY_ROWS]), min_p=None)
 
 
 def _padded_prompts():
   """Prompts padded with valid token ids, so that counting the padding as prompt would change the output."""
-  tokens, lengths = _prompts(0, V, LENGTHS, P)
+  tokens, lengths = make_prompts(0, V, LENGTHS, P)
   pad = np.random.default_rng(1).integers(0, V, (len(LENGTHS), P))
   tokens = np.where(np.arange(P)[None, :] < np.asarray(lengths)[:, None], np.asarray(tokens), pad)
   return jnp.asarray(tokens, jnp.int32), lengths
@@ -219,7 +212,7 @@ def test_greedy_speculative_with_penalties_equals_generate(drafter, monkeypatch)
 
   out = run()
   np.testing.assert_array_equal(np.asarray(out.tokens), want)
-  _check_output(out, MAX_NEW, K, eos=eos)
+  check_output(out, MAX_NEW, K, eos=eos)
   # Drafts were accepted, so later positions of those rounds had drafts in their context.
   assert int(out.stats.accepted_per_position[1]) >= 3, out.stats.accepted_per_position
   # A verifier that leaves the round's drafts out of the context parts from generate.
@@ -262,7 +255,7 @@ def test_mixed_batch_loop_logprobs_with_penalties_are_the_targets(mode):
   the greedy rows of the mixed batch give the greedy reference's tokens."""
   target, draft = _models()
   prompts, lengths = _padded_prompts()
-  params = dataclasses.replace(_rows_params(SAMPLED_ROWS), min_p=None)
+  params = dataclasses.replace(rows_params(SAMPLED_ROWS), min_p=None)
   key = jax.random.key(3)
   outs = [generate(target, prompts, lengths, params, key, max_new_tokens=MAX_NEW, logprobs=mode),
           speculative_generate(target, draft, prompts, lengths, params, key, max_new_tokens=MAX_NEW,
@@ -342,7 +335,7 @@ def test_sampled_speculative_with_penalties_is_lossless(drafter, verification, m
   draft = TinyLM.create(11, SMALL_V, logit_scale=1.5) if drafter == "model" else PromptLookupDrafter((2, 1))
   prompts = jnp.asarray(np.tile(PROMPT, (N_ROWS, 1)), jnp.int32)
   lengths = jnp.full((N_ROWS,), len(PROMPT), jnp.int32)
-  params = dataclasses.replace(_rows_params([dict(SAMPLED_OPTIONS, temperature=1.0)] * N_ROWS), min_p=None)
+  params = dataclasses.replace(rows_params([dict(SAMPLED_OPTIONS, temperature=1.0)] * N_ROWS), min_p=None)
   joint = _exact_joint_with_penalties(target)
   np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
   # The options move the law by far more than the test resolves.
@@ -355,7 +348,7 @@ def test_sampled_speculative_with_penalties_is_lossless(drafter, verification, m
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"speculative_generate({drafter}, {verification}), "
                                    "penalties", planted=(decoding, "rejection_sample", _drafts_forgotten))
-  _check_output(out, 3, 2)
+  check_output(out, 3, 2)
   # x2 was an accepted draft in many rows: those rows' x3 came from a position with a draft in its context.
   assert int(out.stats.accepted_per_position[0]) >= 500, out.stats.accepted_per_position
 
@@ -365,7 +358,7 @@ def test_sampled_generate_with_penalties_follows_the_joint():
   target = TinyLM.create(10, SMALL_V, logit_scale=1.5)
   prompts = jnp.asarray(np.tile(PROMPT, (N_ROWS, 1)), jnp.int32)
   lengths = jnp.full((N_ROWS,), len(PROMPT), jnp.int32)
-  params = dataclasses.replace(_rows_params([dict(SAMPLED_OPTIONS, temperature=1.0)] * N_ROWS), min_p=None)
+  params = dataclasses.replace(rows_params([dict(SAMPLED_OPTIONS, temperature=1.0)] * N_ROWS), min_p=None)
   out = generate(target, prompts, lengths, params, jax.random.key(7), max_new_tokens=3)
   joint = _exact_joint_with_penalties(target)
   weights = np.array([SMALL_V ** 2, SMALL_V, 1])
@@ -377,7 +370,7 @@ def test_sampled_generate_with_penalties_follows_the_joint():
 def test_loops_reject_logit_bias_ids_outside_the_vocabulary():
   # Inside the loop's jit an id >= V would be dropped silently; the wrappers check it first.
   target = TinyLM.create(0, SMALL_V)
-  prompts, lengths = _prompts(0, SMALL_V, [7, 3], 7)
+  prompts, lengths = make_prompts(0, SMALL_V, [7, 3], 7)
   bad = SamplingParams.create([0.0, 0.0], logit_bias={SMALL_V + 5: 5.0})
   with pytest.raises(ValueError, match="generate: logit_bias holds token ids >= the vocabulary size"):
     generate(target, prompts, lengths, bad, None, max_new_tokens=3, all_greedy=True)

@@ -25,23 +25,10 @@ from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling.params import SamplingParams
 from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.verify.tree import TreeRejectionOutput
-from tests.loop.test_decoding import (
-  N_ROWS,
-  SMALL_V,
-  TEMPERATURE,
-  TOP_K,
-  TinyLM,
-  _check_output,
-  _exact_joint,
-  _prompts,
-  assert_first_tokens_follow,
-)
-from tests.models.test_eagle import _distil, _unit_target
 from tests.support.compiles import count_compiles
-
-V = 16
-CONFIG = TransformerConfig.tiny(V, feature_layers=(0, 1))
-
+from tests.support.lossless import N_ROWS, SMALL_V, TEMPERATURE, TOP_K, assert_first_tokens_follow, exact_joint
+from tests.support.tiny_lm import TinyLM, check_output, make_prompts
+from tests.support.tiny_transformers import CONFIG, LENGTHS, V, greedy_case, sampled_tree_case, unit_target
 
 # ----------------------------------------------------------------------------
 # The tree's shape and mask
@@ -162,7 +149,7 @@ def _path(tree, j):
 
 @pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_transformer_tree_call_equals_plain_calls_on_each_root_path(scan_layers):
-  target = _unit_target(CONFIG.replace(scan_layers=scan_layers))
+  target = unit_target(CONFIG.replace(scan_layers=scan_layers))
   b, c, s = 2, 5, 32
   context, tokens, _, (logits, feats, _) = _tree_call(target, TREE, b, c, s, 1, return_features=True)
   leaves = range(TREE.level(TREE.depth).start, TREE.num_nodes)  # every node lies on a leaf's root path
@@ -180,7 +167,7 @@ def test_transformer_tree_call_equals_plain_calls_on_each_root_path(scan_layers)
 
 
 def test_copy_cache_slots_leaves_the_cache_of_a_chain_call_on_the_accepted_path():
-  target = _unit_target()
+  target = unit_target()
   b, c, s = 2, 5, 32
   _, tokens, cache, (_, tree_cache) = _tree_call(target, TREE, b, c, s, 3)
   # Row 0 accepted the path 1 -> 5 -> 9 (depths 1..3), row 1 only node 0.
@@ -200,7 +187,7 @@ def test_copy_cache_slots_leaves_the_cache_of_a_chain_call_on_the_accepted_path(
 
 def test_eagle_tree_levels_equal_chain_steps_on_each_root_path():
   """Drafting a tree depth by depth gives every node the logits a chain drafted along its root path would."""
-  target = _unit_target()
+  target = unit_target()
   drafter = EagleDrafter.for_target(target, num_layers=2, rngs=nnx.Rngs(3))
   call = nnx.jit(lambda d, *args, **kw: d(*args, **kw))  # compiled per shape: faster than op by op
   b, c, s = 2, 6, 40
@@ -233,7 +220,7 @@ def test_eagle_tree_levels_equal_chain_steps_on_each_root_path():
 
 
 def test_tree_arguments_are_checked():
-  target = _unit_target()
+  target = unit_target()
   cache = target.init_cache(1, 8)
   tok = jnp.zeros((1, 3), jnp.int32)
   with pytest.raises(ValueError, match="cache_slots"):
@@ -248,38 +235,10 @@ def test_tree_arguments_are_checked():
 # In the loop
 # ----------------------------------------------------------------------------
 
-LENGTHS = [4, 1, 3, 2]
-
-
-def build_models():
-  """(target, draft model, untrained EAGLE drafter, distilled EAGLE drafter); conftest's `tree_models` keeps one."""
-  target = _unit_target()
-  draft = _unit_target(CONFIG.replace(num_layers=1, feature_layers=()), seed=1)
-  untrained = EagleDrafter.for_target(target, rngs=nnx.Rngs(1))
-  trained = _distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(2)))
-  return target, draft, untrained, trained
-
-
-@pytest.fixture
-def models(tree_models):
-  return tree_models
-
-
-def _greedy_case(target):
-  prompts, lengths = _prompts(5, V, LENGTHS, 4)
-  params = SamplingParams.greedy(len(LENGTHS))
-  plain0 = generate(target, prompts, lengths, params, None, max_new_tokens=15, all_greedy=True)
-  eos = int(np.asarray(plain0.tokens)[2, 6])  # ends row 2 (at least) early: EOS lands inside rounds
-  kw = dict(max_new_tokens=15, eos_token_id=eos, all_greedy=True)
-  plain = generate(target, prompts, lengths, params, None, **kw)
-  assert np.asarray(plain.lengths).min() < 15
-  return prompts, lengths, params, kw, plain
-
-
 def _check_tree_output(out, plain, tree, eos):
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.lengths, plain.lengths)
-  _check_output(out, 15, tree.depth, eos=(eos,))
+  check_output(out, 15, tree.depth, eos=(eos,))
   st = jax.tree.map(np.asarray, out.stats)
   np.testing.assert_array_equal(st.drafted, tree.num_nodes * (st.target_calls - 1))  # N nodes per round
 
@@ -287,10 +246,10 @@ def _check_tree_output(out, plain, tree, eos):
 @pytest.mark.parametrize("drafter,branching", [
     ("model", (2, 2, 1)), pytest.param("model", (1, 3), marks=pytest.mark.slow), ("eagle", (2, 2, 1)),
     pytest.param("eagle", (3, 1, 2), marks=pytest.mark.slow), ("lookup", (3, 1, 1))])
-def test_greedy_tree_equals_generate(models, drafter, branching):
+def test_greedy_tree_equals_generate(tree_models, drafter, branching):
   """Ragged prompts, EOS inside rounds, max_new_tokens cutting a round: the tokens of plain greedy."""
-  target, draft, untrained, trained = models
-  prompts, lengths, params, kw, plain = _greedy_case(target)
+  target, draft, untrained, trained = tree_models
+  prompts, lengths, params, kw, plain = greedy_case(target)
   tree = DraftTree(branching)
   drafts = {"model": [draft], "eagle": [untrained, trained], "lookup": [PromptLookupDrafter((2, 1))]}[drafter]
   for d in drafts:
@@ -308,16 +267,16 @@ def test_greedy_tree_equals_generate(models, drafter, branching):
 
 @pytest.mark.parametrize("tree", [(2, 2), DynamicTree(2, 2, 4), DynamicTree(2, 2, 6, sampled=True)],
                          ids=["static", "dynamic", "dynamic-sampled"])
-def test_mixed_batch_tree_and_no_recompilation(models, tree):
+def test_mixed_batch_tree_and_no_recompilation(tree_models, tree):
   """Greedy rows of a mixed batch equal plain greedy; new prompts, keys and parameters reuse the program."""
-  target, _, _, trained = models
+  target, _, _, trained = tree_models
   kw = dict(max_new_tokens=10, num_speculative_tokens=2, draft_tree=tree)
 
   def call(seed, temps):
-    prompts, lengths = _prompts(seed, V, LENGTHS, 4)
+    prompts, lengths = make_prompts(seed, V, LENGTHS, 4)
     out = speculative_generate(target, trained, prompts, lengths, SamplingParams.create(temps),
                                jax.random.key(seed), **kw)
-    _check_output(out, 10, 2)
+    check_output(out, 10, 2)
     return out, prompts, lengths
 
   call(0, [0.0, 1.0, 0.5, 0.0])
@@ -330,9 +289,9 @@ def test_mixed_batch_tree_and_no_recompilation(models, tree):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["raw", "processed"])
-def test_greedy_logprobs_with_a_tree_equal_those_of_generate(models, mode):
-  target, _, _, trained = models
-  prompts, lengths = _prompts(3, V, LENGTHS, 4)
+def test_greedy_logprobs_with_a_tree_equal_those_of_generate(tree_models, mode):
+  target, _, _, trained = tree_models
+  prompts, lengths = make_prompts(3, V, LENGTHS, 4)
   params = SamplingParams.greedy(4)
   plain = generate(target, prompts, lengths, params, None, max_new_tokens=12, all_greedy=True, logprobs=mode)
   out = speculative_generate(target, trained, prompts, lengths, params, None, max_new_tokens=12,
@@ -342,10 +301,10 @@ def test_greedy_logprobs_with_a_tree_equal_those_of_generate(models, mode):
 
 
 @pytest.mark.slow
-def test_logprobs_with_a_tree_are_those_of_the_processed_law(models):
+def test_logprobs_with_a_tree_are_those_of_the_processed_law(tree_models):
   """Rows at T=0.7 with top-k 4, T=0.7, T=1 and greedy (log_softmax): teacher-forced float64 references."""
-  target, _, _, trained = models
-  prompts, lengths = _prompts(3, V, LENGTHS, 4)
+  target, _, _, trained = tree_models
+  prompts, lengths = make_prompts(3, V, LENGTHS, 4)
   params = SamplingParams.create([0.7, 0.7, 1.0, 0.0], top_k=[4, 0, 0, 0])
   out = speculative_generate(target, trained, prompts, lengths, params, jax.random.key(0), max_new_tokens=12,
                              num_speculative_tokens=3, draft_tree=(2, 2, 1), logprobs="processed")
@@ -370,9 +329,9 @@ def test_logprobs_with_a_tree_are_those_of_the_processed_law(models):
     np.testing.assert_allclose(np.asarray(out.logprobs)[r], want, rtol=1e-4, atol=1e-4)
 
 
-def test_bad_trees_are_refused(models):
-  target, draft, _, _ = models
-  prompts, lengths = _prompts(0, V, LENGTHS, 4)
+def test_bad_trees_are_refused(tree_models):
+  target, draft, _, _ = tree_models
+  prompts, lengths = make_prompts(0, V, LENGTHS, 4)
   kw = dict(max_new_tokens=4, num_speculative_tokens=2, all_greedy=True)
   args = (prompts, lengths, SamplingParams.greedy(4), None)
   with pytest.raises(ValueError, match="num_speculative_tokens=2 entries"):
@@ -408,22 +367,6 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
       num_accepted=jnp.full((b,), d, jnp.int32), num_emitted=jnp.full((b,), d + 1, jnp.int32))
 
 
-def sampled_tree_case(drafter: str):
-  """(target, draft, prompts, lengths, params, exact joint law of the first 3 tokens) of the sampled tree tests:
-  N_ROWS copies of one prompt at T=0.8 and top-k 6; drafter "model" (a 1-layer model) or "eagle" (distilled)."""
-  config = TransformerConfig.tiny(SMALL_V, feature_layers=(0, 1))
-  target = _unit_target(config, seed=4, embed_scale=0.3)
-  if drafter == "model":
-    draft = _unit_target(config.replace(num_layers=1, feature_layers=()), seed=6, embed_scale=0.3)
-  else:
-    draft = _distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(5)), steps=30)
-  prompt = np.array([1, 5, 2, 7])
-  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
-  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
-  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  return target, draft, prompts, lengths, params, _exact_joint(target, prompt)
-
-
 @pytest.mark.slow  # CI runs the dynamic tree's (test_dynamic_tree.py) and the sampler's own (test_tree.py)
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
 def test_sampled_tree_is_lossless(monkeypatch, drafter):
@@ -445,7 +388,7 @@ def test_sampled_tree_is_lossless(monkeypatch, drafter):
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} tree (3, 2), first 3 tokens",
                                    planted=(tree_round, "tree_rejection_sample", _accept_first_children))
-  _check_output(out, 3, 2)
+  check_output(out, 3, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) * 3 < 2.5  # nodes are accepted and rejected
 
 
@@ -453,12 +396,12 @@ def test_sampled_tree_is_lossless(monkeypatch, drafter):
 def test_sampled_lookup_tree_is_lossless(monkeypatch):
   """Deterministic branches (prompt lookup, no draft probabilities) at T=0.8, top-k 6: as above."""
   config = TransformerConfig.tiny(SMALL_V)
-  target = _unit_target(config, seed=4, embed_scale=0.3)
+  target = unit_target(config, seed=4, embed_scale=0.3)
   prompt = np.array([1, 5, 2, 1, 5, 7, 1])  # "1" was followed by 5 twice: branches 5 7.., 5 2..
   prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
   lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
   params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  joint = _exact_joint(target, prompt)
+  joint = exact_joint(target, prompt)
 
   def run():
     out = speculative_generate(target, PromptLookupDrafter(1), prompts, lengths, params, jax.random.key(9),

@@ -11,78 +11,24 @@ bug shown to fail).
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from specdec_jax.loop.decoding import generate, speculative_generate
-from specdec_jax.models import Transformer, TransformerConfig, weight_shapes
+from specdec_jax.models import TransformerConfig
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter, eagle_weight_shapes
 from specdec_jax.sampling.params import SamplingParams
-from tests.loop.test_decoding import (
-  N_ROWS,
-  SMALL_V,
-  TEMPERATURE,
-  TOP_K,
-  _check_output,
-  _exact_joint,
-  _prompts,
-  assert_first_tokens_follow,
-)
 from tests.support.compiles import count_compiles
-
-V = 16
-CONFIG = TransformerConfig.tiny(V, feature_layers=(0, 1))
-
-
-def _unit_target(config=CONFIG, seed=0, embed_scale=1.0) -> Transformer:
-  """A target with unit-scale weights: peaked, input-dependent distributions (flatter with a small embed_scale)."""
-  rng = np.random.default_rng(seed)
-  w = {}
-  for name, shape in weight_shapes(config).items():
-    if name.endswith("norm"):
-      w[name] = np.ones(shape, np.float32)
-    elif name == "embed":
-      w[name] = (embed_scale * rng.standard_normal(shape)).astype(np.float32)
-    else:
-      w[name] = (rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
-  return Transformer.from_weights(config, w)
-
-
-def _distil(target, drafter, steps=60, depth=3, seed=0):
-  """A few steps of training-time-test distillation on the target's greedy continuations."""
-  rng = np.random.default_rng(seed)
-  b, p, n = 64, 4, 28
-  prompts = jnp.asarray(rng.integers(0, target.config.vocab_size, (b, p)), jnp.int32)
-  out = generate(target, prompts, jnp.full((b,), p, jnp.int32), SamplingParams.greedy(b), None,
-                 max_new_tokens=n, all_greedy=True)
-  seqs = jnp.concatenate([prompts, out.tokens], 1)
-  s = seqs.shape[1]
-  logits, feats, _ = target(seqs, jnp.broadcast_to(jnp.arange(s), (b, s)), target.init_cache(b, s),
-                            return_features=True)
-  target_p = jax.nn.softmax(logits[:, 1:-1], -1)
-  opt = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
-
-  @nnx.jit
-  def step(drafter, opt):
-    def loss_fn(d):
-      outs = d.unrolled_logits(seqs[:, 1:-1], feats[:, :-2], depth)
-      return sum(-jnp.mean(jnp.sum(target_p * jax.nn.log_softmax(o, -1), -1)[:, j:]) for j, o in enumerate(outs))
-
-    loss, grads = nnx.value_and_grad(loss_fn)(drafter)
-    opt.update(drafter, grads)
-    return loss
-
-  for _ in range(steps):
-    step(drafter, opt)
-  return drafter
+from tests.support.lossless import N_ROWS, SMALL_V, TEMPERATURE, TOP_K, assert_first_tokens_follow, exact_joint
+from tests.support.tiny_lm import check_output, make_prompts
+from tests.support.tiny_transformers import CONFIG, V, distil, unit_target
 
 
 @pytest.fixture(scope="module")
 def pair():
-  target = _unit_target()
+  target = unit_target()
   untrained = EagleDrafter.for_target(target, rngs=nnx.Rngs(1))
-  trained = _distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(2)))
+  trained = distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(2)))
   return target, untrained, trained
 
 
@@ -95,7 +41,7 @@ def pair():
 @pytest.mark.parametrize("draft_vocab", [None, np.arange(0, V, 2)])
 def test_unrolled_training_equals_cached_drafting(num_layers, draft_vocab):
   """Depth j of `unrolled_logits` at position p equals draft step j of the cached loop path."""
-  target = _unit_target()
+  target = unit_target()
   drafter = EagleDrafter.for_target(target, num_layers=num_layers, draft_vocab=draft_vocab, rngs=nnx.Rngs(3))
   b, t, depth, base = 2, 12, 4, 6
   tokens = jax.random.randint(jax.random.key(0), (b, t + 1), 0, V)
@@ -116,7 +62,7 @@ def test_unrolled_training_equals_cached_drafting(num_layers, draft_vocab):
 
 
 def test_logits_at_and_draft_vocabulary():
-  target = _unit_target()
+  target = unit_target()
   vocab = np.array([1, 4, 9, 15])
   drafter = EagleDrafter.for_target(target, draft_vocab=vocab, rngs=nnx.Rngs(0))
   b, t = 2, 5
@@ -133,7 +79,7 @@ def test_logits_at_and_draft_vocabulary():
 
 
 def test_for_target_shares_the_target_arrays_and_round_trips():
-  target = _unit_target()
+  target = unit_target()
   drafter = EagleDrafter.for_target(target, num_layers=2, rngs=nnx.Rngs(0))
   assert drafter.embed[...] is target.embed[...] and drafter.head[...] is target.embed[...]
   assert drafter.feature_layers == CONFIG.feature_layers
@@ -149,17 +95,17 @@ def test_for_target_shares_the_target_arrays_and_round_trips():
 
 def test_bad_configurations_raise():
   with pytest.raises(ValueError, match="feature_layers is empty"):
-    EagleDrafter.for_target(_unit_target(CONFIG.replace(feature_layers=())), rngs=nnx.Rngs(0))
+    EagleDrafter.for_target(unit_target(CONFIG.replace(feature_layers=())), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="draft_vocab"):
-    EagleDrafter.for_target(_unit_target(), draft_vocab=[1, 1, 2], rngs=nnx.Rngs(0))
+    EagleDrafter.for_target(unit_target(), draft_vocab=[1, 1, 2], rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="draft_vocab"):
-    EagleDrafter.for_target(_unit_target(), draft_vocab=[V], rngs=nnx.Rngs(0))
+    EagleDrafter.for_target(unit_target(), draft_vocab=[V], rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="feature_layers"):
     TransformerConfig.tiny(V, feature_layers=(2,))  # only layers 0, 1 exist
   with pytest.raises(ValueError, match="draft_vocab_size"):
     EagleConfig(layers=TransformerConfig.tiny(V, num_layers=1), feature_layers=(0,), draft_vocab_size=V + 1)
   with pytest.raises(ValueError, match="return_features"):
-    target = _unit_target(CONFIG.replace(feature_layers=()))
+    target = unit_target(CONFIG.replace(feature_layers=()))
     target(jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), target.init_cache(1, 4),
            return_features=True)
 
@@ -175,7 +121,7 @@ LENGTHS = [4, 1, 3, 2]
 def test_greedy_speculative_equals_generate(pair, k):
   """Ragged prompts, EOS inside rounds, max_new_tokens cutting a round: same tokens as plain greedy."""
   target, untrained, trained = pair
-  prompts, lengths = _prompts(5, V, LENGTHS, 4)
+  prompts, lengths = make_prompts(5, V, LENGTHS, 4)
   params = SamplingParams.greedy(len(LENGTHS))
   plain0 = generate(target, prompts, lengths, params, None, max_new_tokens=15, all_greedy=True)
   eos = int(np.asarray(plain0.tokens)[2, 6])  # ends row 2 (at least) early: EOS lands inside rounds
@@ -187,7 +133,7 @@ def test_greedy_speculative_equals_generate(pair, k):
     out = speculative_generate(target, drafter, prompts, lengths, params, None, num_speculative_tokens=k, **kw)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.lengths, plain.lengths)
-    _check_output(out, 15, k, eos=(eos,))
+    check_output(out, 15, k, eos=(eos,))
     accepted.append(int(np.sum(out.stats.accepted)))
   # The distilled drafter's drafts are accepted (catch-up over several verified
   # tokens is exercised); the untrained one's mostly are not (rejections are).
@@ -200,10 +146,10 @@ def test_mixed_batch_and_no_recompilation(pair):
   kw = dict(max_new_tokens=10, num_speculative_tokens=3)
 
   def call(seed, temps):
-    prompts, lengths = _prompts(seed, V, LENGTHS, 4)
+    prompts, lengths = make_prompts(seed, V, LENGTHS, 4)
     params = SamplingParams.create(temps)
     out = speculative_generate(target, trained, prompts, lengths, params, jax.random.key(seed), **kw)
-    _check_output(out, 10, 3)
+    check_output(out, 10, 3)
     return out, prompts, lengths
 
   call(0, [0.0, 1.0, 0.5, 0.0])
@@ -217,12 +163,12 @@ def test_mixed_batch_and_no_recompilation(pair):
 
 def test_mismatched_drafter_is_refused(pair):
   target, untrained, _ = pair
-  prompts, lengths = _prompts(0, V, LENGTHS, 4)
+  prompts, lengths = make_prompts(0, V, LENGTHS, 4)
   kw = dict(max_new_tokens=4, num_speculative_tokens=2, all_greedy=True)
-  other = _unit_target(CONFIG.replace(feature_layers=(1,)))
+  other = unit_target(CONFIG.replace(feature_layers=(1,)))
   with pytest.raises(ValueError, match="feature_layers"):
     speculative_generate(other, untrained, prompts, lengths, SamplingParams.greedy(4), None, **kw)
-  bigger = _unit_target(TransformerConfig.tiny(V + 1, feature_layers=(0, 1)))
+  bigger = unit_target(TransformerConfig.tiny(V + 1, feature_layers=(0, 1)))
   with pytest.raises(ValueError, match="vocabulary"):
     speculative_generate(bigger, untrained, prompts, lengths, SamplingParams.greedy(4), None, **kw)
 
@@ -238,13 +184,13 @@ def test_sampled_speculative_with_feature_drafter_is_lossless(monkeypatch):
   below). A planted loop that accepts every draft is rejected.
   """
   config = TransformerConfig.tiny(SMALL_V, feature_layers=(0, 1))
-  target = _unit_target(config, seed=4, embed_scale=0.3)
-  drafter = _distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(5)), steps=30)
+  target = unit_target(config, seed=4, embed_scale=0.3)
+  drafter = distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(5)), steps=30)
   prompt = np.array([1, 5, 2, 7])
   prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
   lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
   params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  joint = _exact_joint(target, prompt)
+  joint = exact_joint(target, prompt)
 
   def run():
     out = speculative_generate(target, drafter, prompts, lengths, params, jax.random.key(7), max_new_tokens=4,
@@ -252,7 +198,7 @@ def test_sampled_speculative_with_feature_drafter_is_lossless(monkeypatch):
     return out, np.asarray(out.tokens)[:, :3]
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, "EAGLE speculative_generate, first 3 tokens")
-  _check_output(out, 4, 2)
+  check_output(out, 4, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) < 0.95  # drafts are accepted and rejected
 
 

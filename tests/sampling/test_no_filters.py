@@ -30,9 +30,10 @@ from specdec_jax.sampling.draws import categorical_with_fallback
 from specdec_jax.sampling.reductions import chunk_size, greedy_argmax, shifted_chunk_stats
 from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.sampling.stats import log_probs_from_stats, position_stats
-from tests.loop.test_decoding import N_ROWS, SMALL_V, TinyLM, assert_first_tokens_follow, continuation_logits
 from tests.support import sampling_reference as ref
 from tests.support import stats
+from tests.support.lossless import N_ROWS, SMALL_V, assert_first_tokens_follow, continuation_logits
+from tests.support.tiny_lm import TinyLM
 
 _F32_MAX = float(np.finfo(np.float32).max)
 

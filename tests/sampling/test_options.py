@@ -26,6 +26,7 @@ from specdec_jax.sampling.sample import process_logits, sample_tokens
 from specdec_jax.sampling.thresholds import threshold_and_lse
 from tests.support import sampling_reference as ref
 from tests.support import stats
+from tests.support.option_rows import rows_params, rows_state
 
 _sample = jax.jit(sample_tokens, static_argnames=("all_greedy", "logprobs"))
 _apply = jax.jit(apply_penalties)
@@ -34,29 +35,6 @@ _F32_MAX = float(np.finfo(np.float32).max)
 # ----------------------------------------------------------------------------
 # Helpers: one batch of rows, each with its own options and context
 # ----------------------------------------------------------------------------
-
-
-def _rows_params(rows):
-  """SamplingParams of a list of per-row option dicts (every option field present)."""
-  get = lambda name, default: [r.get(name, default) for r in rows]
-  return SamplingParams.create(get("temperature", 1.0), top_k=get("top_k", 0), top_p=get("top_p", 1.0),
-                               min_p=get("min_p", 0.0), repetition_penalty=get("repetition_penalty", 1.0),
-                               frequency_penalty=get("frequency_penalty", 0.0),
-                               presence_penalty=get("presence_penalty", 0.0), logit_bias=get("bias", {}))
-
-
-def _rows_state(rows, v):
-  """PenaltyState of the rows' "prompt" and "generated" token lists."""
-  p = max(1, max(len(r.get("prompt", ())) for r in rows))
-  g = max(1, max(len(r.get("generated", ())) for r in rows))
-  prompt = np.full((len(rows), p), -1, np.int32)
-  gen = np.full((len(rows), g), -1, np.int32)
-  lengths = np.zeros(len(rows), np.int32)
-  for b, r in enumerate(rows):
-    prompt[b, :len(r.get("prompt", ()))] = r.get("prompt", ())
-    gen[b, :len(r.get("generated", ()))] = r.get("generated", ())
-    lengths[b] = len(r.get("prompt", ()))
-  return PenaltyState.from_prompt(prompt, lengths, v).add_tokens(gen, gen >= 0)
 
 
 _REF_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
@@ -221,7 +199,7 @@ def test_apply_penalties_one_position_matches_reference():
   v = 8
   rng = np.random.default_rng(0)
   logits = rng.normal(0, 2.0, (len(_PEN_ROWS), v)).astype(np.float32)
-  params, state = _rows_params(_PEN_ROWS), _rows_state(_PEN_ROWS, v)
+  params, state = rows_params(_PEN_ROWS), rows_state(_PEN_ROWS, v)
   out = np.asarray(_apply(jnp.asarray(logits), params, state))
   assert out.dtype == np.float32
   for b, row in enumerate(_PEN_ROWS):
@@ -237,7 +215,7 @@ def test_apply_penalties_round_counts_earlier_drafts():
   # A repeated draft, a -1 placeholder, an id >= V, drafts already in the prompt.
   drafts = np.array([[5, 5, 5, 2], [6, -1, 2, 6], [0, 4, 4, 9], [7, 1, -1, 1], [3, 3, 3, 3], [1, 1, 8, 0]],
                     np.int32)
-  params, state = _rows_params(_PEN_ROWS), _rows_state(_PEN_ROWS, v)
+  params, state = rows_params(_PEN_ROWS), rows_state(_PEN_ROWS, v)
   out = np.asarray(_apply(jnp.asarray(logits), params, state, jnp.asarray(drafts)))
   for b, row in enumerate(_PEN_ROWS):
     o = _ref_options(row)
@@ -267,7 +245,7 @@ def test_apply_penalties_keeps_the_non_finite_rules():
   rows = [dict(repetition_penalty=0.5, prompt=list(range(8))),  # x / 0.5 of 3e38 overflows; -inf * 0.5
           dict(repetition_penalty=2.0, frequency_penalty=1e38, presence_penalty=1e38, generated=list(range(8)) * 3),
           dict(bias={0: 1.0, 1: -1e38, 2: 1e38, 3: 1e38, 4: -1e38})]
-  out = np.asarray(_apply(jnp.asarray(logits), _rows_params(rows), _rows_state(rows, 8)))
+  out = np.asarray(_apply(jnp.asarray(logits), rows_params(rows), rows_state(rows, 8)))
   assert np.all(np.isnan(out[:, 0])), out[:, 0]  # NaN stays NaN (a masked token)
   np.testing.assert_array_equal(out[:, 1], np.inf)  # +inf stays "this token"
   np.testing.assert_array_equal(out[:, 2], -np.inf)  # -inf stays masked
@@ -300,7 +278,7 @@ _GREEDY_TABLE = [
 def _greedy_batch():
   rows = [dict(opts, temperature=0.0) for _, opts, _, _ in _GREEDY_TABLE]
   logits = np.array([lg for lg, _, _, _ in _GREEDY_TABLE], np.float32)
-  return logits, _rows_params(rows), _rows_state(rows, logits.shape[1])
+  return logits, rows_params(rows), rows_state(rows, logits.shape[1])
 
 
 @pytest.mark.parametrize("all_greedy", [False, True])
@@ -402,8 +380,8 @@ _GROUPS = [
 def _sample_groups(n, seed):
   rows = [opts for _, _, opts, _ in _GROUPS for _ in range(n)]
   logits = np.repeat(_LOGITS[[g for _, g, _, _ in _GROUPS]], n, axis=0)
-  tokens, logp = _sample(jnp.asarray(logits), _rows_params(rows), jax.random.key(seed),
-                         penalty_state=_rows_state(rows, _V))
+  tokens, logp = _sample(jnp.asarray(logits), rows_params(rows), jax.random.key(seed),
+                         penalty_state=rows_state(rows, _V))
   return np.asarray(tokens).reshape(len(_GROUPS), n), np.asarray(logp).reshape(len(_GROUPS), n, _V)
 
 
@@ -616,7 +594,7 @@ def test_sample_tokens_logprobs_match_float64_references(mode):
   rng = np.random.default_rng(8)
   logits = rng.normal(0, 2.0, (len(_LP_ROWS), v)).astype(np.float32)
   logits[5, 9] = logits[5].max() + 2.0  # the frequency penalty (-4) moves the greedy row off its argmax, 9
-  params, state = _rows_params(_LP_ROWS), _rows_state(_LP_ROWS, v)
+  params, state = rows_params(_LP_ROWS), rows_state(_LP_ROWS, v)
   raw_lsm = ref.log_softmax(logits)
   for seed in range(3):
     tokens, _, lp = _sample(jnp.asarray(logits), params, jax.random.key(seed), penalty_state=state, logprobs=mode)
@@ -633,7 +611,7 @@ def test_sample_tokens_logprobs_match_float64_references(mode):
   assert tokens[5] != 9
   # all_greedy: the greedy rows' values, from the same references.
   greedy_rows = [dict(r, temperature=0.0) for r in _LP_ROWS]
-  tokens, _, lp = _sample(jnp.asarray(logits), _rows_params(greedy_rows), None, all_greedy=True,
+  tokens, _, lp = _sample(jnp.asarray(logits), rows_params(greedy_rows), None, all_greedy=True,
                           penalty_state=state, logprobs=mode)
   for b, row in enumerate(greedy_rows):
     x = logits[b] if mode == "raw" else _ref_penalized(logits[b], row)
@@ -802,13 +780,13 @@ def _run_round_groups(groups, with_probs, seed, per_group=_ROUND_ROWS):
   q64 = (_RQ if with_probs else _RQ_NGRAM).astype(np.float64)
   q64 /= q64.sum(-1, keepdims=True)
   drafts = np.stack([rng.choice(_RV, n, p=q64[i]) for i in range(_RK)], 1).astype(np.int32)
-  params = _rows_params(rows)
+  params = rows_params(rows)
   if not any("min_p" in opts for _, opts in groups):
     params = dataclasses.replace(params, min_p=None)  # the program without min-p
   out = rejection_sample(drafts, jnp.broadcast_to(jnp.asarray(_RLOGITS), (n, _RK + 1, _RV)), params,
                          jax.random.split(jax.random.key(seed), n),
                          draft_probs=jnp.broadcast_to(jnp.asarray(_RQ), (n, _RK, _RV)) if with_probs else None,
-                         penalty_state=_rows_state(rows, _RV))
+                         penalty_state=rows_state(rows, _RV))
   return rows, drafts, np.asarray(out.token_ids), np.asarray(out.num_accepted)
 
 
@@ -914,10 +892,10 @@ def test_rejection_sample_greedy_table_penalties_count_earlier_drafts(mode):
   if mode == "greedy_rows_of_mixed_batch":  # one random row beside them
     rows.append(dict(temperature=1.0, presence_penalty=1.0))
     logits, drafts, n = np.concatenate([logits, logits[:1]]), np.concatenate([drafts, drafts[:1]]), np.append(n, k)
-  params = dataclasses.replace(_rows_params(rows), min_p=None)
+  params = dataclasses.replace(rows_params(rows), min_p=None)
   out = rejection_sample(drafts, logits, params, None if mode == "all_greedy_flag" else jax.random.key(0),
                          num_draft_tokens=n, all_greedy=mode == "all_greedy_flag",
-                         penalty_state=_rows_state(rows, logits.shape[-1]))
+                         penalty_state=rows_state(rows, logits.shape[-1]))
   for b, (label, lg, d, m, opts, want, forgetful) in enumerate(_ROUND_GREEDY_TABLE):
     # The table agrees with the float64 reference, and the drafts' context matters
     # in every row where the two columns differ.
@@ -940,7 +918,7 @@ def test_rejection_sample_greedy_rows_ignore_min_p():
   temperature = np.array([0.0, 0.0, 0.0, 1.0, 0.0, 0.7, 0.0, 0.0])
   rows = [dict(temperature=t, min_p=m) for t, m in zip(temperature, [0.9, 0.5, 0.0, 0.3, 1.0, 0.2, 0.9, 0.9])]
   rows[6].update(presence_penalty=1.0, bias={3: 1.0})  # a greedy row with steps 1-3 as well
-  params, state = _rows_params(rows), _rows_state(rows, v)
+  params, state = rows_params(rows), rows_state(rows, v)
 
   def check_greedy_rows(out, idx):
     for i, r in enumerate(idx):

@@ -148,7 +148,7 @@ def test_bad_logprobs_mode_is_a_value_error():
 # ----------------------------------------------------------------------------
 
 from specdec_jax import PromptLookupDrafter, generate, speculative_generate  # noqa: E402
-from tests.loop.test_decoding import TinyLM, _prompts  # noqa: E402
+from tests.support.tiny_lm import TinyLM, make_prompts  # noqa: E402
 
 LV, LP, LMAX = 32, 7, 12
 LOOP_LENGTHS = [7, 3, 1, 5]
@@ -184,7 +184,7 @@ def test_loops_return_the_targets_logprobs_of_their_tokens(mode):
   """Greedy: both loops give the same tokens and log-probs; sampled: each loop's log-probs are the target's own
   (teacher-forced float64 reference), for mixed temperatures and filters, ragged prompts and EOS inside rounds."""
   target, draft = TinyLM.create(0, LV), TinyLM.create(1, LV)
-  prompts, lengths = _prompts(0, LV, LOOP_LENGTHS, LP)
+  prompts, lengths = make_prompts(0, LV, LOOP_LENGTHS, LP)
   common = dict(max_new_tokens=LMAX, eos_token_id=LOOP_EOS, logprobs=mode)
 
   greedy = SamplingParams.greedy(4)
@@ -214,7 +214,7 @@ def test_loops_return_the_targets_logprobs_of_their_tokens(mode):
 
 def test_loops_without_logprobs_return_none_and_bad_modes_are_refused():
   target = TinyLM.create(0, LV)
-  prompts, lengths = _prompts(0, LV, LOOP_LENGTHS, LP)
+  prompts, lengths = make_prompts(0, LV, LOOP_LENGTHS, LP)
   out = generate(target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=3, all_greedy=True)
   assert out.logprobs is None
   with pytest.raises(ValueError, match="generate: logprobs must be one of"):
