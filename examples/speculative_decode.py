@@ -56,7 +56,7 @@ from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, enc
 
 # SmolLM2-135M's context length (tokens): prompt, generated tokens and the K+1
 # verification slots must fit in it. The same as `smollm2_config().max_length`
-# (tests/test_demo.py checks), which needs the weights; the flags are checked before.
+# (tests/examples/test_demo.py checks), which needs the weights; the flags are checked before.
 MAX_CONTEXT = 8192
 
 REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she "

@@ -1,4 +1,4 @@
-"""The `count_compiles` helper (tests/compiles.py) that the no-recompilation tests use."""
+"""The `count_compiles` helper (tests/support/compiles.py) that the no-recompilation tests use."""
 
 import jax
 import jax.numpy as jnp

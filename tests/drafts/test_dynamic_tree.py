@@ -8,7 +8,7 @@
     drafters; ragged prompts, EOS inside rounds), sampled runs are lossless
     (chi-square of the first tokens' joint law; a planted verifier that accepts
     the first child fails), bad trees refused; the mixed-batch and
-    no-recompilation test is shared with static trees in test_tree_loop.py.
+    no-recompilation test is shared with static trees in tests/loop/test_tree_round.py.
 """
 
 import jax
@@ -302,7 +302,7 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
 
 
 # CI runs the sampled tree's loop (the same per-row plumbing, verified with q); the sampler's own tests
-# (test_tree.py) check deterministic children ("guesses") in CI.
+# (tests/verify/test_tree.py) check deterministic children ("guesses") in CI.
 @pytest.mark.parametrize("drafter,tree", [pytest.param("eagle", DynamicTree(2, 3, 5), marks=pytest.mark.slow),
                                           pytest.param("model", DynamicTree(2, 3, 5), marks=pytest.mark.slow),
                                           ("eagle", DynamicTree(2, 2, 6, sampled=True)),

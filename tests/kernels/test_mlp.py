@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 # Most of these run with `-m slow`: the models' `kernels="pallas_interpret"` tests
-# (tests/test_pallas_attention.py) run this MLP in CI, as do the bad-input checks and one lowering case.
+# (tests/kernels/test_attention.py) run this MLP in CI, as do the bad-input checks and one lowering case.
 _SLOW = pytest.mark.slow
 
 from specdec_jax.kernels.mlp import MAX_ROWS, MlpBlocks, _check_args, fused_mlp, fused_mlp_supported

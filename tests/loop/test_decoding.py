@@ -1,4 +1,4 @@
-"""Tests of specdec_jax/decoding.py (generate, speculative_generate) and drafters.py.
+"""Tests of specdec_jax/loop/decoding.py (generate, speculative_generate) and drafts/lookup.py.
 
 Three kinds of model go through the loops, one per way a model rides through jit:
   - `TinyLM`: a one-layer attention LM written here, a registered pytree with its
@@ -320,7 +320,7 @@ def test_sampled_speculative_is_lossless(monkeypatch, verification):
   """The first 3 tokens of N rows (each with its own key) follow the target's exact joint.
 
   Sparse bins (expected count < 5) are pooled; alpha = 1e-3 with a fixed seed.
-  Power (tests/stats.py `detectable_deviation`): N = 20000 samples over the
+  Power (tests/support/stats.py `detectable_deviation`): N = 20000 samples over the
   ~200 pooled bins detect, with 80% power, every deviation of Cohen's w >= ~0.06,
   so every total-variation shift >= ~0.03. The planted loop below, which
   accepts every draft, is rejected with a p-value far below alpha. Both

@@ -318,7 +318,7 @@ def _exact_joint_with_penalties(target, options=SAMPLED_OPTIONS):
   return joint.reshape(-1)
 
 
-# Slow-marked (CI budget): CI checks penalties' exact law in the sampler (tests/test_sampling_options.py) and the
+# Slow-marked (CI budget): CI checks penalties' exact law in the sampler (tests/sampling/test_options.py) and the
 # loop's penalised greedy and logprob rows here; the loop's sampled law with penalties needs `-m slow`.
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter, verification", [("model", "token"), ("lookup", "token"), ("model", "block")])

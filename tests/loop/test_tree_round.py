@@ -1,6 +1,6 @@
 """Trees of drafts in the models and the loop (`draft_tree=`): tree attention, the slot move, the loop.
 
-The sampler on its own (`tree_rejection_sample`) is tested in test_tree.py. Here:
+The sampler on its own (`tree_rejection_sample`) is tested in tests/verify/test_tree.py. Here:
   - tree attention: a tree call equals, node by node, the plain call on that
     node's root path (target and EAGLE drafter, float32);
   - `copy_cache_slots` leaves the cache as a chain call on the accepted path would;
@@ -367,7 +367,7 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
       num_accepted=jnp.full((b,), d, jnp.int32), num_emitted=jnp.full((b,), d + 1, jnp.int32))
 
 
-@pytest.mark.slow  # CI runs the dynamic tree's (test_dynamic_tree.py) and the sampler's own (test_tree.py)
+@pytest.mark.slow  # CI runs the dynamic tree's (tests/drafts/test_dynamic_tree.py) and the sampler's own (tests/verify/test_tree.py)
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
 def test_sampled_tree_is_lossless(monkeypatch, drafter):
   """The first 3 tokens of N rows follow the target's exact joint when drafts come as sampled trees.

@@ -176,7 +176,7 @@ def test_mismatched_drafter_is_refused(pair):
 def test_sampled_speculative_with_feature_drafter_is_lossless(monkeypatch):
   """The first 3 tokens of N rows follow the target's exact joint, with draft probabilities in play.
 
-  Temperature 0.8 and top-k 6 (as the model-drafter test in test_decoding.py).
+  Temperature 0.8 and top-k 6 (as the model-drafter test in tests/loop/test_decoding.py).
   With max_new_tokens=4 and K=2, the third token comes from the first round or
   from a second round that begins with the drafter's catch-up. Sparse bins
   (expected count < 5) are pooled; alpha = 1e-3 with a fixed seed. N = 20000

@@ -1,7 +1,7 @@
 """Tests of the models and loops on a device mesh (specdec_jax/models/sharding.py, specdec_jax/mesh.py).
 
-The checks that need many devices run in ONE subprocess, `tests/mesh_worker.py`,
-started with 8 fake CPU devices (`--xla_force_host_platform_device_count=8`,
+The checks that need many devices, `tests/support/mesh_worker.py`, run in ONE subprocess
+with the samplers' (tests/support/eight_devices.py, started once by tests/conftest.py), with 8 fake CPU devices (`--xla_force_host_platform_device_count=8`,
 appended to any XLA_FLAGS): the device count is fixed when JAX starts, and
 this process has one device. Each check of the worker becomes one test here,
 so a failure names what broke. About 35 s on 2 cores (most of it compiling
@@ -24,10 +24,10 @@ import pytest
 
 from specdec_jax.models import Partitioning, make_mesh, shard
 from specdec_jax.models.sharding import relayout
-from tests.support.eight_devices import check_result, run_worker
+from tests.support.eight_devices import check_result
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "support" / "mesh_worker.py"
+EIGHT_DEVICE_WORKER = "models"  # tests/support/mesh_worker.py, run by tests/conftest.py's session fixtures
 
 LOOP_RUNS = ("generate greedy", "generate sampled", "speculative greedy, draft model",
              "speculative greedy, prompt lookup", "speculative greedy, EAGLE", "speculative sampled, draft model")
@@ -41,13 +41,13 @@ MORE_CHECKS = ([f"loops 2x4 more: {run}" for run in LOOP_RUNS if run not in FAST
 
 
 @pytest.fixture(scope="module")
-def worker_results() -> dict:
-  return run_worker(WORKER, ("--part", "fast"))
+def worker_results(eight_device_results) -> dict:
+  return eight_device_results[EIGHT_DEVICE_WORKER]
 
 
 @pytest.fixture(scope="module")
-def more_results() -> dict:
-  return run_worker(WORKER, ("--part", "more"))
+def more_results(eight_device_more_results) -> dict:
+  return eight_device_more_results[EIGHT_DEVICE_WORKER]
 
 
 @pytest.mark.parametrize("name", CHECKS)
@@ -61,7 +61,7 @@ def test_on_eight_devices_more_loops(more_results, name):
   check_result(more_results, name)
 
 
-def test_worker_runs_no_unlistedcheck_result(worker_results):
+def test_worker_runs_no_unlisted_check(worker_results):
   assert set(worker_results) <= set(CHECKS) | {name.split(": ")[0] for name in CHECKS}, sorted(worker_results)
 
 

@@ -312,7 +312,7 @@ def _right_padded(tokenizer, texts):
 
 # Slow-marked here (CI budget): CI checks the EAGLE head's greedy equality on four other prompts in
 # test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts, and prompt lookup's on tiny models in
-# test_decoding.py.
+# tests/loop/test_decoding.py.
 @pytest.mark.parametrize("drafter", [pytest.param(name, marks=pytest.mark.slow)
                                      for name in ("shipped_draft", "prompt_lookup", "shipped_eagle")])
 def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafter):

@@ -275,7 +275,7 @@ def test_tree_rejection_sample_with_the_promise_has_fewer_branches():
 
 def test_loops_with_no_filters_keep_greedy_rows_exact(tree_models):
   """Greedy rows of a mixed batch equal plain greedy decoding: plain, a chain, and the EAGLE head's tree."""
-  target, draft, _, eagle = tree_models  # float32 Transformers (tests/test_tree_loop.py), V = 16
+  target, draft, _, eagle = tree_models  # float32 Transformers (tests/loop/test_tree_round.py), V = 16
   prompts, lengths = jnp.asarray(np.arange(12).reshape(3, 4) % 16, jnp.int32), jnp.array([4, 2, 3])
   params = SamplingParams.create([0.0, 1.0, 0.0])
   plain = generate(target, prompts, lengths, SamplingParams.greedy(3), None, max_new_tokens=6, all_greedy=True)

@@ -6,7 +6,7 @@ use fixed seeds and a chi-square test at alpha = 1e-3 (`tests.stats.ALPHA`);
 each also shows that a plausible wrong implementation is rejected by the same
 samples at that level. The `rejection_sample` section checks every position of
 a round, the bonus included, with the round's earlier drafts in the context
-(the loops' use of the options: tests/test_option_loops.py).
+(the loops' use of the options: tests/loop/test_option_loops.py).
 """
 
 import dataclasses

@@ -94,7 +94,7 @@ def _penalty_problem(seed, b=4, k=3, v=500):
 
 
 # Slow-marked (CI budget): CI checks the view through sample_tokens below and rejection_sample's penalties
-# by their exact laws (test_sampling_options.py).
+# by their exact laws (tests/sampling/test_options.py).
 @pytest.mark.slow
 @pytest.mark.parametrize("with_dp", [False, True])
 def test_rejection_sample_through_the_view_equals_materialised_penalised_logits(with_dp):

@@ -1,8 +1,9 @@
 """Tests of the samplers on a device mesh: `rejection_sample` and `sample_tokens` split over the vocabulary.
 
-The checks run in one subprocess, `tests/mesh_sampler_worker.py` (its docstring
-lists them; a second one runs the checks on the meshes 4x2 and 8x1 under the
-slow mark), started with 8 fake CPU devices
+The checks, `tests/support/mesh_sampler_worker.py` (its docstring lists them), run in
+one subprocess with the models' (tests/support/eight_devices.py, started once by
+tests/conftest.py; a second one runs the checks on the meshes 4x2 and 8x1 under
+the slow mark), with 8 fake CPU devices
 (`--xla_force_host_platform_device_count=8`, appended to any XLA_FLAGS): the
 device count is fixed when JAX starts, and this process has one device. Each
 check of the worker becomes one test here, so a failure names what broke, and
@@ -27,12 +28,13 @@ import pytest
 
 from specdec_jax.sampling import vocab_parallel
 from specdec_jax.sampling.reductions import chunk_size
-from tests.support.eight_devices import check_result, run_worker
+from tests.support.eight_devices import check_result
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "support" / "mesh_sampler_worker.py"
+EIGHT_DEVICE_WORKER = "samplers"  # run by tests/conftest.py's session fixtures
 
-# The worker's tables (tests/mesh_sampler_worker.py), written out: a check the worker
+# The worker's tables (tests/support/mesh_sampler_worker.py), written out: a check the worker
 # runs must be listed here, and each listed check must have run.
 MESHES = ("1x8", "2x4", "4x2", "8x1")
 REJECTION = {  # program -> data sets
@@ -87,13 +89,13 @@ SLOW = [c for c in CHECKS if _in_more_meshes_part(c)]
 
 
 @pytest.fixture(scope="module")
-def worker_results() -> dict:
-  return run_worker(WORKER, ("--part", "fast"))
+def worker_results(eight_device_results) -> dict:
+  return eight_device_results[EIGHT_DEVICE_WORKER]
 
 
 @pytest.fixture(scope="module")
-def more_mesh_results() -> dict:
-  return run_worker(WORKER, ("--part", "more-meshes"))
+def more_mesh_results(eight_device_more_results) -> dict:
+  return eight_device_more_results[EIGHT_DEVICE_WORKER]
 
 
 @pytest.mark.parametrize("name", FAST)
@@ -107,12 +109,12 @@ def test_on_eight_devices_more_meshes(more_mesh_results, name):
   check_result(more_mesh_results, name)
 
 
-def test_worker_runs_no_unlistedcheck_result(worker_results):
+def test_worker_runs_no_unlisted_check(worker_results):
   assert set(worker_results) <= set(FAST), sorted(set(worker_results) - set(FAST))
 
 
 @pytest.mark.slow
-def test_more_meshes_part_runs_no_unlistedcheck_result(more_mesh_results):
+def test_more_meshes_part_runs_no_unlisted_check(more_mesh_results):
   assert set(more_mesh_results) <= set(SLOW), sorted(set(more_mesh_results) - set(SLOW))
 
 

@@ -1,4 +1,4 @@
-"""The samplers on a device mesh, run by tests/test_mesh_sampler.py in a subprocess with 8 fake CPU devices.
+"""The samplers on a device mesh, run by tests/sampling/test_vocab_parallel.py in a subprocess with 8 fake CPU devices.
 
 `rejection_sample` and `sample_tokens` called under `with jax.set_mesh(mesh):`
 (axes "data" x "model") with target_logits [B, K+1, V] and draft_probs [B, K, V]
@@ -9,9 +9,10 @@ mesh, for the same key. When the model axis m > 1 splits V into whole chunks
 reduces each device's slice of the vocabulary itself and only small partials
 cross devices; otherwise the ordinary program runs (and XLA may gather). The
 parent sets `XLA_FLAGS=--xla_force_host_platform_device_count=8` (plus flags
-that halve the compile time, the same for every run) and runs
+that halve the compile time, the same for every run) and runs its part
+through tests/support/eight_devices.py (or alone, to debug:
 
-    python tests/mesh_sampler_worker.py [--part all|fast|more-meshes]
+    python tests/support/mesh_sampler_worker.py [--part all|fast|more-meshes])
 
 (`fast`: everything but the `rejection_sample` checks on the meshes 4x2 and
 8x1 and all but the greedy flag's on 1x8, which `more-meshes` runs alone; the

@@ -1,11 +1,12 @@
-"""The many-device checks, run by tests/test_mesh_models.py in a subprocess with 8 fake CPU devices.
+"""The many-device checks, run by tests/models/test_sharding.py in a subprocess with 8 fake CPU devices.
 
 The device count of the CPU backend is fixed when JAX starts, so these checks
 cannot run inside the ordinary pytest process (which has one device). The
 parent sets `XLA_FLAGS=--xla_force_host_platform_device_count=8` (and a low
-LLVM optimisation level, which halves the compile time) and runs
+LLVM optimisation level, which halves the compile time) and runs its part
+through tests/support/eight_devices.py (or alone, to debug:
 
-    python tests/mesh_worker.py [--part all|fast|more]
+    python tests/support/mesh_worker.py [--part all|fast|more])
 
 which prints one JSON object on its last line: {check name: {"ok": bool,
 "detail": str}}. Each check compares a run on a mesh with the same run on one

@@ -21,8 +21,10 @@ NaN logits count as -inf (masked); +inf logits share all the mass (greedy takes
 the first); a position with no logit above -inf has no distribution (all -inf).
 Parameters are rounded to float32 first, as `SamplingParams` stores them.
 
-Used by tests/test_sampling_options.py; `round_log_probs` gives the per-position
-distributions of a speculative round, for tests of `rejection_sample`.
+The one NumPy reference of the processing step: tests/support/stats.py's
+`reference_probs` applies `filtered_probs` row by row; `round_log_probs` gives
+the per-position distributions of a speculative round, for tests of
+`rejection_sample`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ Three groups, importable from any test file (`from tests.support.stats import ..
   large a deviation a test of N samples detects at 80% power.
 * NumPy float64 references of the contract (docs/api.md "SamplingParams",
   "rejection_sample"), written from the text and sharing no code with
-  `specdec_jax`: `reference_probs` (temperature, top-k, top-p with ties kept)
-  and `greedy_reference` (greedy verification).
+  `specdec_jax`: `reference_probs` (temperature, top-k, top-p with ties kept,
+  row by row through tests/support/sampling_reference.py, the one reference of
+  the processing step) and `greedy_reference` (greedy verification).
 * `HloProgram`: the opcodes and call graph of a compiled program's text, to
   assert that a program holds no exponential, random bits or sort.
 """
@@ -23,6 +24,8 @@ import re
 import numpy as np
 import scipy.optimize
 import scipy.stats
+
+from tests.support import sampling_reference
 
 # Significance level of every statistical test: a correct sampler fails a given
 # check with probability 1e-3 (seeds are fixed, so a passing test stays passing).
@@ -198,12 +201,11 @@ def chisquare_two_sample(samples_a, samples_b, num_outcomes: int, *, label: str 
 
 def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0,
                     *, boundary_tol: float = 0.0):
-  """The processed target distribution of one random request, in float64.
+  """The processed target distribution of one random request, in float64, for every row of `logits`.
 
-  Straight from the contract (docs/api.md): divide by the temperature, keep the top_k largest
-  (ties with the k-th kept too; top_k = 0 or >= V is off), renormalise, keep the
-  smallest most-likely set whose mass reaches top_p (>=; ties with its last token
-  kept), renormalise. -inf logits are never kept.
+  The contract's temperature, top-k and top-p (ties with the k-th and with the
+  last token of the top-p set kept) come from the one NumPy reference,
+  `sampling_reference.filtered_probs`; this applies it row by row.
 
   Args:
     logits: [..., V] floats (already rounded to the input dtype, e.g. bf16).
@@ -219,30 +221,18 @@ def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1
   """
   x = np.asarray(logits, np.float64)
   lead, v = x.shape[:-1], x.shape[-1]
-  x = x.reshape(-1, v)
-  probs = np.zeros_like(x)
-  near = np.zeros(x.shape[0], bool)
-  t = float(np.float32(temperature))
-  for r in range(x.shape[0]):
-    y = x[r] / t
-    keep = np.isfinite(y)
-    desc = np.sort(y[keep])[::-1]
-    if 0 < top_k < v and top_k <= desc.size:
-      keep &= y >= desc[top_k - 1]
-    w = np.where(keep, np.exp(y - desc[0]), 0.0)
-    p = w / w.sum()
-    if top_p < 1.0:
-      order = np.argsort(-y[keep], kind="stable")
-      ys, ps = y[keep][order], p[keep][order]
-      cum = np.cumsum(ps)
-      first = min(int(np.sum(cum < top_p)), ys.size - 1)
-      keep &= y >= ys[first]
-      near[r] = bool(np.any(np.abs(cum - top_p) < boundary_tol))
-      w = np.where(keep, w, 0.0)
-      p = w / w.sum()
-    probs[r] = p
-  probs = probs.reshape(lead + (v,))
-  return (probs, near.reshape(lead)) if boundary_tol > 0 else probs
+  rows = x.reshape(-1, v)
+  probs = np.stack([sampling_reference.filtered_probs(row, temperature=temperature, top_k=top_k, top_p=top_p)
+                    for row in rows]).reshape(lead + (v,))
+  if boundary_tol <= 0:
+    return probs
+  near = np.zeros(rows.shape[0], bool)
+  if top_p < 1.0:
+    for r, row in enumerate(rows):  # the mass before top-p, largest first
+      top_k_probs = sampling_reference.filtered_probs(row, temperature=temperature, top_k=top_k)
+      cum = np.cumsum(np.sort(top_k_probs)[::-1])
+      near[r] = bool(np.any(np.abs(cum - np.float32(top_p)) < boundary_tol))
+  return probs, near.reshape(lead)
 
 
 def residual_probs(p, q):

@@ -1,4 +1,4 @@
-"""Tests of specdec_jax/rejection.py, against the `rejection_sample` contract (docs/api.md).
+"""Tests of specdec_jax/verify/chain.py (`rejection_sample`), against the `rejection_sample` contract (docs/api.md).
 
 * Exact tables for greedy verification, in every mode (static flag, run-time
   greedy batch, greedy rows of a mixed batch), and the static flags' overrides.

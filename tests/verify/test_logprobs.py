@@ -176,7 +176,7 @@ def _teacher_forced(model, prompts, lengths, out, params_np, mode):
   return want
 
 
-# Slow-marked (CI budget): CI checks both modes in the loops with options (test_option_loops.py, the same
+# Slow-marked (CI budget): CI checks both modes in the loops with options (tests/loop/test_option_loops.py, the same
 # loop plumbing with a mixed batch), and every mode of rejection_sample against float64 above.
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["raw", "processed"])
