@@ -31,7 +31,7 @@ jax.config.update("jax_enable_x64", False)
 # built once too).
 SHARED_FIXTURE_GROUPS = {
     "tests.loop.test_tree_round": "tree_models", "tests.drafts.test_dynamic_tree": "tree_models",
-    "tests.sampling.test_no_filters": "tree_models",
+    "tests.sampling.test_no_filters": "tree_models", "tests.models.test_eagle": "tree_models",
     "tests.models.test_sharding": "eight_devices", "tests.sampling.test_vocab_parallel": "eight_devices",
 }
 

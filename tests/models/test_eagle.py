@@ -25,10 +25,9 @@ from tests.support.tiny_transformers import CONFIG, V, distil, unit_target
 
 
 @pytest.fixture(scope="module")
-def pair():
-  target = unit_target()
-  untrained = EagleDrafter.for_target(target, rngs=nnx.Rngs(1))
-  trained = distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(2)))
+def pair(tree_models):
+  """(target, untrained EAGLE drafter, distilled EAGLE drafter): the session's (tests/conftest.py), distilled once."""
+  target, _, untrained, trained = tree_models
   return target, untrained, trained
 
 
