@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tree_models():
-  """(target, draft model, untrained EAGLE drafter, distilled EAGLE drafter), built once (tests/support/tiny_transformers.py)."""
+  """(target, draft model, untrained EAGLE drafter, distilled EAGLE drafter): tests/support/tiny_transformers.py."""
   from tests.support.tiny_transformers import build_models
   return build_models()
 
