@@ -26,25 +26,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_enable_x64", False)
 
 
-# Groups of test modules that share a session fixture; under pytest-xdist's `--dist loadgroup` each group runs
-# on one worker, so the fixture is built once. Every other module is a group of its own (its module fixtures are
-# built once too).
-SHARED_FIXTURE_GROUPS = {
-    "tests.loop.test_tree_round": "tree_models", "tests.drafts.test_dynamic_tree": "tree_models",
-    "tests.sampling.test_no_filters": "tree_models", "tests.models.test_eagle": "tree_models",
-    "tests.models.test_sharding": "eight_devices", "tests.sampling.test_vocab_parallel": "eight_devices",
-}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-  if not config.getoption("loadgroup", False):  # pytest-xdist's --dist loadgroup
-    return
-  for item in items:
-    if not any(item.iter_markers("xdist_group")):
-      item.add_marker(pytest.mark.xdist_group(SHARED_FIXTURE_GROUPS.get(item.module.__name__, item.module.__name__)))
-
-
 @pytest.fixture(scope="session")
 def tree_models():
   """(target, draft model, untrained EAGLE drafter, distilled EAGLE drafter): tests/support/tiny_transformers.py."""
