@@ -46,7 +46,7 @@ from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.models import load_smollm2, load_smollm2_eagle, make_mesh, shard
 from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
 
-# SmolLM2-135M's context (tokens); tests/test_demo.py checks the other demo's copy against the config.
+# SmolLM2-135M's context (tokens); tests/examples/test_demo.py checks the other demo's copy against the config.
 MAX_CONTEXT = 8192
 # Model-axis sizes the demo tries, largest first, when --model is not given (8 devices: 2 x 4, both axes used).
 MODEL_SIZES = (4, 2, 1)

@@ -68,7 +68,7 @@ from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, enc
 # SmolLM2-135M's context length (tokens): the padded prompt and the generated
 # tokens must fit in it, the loops' rule (P + max_new_tokens <= max_length; the
 # K+1 slots of drafts past the end live in the cache's headroom, not the context).
-# The same as `smollm2_config().max_length` (tests/test_demo.py checks), which
+# The same as `smollm2_config().max_length` (tests/examples/test_demo.py checks), which
 # needs the weights; the flags are checked before.
 MAX_CONTEXT = 8192
 

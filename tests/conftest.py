@@ -11,7 +11,7 @@ import os
 
 # The suite's time is mostly XLA compiling small programs on the CPU: LLVM at level 0 compiles them
 # 16-24% faster in all (measured on 2 cores), skipping LLVM's expensive passes 3-10% more, and XLA:CPU's
-# older elemental emitters instead of its fusion emitters about 20% more (tests/test_eagle.py: 88 -> 69 s),
+# older elemental emitters instead of its fusion emitters about 20% more (tests/models/test_eagle.py: 88 -> 69 s),
 # all with the same float semantics (no fast-math either way, so no reassociated sums).
 # Read when JAX starts its backend, which no import below does; the subprocess tests inherit it.
 for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
@@ -28,9 +28,24 @@ jax.config.update("jax_enable_x64", False)
 
 @pytest.fixture(scope="session")
 def tree_models():
-  """The tree tests' models (tests/test_tree_loop.py, tests/test_dynamic_tree.py), built once."""
-  from tests.test_tree_loop import build_models
+  """(target, draft model, untrained EAGLE drafter, distilled EAGLE drafter): tests/support/tiny_transformers.py."""
+  from tests.support.tiny_transformers import build_models
   return build_models()
+
+
+@pytest.fixture(scope="session")
+def eight_device_results(request):
+  """{worker: {check: result}}: the fast part of each 8-device worker the collected tests need, in ONE subprocess."""
+  from tests.support.eight_devices import run_workers, workers_needed
+  return run_workers({w: "fast" for w in workers_needed(request.session, "eight_device_results")})
+
+
+@pytest.fixture(scope="session")
+def eight_device_more_results(request):
+  """As `eight_device_results`, for the slow-marked parts ("more" loops, "more-meshes")."""
+  from tests.support.eight_devices import run_workers, workers_needed
+  parts = {"models": "more", "samplers": "more-meshes"}
+  return run_workers({w: parts[w] for w in workers_needed(request.session, "eight_device_more_results")})
 
 
 @pytest.fixture(autouse=True, scope="session")

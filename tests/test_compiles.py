@@ -1,10 +1,10 @@
-"""The `count_compiles` helper (tests/compiles.py) that the no-recompilation tests use."""
+"""The `count_compiles` helper (tests/support/compiles.py) that the no-recompilation tests use."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.compiles import count_compiles
+from tests.support.compiles import count_compiles
 
 
 def test_count_compiles_sees_a_new_shape_and_not_a_repeat_call():

@@ -111,7 +111,10 @@ def test_the_check_rejects_a_planted_edge(edge, wrong):
 
 
 def test_the_loop_imports_no_flax():
+  """The sampler and the loops need no Flax (models are adapted only when one is passed)."""
   import subprocess
   import sys
-  code = "import sys, specdec_jax; assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)"
+  code = ("import sys, specdec_jax; from specdec_jax import rejection_sample, generate, speculative_generate; "
+          "import specdec_jax.loop.adapter; "
+          "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

@@ -1,0 +1,1 @@
+"""Tests of the examples/ scripts and the demo."""

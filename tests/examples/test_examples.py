@@ -1,0 +1,202 @@
+"""Tests that the examples run and that the checks they print hold.
+
+`examples/custom_model.py` plugs a model of its own (a recurrent network with a
+per-position state cache) into both decoding loops; it is imported and its
+`main` run in this process, so the strict rank promotion of conftest.py applies
+to it too.
+"""
+
+import importlib.util
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+def _bench(name):
+  """bench/NAME.py as the module bench.NAME (the repository root goes on sys.path once)."""
+  import sys  # noqa: PLC0415
+
+  if str(EXAMPLES.parent) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES.parent))
+  return importlib.import_module(f"bench.{name}")
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def custom_model():
+  return _load("custom_model")
+
+
+def test_custom_model_example_runs_and_greedy_speculative_equals_generate(custom_model, capsys):
+  results = custom_model.main()
+  printed = capsys.readouterr().out
+  assert results["greedy_equal"] is True
+  assert "CHECK greedy speculative == greedy generate: OK" in printed
+  # The noisy-copy draft agrees with the target often enough to save target calls.
+  model = results["draft model (noisy copy)"]
+  assert model["acceptance_rate"] > 0.2 and model["mean_accepted_length"] > 1.5, model
+
+
+def test_custom_model_cache_follows_the_protocol(custom_model):
+  # Feeding a sequence in pieces (prefill, then 1 and 3 tokens at their positions)
+  # gives the logits of one call over the whole sequence; a junk write past the
+  # end (a rejected draft) is overwritten before it is read; out-of-range writes
+  # are dropped.
+  model = custom_model.TinyRNN.random(seed=3)
+  tokens = jnp.asarray([[5, 9, 2, 7, 7, 1, 30]], jnp.int32)
+  pos = jnp.arange(7, dtype=jnp.int32)[None, :]
+  full, _ = model(tokens, pos, model.init_cache(1, 8))
+
+  cache = model.init_cache(1, 8)
+  a, cache = model(tokens[:, :3], pos[:, :3], cache)
+  _, cache = model(jnp.asarray([[40, 41, 42]], jnp.int32), pos[:, 3:6], cache)  # rejected drafts: junk slots 3-5
+  b, cache = model(tokens[:, 3:4], pos[:, 3:4], cache)
+  c, cache = model(tokens[:, 4:7], pos[:, 4:7], cache)
+  np.testing.assert_allclose(jnp.concatenate([a, b, c], axis=1), full, rtol=1e-5, atol=1e-5)
+
+  before = np.asarray(cache)
+  _, dropped = model(jnp.asarray([[3, 4]], jnp.int32), jnp.asarray([[8, -1]], jnp.int32), cache)
+  np.testing.assert_array_equal(np.asarray(dropped), before)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
+  """examples/train_eagle.py --quick: 2 steps, then 2 more from --state, equal 4 steps in one run."""
+  pytest.importorskip("safetensors")
+  import sys
+
+  from safetensors.numpy import load_file
+  sys.path.insert(0, str(EXAMPLES))  # train_eagle imports train_draft's prompt lists
+  try:
+    train = _load("train_eagle")
+  finally:
+    sys.path.remove(str(EXAMPLES))
+  data, state = str(tmp_path / "data.npz"), str(tmp_path / "state.msgpack")
+  common = ["--quick", "--steps", "4", "--data-cache", data]
+  train.main(common + ["--stop-at-step", "2", "--state", state, "--out", str(tmp_path / "a.safetensors")])
+  train.main(common + ["--state", state, "--out", str(tmp_path / "resumed.safetensors")])
+  train.main(common + ["--out", str(tmp_path / "straight.safetensors")])
+  half, resumed, straight = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "resumed", "straight"))
+  assert all(np.array_equal(resumed[k], straight[k]) for k in straight)
+  assert not all(np.array_equal(half[k], straight[k]) for k in straight)  # the last two steps did change them
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_train_eagle_init_continues_from_a_given_head(tmp_path):
+  """--init: a head trained 2 steps, continued at learning rate 0, is unchanged; with --top1-weight it moves."""
+  pytest.importorskip("safetensors")
+  import sys
+
+  from safetensors.numpy import load_file
+  sys.path.insert(0, str(EXAMPLES))
+  try:
+    train = _load("train_eagle")
+  finally:
+    sys.path.remove(str(EXAMPLES))
+  common = ["--quick", "--data-cache", str(tmp_path / "data.npz")]
+  first = str(tmp_path / "a.safetensors")
+  train.main(common + ["--steps", "2", "--out", first])
+  train.main(common + ["--steps", "2", "--lr", "0", "--init", first, "--num-layers", "1",
+                       "--out", str(tmp_path / "same.safetensors")])
+  train.main(common + ["--steps", "2", "--init", first, "--top1-weight", "1", "--out", str(tmp_path / "b.safetensors")])
+  a, same, b = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "same", "b"))
+  assert set(same) == set(a)  # the head's own blocks and draft vocabulary, not --num-layers 1
+  assert all(np.array_equal(same[k], a[k]) for k in a)
+  import json
+  meta = json.load(open(tmp_path / "same.json"))
+  # The --init head is measured on the held-out split before training; at lr 0 nothing changes.
+  assert meta["init_held_out"] is not None and meta["init_held_out"] == meta["held_out"]
+  assert not all(np.array_equal(b[k], a[k]) for k in a)
+  with pytest.raises(SystemExit):
+    train.main(common + ["--init", str(tmp_path / "missing.safetensors")])
+  with pytest.raises(SystemExit):
+    train.main(common + ["--top1-weight", "-1"])
+  with pytest.raises(SystemExit):
+    train.main(common + ["--steps", "1"])
+
+
+@pytest.mark.slow  # a bench script's smoke run; CI keeps the examples' own runs
+def test_eagle_draft_bench_variants_compute_the_same_head(tmp_path):
+  """bench/eagle_draft.py: its separate-projection head is really separate and gives the fused head's logits and
+  hiddens; a run writes one row per cell; a bad variant is refused before any head is built."""
+  eagle_draft = _bench("eagle_draft")
+  heads = eagle_draft.build_heads(jnp.float32, 2, 512, ("xla-separate", "xla"))
+  assert {"wq", "w_gate"} <= set(heads["xla-separate"].first.names)
+  assert {"wqkv", "w_gate_up"} <= set(heads["xla"].first.names) and "wq" not in heads["xla"].first.names
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 49152, (1, 3)), jnp.int32)
+  hidden = jnp.asarray(rng.normal(size=(1, 3, 576)), jnp.float32)
+  pos = jnp.arange(3, dtype=jnp.int32)[None]
+  outs = [h(tokens, hidden, pos, h.init_cache(1, 8))[:2] for h in heads.values()]
+  for got, want in zip(outs[0], outs[1]):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  report = eagle_draft.main(["--out", str(tmp_path), "--ks", "2", "--modes", "greedy", "--variants", "xla",
+                             "--draft-vocab", "512", "--target-ms", "2", "--repeats", "1", "--no-plot"])
+  assert [(r["variant"], r["mode"], r["K"]) for r in report["rows"]] == [("xla", "greedy", 2)]
+  assert report["rows"][0]["us"] > 0 and (tmp_path / "eagle_draft.json").is_file()
+  with pytest.raises(SystemExit):
+    eagle_draft.main(["--out", str(tmp_path), "--variants", "nope"])
+
+
+@pytest.mark.slow  # a bench script's smoke run (7 s); CI keeps the examples' own runs
+def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_path):
+  """bench/step_profile.py --tiny on the CPU: its variants' forward equals the Transformer's, every row is there."""
+  step_profile = _bench("step_profile")
+
+  report = step_profile.main(["--tiny", "--out", str(tmp_path), "--target-ms", "2", "--repeats", "1",
+                              "--batch-sizes", "1,2", "--variants", "before,after,after-attn", "--no-plot"])
+  assert report["forward_check_max_abs_diff"] == {"after": 0.0, "scan+fused": 0.0}  # float32 CPU: bit-equal
+  got = {(r["B"], r["T"], r["variant"]) for r in report["rows"]}
+  assert got == {(1, 1, "before"), (1, 1, "after"), (1, 1, "after-attn"), (2, 1, "before"), (2, 1, "after"),
+                 (1, 5, "before"), (1, 5, "after"), (2, 5, "before"), (2, 5, "after")}
+  assert all(r["us"] > 0 for r in report["rows"])
+  assert (tmp_path / "step_profile.json").is_file()  # (the PNG needs matplotlib, a bench extra CI lacks)
+  with pytest.raises(SystemExit):  # a bad flag is refused before any model is built
+    step_profile.main(["--tiny", "--out", str(tmp_path), "--variants", "nope"])
+
+
+def test_flag_sweep_reads_its_sets_and_plot_scaling_refuses_a_doubled_device_count(tmp_path):
+  """bench/flag_sweep.py's --sets parser, and bench/plot_scaling.py's reading of sampler JSONs."""
+  import json  # noqa: PLC0415
+
+  flag_sweep, plot_scaling = _bench("flag_sweep"), _bench("plot_scaling")
+
+  assert flag_sweep.parse_sets("base=;x=--a=1 --b=2") == {"base": "", "x": "--a=1 --b=2"}
+  assert next(iter(flag_sweep.GPU_SETS.values())) == ""  # the first set is the baseline: no extra flags
+  for bad in ("no-equals-sign", "=--a=1", " ; "):
+    with pytest.raises(ValueError, match="--sets"):
+      flag_sweep.parse_sets(bad)
+  rows = [{"case": "greedy", "model_devices": m, "ms": 1.0 / m, "frac": 0.9, "B": 8, "K": 4, "V": 64} for m in (1, 2)]
+  paths = []
+  for m, row in zip((1, 2), rows):
+    paths.append(tmp_path / f"s{m}.json")
+    paths[-1].write_text(json.dumps({"results": [row]}))
+  got = plot_scaling.load_rows([str(p) for p in paths])
+  assert sorted(got) == ["greedy"] and sorted(got["greedy"]) == [1, 2] and got["greedy"][2]["ms"] == 0.5
+  with pytest.raises(ValueError, match="two inputs"):
+    plot_scaling.load_rows([str(paths[0]), str(paths[0])])
+
+
+def test_smollm2_bench_tree_names_round_trip():
+  """bench/smollm2.py's --trees names: parse_tree and tree_name are inverses, sampled dynamic trees included."""
+  smollm2 = _bench("smollm2")
+  parse_tree, tree_name = smollm2.parse_tree, smollm2.tree_name
+  from specdec_jax.drafts.dynamic_tree import DynamicTree  # noqa: PLC0415
+
+  for name in ("3x3x1x1", "2x2:iid", "d5x8x48", "d3x4x36:sampled"):
+    assert tree_name(parse_tree(name)) == name
+  assert parse_tree("d3x4x36:sampled") == DynamicTree(3, 4, 36, sampled=True)
+  with pytest.raises(ValueError, match="sampled DynamicTree"):
+    parse_tree("d3x4x20:sampled")

@@ -1,0 +1,279 @@
+"""The Pallas blocks (`TransformerConfig(kernels="pallas")`) against XLA's, in interpret mode on the CPU.
+
+The kernels run in Pallas's interpreter here (no GPU): that checks their
+indexing, masks, tiling, cache writes and arithmetic, not the Triton compiler.
+`test_triton_lowering` also lowers them to Triton IR for a CUDA target (no GPU
+needed for that step), so a kernel the Pallas Triton lowering rejects fails
+here, not on the H100.
+
+Shapes: D=96 (not a power of two: two K tiles of 64, the second ragged),
+H=6 query heads over Hkv=2 key/value heads, Dh=64 (two programs per head with
+the default block_h=16, since each half of a head is Dh/2 = 32 columns), S=40
+cache slots in blocks of 16 (three slot blocks, the last ragged).
+
+Tolerances, relative to s = |truth| + max |attention branch| where truth is
+the float32 computation from the same inputs:
+  float32: 1e-5 s. Only the summation order differs (online softmax against a
+    two-pass one; the norm's scale applied after the product).
+  bfloat16: 2^-6 s. Both `attention_block` and the kernels round q, k, v, the
+    attention output and the result to bf16 (8 significant bits: 2^-8 each),
+    at slightly different points (the kernels apply the norm's scale after
+    the product and divide by the softmax sum after the P V product), so each
+    is within a few 2^-8 s of the truth. Observed over 24 seeded cases: the
+    kernels at most 0.22 of the bound from the truth and 0.39 from
+    `attention_block` in bf16, which is itself 0.24 of it from the truth;
+    float32 at most 0.05 of its bound.
+  The written cache rows: the same bounds relative to max |k| (or |v|); every
+  slot the call does not write is bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specdec_jax.kernels.attention import AttentionBlocks, check_args, fused_attention
+from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
+from specdec_jax.models.transformer import AttentionContext, attention_block, rms_norm
+from tests.support.lowering import cuda_module_text
+
+CFG = TransformerConfig(vocab_size=96, num_layers=2, d_model=96, num_heads=6, num_kv_heads=2, head_dim=64, d_ff=160)
+S = 40
+SMALL = AttentionBlocks(block_s=16)
+
+
+def _inputs(seed, b, t, dtype):
+  k = jax.random.split(jax.random.key(seed), 6)
+  d, dh, n = CFG.d_model, CFG.head_dim, (CFG.num_heads + 2 * CFG.num_kv_heads) * CFG.head_dim
+  p = {"attn_norm": 1 + 0.1 * jax.random.normal(k[0], (d,)),
+       "wqkv": jax.random.normal(k[1], (d, n)) / np.sqrt(d),
+       "wo": jax.random.normal(k[2], (CFG.num_heads * dh, d)) / np.sqrt(CFG.num_heads * dh)}
+  x = 2 * jax.random.normal(k[3], (b, t, d))
+  shape = (CFG.num_layers, b, CFG.num_kv_heads, S, dh)
+  kc, vc = jax.random.normal(k[4], shape), jax.random.normal(k[5], shape)
+  cast = lambda a: a.astype(dtype)  # noqa: E731
+  return jax.tree.map(cast, p), cast(x), cast(kc), cast(vc)
+
+
+def _reference(p, x, kc, vc, layer, pos, dtype):
+  cfg = CFG.replace(dtype=dtype)
+  ctx = AttentionContext.create(pos, S, cfg)
+  cast = lambda a: a.astype(dtype)  # noqa: E731
+  p, x, kc, vc = jax.tree.map(cast, p), cast(x), cast(kc), cast(vc)
+  return attention_block(cfg, x, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p, kc, vc, layer, ctx)
+
+
+def _fused(p, x, kc, vc, layer, pos, blocks=SMALL):
+  ctx = AttentionContext.create(pos, S, CFG)
+  half = CFG.head_dim // 2
+  return fused_attention(x, p["attn_norm"], p["wqkv"], p["wo"], kc, vc, layer, pos, ctx.cos[:, :, 0, :half],
+                         ctx.sin[:, :, 0, :half], num_heads=CFG.num_heads, num_kv_heads=CFG.num_kv_heads,
+                         eps=CFG.rms_norm_eps, interpret=True, blocks=blocks)
+
+
+def _close(got, want, truth_scale, bound):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_array_less(np.abs(got - want), bound * truth_scale)
+
+
+POSITIONS = {
+    (1, 1): [[17]],
+    (1, 5): [[20, 21, 22, 23, 24]],
+    (2, 3): [[5, 6, 7], [30, 31, 45]],  # 45 >= S: that key is dropped and its query sees every slot
+}
+
+
+# These run with `-m slow` (4-9 s each in the interpreter); CI runs the model test below, which checks float32
+# calls of 2 to 10 rows through the Transformer, a dropped write included.
+_SLOW = pytest.mark.slow
+CASES = [pytest.param(bt, dtype, marks=_SLOW) for bt in POSITIONS for dtype in (jnp.float32, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize(("bt", "dtype"), CASES)
+def test_fused_attention_equals_attention_block(bt, dtype):
+  p, x, kc, vc = _inputs(sum(bt), *bt, dtype)
+  pos = jnp.asarray(POSITIONS[bt], jnp.int32)
+  layer = 1
+  out, k_new, v_new = _fused(p, x, kc, vc, layer, pos)
+  assert out.shape == x.shape and out.dtype == x.dtype and k_new.dtype == kc.dtype
+  truth = _reference(p, x, kc, vc, layer, pos, jnp.float32)
+  ref = _reference(p, x, kc, vc, layer, pos, dtype) if dtype != jnp.float32 else truth
+  bound = 1e-5 if dtype == jnp.float32 else 2**-6
+  xt = np.asarray(x, np.float32)
+  scale = np.abs(np.asarray(truth[0])) + np.abs(np.asarray(truth[0]) - xt).max()
+  _close(out, truth[0], scale, bound)
+  _close(out, ref[0], scale, bound)
+  for got, want in ((k_new, truth[1]), (v_new, truth[2])):
+    _close(got, want, np.abs(np.asarray(want, np.float32)).max(), bound)
+  # Slots this call does not write are untouched, bit for bit (other layer, other slots, dropped writes).
+  written = np.zeros(kc.shape, bool)
+  for b, row in enumerate(POSITIONS[bt]):
+    for position in row:
+      if position < S:
+        written[layer, b, :, position] = True
+  for got, before in ((k_new, kc), (v_new, vc)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[~written], np.asarray(before, np.float32)[~written])
+
+
+@pytest.mark.slow  # three more interpreted calls (6 s)
+def test_every_tiling_gives_the_same_result():
+  """Default tiles, one program per head half (block_h = Dh/2), K tiles wider than D, one slot block."""
+  p, x, kc, vc = _inputs(7, 1, 5, jnp.float32)
+  pos = jnp.asarray([[3, 4, 5, 6, 7]], jnp.int32)
+  want = _fused(p, x, kc, vc, 0, pos)
+  for blocks in (AttentionBlocks(), AttentionBlocks(block_h=32, block_k=128, block_s=64),
+                 AttentionBlocks(block_h=64, block_k=16, block_s=16)):
+    got = _fused(p, x, kc, vc, 0, pos, blocks)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_refused():
+  p, x, kc, vc = _inputs(0, 1, 1, jnp.float32)
+  pos = jnp.zeros((1, 1), jnp.int32)
+  assert check_args(x, p["wqkv"], p["wo"], kc, CFG.num_heads, CFG.num_kv_heads) is None
+  with pytest.raises(ValueError, match="rows"):
+    _fused(p, jnp.zeros((1, 17, CFG.d_model)), kc, vc, 0, jnp.zeros((1, 17), jnp.int32))
+  with pytest.raises(ValueError, match="wqkv"):
+    _fused({**p, "wqkv": p["wqkv"][:, :-1]}, x, kc, vc, 0, pos)
+  with pytest.raises(ValueError, match="dtype"):
+    _fused(p, x.astype(jnp.bfloat16), kc, vc, 0, pos)
+  with pytest.raises(ValueError, match="power of two"):
+    _fused(p, x, kc, vc, 0, pos, AttentionBlocks(block_s=24))
+  small_heads = jnp.zeros(kc.shape[:4] + (16,))
+  assert "head_dim" in check_args(x, p["wqkv"], p["wo"], small_heads, CFG.num_heads, CFG.num_kv_heads)
+  with pytest.raises(ValueError, match="kernels"):
+    TransformerConfig(**{**CFG.__dict__, "kernels": "cuda"})
+
+
+@pytest.fixture(scope="module")
+def models():
+  # One block: each interpreted kernel is a program of its own for XLA to compile, so a block costs seconds;
+  # the kernels' layer indexing is checked above (layer 1 of a 2-layer cache).
+  cfg = CFG.replace(num_layers=1)
+  xla = Transformer(cfg, rngs=nnx.Rngs(3))
+  return xla, Transformer.from_weights(cfg.replace(kernels="pallas_interpret"), xla.to_weights())
+
+
+def test_model_calls_agree_and_only_calls_of_few_rows_take_the_kernels(models):
+  """Prefill of 10 rows, a decode step (one row at a position past the cache), a 5-token verification and a
+  tree call (cache_slots, attention_mask: a root and two children, one child's slot past the cache) agree with
+  XLA's to float32 rounding; a 20-row prefill is XLA's program, so bit-identical."""
+  xla, pallas = models
+  call = jax.jit(lambda m, t, p, c: m(t, p, c))
+  tree = jax.jit(lambda m, t, p, c, s, a: m(t, p, c, cache_slots=s, attention_mask=a))
+  tokens = jnp.asarray(np.arange(40).reshape(2, 20) % CFG.vocab_size, jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(20, dtype=jnp.int32), (2, 20))
+  # After 11 tokens: root at slot 11 (position 11), children at slots 12 and 13 (both position 12), each seeing
+  # the context, the root and itself; row 1's second child writes past the cache (dropped: it sees the context).
+  tree_pos = jnp.asarray([[11, 12, 12], [11, 12, 12]], jnp.int32)
+  tree_slots = jnp.asarray([[11, 12, 13], [11, 12, S + 3]], jnp.int32)
+  own = jnp.arange(S)[None, None, :] == tree_slots[:, :, None]
+  tree_mask = (jnp.arange(S)[None, None, :] <= 11) | own
+  caches = {}
+  for name, m in (("xla", xla), ("pallas", pallas)):
+    cache = m.init_cache(2, S)
+    l1, cache = call(m, tokens[:, :5], pos[:, :5], cache)  # 10 rows: the kernels
+    step_pos = jnp.asarray([[5], [S + 5]], jnp.int32)  # row 1 past the cache: its write is dropped, it sees all S
+    l2, cache = call(m, tokens[:, 5:6], step_pos, cache)
+    l3, cache = call(m, tokens[:, 6:11], pos[:, 6:11], cache)
+    l4, cache = tree(m, tokens[:, 11:14], tree_pos, cache, tree_slots, tree_mask)
+    caches[name] = (l1, l2, l3, l4, cache)
+  for got, want in zip(jax.tree.leaves(caches["pallas"]), jax.tree.leaves(caches["xla"])):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  lowered = {n: call.lower(m, tokens, pos, m.init_cache(2, S)).as_text() for n, m in (("xla", xla), ("p", pallas))}
+  assert lowered["xla"] == lowered["p"]  # 40 rows: XLA's blocks
+  small = {n: call.lower(m, tokens[:, :1], pos[:, :1], m.init_cache(2, S)).as_text()
+           for n, m in (("xla", xla), ("p", pallas))}
+  assert small["xla"] != small["p"]  # 2 rows: the kernels
+
+
+@pytest.fixture(scope="module")
+def eagle_heads():
+  """An EAGLE head of two blocks (the first reads the 2D-wide input, through the kernels' prefix) and its copy
+  on the kernels; a draft vocabulary of every other token."""
+  target = Transformer(CFG.replace(feature_layers=(0, 1)), rngs=nnx.Rngs(5))
+  xla = EagleDrafter.for_target(target, num_layers=2, draft_vocab=np.arange(0, CFG.vocab_size, 2), rngs=nnx.Rngs(6))
+  config = dataclasses.replace(xla.config, layers=xla.config.layers.replace(kernels="pallas_interpret"))
+  head = target.embed[...] if CFG.tie_embeddings else target.lm_head[...].T
+  return xla, EagleDrafter.from_weights(config, xla.to_weights(), embed=target.embed[...], head_rows=head)
+
+
+def test_eagle_head_calls_agree_with_the_kernels(eagle_heads):
+  """A catch-up call (2 rows of 4 entries, logits at one entry each, one entry past the cache), a draft step and
+  a tree level (two siblings at their own slots) agree with XLA's blocks to float32 rounding: logits, hiddens
+  and both layers' caches. Calls of more than 16 rows are XLA's program."""
+  xla, pallas = eagle_heads
+  call = jax.jit(lambda m, t, h, p, c, at: m(t, h, p, c, logits_at=at))
+  step = jax.jit(lambda m, t, h, p, c: m(t, h, p, c))
+  k = jax.random.split(jax.random.key(11), 2)
+  tokens = jax.random.randint(k[0], (2, 4), 0, CFG.vocab_size)
+  hidden = jax.random.normal(k[1], (2, 4, CFG.d_model))
+  pos = jnp.asarray([[3, 4, 5, 6], [30, 31, 32, S + 1]], jnp.int32)
+  tree = jax.jit(lambda m, t, h, p, c, s, a: m(t, h, p, c, cache_slots=s, attention_mask=a))
+  sib_pos = jnp.broadcast_to(pos[:, 3:] + 2, (2, 2))
+  sib_slots = pos[:, 3:] + jnp.asarray([[2, 3]], jnp.int32)
+  sib_mask = (jnp.arange(S)[None, None, :] <= pos[:, 3:, None] + 1) | (jnp.arange(S)[None, None, :] ==
+                                                                         sib_slots[:, :, None])
+  outs = {}
+  for name, m in (("xla", xla), ("pallas", pallas)):
+    logits, h, cache = call(m, tokens, hidden, pos, m.init_cache(2, S), jnp.asarray([3, 1], jnp.int32))
+    logits2, h2, cache = step(m, tokens[:, :1], h[:, 3:], pos[:, 3:] + 1, cache)
+    level = tree(m, tokens[:, 1:3], jnp.repeat(h2, 2, axis=1), sib_pos, cache, sib_slots, sib_mask)
+    outs[name] = (logits, h, logits2, h2, *level)
+  assert np.isinf(np.asarray(outs["pallas"][0])[..., 1::2]).all()  # outside the draft vocabulary
+  for got, want in zip(jax.tree.leaves(outs["pallas"]), jax.tree.leaves(outs["xla"])):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  texts = {n: step.lower(m, tokens[:, :1], hidden[:, :1], pos[:, :1], m.init_cache(2, S)).as_text()
+           for n, m in (("xla", xla), ("p", pallas))}
+  assert texts["xla"] != texts["p"]  # 2 rows: the kernels
+  wide = jnp.zeros((2, 10), jnp.int32), jnp.zeros((2, 10, CFG.d_model)), jnp.zeros((2, 10), jnp.int32)
+  texts = [step.lower(m, *wide, m.init_cache(2, S)).as_text() for m in eagle_heads]
+  assert texts[0] == texts[1]  # 20 rows: XLA's blocks
+
+
+@pytest.mark.slow  # compiles three speculative loops with interpreted kernels
+def test_greedy_speculative_decoding_with_the_kernels_equals_generate(models):
+  from specdec_jax import SamplingParams, generate, speculative_generate
+
+  xla, pallas = models
+  prompts = jnp.asarray([[5, 9, 14, 3, 0, 0], [7, 7, 2, 11, 30, 4]], jnp.int32)
+  lengths = jnp.asarray([4, 6], jnp.int32)
+  params = SamplingParams.greedy(2)
+  plain = generate(xla, prompts, lengths, params, None, max_new_tokens=8, all_greedy=True)
+  spec = speculative_generate(pallas, pallas, prompts, lengths, params, None, max_new_tokens=8,
+                              num_speculative_tokens=3, all_greedy=True)
+  np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+  # A tree of drafts (4 nodes + the root, 2 rows: 10 rows): verification and the draft's levels take the kernels too.
+  tree = speculative_generate(pallas, pallas, prompts, lengths, params, None, max_new_tokens=8,
+                              num_speculative_tokens=2, all_greedy=True, draft_tree=(2, 1))
+  np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(plain.tokens))
+
+
+@pytest.mark.parametrize("bt", [pytest.param((1, 1), marks=_SLOW), (1, 5), pytest.param((2, 8), marks=_SLOW)])
+def test_triton_lowering(bt):
+  """The kernels lower to Triton IR for a CUDA target (what the GPU compiles); no GPU needed for this step."""
+  s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  b, t = bt
+  args = [s((b, t, 576), bf), s((576,), bf), s((576, 960), bf), s((576, 576), bf), s((30, b, 3, 320, 64), bf),
+          s((30, b, 3, 320, 64), bf), s((), jnp.int32), s((b, t), jnp.int32), s((b, t, 32), jnp.float32),
+          s((b, t, 32), jnp.float32)]
+  fn = jax.jit(lambda x, n, a, o, kc, vc, l, p, c, sn: fused_attention(x, n, a, o, kc, vc, l, p, c, sn, num_heads=9,
+                                                                       num_kv_heads=3, eps=1e-5))
+  text = cuda_module_text(fn, args)
+  for name in ("fused_attention_qkv", "fused_attention_core", "fused_mlp_down"):
+    assert name in text, f"expected the {name} kernel as a Triton custom call"
+  if bt == (1, 5):  # the q|k|v kernel with a prefix (the EAGLE head's first block: wqkv [2D, ...])
+    with_prefix = jax.jit(lambda x, n, a, o, kc, vc, l, p, c, sn, e: fused_attention(
+        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, prefix=(e, n)))
+    assert "fused_attention_qkv" in cuda_module_text(with_prefix, [*args[:2], s((2 * 576, 960), bf), *args[3:],
+                                                                   s((b, t, 576), bf)])
+    # a tree call: given write slots and a [B, T, S] mask
+    with_mask = jax.jit(lambda x, n, a, o, kc, vc, l, p, c, sn, m: fused_attention(
+        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, slots=p, mask=m))
+    assert "fused_attention_core" in cuda_module_text(with_mask, [*args, s((b, t, 320), jnp.bool_)])

@@ -1,0 +1,120 @@
+"""Runs the many-device checks in ONE subprocess with 8 fake CPU devices (the device count is fixed
+when JAX starts, so such checks cannot run in the ordinary pytest process).
+
+Two workers hold the checks: tests/support/mesh_worker.py (models and loops, "models") and
+tests/support/mesh_sampler_worker.py (the samplers split over the vocabulary, "samplers"). Each
+has parts ("fast", and the slow-marked "more" / "more-meshes"). `run_workers` starts one process
+that runs the asked parts one after the other:
+
+    python -m tests.support.eight_devices models=fast samplers=fast
+
+which prints one JSON object on its last line, {worker: {check name: {"ok": bool, "detail": str}}}.
+tests/conftest.py's session fixtures start it once for every test that needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# Compiling dominates a worker's time, most of it in XLA's CPU code generation for small
+# programs: LLVM at level 0 halves it, and the older elemental emitters (instead of the
+# fusion emitters) save a quarter to a half more. One-device and mesh runs in a worker
+# share the flags, so every comparison is like for like.
+FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+         "--xla_cpu_use_fusion_emitters=false")
+
+
+def exit_unless_devices(n: int) -> None:
+  """In a worker: report a setup failure (the JSON line run_workers reads) and exit unless JAX sees n devices."""
+  import jax  # (the worker's XLA_FLAGS are read when JAX starts: not at this module's import)
+  if len(jax.devices()) != n:
+    print(json.dumps({"setup": {"ok": False, "detail": f"expected {n} devices (XLA_FLAGS="
+                                f"{os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}"}}))
+    sys.exit(1)
+
+
+def run_checks(checks: dict) -> dict[str, dict]:
+  """In a worker: runs each check on its own, {name: {"ok", "detail"}} (what run_workers reads).
+
+  A check returns a detail string, or {run: (ok, detail)} for several runs, reported as "name: run".
+  An exception fails the check, traceback in its detail, and the next check runs.
+  """
+  results = {}
+  for name, fn in checks.items():
+    start = time.perf_counter()
+    try:
+      out = fn()
+    except Exception as e:  # noqa: BLE001 (reported to the parent test, which fails on it)
+      results[name] = {"ok": False, "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
+      continue
+    seconds = f" ({time.perf_counter() - start:.1f} s)"
+    if isinstance(out, dict):
+      results.update({f"{name}: {run}": {"ok": ok, "detail": detail + seconds} for run, (ok, detail) in out.items()})
+    else:
+      results[name] = {"ok": True, "detail": out + seconds}
+  return results
+
+
+def part_arg(argv: list[str]) -> str:
+  """In a worker: the part named by `--part NAME` (its only argument), else "all"."""
+  return argv[1] if argv[:1] == ["--part"] and len(argv) == 2 else "all"
+
+
+WORKERS = {"models": "tests.support.mesh_worker", "samplers": "tests.support.mesh_sampler_worker"}
+
+
+def run_workers(parts: dict[str, str]) -> dict[str, dict]:
+  """{worker: {check: {"ok", "detail"}}} of each worker's part (`parts`: worker -> part), from one subprocess;
+  fails the calling test if the process crashed."""
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FLAGS}".strip()
+  env["JAX_PLATFORMS"] = "cpu"  # fake devices are CPU devices, also on a machine with a GPU
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  args = [f"{worker}={part}" for worker, part in sorted(parts.items())]
+  proc = subprocess.run([sys.executable, "-m", "tests.support.eight_devices", *args], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=1800, check=False)
+  lines = proc.stdout.strip().splitlines()
+  if proc.returncode != 0 or not lines:
+    pytest.fail(f"the 8-device workers ({' '.join(args)}) exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                f"{proc.stderr[-5000:]}")
+  return json.loads(lines[-1])
+
+
+def workers_needed(session, fixture_name: str) -> set[str]:
+  """The workers (a test module's EIGHT_DEVICE_WORKER) of the collected tests that use `fixture_name`."""
+  return {item.module.EIGHT_DEVICE_WORKER for item in session.items if fixture_name in item.fixturenames}
+
+
+def check_result(results: dict, name: str) -> None:
+  """Fails unless the worker ran check `name` and it passed. A check that returns several runs ("name: run")
+  and failed as a whole is reported under its own name, which is looked up too."""
+  result = results.get(name) or results.get(name.split(": ")[0])
+  assert result is not None, f"the worker did not run {name!r}; it ran {sorted(results)}"
+  assert result["ok"], result["detail"]
+
+
+def main(argv: list[str]) -> dict[str, dict]:
+  """In the subprocess: runs each `worker=part` of argv, in order."""
+  exit_unless_devices(8)
+  out = {}
+  for arg in argv:
+    worker, part = arg.split("=")
+    start = time.perf_counter()
+    out[worker] = importlib.import_module(WORKERS[worker]).main(part)
+    print(f"{worker}={part}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+  return out
+
+
+if __name__ == "__main__":
+  print(json.dumps(main(sys.argv[1:])))

@@ -1,0 +1,246 @@
+"""The many-device checks, run by tests/models/test_sharding.py in a subprocess with 8 fake CPU devices.
+
+The device count of the CPU backend is fixed when JAX starts, so these checks
+cannot run inside the ordinary pytest process (which has one device). The
+parent sets `XLA_FLAGS=--xla_force_host_platform_device_count=8` (and a low
+LLVM optimisation level, which halves the compile time) and runs its part
+through tests/support/eight_devices.py (or alone, to debug:
+
+    python tests/support/mesh_worker.py [--part all|fast|more])
+
+which prints one JSON object on its last line: {check name: {"ok": bool,
+"detail": str}}. Each check compares a run on a mesh with the same run on one
+device (no mesh):
+
+  - logits: a tiny float32 Transformer on meshes 1x8, 2x4, 4x2 and 8x1
+    (data x model), and with `scan_layers` on 2x4, gives the unsharded logits
+    to float32 rounding, its parameters really are split (their
+    `.sharding.spec`), and `to_weights` returns the same arrays;
+  - loops: `generate` and `speculative_generate` (draft model, prompt lookup,
+    EAGLE drafter) give the same greedy tokens, and sampled runs the same
+    tokens for the same key, on a 2x4 mesh (heads split) and a 1x8 mesh (heads
+    replicated: 4 KV heads do not divide by 8);
+  - a mesh with Explicit axes (`jax.make_mesh`'s default) gives the same tokens too;
+  - a 1x1 mesh compiles exactly the unsharded programs (op and shape, in order).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from specdec_jax import SamplingParams, generate, speculative_generate
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
+from specdec_jax.mesh import make_mesh
+from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
+from specdec_jax.models.sharding import shard
+from tests.support.eight_devices import exit_unless_devices, part_arg, run_checks
+
+jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
+
+NUM_DEVICES = 8
+# H=8 query and Hkv=4 KV heads: split over a model axis of 2 or 4, replicated over 8.
+CONFIG = TransformerConfig.tiny(64, num_heads=8, num_kv_heads=4, feature_layers=(0, 1))
+B, P_LEN, NEW, K = 8, 6, 10, 3
+# Logits of a sharded model differ from one device's only by the order of float32
+# sums (the all-reduce after wo and w_down adds m partial sums): a few ulps of
+# values of size ~1, so 1e-5 leaves room and still catches any real error (a
+# wrong head or vocabulary slice moves logits by ~1e-2).
+LOGITS_ATOL = 1e-5
+
+def rows(mesh, x):
+  """x [B, ...] placed with its rows split over the data axis."""
+  return jax.device_put(x, NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1)))))
+
+
+def build():
+  target = Transformer(CONFIG, rngs=nnx.Rngs(0))
+  # An untied output head, so the loops cover `lm_head` [D, V] split by columns too.
+  draft = Transformer(CONFIG.replace(num_layers=1, feature_layers=(), tie_embeddings=False), rngs=nnx.Rngs(1))
+  eagle = EagleDrafter.for_target(target, rngs=nnx.Rngs(2))
+  rng = np.random.default_rng(0)
+  # Repetitive prompts, so prompt lookup finds matches and accepts some drafts.
+  prompts = np.tile(rng.integers(0, CONFIG.vocab_size, (B, 3)), (1, 2)).astype(np.int32)
+  lengths = rng.integers(3, P_LEN + 1, B).astype(np.int32)
+  return target, draft, eagle, prompts, lengths
+
+
+TARGET, DRAFT, EAGLE, PROMPTS, LENGTHS = build()
+GREEDY = SamplingParams.greedy(B)
+SAMPLED = SamplingParams.create([1.0, 0.7, 0.0, 1.3] * (B // 4), top_p=[1.0, 0.9, 1.0, 0.8] * (B // 4))
+KEY = jax.random.key(7)
+
+
+def runs(target, draft, eagle, place, names=None):
+  """Loop configurations (all, or `names`): name -> tokens (NumPy), with inputs placed by `place`."""
+  prompts, lengths = place(PROMPTS), place(LENGTHS)
+  greedy, sampled = jax.tree.map(place, GREEDY), jax.tree.map(place, SAMPLED)
+  common = {"max_new_tokens": NEW}
+  spec = dict(common, num_speculative_tokens=K)
+  calls = {
+      "generate greedy": lambda: generate(target, prompts, lengths, greedy, None, all_greedy=True, **common),
+      "generate sampled": lambda: generate(target, prompts, lengths, sampled, KEY, **common),
+      "speculative greedy, draft model": lambda: speculative_generate(target, draft, prompts, lengths, greedy, None,
+                                                                      all_greedy=True, **spec),
+      "speculative greedy, prompt lookup": lambda: speculative_generate(
+          target, PromptLookupDrafter(2), prompts, lengths, greedy, None, all_greedy=True, **spec),
+      "speculative greedy, EAGLE": lambda: speculative_generate(target, eagle, prompts, lengths, greedy, None,
+                                                                all_greedy=True, **spec),
+      "speculative sampled, draft model": lambda: speculative_generate(target, draft, prompts, lengths, sampled, KEY,
+                                                                       **spec),
+  }
+  return {name: np.asarray(calls[name]().tokens) for name in (names or calls)}
+
+
+_REFERENCE: dict = {}
+
+
+def reference(names) -> dict:
+  """The runs `names` on one device (no mesh), each computed once."""
+  missing = [name for name in names if name not in _REFERENCE]
+  if missing:
+    _REFERENCE.update(runs(TARGET, DRAFT, EAGLE, lambda x: x, missing))
+  return _REFERENCE
+
+
+def forward(model, tokens):
+  """(logits, cache) of one call on [B, T] tokens at positions 0..T-1 (jit it)."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  return model(tokens, positions, model.init_cache(tokens.shape[0], 16))
+
+
+def sharded_logits(model, mesh):
+  """(sharded model, its logits and cache on `mesh`, max |logits - one device's|)."""
+  tokens = jnp.asarray(PROMPTS)
+  expected, _ = jax.jit(forward)(model, tokens)
+  sharded = shard(model, mesh)
+  with jax.set_mesh(mesh):
+    logits, cache = jax.jit(forward)(sharded, rows(mesh, tokens))
+  err = float(jnp.max(jnp.abs(logits - expected)))
+  assert err <= LOGITS_ATOL, f"max |logits - one device| = {err:.3g} > {LOGITS_ATOL}"
+  return sharded, logits, cache, err
+
+
+def padded(spec, ndim):
+  """A PartitionSpec as a tuple of ndim entries (JAX drops trailing Nones)."""
+  return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def check_logits(data, model):
+  sharded, logits, cache, err = sharded_logits(TARGET, make_mesh(data, model))
+  part, block = sharded.partitioning, sharded.layers.block0
+  m = "model" if model > 1 else None
+  d = "data" if data > 1 else None
+  spec = {"embed": sharded.embed[...].sharding.spec, "logits": logits.sharding.spec,
+          "cache.k": cache.k.sharding.spec, "w_down": block.w_down[...].sharding.spec}
+  assert spec["embed"] == P(m, None), spec  # vocabulary-parallel
+  assert padded(spec["logits"], 3) == (d, None, m), spec  # rows over data, vocabulary over model
+  assert part.heads == (model > 1 and CONFIG.num_kv_heads % model == 0), part
+  assert padded(spec["cache.k"], 5)[1:3] == (d, "model" if part.heads else None), spec
+  if part.heads:
+    assert block.wk[...].sharding.spec == P(None, "model") and block.wo[...].sharding.spec == P("model", None)
+  else:  # attention replicated, its projections still fused
+    assert block.wqkv[...].sharding.spec == P(None, None), block.wqkv[...].sharding.spec
+  if m:
+    assert spec["w_down"] == P("model", None) and block.w_gate[...].sharding.spec == P(None, "model"), spec
+  annotated = nnx.get_partition_spec(nnx.state(sharded))  # Flax's view of the annotations
+  assert annotated["embed"].get_value() == spec["embed"], annotated["embed"]
+  # The weights interface does not see the layout: the same named arrays come back.
+  expected_weights, weights = TARGET.to_weights(), sharded.to_weights()
+  assert weights.keys() == expected_weights.keys()
+  assert all(np.array_equal(weights[n], expected_weights[n]) for n in weights), "to_weights changed"
+  return f"max err {err:.2g}, {part}, {spec}"
+
+
+def check_scan_logits():
+  # The scanned layout holds [L, ...] arrays: the layer axis stays whole, the rest splits as unrolled.
+  sharded, _, _, err = sharded_logits(Transformer(CONFIG.replace(scan_layers=True), rngs=nnx.Rngs(0)),
+                                      make_mesh(2, 4))
+  assert sharded.layers.wk[...].sharding.spec == P(None, None, "model"), sharded.layers.wk[...].sharding.spec
+  assert sharded.layers.w_down[...].sharding.spec == P(None, "model", None), sharded.layers.w_down[...].sharding
+  return f"max err {err:.2g}"
+
+
+def check_loops(mesh, names) -> dict[str, tuple[bool, str]]:
+  """One result per loop configuration in `names`: its tokens on `mesh` equal one device's."""
+  expected = reference(names)
+  target, draft, eagle = shard(TARGET, mesh), shard(DRAFT, mesh), shard(EAGLE, mesh)
+  with jax.set_mesh(mesh):
+    got = runs(target, draft, eagle, lambda x: rows(mesh, x) if np.ndim(x) else x, names)
+  return {name: (np.array_equal(expected[name], got[name]),
+                 "tokens equal" if np.array_equal(expected[name], got[name]) else
+                 f"tokens differ: one device {expected[name].tolist()}, mesh {got[name].tolist()}")
+          for name in got}
+
+
+def program_ops(text):
+  """(shape, opcode) of every instruction of compiled HLO text: names and metadata left out."""
+  return re.findall(r"^\s*(?:ROOT )?%\S+ = (\S+?) ([a-z][\w-]*)\(", text, flags=re.MULTILINE)
+
+
+def check_one_device_mesh():
+  # On a 1-device mesh nothing is split, so the program must be the unsharded one,
+  # instruction by instruction: the sharded code path costs nothing there.
+  mesh = make_mesh(1, 1)
+  prompts, lengths = jnp.asarray(PROMPTS), jnp.asarray(LENGTHS)
+
+  def programs(target, draft):
+    t_def, t_arrays = _split(target, "target")
+    d_def, d_arrays = _split(draft, "draft")
+    static = {"max_new_tokens": NEW, "eos": (), "all_greedy": True, "logprobs": None}
+    plain = _generate_jit.lower(t_arrays, prompts, lengths, GREEDY, None, target_def=t_def, **static)
+    spec = _speculative_jit.lower(t_arrays, d_arrays, prompts, lengths, GREEDY, None, target_def=t_def,
+                                  draft_def=d_def, feature_draft=False, num_speculative_tokens=K, tree=None, **static)
+    return [program_ops(p.compile().as_text()) for p in (plain, spec)]
+
+  expected = programs(TARGET, DRAFT)
+  with jax.set_mesh(mesh):
+    got = programs(shard(TARGET, mesh), shard(DRAFT, mesh))
+  assert all(expected), "no instructions parsed from the HLO text"
+  assert got == expected, "the 1x1-mesh programs differ from the unsharded ones"
+  return f"{sum(map(len, got))} instructions equal"
+
+
+LOOP_RUNS = ("generate greedy", "generate sampled", "speculative greedy, draft model",
+             "speculative greedy, prompt lookup", "speculative greedy, EAGLE", "speculative sampled, draft model")
+# One configuration of each kind: a sampled plain loop, a greedy feature drafter, a sampled model drafter.
+FAST_RUNS = ("generate sampled", "speculative greedy, EAGLE", "speculative sampled, draft model")
+
+
+def checks(part: str = "all") -> dict:
+  """name -> check (returns a detail string, ok, or raises; a "loops" check returns {run: (ok, detail)}).
+
+  `part`: "fast" (CI: every logits check, FAST_RUNS on 2x4, the 1x1 program), "more" (the other loops on
+  2x4, and FAST_RUNS again on a 1x8 mesh with Explicit axes, jax.make_mesh's default, heads replicated)
+  or "all". Each loop compiles its program twice (one device, mesh): the loops are most of the time.
+  """
+  fast = {
+      **{f"logits {d}x{m}": functools.partial(check_logits, d, m) for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))},
+      "logits 2x4 scan_layers": check_scan_logits,
+      "loops 2x4": lambda: check_loops(make_mesh(2, 4), FAST_RUNS),
+      "1x1 mesh compiles today's program": check_one_device_mesh,
+  }
+  more = {
+      "loops 2x4 more": lambda: check_loops(make_mesh(2, 4), [r for r in LOOP_RUNS if r not in FAST_RUNS]),
+      "loops 1x8 Explicit": lambda: check_loops(jax.make_mesh((1, 8), ("data", "model")), FAST_RUNS),
+  }
+  return {"fast": fast, "more": more, "all": {**fast, **more}}[part]
+
+
+def main(part: str = "all") -> dict[str, dict]:
+  return run_checks(checks(part))
+
+
+if __name__ == "__main__":
+  exit_unless_devices(NUM_DEVICES)
+  print(json.dumps(main(part_arg(sys.argv[1:]))))
