@@ -29,8 +29,9 @@ from specdec_jax.models.eagle import EagleDrafter
 
 # SmolLM2's shape written out here rather than imported from another bench script: this script also runs
 # against older checkouts, whose bench/ may lack what today's has.
-SMOLLM2 = dict(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536,
-               rope_theta=1e5)
+SMOLLM2 = dict(
+  vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5
+)
 SHAPES = ((1, 1), (1, 5), (8, 5))  # (B, T): a decode step and verification calls
 
 
@@ -41,11 +42,14 @@ def lowered_programs(cache_len: int = 64) -> dict[str, str]:
   call = jax.jit(lambda state, tokens, positions, cache: nnx.merge(graphdef, state)(tokens, positions, cache))
   # The EAGLE drafter (2 blocks, reading blocks 2, 15 and 27) on hiddens of the target's width.
   drafter = EagleDrafter.for_target(
-      Transformer(TransformerConfig(**SMOLLM2, dtype=jnp.float32, feature_layers=(2, 15, 27)), rngs=nnx.Rngs(0)),
-      num_layers=2, rngs=nnx.Rngs(1))
+    Transformer(TransformerConfig(**SMOLLM2, dtype=jnp.float32, feature_layers=(2, 15, 27)), rngs=nnx.Rngs(0)),
+    num_layers=2,
+    rngs=nnx.Rngs(1),
+  )
   d_graphdef, d_state = nnx.split(drafter)
-  d_call = jax.jit(lambda state, tokens, hidden, positions, cache: nnx.merge(d_graphdef, state)(
-      tokens, hidden, positions, cache))
+  d_call = jax.jit(
+    lambda state, tokens, hidden, positions, cache: nnx.merge(d_graphdef, state)(tokens, hidden, positions, cache)
+  )
   out = {}
   for b, t in SHAPES:
     tokens = jnp.zeros((b, t), jnp.int32)
@@ -53,8 +57,7 @@ def lowered_programs(cache_len: int = 64) -> dict[str, str]:
     text = call.lower(state, tokens, positions, model.init_cache(b, cache_len)).as_text(debug_info=False)
     out[f"B{b}T{t}"] = re.sub(r"\s+", " ", text)
     hidden = jnp.zeros((b, t, SMOLLM2["d_model"]), jnp.float32)
-    text = d_call.lower(d_state, tokens, hidden, positions, drafter.init_cache(b, cache_len)).as_text(
-        debug_info=False)
+    text = d_call.lower(d_state, tokens, hidden, positions, drafter.init_cache(b, cache_len)).as_text(debug_info=False)
     out[f"eagle B{b}T{t}"] = re.sub(r"\s+", " ", text)
   return out
 

@@ -53,19 +53,20 @@ def device_info() -> dict:
   dev = jax.devices()[0]
   try:
     import jaxlib
+
     jaxlib_version = jaxlib.__version__
   except Exception:  # pragma: no cover - jaxlib always exists with jax
     jaxlib_version = None
   return {
-      "device": dev.device_kind,
-      "platform": dev.platform,
-      "num_devices": jax.device_count(),
-      "jax": jax.__version__,
-      "jaxlib": jaxlib_version,
-      "python": platform.python_version(),
-      "host_cpu": platform.processor() or platform.machine(),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "argv": sys.argv,
+    "device": dev.device_kind,
+    "platform": dev.platform,
+    "num_devices": jax.device_count(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib_version,
+    "python": platform.python_version(),
+    "host_cpu": platform.processor() or platform.machine(),
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "argv": sys.argv,
   }
 
 
@@ -120,8 +121,16 @@ def time_call(fn: Callable, *args, repeats: int = 5) -> list[float]:
   return times
 
 
-def time_per_iter(loop: Callable, carry, operands, *, iters: int | None = None, max_iters: int = 100_000,
-                  target_s: float = 0.1, repeats: int = 5) -> dict:
+def time_per_iter(
+  loop: Callable,
+  carry,
+  operands,
+  *,
+  iters: int | None = None,
+  max_iters: int = 100_000,
+  target_s: float = 0.1,
+  repeats: int = 5,
+) -> dict:
   """Seconds per iteration of a `timed_loop`, without dispatch overhead.
 
   Compiles (unless `loop` is already compiled), runs one iteration to warm up
@@ -153,8 +162,14 @@ def time_per_iter(loop: Callable, carry, operands, *, iters: int | None = None, 
     iters = int(min(max(math.ceil(target_s / max(est, 1e-9)), 1), max_iters))
   times = [run(iters) for _ in range(repeats)]
   t_2n = run(2 * iters)
-  return {"per_iter_s": statistics.median(times) / iters, "iters": iters, "times_s": times,
-          "scale": t_2n / min(times), "compile_s": compile_s, "compiled": loop}
+  return {
+    "per_iter_s": statistics.median(times) / iters,
+    "iters": iters,
+    "times_s": times,
+    "scale": t_2n / min(times),
+    "compile_s": compile_s,
+    "compiled": loop,
+  }
 
 
 def default_copy_bytes() -> int:
@@ -187,12 +202,16 @@ def copy_bandwidth(nbytes: int | None = None, *, repeats: int = 5, target_s: flo
   if per_iter <= 0:  # hopelessly noisy: fall back to the plain estimate
     per_iter = t_n / iters
   del x
-  return {"bytes_per_s": 2 * n * 4 / per_iter, "buffer_bytes": n * 4, "per_iter_s": per_iter,
-          "iters": iters, "scale": t_2n / t_n}
+  return {
+    "bytes_per_s": 2 * n * 4 / per_iter,
+    "buffer_bytes": n * 4,
+    "per_iter_s": per_iter,
+    "iters": iters,
+    "scale": t_2n / t_n,
+  }
 
 
-HLO_OPS = ("exponential", "log", "sort", "reduce", "rng-bit-generator", "conditional", "while",
-           "dynamic-slice", "copy")
+HLO_OPS = ("exponential", "log", "sort", "reduce", "rng-bit-generator", "conditional", "while", "dynamic-slice", "copy")
 
 
 def hlo_ops(text: str, ops=HLO_OPS) -> dict[str, int]:
@@ -206,8 +225,10 @@ def hlo_ops(text: str, ops=HLO_OPS) -> dict[str, int]:
   return counts
 
 
-_COLLECTIVE = re.compile(r"= (\([^()]*\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-                         r"(?:-start)?\(")
+_COLLECTIVE = re.compile(
+  r"= (\([^()]*\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+  r"(?:-start)?\("
+)
 
 
 def hlo_collectives(text: str) -> dict[str, int]:
@@ -225,8 +246,17 @@ def hlo_collectives(text: str) -> dict[str, int]:
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(")
-_PASS_THROUGH = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
-                 "opt-barrier"}
+_PASS_THROUGH = {
+  "parameter",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "constant",
+  "while",
+  "conditional",
+  "call",
+  "opt-barrier",
+}
 
 
 def hlo_materialized(text: str, min_elements: int) -> list[str]:

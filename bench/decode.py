@@ -108,10 +108,36 @@ DRAFTERS = ("model", "lookup")
 LOOKUP_NGRAMS = (3, 2)
 SENTINEL = np.iinfo(np.int32).min  # a checksum value that (almost) never occurs
 
-FULL = dict(batch_sizes=(1, 8, 32), ks=(2, 4, 8), max_new_tokens=128, prompt_len=64, vocab=49152, layers=30,
-            draft_layers=2, d_model=576, heads=9, kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5)
-QUICK = dict(batch_sizes=(1, 2), ks=(2,), max_new_tokens=32, prompt_len=16, vocab=512, layers=2,
-             draft_layers=1, d_model=64, heads=4, kv_heads=2, head_dim=16, d_ff=128, rope_theta=1e5)
+FULL = dict(
+  batch_sizes=(1, 8, 32),
+  ks=(2, 4, 8),
+  max_new_tokens=128,
+  prompt_len=64,
+  vocab=49152,
+  layers=30,
+  draft_layers=2,
+  d_model=576,
+  heads=9,
+  kv_heads=3,
+  head_dim=64,
+  d_ff=1536,
+  rope_theta=1e5,
+)
+QUICK = dict(
+  batch_sizes=(1, 2),
+  ks=(2,),
+  max_new_tokens=32,
+  prompt_len=16,
+  vocab=512,
+  layers=2,
+  draft_layers=1,
+  d_model=64,
+  heads=4,
+  kv_heads=2,
+  head_dim=16,
+  d_ff=128,
+  rope_theta=1e5,
+)
 
 
 # ----------------------------------------------------------------------------
@@ -133,6 +159,7 @@ def fast_cpu_compiles(argv=None) -> bool:
   Returns whether the flags were added.
   """
   import importlib.metadata
+
   argv = sys.argv[1:] if argv is None else argv
   if "--quick" not in argv or "--keep-xla-opt" in argv:
     return False
@@ -209,23 +236,26 @@ def stats_summary(outs) -> dict:
   tokens = sum(int(x.sum()) for x in lengths)
   passes = sum(int(x.sum()) for x in calls)
   summary = {
-      "tokens": tokens,
-      "target_calls": passes,
-      "drafted": drafted,
-      "accepted": accepted,
-      "acceptance": accepted / drafted if drafted else None,
-      "mean_accepted_length": tokens / passes if passes else None,
-      # Loop trips: a batch runs until its slowest row ends (summed over calls).
-      "trips": sum(int(x.max()) for x in calls),
-      "accepted_per_position": (np.sum([np.asarray(o.stats.accepted_per_position) for o in outs], axis=0).tolist()
-                                if drafted else []),
-      "reached_per_position": (np.sum([np.asarray(o.stats.reached_per_position) for o in outs], axis=0).tolist()
-                               if drafted else []),
-      "usable_drafted": sum(int(np.asarray(o.stats.usable_drafted).sum()) for o in outs),
+    "tokens": tokens,
+    "target_calls": passes,
+    "drafted": drafted,
+    "accepted": accepted,
+    "acceptance": accepted / drafted if drafted else None,
+    "mean_accepted_length": tokens / passes if passes else None,
+    # Loop trips: a batch runs until its slowest row ends (summed over calls).
+    "trips": sum(int(x.max()) for x in calls),
+    "accepted_per_position": (
+      np.sum([np.asarray(o.stats.accepted_per_position) for o in outs], axis=0).tolist() if drafted else []
+    ),
+    "reached_per_position": (
+      np.sum([np.asarray(o.stats.reached_per_position) for o in outs], axis=0).tolist() if drafted else []
+    ),
+    "usable_drafted": sum(int(np.asarray(o.stats.usable_drafted).sum()) for o in outs),
   }
   reached = np.asarray(summary["reached_per_position"], float)
-  summary["acceptance_per_position"] = (np.asarray(summary["accepted_per_position"]) / np.maximum(reached, 1)).round(
-      4).tolist() if drafted else []
+  summary["acceptance_per_position"] = (
+    (np.asarray(summary["accepted_per_position"]) / np.maximum(reached, 1)).round(4).tolist() if drafted else []
+  )
   return summary
 
 
@@ -236,8 +266,9 @@ def predict(row: dict, comp: dict, plain: dict | None) -> None:
   row["pred"] = mal * comp["t_target_step_s"] / t_round if mal else None
   row["pred_trips"] = None
   if plain is not None and row["trips"]:
-    row["pred_trips"] = (row["tokens"] / plain["tokens"]) * plain["trips"] * comp["t_target_step_s"] / (
-        row["trips"] * t_round)
+    row["pred_trips"] = (
+      (row["tokens"] / plain["tokens"]) * plain["trips"] * comp["t_target_step_s"] / (row["trips"] * t_round)
+    )
   row["meas_over_pred"] = row["speedup"] / row["pred"] if row.get("speedup") and row["pred"] else None
   # What one round cost inside the real loop: wall time / trips (the prefill included).
   row["round_s_measured"] = row["spec_s"] / row["trips"] if row["trips"] else None
@@ -282,8 +313,9 @@ def _sampler_step_fn(k: int, vocab: int, all_greedy: bool, with_probs: bool):
     dp = jax.lax.dynamic_index_in_dim(dp_stack, j, 0, keepdims=False) if with_probs else None
     draft = (draft0 + carry) % vocab
     key = None if all_greedy else jax.random.fold_in(key0, carry)
-    out = rejection_sample(draft_token_ids=draft, target_logits=logits, params=params, key=key,
-                           draft_probs=dp, all_greedy=all_greedy)
+    out = rejection_sample(
+      draft_token_ids=draft, target_logits=logits, params=params, key=key, draft_probs=dp, all_greedy=all_greedy
+    )
     return carry + jnp.sum(out.token_ids) + jnp.sum(out.num_accepted)
 
   return step
@@ -360,8 +392,7 @@ def loop_overhead(rest, *, target_s: float = 0.05, repeats: int = 5) -> dict:
     t_n = statistics.median(common.time_call(run, n, repeats=repeats))
     t_2n = statistics.median(common.time_call(run, 2 * n, repeats=repeats))
     per = (t_2n - t_n) / n
-    out[name] = {"per_iter_s": per if per > 0 else t_n / n, "iters": n, "scale": t_2n / t_n,
-                 "warmup_s": compile_s}
+    out[name] = {"per_iter_s": per if per > 0 else t_n / n, "iters": n, "scale": t_2n / t_n, "warmup_s": compile_s}
   return out
 
 
@@ -389,8 +420,7 @@ class ComponentTimer:
     return self.memo[key]
 
   def _time_loop(self, step, carry, operands) -> dict:
-    r = common.time_per_iter(common.timed_loop(step), carry, operands, target_s=self.target_s,
-                             repeats=self.repeats)
+    r = common.time_per_iter(common.timed_loop(step), carry, operands, target_s=self.target_s, repeats=self.repeats)
     r.pop("compiled", None)
     if r["scale"] < 1.5:
       warnings.warn(f"t(2N)/t(N) = {r['scale']:.2f}: the timed work may not run every iteration")
@@ -438,8 +468,7 @@ class ComponentTimer:
       lengths = jnp.full((b,), length0, jnp.int32) + (i + carry) % span
       return carry + jnp.sum(drafter.propose(buf, lengths, k)) % 3
 
-    return self._memo(("propose", drafter.ngram_size, b, s, k),
-                      lambda: self._time_loop(step, jnp.int32(0), (buf,)))
+    return self._memo(("propose", drafter.ngram_size, b, s, k), lambda: self._time_loop(step, jnp.int32(0), (buf,)))
 
   def overhead(self, b: int, cache_len: int, k: int | None, drafter: str | None) -> dict:
     """Per-iteration cost of the three loop kinds over the decoding loop's carry."""
@@ -479,15 +508,20 @@ class ComponentTimer:
     loops = self.overhead(b, s_spec, k, "model" if is_model else "lookup")
     plain_loops = self.overhead(b, s_plain, None, None)
     return {
-        "t_target_step_s": t_target, "t_draft_step_s": t_draft_step, "t_draft_round_s": t_draft_round,
-        "t_verify_s": t_verify, "t_sampler_s": t_sampler, "t_round_s": t_round,
-        "while_iter_s": loops["while_any"]["per_iter_s"],
-        "fori_dynamic_iter_s": loops["fori_dynamic"]["per_iter_s"],
-        "fori_static_iter_s": loops["fori_static"]["per_iter_s"],
-        "while_frac_of_round": loops["while_any"]["per_iter_s"] / t_round,
-        "plain_while_iter_s": plain_loops["while_any"]["per_iter_s"],
-        "plain_while_frac_of_step": plain_loops["while_any"]["per_iter_s"] / t_target,
-        "cache_len_plain": s_plain, "cache_len_spec": s_spec,
+      "t_target_step_s": t_target,
+      "t_draft_step_s": t_draft_step,
+      "t_draft_round_s": t_draft_round,
+      "t_verify_s": t_verify,
+      "t_sampler_s": t_sampler,
+      "t_round_s": t_round,
+      "while_iter_s": loops["while_any"]["per_iter_s"],
+      "fori_dynamic_iter_s": loops["fori_dynamic"]["per_iter_s"],
+      "fori_static_iter_s": loops["fori_static"]["per_iter_s"],
+      "while_frac_of_round": loops["while_any"]["per_iter_s"] / t_round,
+      "plain_while_iter_s": plain_loops["while_any"]["per_iter_s"],
+      "plain_while_frac_of_step": plain_loops["while_any"]["per_iter_s"] / t_target,
+      "cache_len_plain": s_plain,
+      "cache_len_spec": s_spec,
     }
 
 
@@ -517,23 +551,38 @@ def print_table(rows, columns, title=None):
     print("".join(cells))
 
 
-US = lambda k: (lambda r: r[k] * 1e6 if r.get(k) is not None else None)  # noqa: E731
+US = lambda k: lambda r: r[k] * 1e6 if r.get(k) is not None else None  # noqa: E731
 
 COMPONENT_COLUMNS = [
-    ("B", "B", 4, "d"), ("K", "K", 3, "d"), ("mode", "mode", 7, "s"), ("drafter", "drafter", 8, "s"),
-    ("target us", US("t_target_step_s"), 11, ".1f"), ("draft rnd us", US("t_draft_round_s"), 13, ".1f"),
-    ("verify us", US("t_verify_s"), 11, ".1f"), ("sampler us", US("t_sampler_s"), 11, ".1f"),
-    ("round us", US("t_round_s"), 10, ".1f"), ("meas rnd us", US("round_s_measured"), 12, ".1f"),
-    ("while us", US("while_iter_s"), 10, ".2f"), ("fori us", US("fori_static_iter_s"), 9, ".2f"),
-    ("while/rnd", "while_frac_of_round", 10, ".3f"), ("while/step", "plain_while_frac_of_step", 11, ".3f"),
+  ("B", "B", 4, "d"),
+  ("K", "K", 3, "d"),
+  ("mode", "mode", 7, "s"),
+  ("drafter", "drafter", 8, "s"),
+  ("target us", US("t_target_step_s"), 11, ".1f"),
+  ("draft rnd us", US("t_draft_round_s"), 13, ".1f"),
+  ("verify us", US("t_verify_s"), 11, ".1f"),
+  ("sampler us", US("t_sampler_s"), 11, ".1f"),
+  ("round us", US("t_round_s"), 10, ".1f"),
+  ("meas rnd us", US("round_s_measured"), 12, ".1f"),
+  ("while us", US("while_iter_s"), 10, ".2f"),
+  ("fori us", US("fori_static_iter_s"), 9, ".2f"),
+  ("while/rnd", "while_frac_of_round", 10, ".3f"),
+  ("while/step", "plain_while_frac_of_step", 11, ".3f"),
 ]
 
 RESULT_COLUMNS = [
-    ("B", "B", 4, "d"), ("K", "K", 3, "d"), ("mode", "mode", 7, "s"), ("drafter", "drafter", 8, "s"),
-    ("plain tok/s", "plain_tok_s", 12, ".0f"), ("spec tok/s", "spec_tok_s", 11, ".0f"),
-    ("speedup", "speedup", 8, ".2f"), ("pred", "pred", 6, ".2f"), ("meas/pred", "meas_over_pred", 10, ".2f"),
-    ("pred_trips", "pred_trips", 11, ".2f"), ("accept", "acceptance", 7, ".2f"),
-    ("mean_len", "mean_accepted_length", 9, ".2f"),
+  ("B", "B", 4, "d"),
+  ("K", "K", 3, "d"),
+  ("mode", "mode", 7, "s"),
+  ("drafter", "drafter", 8, "s"),
+  ("plain tok/s", "plain_tok_s", 12, ".0f"),
+  ("spec tok/s", "spec_tok_s", 11, ".0f"),
+  ("speedup", "speedup", 8, ".2f"),
+  ("pred", "pred", 6, ".2f"),
+  ("meas/pred", "meas_over_pred", 10, ".2f"),
+  ("pred_trips", "pred_trips", 11, ".2f"),
+  ("accept", "acceptance", 7, ".2f"),
+  ("mean_len", "mean_accepted_length", 9, ".2f"),
 ]
 
 
@@ -541,6 +590,7 @@ def plot_speedup(rows, path, title):
   """Speedup vs K, one panel per (mode, drafter), one colour per B: measured solid, predicted dashed."""
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -562,8 +612,14 @@ def plot_speedup(rows, path, title):
       ks = [r["K"] for r in sel]
       c = colors[ci % len(colors)]
       ax.plot(ks, [r["speedup"] for r in sel], "o-", color=c, label=f"B={b} measured")
-      ax.plot(ks, [r.get("pred") if r.get("pred") is not None else np.nan for r in sel], "s--", color=c, alpha=0.7,
-              label=f"B={b} predicted")
+      ax.plot(
+        ks,
+        [r.get("pred") if r.get("pred") is not None else np.nan for r in sel],
+        "s--",
+        color=c,
+        alpha=0.7,
+        label=f"B={b} predicted",
+      )
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_title(f"{'greedy' if m == 'greedy' else 'T=1'}, {d} drafter", fontsize=9)
     ax.set_xlabel("K (draft tokens per round)")
@@ -583,9 +639,17 @@ def plot_speedup(rows, path, title):
 
 
 def model_configs(args) -> tuple[TransformerConfig, TransformerConfig]:
-  target = TransformerConfig(vocab_size=args.vocab, num_layers=args.layers, d_model=args.d_model,
-                             num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                             d_ff=args.d_ff, rope_theta=args.rope_theta, dtype=args.dtype)
+  target = TransformerConfig(
+    vocab_size=args.vocab,
+    num_layers=args.layers,
+    d_model=args.d_model,
+    num_heads=args.heads,
+    num_kv_heads=args.kv_heads,
+    head_dim=args.head_dim,
+    d_ff=args.d_ff,
+    rope_theta=args.rope_theta,
+    dtype=args.dtype,
+  )
   return target, target.replace(num_layers=args.draft_layers)
 
 
@@ -595,7 +659,7 @@ def make_draft(args, target: Transformer, d_cfg: TransformerConfig) -> Transform
   if args.draft_init == "random":
     return Transformer(d_cfg, rngs=nnx.Rngs(args.seed + 1))
   weights = target.to_weights()
-  weights = {name: (w[:d_cfg.num_layers] if name.startswith("layers.") else w) for name, w in weights.items()}
+  weights = {name: (w[: d_cfg.num_layers] if name.startswith("layers.") else w) for name, w in weights.items()}
   return Transformer.from_weights(d_cfg, weights)
 
 
@@ -614,40 +678,68 @@ def make_prompts(b: int, p: int, vocab: int, seed: int) -> np.ndarray:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
   strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
-  p.add_argument("--quick", action="store_true",
-                 help="tiny models and grid for a CPU (V=512, L=2, D=64; B 1,2; K 2; 32 tokens); "
-                      "the default without a GPU")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="tiny models and grid for a CPU (V=512, L=2, D=64; B 1,2; K 2; 32 tokens); the default without a GPU",
+  )
   p.add_argument("--batch-sizes", type=ints, help="comma list (default 1,8,32; quick 1,2)")
   p.add_argument("--ks", type=ints, help="comma list of K (default 2,4,8; quick 2)")
   p.add_argument("--modes", type=strs, default=MODES, help="comma list of: greedy, t1 (default both)")
   p.add_argument("--drafters", type=strs, default=DRAFTERS, help="comma list of: model, lookup (default both)")
   p.add_argument("--max-new-tokens", type=int, help="tokens per row (default 128; quick 32)")
   p.add_argument("--prompt-len", type=int, help="P (default 64; quick 16)")
-  for name, help_ in (("vocab", "V"), ("layers", "target L"), ("draft-layers", "draft L"), ("d-model", "D"),
-                      ("heads", "H"), ("kv-heads", "Hkv"), ("head-dim", "Dh"), ("d-ff", "F")):
-    p.add_argument(f"--{name}", type=int, help=f"{help_} (default {FULL[name.replace('-', '_')]}; "
-                                               f"quick {QUICK[name.replace('-', '_')]})")
+  for name, help_ in (
+    ("vocab", "V"),
+    ("layers", "target L"),
+    ("draft-layers", "draft L"),
+    ("d-model", "D"),
+    ("heads", "H"),
+    ("kv-heads", "Hkv"),
+    ("head-dim", "Dh"),
+    ("d-ff", "F"),
+  ):
+    p.add_argument(
+      f"--{name}",
+      type=int,
+      help=f"{help_} (default {FULL[name.replace('-', '_')]}; quick {QUICK[name.replace('-', '_')]})",
+    )
   p.add_argument("--rope-theta", type=float, help="default 1e5")
-  p.add_argument("--draft-init", choices=("random", "target"), default="random",
-                 help="draft weights: its own random ones (default; acceptance near 0), or the target's "
-                      "embedding and first layers (high acceptance: a second operating point)")
+  p.add_argument(
+    "--draft-init",
+    choices=("random", "target"),
+    default="random",
+    help="draft weights: its own random ones (default; acceptance near 0), or the target's "
+    "embedding and first layers (high acceptance: a second operating point)",
+  )
   p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
   p.add_argument("--repeats", type=int, default=3, help="timed generation calls per config (median; default 3)")
   p.add_argument("--target-ms", type=float, help="length of one component timing loop (default 50; quick 20)")
   p.add_argument("--component-repeats", type=int, help="component timing loops (median; default 5; quick 3)")
   p.add_argument("--no-components", action="store_true", help="skip the component timings (no prediction)")
-  p.add_argument("--budget-s", type=float, default=450.0,
-                 help="start no new configuration after this many seconds (default 450; 0 = no limit)")
+  p.add_argument(
+    "--budget-s",
+    type=float,
+    default=450.0,
+    help="start no new configuration after this many seconds (default 450; 0 = no limit)",
+  )
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--keep-xla-opt", action="store_true",
-                 help="with --quick on a CPU-only JAX: keep XLA's full CPU optimisation (slower compiles)")
+  p.add_argument(
+    "--keep-xla-opt",
+    action="store_true",
+    help="with --quick on a CPU-only JAX: keep XLA's full CPU optimisation (slower compiles)",
+  )
   p.add_argument("--cache-dir", default="/tmp/jax_cache", help="persistent compilation cache ('' = off)")
-  p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
-                 help="output directory (default bench/out)")
+  p.add_argument(
+    "--out",
+    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+    help="output directory (default bench/out)",
+  )
   args = p.parse_args(argv)
   for name, allowed in (("modes", MODES), ("drafters", DRAFTERS)):
     bad = [x for x in getattr(args, name) if x not in allowed]
@@ -683,14 +775,22 @@ def main(argv=None):
   t0 = time.perf_counter()
   target = Transformer(t_cfg, rngs=nnx.Rngs(args.seed))
   draft = make_draft(args, target, d_cfg) if "model" in args.drafters else None
-  print(f"target {t_cfg}\ndraft L={d_cfg.num_layers} (--draft-init {args.draft_init}); "
-        f"built in {time.perf_counter() - t0:.1f}s")
+  print(
+    f"target {t_cfg}\ndraft L={d_cfg.num_layers} (--draft-init {args.draft_init}); "
+    f"built in {time.perf_counter() - t0:.1f}s"
+  )
   lookup = PromptLookupDrafter(LOOKUP_NGRAMS)
-  timer = ComponentTimer(target, draft, target_s=args.target_ms / 1e3, repeats=args.component_repeats,
-                         seed=args.seed)
+  timer = ComponentTimer(target, draft, target_s=args.target_ms / 1e3, repeats=args.component_repeats, seed=args.seed)
 
-  report = {"info": info, "config": {k: v for k, v in vars(args).items()},
-            "target_config": str(t_cfg), "draft_config": str(d_cfg), "plain": [], "results": [], "errors": []}
+  report = {
+    "info": info,
+    "config": {k: v for k, v in vars(args).items()},
+    "target_config": str(t_cfg),
+    "draft_config": str(d_cfg),
+    "plain": [],
+    "results": [],
+    "errors": [],
+  }
   json_path = os.path.join(args.out, "decode.json")
 
   def save():
@@ -701,8 +801,14 @@ def main(argv=None):
       json.dump(report, f, indent=1, default=str)
 
   n_spec = len(args.ks) * len(args.drafters)
-  bar = tqdm(total=len(args.batch_sizes) * len(args.modes) * (1 + n_spec), desc="decode", unit="run",
-             file=sys.stdout, mininterval=2.0, disable=None)
+  bar = tqdm(
+    total=len(args.batch_sizes) * len(args.modes) * (1 + n_spec),
+    desc="decode",
+    unit="run",
+    file=sys.stdout,
+    mininterval=2.0,
+    disable=None,
+  )
 
   def error(what, e):
     msg = f"{what}: {type(e).__name__}: {str(e)[:400]}"
@@ -722,13 +828,14 @@ def main(argv=None):
         bar.update(1 + n_spec)
         continue
       try:
-        out, timing = run_generation(lambda: generate(target, prompts, lengths, params, key, **common_kw),
-                                     args.repeats)
+        out, timing = run_generation(lambda: generate(target, prompts, lengths, params, key, **common_kw), args.repeats)
         plain = {"B": b, "mode": mode, **stats_summary(out), **timing}
         plain["tok_s"] = plain["tokens"] / plain["median_s"]
         report["plain"].append(plain)
-        tqdm.write(f"B={b:<3} {mode:<6} plain            {plain['tok_s']:10.0f} tok/s  "
-                   f"(first call {timing['first_call_s']:.1f}s)")
+        tqdm.write(
+          f"B={b:<3} {mode:<6} plain            {plain['tok_s']:10.0f} tok/s  "
+          f"(first call {timing['first_call_s']:.1f}s)"
+        )
         plain_tokens = np.asarray(out.tokens)
       except Exception as e:  # noqa: BLE001 - record and continue
         error(f"plain B={b} {mode}", e)
@@ -744,11 +851,21 @@ def main(argv=None):
             continue
           try:
             out, timing = run_generation(
-                lambda: speculative_generate(target, drafter, prompts, lengths, params, key,
-                                             num_speculative_tokens=k, **common_kw), args.repeats)
-            row = {"B": b, "K": k, "mode": mode, "drafter": dname, **stats_summary(out),
-                   "spec_s": timing["median_s"], "spec_times_s": timing["times_s"],
-                   "spec_first_call_s": timing["first_call_s"]}
+              lambda: speculative_generate(
+                target, drafter, prompts, lengths, params, key, num_speculative_tokens=k, **common_kw
+              ),
+              args.repeats,
+            )
+            row = {
+              "B": b,
+              "K": k,
+              "mode": mode,
+              "drafter": dname,
+              **stats_summary(out),
+              "spec_s": timing["median_s"],
+              "spec_times_s": timing["times_s"],
+              "spec_first_call_s": timing["first_call_s"],
+            }
             row["spec_tok_s"] = row["tokens"] / row["spec_s"]
             row["plain_tok_s"] = plain["tok_s"] if plain else None
             row["speedup"] = row["spec_tok_s"] / plain["tok_s"] if plain else None
@@ -757,25 +874,34 @@ def main(argv=None):
             spec_buf = None
             if dname == "lookup":  # the lookup's buffer: prompt, then generated tokens
               s = loop_lengths(args.prompt_len, n, k)
-              spec_buf = jnp.zeros((b, s), jnp.int32).at[:, :args.prompt_len].set(prompts)
-              spec_buf = spec_buf.at[:, args.prompt_len:args.prompt_len + n].set(jnp.maximum(out.tokens, 0))
+              spec_buf = jnp.zeros((b, s), jnp.int32).at[:, : args.prompt_len].set(prompts)
+              spec_buf = spec_buf.at[:, args.prompt_len : args.prompt_len + n].set(jnp.maximum(out.tokens, 0))
           except Exception as e:  # noqa: BLE001
             error(what, e)
             bar.update(1)
             continue
           if not args.no_components:
             try:
-              comp = timer.round(b=b, k=k, mode=mode, drafter="model" if dname == "model" else lookup,
-                                 p=args.prompt_len, max_new_tokens=n, buf=spec_buf)
+              comp = timer.round(
+                b=b,
+                k=k,
+                mode=mode,
+                drafter="model" if dname == "model" else lookup,
+                p=args.prompt_len,
+                max_new_tokens=n,
+                buf=spec_buf,
+              )
               row.update(comp)
               predict(row, comp, plain)
             except Exception as e:  # noqa: BLE001
               error(what + " components", e)
           report["results"].append(row)
-          tqdm.write(f"B={b:<3} {mode:<6} K={k} {dname:<7} {row['spec_tok_s']:10.0f} tok/s  "
-                     f"x{_fmt(row['speedup'], '.2f')} (pred {_fmt(row.get('pred'), '.2f')})  "
-                     f"accept {_fmt(row['acceptance'], '.2f')}  mean_len {_fmt(row['mean_accepted_length'], '.2f')}"
-                     f"  (first call {timing['first_call_s']:.1f}s)")
+          tqdm.write(
+            f"B={b:<3} {mode:<6} K={k} {dname:<7} {row['spec_tok_s']:10.0f} tok/s  "
+            f"x{_fmt(row['speedup'], '.2f')} (pred {_fmt(row.get('pred'), '.2f')})  "
+            f"accept {_fmt(row['acceptance'], '.2f')}  mean_len {_fmt(row['mean_accepted_length'], '.2f')}"
+            f"  (first call {timing['first_call_s']:.1f}s)"
+          )
           bar.update(1)
           save()
           gc.collect()
@@ -783,9 +909,12 @@ def main(argv=None):
   bar.close()
   save()
 
-  png = plot_speedup(report["results"], os.path.join(args.out, "decode.png"),
-                     f"random-weight target L={t_cfg.num_layers} D={t_cfg.d_model} V={t_cfg.vocab_size} "
-                     f"{args.dtype}, draft L={d_cfg.num_layers}, {n} new tokens, {info['device']}")
+  png = plot_speedup(
+    report["results"],
+    os.path.join(args.out, "decode.png"),
+    f"random-weight target L={t_cfg.num_layers} D={t_cfg.d_model} V={t_cfg.vocab_size} "
+    f"{args.dtype}, draft L={d_cfg.num_layers}, {n} new tokens, {info['device']}",
+  )
   print(f"\nwrote {json_path}" + (f" and {png}" if png else ""))
   if report["errors"]:
     print(f"{len(report['errors'])} error(s): " + "; ".join(e["error"][:120] for e in report["errors"]))
@@ -794,12 +923,18 @@ def main(argv=None):
   print(f"total {budget.elapsed():.0f}s")
   rows = report["results"]
   if not args.no_components:
-    print_table(rows, COMPONENT_COLUMNS,
-                "Components, each timed alone (us; round = draft round + verify + sampler; meas rnd = spec wall / "
-                "trips; while/fori = us per iteration of a trivial loop over the same carry)")
-  print_table(rows, RESULT_COLUMNS,
-              f"tokens/s, {args.dtype}, P={args.prompt_len}, {n} new tokens per row "
-              "(pred = mean_len * t_target / t_round; pred_trips uses the slowest row's trips)")
+    print_table(
+      rows,
+      COMPONENT_COLUMNS,
+      "Components, each timed alone (us; round = draft round + verify + sampler; meas rnd = spec wall / "
+      "trips; while/fori = us per iteration of a trivial loop over the same carry)",
+    )
+  print_table(
+    rows,
+    RESULT_COLUMNS,
+    f"tokens/s, {args.dtype}, P={args.prompt_len}, {n} new tokens per row "
+    "(pred = mean_len * t_target / t_round; pred_trips uses the slowest row's trips)",
+  )
 
 
 if __name__ == "__main__":

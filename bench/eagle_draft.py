@@ -64,11 +64,13 @@ FEATURE_LAYERS = (2, 15, 27)  # the shipped head's
 
 def build_heads(dtype, num_layers: int, draft_vocab: int, variants) -> dict[str, EagleDrafter]:
   """{variant: head}, all with the same random weights (see the module docstring)."""
-  target_config = TransformerConfig(**{**SMOLLM2, "num_layers": max(FEATURE_LAYERS) + 1}, dtype=dtype,
-                                    feature_layers=FEATURE_LAYERS)
+  target_config = TransformerConfig(
+    **{**SMOLLM2, "num_layers": max(FEATURE_LAYERS) + 1}, dtype=dtype, feature_layers=FEATURE_LAYERS
+  )
   target = nnx.eval_shape(lambda: Transformer(target_config, rngs=nnx.Rngs(0)))  # only its embedding is used
-  target.embed = nnx.Param(0.02 * jax.random.normal(jax.random.key(1), (SMOLLM2["vocab_size"], SMOLLM2["d_model"]),
-                                                    dtype))
+  target.embed = nnx.Param(
+    0.02 * jax.random.normal(jax.random.key(1), (SMOLLM2["vocab_size"], SMOLLM2["d_model"]), dtype)
+  )
   vocab = np.random.default_rng(0).permutation(SMOLLM2["vocab_size"])[:draft_vocab] if draft_vocab else None
   base = EagleDrafter.for_target(target, num_layers=num_layers, draft_vocab=vocab, rngs=nnx.Rngs(2))
   weights, embed = base.to_weights(), target.embed[...]
@@ -95,23 +97,34 @@ def minimal_sample_tokens(logits, params, key, *, all_greedy=False):
   return jax.vmap(jax.random.categorical)(keys, log_probs).astype(jnp.int32), log_probs
 
 
-def draft_phase(head, *, b: int, k: int, mode: str, p0: int, cache_len: int, target_s: float, repeats: int,
-                trace_dir: str | None = None, sample=None) -> dict:
+def draft_phase(
+  head,
+  *,
+  b: int,
+  k: int,
+  mode: str,
+  p0: int,
+  cache_len: int,
+  target_s: float,
+  repeats: int,
+  trace_dir: str | None = None,
+  sample=None,
+) -> dict:
   """Times one draft phase per loop iteration (median of `repeats` loops); with trace_dir, profiles 20 of them."""
   graphdef, state = nnx.split(head)
   params, key, _ = bd.mode_setup(mode, b, 0)
   key = jax.random.key(0) if key is None else key
   feats = jnp.ones((b, k + 1, head.config.feature_size), head.config.layers.dtype)
-  step = _eagle_round_fn(graphdef, k, p0, max(cache_len - p0 - 2 * k - 2, 1), mode == "greedy", mode != "greedy",
-                         sample)
+  step = _eagle_round_fn(
+    graphdef, k, p0, max(cache_len - p0 - 2 * k - 2, 1), mode == "greedy", mode != "greedy", sample
+  )
   carry = (head.init_cache(b, cache_len), jnp.full((b,), 7, jnp.int32))
   loop = common.timed_loop(step)
   r = common.time_per_iter(loop, carry, (state, feats, params, key), target_s=target_s, repeats=repeats)
   r.pop("compiled", None)
   if trace_dir:
     steps = 20
-    table, error = profile_kernels(lambda: loop(0, steps, carry, state, feats, params, key), trace_dir, steps,
-                                   top=40)
+    table, error = profile_kernels(lambda: loop(0, steps, carry, state, feats, params, key), trace_dir, steps, top=40)
     r.update({"trace_error": error} if error else {"kernels": table})
   return r
 
@@ -130,8 +143,11 @@ def parse_args(argv=None):
   ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
   ap.add_argument("--repeats", type=int, default=5, help="timed loops per cell (median)")
   ap.add_argument("--trace", help="profile each variant's first cell (first mode, first K) into this directory")
-  ap.add_argument("--minimal-sampler", action="store_true",
-                  help="T=1 rows drawn without sample_tokens' run-time branches (a bound; see the docstring)")
+  ap.add_argument(
+    "--minimal-sampler",
+    action="store_true",
+    help="T=1 rows drawn without sample_tokens' run-time branches (a bound; see the docstring)",
+  )
   ap.add_argument("--no-filters", action="store_true", help="T=1 rows drawn by sample_tokens(..., no_filters=True)")
   ap.add_argument("--no-plot", action="store_true")
   args = ap.parse_args(argv)
@@ -163,26 +179,59 @@ def main(argv=None) -> dict:
   for mode in args.modes:
     for k in args.ks:
       for name in args.variants:
-        trace = (os.path.join(args.trace, name) if args.trace and mode == args.modes[0] and k == args.ks[0]
-                 else None)
-        r = draft_phase(heads[name], b=args.batch_size, k=k, mode=mode, p0=p0, cache_len=args.cache_len,
-                        target_s=args.target_ms / 1e3, repeats=args.repeats, trace_dir=trace,
-                        sample=(minimal_sample_tokens if args.minimal_sampler else
-                                functools.partial(sample_tokens, no_filters=True) if args.no_filters else None))
+        trace = os.path.join(args.trace, name) if args.trace and mode == args.modes[0] and k == args.ks[0] else None
+        r = draft_phase(
+          heads[name],
+          b=args.batch_size,
+          k=k,
+          mode=mode,
+          p0=p0,
+          cache_len=args.cache_len,
+          target_s=args.target_ms / 1e3,
+          repeats=args.repeats,
+          trace_dir=trace,
+          sample=(
+            minimal_sample_tokens
+            if args.minimal_sampler
+            else functools.partial(sample_tokens, no_filters=True)
+            if args.no_filters
+            else None
+          ),
+        )
         if "kernels" in r:
           kernels[name] = r.pop("kernels")
-        rows.append({"variant": name, "mode": mode, "K": k, "us": r["per_iter_s"] * 1e6,
-                     "us_per_call": r["per_iter_s"] * 1e6 / k, "compile_s": r["compile_s"], "scale": r["scale"],
-                     **({"trace_error": r["trace_error"]} if "trace_error" in r else {})})
-        print(f"{mode:6s} K={k} {name:13s} {rows[-1]['us']:8.1f} us per draft phase "
-              f"({rows[-1]['us_per_call']:.1f} per head call; compile {r['compile_s']:.1f}s)", flush=True)
-  report = {"info": {**common.device_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")}, "config": vars(args),
-            "dtype": str(dtype), "rows": rows, "kernels": kernels}
+        rows.append(
+          {
+            "variant": name,
+            "mode": mode,
+            "K": k,
+            "us": r["per_iter_s"] * 1e6,
+            "us_per_call": r["per_iter_s"] * 1e6 / k,
+            "compile_s": r["compile_s"],
+            "scale": r["scale"],
+            **({"trace_error": r["trace_error"]} if "trace_error" in r else {}),
+          }
+        )
+        print(
+          f"{mode:6s} K={k} {name:13s} {rows[-1]['us']:8.1f} us per draft phase "
+          f"({rows[-1]['us_per_call']:.1f} per head call; compile {r['compile_s']:.1f}s)",
+          flush=True,
+        )
+  report = {
+    "info": {**common.device_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
+    "config": vars(args),
+    "dtype": str(dtype),
+    "rows": rows,
+    "kernels": kernels,
+  }
   with open(os.path.join(args.out, "eagle_draft.json"), "w") as f:
     json.dump(report, f, indent=1)
   if not args.no_plot:
-    plot(rows, os.path.join(args.out, "eagle_draft.png"), f"EAGLE draft phase, B={args.batch_size}, {dtype}, "
-         f"{report['info'].get('device')}")
+    plot(
+      rows,
+      os.path.join(args.out, "eagle_draft.png"),
+      f"EAGLE draft phase, B={args.batch_size}, {dtype}, {report['info'].get('device')}",
+    )
   print(f"wrote {args.out}/eagle_draft.json")
   return report
 

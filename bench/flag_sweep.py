@@ -29,17 +29,17 @@ import time
 
 # name -> flags appended to XLA_FLAGS. The first set is the baseline.
 GPU_SETS = {
-    "baseline": "",
-    # Keep matrix-vector products as dots (a GEMM library call or a Triton GEMM) instead of the
-    # multiply + reduce that XLA rewrites them into at one row.
-    "no-strength-red": "--xla_gpu_enable_dot_strength_reduction=false",
-    "no-strength-red+cublas": "--xla_gpu_enable_dot_strength_reduction=false --xla_gpu_enable_triton_gemm=false",
-    "cublas": "--xla_gpu_enable_triton_gemm=false",
-    # Fewer, fatter kernels: every fusion through Triton, Triton multi-output fusions, block-level fusions.
-    "all-triton": "--xla_gpu_experimental_all_fusions_with_triton=true",
-    "triton-multi-output": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=true",
-    "block-level": "--xla_gpu_experimental_enable_fusion_block_level_rewriter=true",
-    "heroless": "--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true",
+  "baseline": "",
+  # Keep matrix-vector products as dots (a GEMM library call or a Triton GEMM) instead of the
+  # multiply + reduce that XLA rewrites them into at one row.
+  "no-strength-red": "--xla_gpu_enable_dot_strength_reduction=false",
+  "no-strength-red+cublas": "--xla_gpu_enable_dot_strength_reduction=false --xla_gpu_enable_triton_gemm=false",
+  "cublas": "--xla_gpu_enable_triton_gemm=false",
+  # Fewer, fatter kernels: every fusion through Triton, Triton multi-output fusions, block-level fusions.
+  "all-triton": "--xla_gpu_experimental_all_fusions_with_triton=true",
+  "triton-multi-output": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=true",
+  "block-level": "--xla_gpu_experimental_enable_fusion_block_level_rewriter=true",
+  "heroless": "--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true",
 }
 
 
@@ -76,9 +76,23 @@ def main(argv=None):
   results = {}
   for name, flags in sets.items():
     with tempfile.TemporaryDirectory() as tmp:
-      cmd = [sys.executable, script, "--out", tmp, "--variants", "after", "--batch-sizes", args.batch_sizes,
-             "--repeats", str(args.repeats), "--no-plot"] + (["--tiny"] if args.tiny else []) + \
-            (["--trace", os.path.join(tmp, "trace")] if args.trace else [])
+      cmd = (
+        [
+          sys.executable,
+          script,
+          "--out",
+          tmp,
+          "--variants",
+          "after",
+          "--batch-sizes",
+          args.batch_sizes,
+          "--repeats",
+          str(args.repeats),
+          "--no-plot",
+        ]
+        + (["--tiny"] if args.tiny else [])
+        + (["--trace", os.path.join(tmp, "trace")] if args.trace else [])
+      )
       env = dict(os.environ, XLA_FLAGS=f"{base_flags} {flags}".strip())
       t0 = time.time()
       try:
@@ -102,8 +116,11 @@ def main(argv=None):
         entry["error"] = tail
       results[name] = entry
       figures = " ".join(f"B{r['B']}T{r['T']}={r['us']:.0f}us" for r in entry.get("rows", []))
-      print(f"{name:24s} {'ok' if ok else 'FAILED'} {entry['seconds']:6.1f}s  {figures}  "
-            f"launches {entry.get('launches_per_step', '-')}", flush=True)
+      print(
+        f"{name:24s} {'ok' if ok else 'FAILED'} {entry['seconds']:6.1f}s  {figures}  "
+        f"launches {entry.get('launches_per_step', '-')}",
+        flush=True,
+      )
       if not ok:
         print("   " + tail.strip().splitlines()[-1][:300] if tail.strip() else "", flush=True)
   with open(os.path.join(args.out, "flag_sweep.json"), "w") as f:

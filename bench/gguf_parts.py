@@ -36,6 +36,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.action == "split":
     from specdec_jax.models.loaders.smollm2 import smollm2_gguf_path
+
     data = open(smollm2_gguf_path(), "rb").read()
     os.makedirs(".gguf", exist_ok=True)
     for old in glob.glob(".gguf/part*"):
@@ -43,7 +44,7 @@ def main(argv=None):
     size = -(-len(data) // args.parts)
     for i in range(args.parts):
       with open(f".gguf/part{i}", "wb") as f:
-        f.write(data[i * size:(i + 1) * size])
+        f.write(data[i * size : (i + 1) * size])
     with open(".gguf/sha256", "w") as f:
       f.write(hashlib.sha256(data).hexdigest())
     print(f"wrote .gguf/part0 .. part{args.parts - 1} ({size} bytes each at most)")

@@ -47,8 +47,11 @@ import os
 # The test suite's XLA flags (tests/conftest.py), set here too so that this script and tests/test_golden.py
 # compile the same programs: the flags are meant to keep float semantics, but a bit-identity record should
 # not rest on that. Read when JAX starts its backend, so before any computation below.
-XLA_TEST_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                  "--xla_cpu_use_fusion_emitters=false")
+XLA_TEST_FLAGS = (
+  "--xla_backend_optimization_level=0",
+  "--xla_llvm_disable_expensive_passes=true",
+  "--xla_cpu_use_fusion_emitters=false",
+)
 for _flag in XLA_TEST_FLAGS:
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
@@ -107,8 +110,9 @@ TREE_PARENTS = np.array([-1, -1, 0, 0, 1, 2, 5], np.int32)  # depths 1, 1, 2, 2,
 @functools.partial(jax.jit, static_argnames=("all_greedy", "sibling_draws", "max_depth"))
 def _tree_jit(d, parents, x, p, key, dp, nn, **kw):
   """`parents=None` stands for the static TREE_PARENTS, closed over as a constant (a static depth)."""
-  return tree_rejection_sample(d, TREE_PARENTS if parents is None else parents, x, p, key, draft_probs=dp,
-                               num_nodes=nn, **kw)
+  return tree_rejection_sample(
+    d, TREE_PARENTS if parents is None else parents, x, p, key, draft_probs=dp, num_nodes=nn, **kw
+  )
 
 
 def _inputs(seed, b, k, v, nonfinite):
@@ -127,8 +131,12 @@ def _inputs(seed, b, k, v, nonfinite):
 
 
 def _params(kind, b):
-  t = {"greedy": np.zeros(b), "random": np.full(b, 0.9), "mixed": np.where(np.arange(b) % 2, 0.0, 1.3),
-       "cold": np.full(b, 2e-5)}[kind].astype(np.float32)
+  t = {
+    "greedy": np.zeros(b),
+    "random": np.full(b, 0.9),
+    "mixed": np.where(np.arange(b) % 2, 0.0, 1.3),
+    "cold": np.full(b, 2e-5),
+  }[kind].astype(np.float32)
   return t
 
 
@@ -138,24 +146,43 @@ def _sampler_cases():
     b = 8
     logits, probs, draft, n = _inputs(v + k, b, k, v, nonfinite)
     for kind, filt, with_dp, ragged, lp, method in itertools.product(
-        ("greedy", "random", "mixed", "cold"), (False, True), (False, True), (False, True),
-        (None, "raw", "processed"), ("token", "block")):
+      ("greedy", "random", "mixed", "cold"),
+      (False, True),
+      (False, True),
+      (False, True),
+      (None, "raw", "processed"),
+      ("token", "block"),
+    ):
       if kind == "greedy" and (with_dp or method == "block"):
         continue
       if lp is not None and (ragged or filt and with_dp):
         continue
       t = _params(kind, b)
-      params = SamplingParams.create(t, top_k=np.where(np.arange(b) % 3 == 0, 5, 0) if filt else None,
-                                     top_p=0.8 if filt else None)
-      flags = [{}] + ([{"all_greedy": True}] if kind == "greedy" else []) + (
-          [{"all_random": True}] if kind in ("random", "cold") else [])
+      params = SamplingParams.create(
+        t, top_k=np.where(np.arange(b) % 3 == 0, 5, 0) if filt else None, top_p=0.8 if filt else None
+      )
+      flags = (
+        [{}]
+        + ([{"all_greedy": True}] if kind == "greedy" else [])
+        + ([{"all_random": True}] if kind in ("random", "cold") else [])
+      )
       for fl in flags:
         name = f"rs V={v} K={k} nf={nonfinite} {kind} filt={filt} dp={with_dp} ragged={ragged} lp={lp} {method} {fl}"
 
         def fn(params=params, with_dp=with_dp, ragged=ragged, lp=lp, method=method, fl=fl):
           # Under jit: the eager input checks would refuse the non-finite cases.
-          out = _rs_jit(draft, logits, params, None if fl.get("all_greedy") else jax.random.key(7),
-                        probs if with_dp else None, n if ragged else None, None, logprobs=lp, method=method, **fl)
+          out = _rs_jit(
+            draft,
+            logits,
+            params,
+            None if fl.get("all_greedy") else jax.random.key(7),
+            probs if with_dp else None,
+            n if ragged else None,
+            None,
+            logprobs=lp,
+            method=method,
+            **fl,
+          )
           res = {"ids": out.token_ids, "na": out.num_accepted}
           if lp is not None:
             res["lp"] = out.logprobs
@@ -182,12 +209,19 @@ def _option_cases(v, k, b, logits, probs, draft, n):
   prompt = rng.integers(0, v, size=(b, 6)).astype(np.int32)
   state = PenaltyState.from_prompt(prompt, np.full(b, 6), v).add_tokens(draft[:, ::-1])
   bias = {int(draft[0, 0]): -2.0, 1: 3.0}
-  for kind, with_dp, lp, min_p in itertools.product(("greedy", "random", "mixed"), (False, True),
-                                                     (None, "processed"), (None, 0.1)):
+  for kind, with_dp, lp, min_p in itertools.product(
+    ("greedy", "random", "mixed"), (False, True), (None, "processed"), (None, 0.1)
+  ):
     if kind == "greedy" and (with_dp or min_p):
       continue
-    params = SamplingParams.create(_params(kind, b), repetition_penalty=1.3, frequency_penalty=0.4,
-                                   presence_penalty=0.2, logit_bias=bias, min_p=min_p)
+    params = SamplingParams.create(
+      _params(kind, b),
+      repetition_penalty=1.3,
+      frequency_penalty=0.4,
+      presence_penalty=0.2,
+      logit_bias=bias,
+      min_p=min_p,
+    )
     name = f"rs-options V={v} K={k} {kind} dp={with_dp} lp={lp} min_p={min_p}"
 
     def fn(params=params, with_dp=with_dp, lp=lp, min_p=min_p):
@@ -216,6 +250,7 @@ def _option_cases(v, k, b, logits, probs, draft, n):
 # tree_rejection_sample
 # ----------------------------------------------------------------------------
 
+
 def _tree_inputs(seed, b, v):
   """Logits, draft probabilities, tokens (a few of them the argmax, so walks go deep) and per-row trees."""
   rng = np.random.default_rng(seed)
@@ -235,30 +270,45 @@ def _tree_cases():
   b = 6
   for v in (64, 1000):
     logits, probs, draft, batched, num_nodes = _tree_inputs(v, b, v)
-    for kind, with_dp, shape, ragged in itertools.product(("greedy", "random", "mixed"), (False, True),
-                                                         ("static", "batched", "batched max_depth=3"), (False, True)):
+    for kind, with_dp, shape, ragged in itertools.product(
+      ("greedy", "random", "mixed"), (False, True), ("static", "batched", "batched max_depth=3"), (False, True)
+    ):
       if kind == "greedy" and with_dp or v != 64 and (shape != "static" or not ragged):
         continue
       variants = [{}]
       if shape == "static" and ragged:
-        variants += ([{"all_greedy": True}] if kind == "greedy" else
-                     [{"sibling_draws": "without_replacement"}] if with_dp else [{"filt": True}, {"row_keys": True}])
+        variants += (
+          [{"all_greedy": True}]
+          if kind == "greedy"
+          else [{"sibling_draws": "without_replacement"}]
+          if with_dp
+          else [{"filt": True}, {"row_keys": True}]
+        )
       for extra in variants:
         name = f"tree V={v} {kind} dp={with_dp} parents={shape} ragged={ragged} {extra}"
 
         def fn(kind=kind, with_dp=with_dp, shape=shape, ragged=ragged, extra=extra):
           fl = {k: extra[k] for k in ("all_greedy", "sibling_draws") if k in extra}
-          params = SamplingParams.create(_params(kind, b), top_k=5 if extra.get("filt") else None,
-                                         top_p=0.8 if extra.get("filt") else None)
+          params = SamplingParams.create(
+            _params(kind, b), top_k=5 if extra.get("filt") else None, top_p=0.8 if extra.get("filt") else None
+          )
           if fl.get("all_greedy"):
             key = None
           elif extra.get("row_keys"):
             key = jax.random.split(jax.random.key(13), b)
           else:
             key = jax.random.key(13)
-          out = _tree_jit(draft, None if shape == "static" else batched, logits, params, key,
-                          probs if with_dp else None, num_nodes if ragged else None,
-                          max_depth=3 if "max_depth" in shape else None, **fl)
+          out = _tree_jit(
+            draft,
+            None if shape == "static" else batched,
+            logits,
+            params,
+            key,
+            probs if with_dp else None,
+            num_nodes if ragged else None,
+            max_depth=3 if "max_depth" in shape else None,
+            **fl,
+          )
           return {"ids": out.token_ids, "nodes": out.accepted_nodes, "na": out.num_accepted, "ne": out.num_emitted}
 
         yield name, fn
@@ -277,6 +327,7 @@ def _tiny_models():
   from flax import nnx
 
   from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
+
   config = TransformerConfig.tiny(LOOP_V, feature_layers=(0, 1))
   target = Transformer(config, rngs=nnx.Rngs(0))
   draft = Transformer(config.replace(num_layers=1, feature_layers=()), rngs=nnx.Rngs(1))
@@ -295,8 +346,9 @@ def _loop_params(kind, options=False):
   t = np.zeros(b, np.float32) if kind == "greedy" else np.ones(b, np.float32)
   if not options:
     return SamplingParams.create(t)
-  return SamplingParams.create(t, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
-                               logit_bias={3: 2.0, 4: -1.0})
+  return SamplingParams.create(
+    t, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, logit_bias={3: 2.0, 4: -1.0}
+  )
 
 
 def _output_arrays(out):
@@ -315,6 +367,7 @@ def _greedy_eos():
 
 def _loop_cases():
   """generate and speculative_generate: each draft kind with a chain, a static and a dynamic tree, greedy and T=1."""
+
   def run(loop, draft, kind, options=False, eos=False, **kw):
     def fn():
       target, model, eagle = _tiny_models()
@@ -328,11 +381,14 @@ def _loop_cases():
         return _output_arrays(generate(target, *args, **kw))
       d = {"model": model, "lookup": PromptLookupDrafter((2, 1)), "eagle": eagle}[draft]
       return _output_arrays(speculative_generate(target, d, *args, **kw))
+
     return fn
 
-  shapes = {"chain K=3": dict(num_speculative_tokens=3), "tree (2, 1)": dict(num_speculative_tokens=2,
-                                                                             draft_tree=(2, 1)),
-            "dynamic (2, 2, 4)": dict(num_speculative_tokens=2, draft_tree=DynamicTree(2, 2, 4))}
+  shapes = {
+    "chain K=3": dict(num_speculative_tokens=3),
+    "tree (2, 1)": dict(num_speculative_tokens=2, draft_tree=(2, 1)),
+    "dynamic (2, 2, 4)": dict(num_speculative_tokens=2, draft_tree=DynamicTree(2, 2, 4)),
+  }
   for kind in ("greedy", "T=1"):
     yield f"loop generate {kind}", run("generate", None, kind)
   yield "loop generate T=1 logprobs=processed", run("generate", None, "T=1", logprobs="processed")
@@ -346,12 +402,18 @@ def _loop_cases():
   yield "loop spec eagle chain K=3 T=1 logprobs=processed", run("spec", "eagle", "T=1", logprobs="processed", **chain)
   yield "loop spec model chain K=3 T=1 penalties+bias", run("spec", "model", "T=1", options=True, **chain)
   yield "loop spec lookup chain K=3 greedy eos", run("spec", "lookup", "greedy", eos=True, **chain)
-  yield "loop spec eagle tree (2, 1) T=1 eos", run("spec", "eagle", "T=1", eos=True, num_speculative_tokens=2,
-                                                   draft_tree=(2, 1))
-  yield "loop spec model tree (2, 1) iid T=1", run("spec", "model", "T=1", num_speculative_tokens=2,
-                                                   draft_tree=DraftTree((2, 1), sibling_draws="iid"))
-  yield "loop spec eagle dynamic (2, 2, 6) sampled T=1", run("spec", "eagle", "T=1", num_speculative_tokens=2,
-                                                             draft_tree=DynamicTree(2, 2, 6, sampled=True))
+  yield (
+    "loop spec eagle tree (2, 1) T=1 eos",
+    run("spec", "eagle", "T=1", eos=True, num_speculative_tokens=2, draft_tree=(2, 1)),
+  )
+  yield (
+    "loop spec model tree (2, 1) iid T=1",
+    run("spec", "model", "T=1", num_speculative_tokens=2, draft_tree=DraftTree((2, 1), sibling_draws="iid")),
+  )
+  yield (
+    "loop spec eagle dynamic (2, 2, 6) sampled T=1",
+    run("spec", "eagle", "T=1", num_speculative_tokens=2, draft_tree=DynamicTree(2, 2, 6, sampled=True)),
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -370,12 +432,14 @@ def smollm2_available() -> bool:
 def _smollm2():
   """(target, tokenizer, EAGLE head, draft model), float32, loaded once."""
   from specdec_jax.models import load_smollm2, load_smollm2_draft, load_smollm2_eagle
+
   target, tokenizer = load_smollm2(jnp.float32)
   return target, tokenizer, load_smollm2_eagle(jnp.float32), load_smollm2_draft(jnp.float32)
 
 
 def _smollm2_cases():
   """A few tokens each: row 0 greedy and row 1 at T=1 in one batch (one program for both), EAGLE K=2 also all-greedy."""
+
   def prompt():
     ids = _smollm2()[1].encode(SMOLLM2_PROMPT).ids
     return np.array([ids, ids], np.int32), np.full((2,), len(ids), np.int32)
@@ -386,8 +450,9 @@ def _smollm2_cases():
     target = _smollm2()[0]
     prompts, lengths = prompt()
     res = {"prompt": prompts}
-    res.update(_output_arrays(generate(target, prompts, lengths, mixed(), jax.random.key(2), max_new_tokens=4,
-                                       logprobs="raw")))
+    res.update(
+      _output_arrays(generate(target, prompts, lengths, mixed(), jax.random.key(2), max_new_tokens=4, logprobs="raw"))
+    )
     return res
 
   def spec(which, greedy):
@@ -398,9 +463,20 @@ def _smollm2_cases():
         prompts, lengths, params, key = prompts[:1], lengths[:1], SamplingParams.greedy(1), None
       else:
         params, key = mixed(), jax.random.key(2)
-      return _output_arrays(speculative_generate(target, {"eagle": eagle, "model": draft}[which], prompts, lengths,
-                                                 params, key, max_new_tokens=4 if greedy else 5,
-                                                 num_speculative_tokens=2, all_greedy=greedy))
+      return _output_arrays(
+        speculative_generate(
+          target,
+          {"eagle": eagle, "model": draft}[which],
+          prompts,
+          lengths,
+          params,
+          key,
+          max_new_tokens=4 if greedy else 5,
+          num_speculative_tokens=2,
+          all_greedy=greedy,
+        )
+      )
+
     return fn
 
   yield f"{SMOLLM2} generate greedy+T=1 logprobs=raw", gen
@@ -432,13 +508,22 @@ def header() -> dict:
   """What the bits depend on besides the code: versions, backend, XLA flags (and, for information, the CPU)."""
   import flax
   import jaxlib
+
   cpu = ""
   if os.path.exists("/proc/cpuinfo"):
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__, "numpy": np.__version__,
-          "python": platform.python_version(), "backend": jax.default_backend(),
-          "xla_flags": os.environ.get("XLA_FLAGS", ""), "machine": platform.machine(), "cpu": cpu}
+  return {
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "flax": flax.__version__,
+    "numpy": np.__version__,
+    "python": platform.python_version(),
+    "backend": jax.default_backend(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "machine": platform.machine(),
+    "cpu": cpu,
+  }
 
 
 # Header fields that must match for a comparison to mean anything (the rest is information).
@@ -448,8 +533,9 @@ MUST_MATCH = ("jax", "jaxlib", "flax", "backend", "xla_flags")
 def mismatched_setup(record_header: dict) -> list[str]:
   """The MUST_MATCH fields where this process differs from the record's header, as 'field: recorded != now'."""
   now = header()
-  return [f"{k}: recorded {record_header.get(k)!r} != now {now[k]!r}" for k in MUST_MATCH
-          if record_header.get(k) != now[k]]
+  return [
+    f"{k}: recorded {record_header.get(k)!r} != now {now[k]!r}" for k in MUST_MATCH if record_header.get(k) != now[k]
+  ]
 
 
 def run_grid(select=None, verbose=False) -> dict[str, np.ndarray]:
@@ -506,6 +592,7 @@ def merge(out, *parts):
 def _select(only, with_smollm2):
   def select(name):
     return (not only or any(s in name for s in only)) and (with_smollm2 or not name.startswith(SMOLLM2))
+
   return select
 
 
@@ -515,11 +602,20 @@ def main(argv=None):
   g.add_argument("--save", help="write the grid's hashes to this .json (or, for a .npz, the arrays)")
   g.add_argument("--check", help="compare the grid with this .json (or .npz), bit for bit; exit 1 on a difference")
   g.add_argument("--list", action="store_true", help="print the names of the selected cases")
-  g.add_argument("--merge", nargs="+", metavar="FILE",
-                 help="OUT PART...: join records saved with --only (e.g. in parallel) into OUT; entries saved in "
-                      "more than one part must agree (a check of run-to-run determinism)")
-  ap.add_argument("--only", action="append", default=[], metavar="TEXT",
-                  help="only the cases whose name contains TEXT (repeatable: any of them)")
+  g.add_argument(
+    "--merge",
+    nargs="+",
+    metavar="FILE",
+    help="OUT PART...: join records saved with --only (e.g. in parallel) into OUT; entries saved in "
+    "more than one part must agree (a check of run-to-run determinism)",
+  )
+  ap.add_argument(
+    "--only",
+    action="append",
+    default=[],
+    metavar="TEXT",
+    help="only the cases whose name contains TEXT (repeatable: any of them)",
+  )
   ap.add_argument("-v", "--verbose", action="store_true", help="print each case's time")
   args = ap.parse_args(argv)
   if args.merge:
@@ -551,8 +647,11 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
       # A record saved with --only holds part of the grid (its header says which): merge parts with --merge.
-      json.dump({"header": dict(header(), only=args.only), "arrays": {n: digest(a) for n, a in sorted(got.items())}},
-                f, indent=0)
+      json.dump(
+        {"header": dict(header(), only=args.only), "arrays": {n: digest(a) for n, a in sorted(got.items())}},
+        f,
+        indent=0,
+      )
       f.write("\n")
     print(f"saved the hashes of {len(got)} arrays to {path}")
     return 0
@@ -560,8 +659,11 @@ def main(argv=None):
     ref = dict(np.load(path))
     ref = {n: a for n, a in ref.items() if select(n.split(" | ")[0])}
     missing = sorted(set(ref) - set(got))
-    differ = [n for n in sorted(set(ref) & set(got))
-              if ref[n].shape != got[n].shape or not np.array_equal(ref[n], got[n], equal_nan=True)]
+    differ = [
+      n
+      for n in sorted(set(ref) & set(got))
+      if ref[n].shape != got[n].shape or not np.array_equal(ref[n], got[n], equal_nan=True)
+    ]
     new = sorted(set(got) - set(ref))
   else:
     differ, missing, new = compare(record, got, select)
@@ -570,8 +672,10 @@ def main(argv=None):
   for n in missing[:10]:
     print("MISSING:", n)
   checked = len(got) - len(new)
-  print(f"{checked - len(differ)} of {checked + len(missing)} arrays bit-identical; {len(differ)} differ, "
-        f"{len(missing)} missing, {len(new)} new")
+  print(
+    f"{checked - len(differ)} of {checked + len(missing)} arrays bit-identical; {len(differ)} differ, "
+    f"{len(missing)} missing, {len(new)} new"
+  )
   return 1 if differ or missing else 0
 
 

@@ -41,27 +41,41 @@ def _programs(target, eagle, drafts, n, eos):
   out = {}
   for nf in (False, True):
     tag = "no_filters" if nf else "default"
-    out[f"plain/{tag}"] = lambda t, l, p, key, nf=nf: generate(target, t, l, p, key, max_new_tokens=n,
-                                                               eos_token_id=eos, no_filters=nf)
+    out[f"plain/{tag}"] = lambda t, l, p, key, nf=nf: generate(
+      target, t, l, p, key, max_new_tokens=n, eos_token_id=eos, no_filters=nf
+    )
     for label, d in drafts.items():
       k, tree = (d, None) if isinstance(d, int) else (d.depth, d)
       out[f"eagle[{label}]/{tag}"] = lambda t, l, p, key, nf=nf, k=k, tree=tree: speculative_generate(
-          target, eagle, t, l, p, key, max_new_tokens=n, num_speculative_tokens=k, eos_token_id=eos,
-          draft_tree=tree, no_filters=nf)
+        target,
+        eagle,
+        t,
+        l,
+        p,
+        key,
+        max_new_tokens=n,
+        num_speculative_tokens=k,
+        eos_token_id=eos,
+        draft_tree=tree,
+        no_filters=nf,
+      )
   return out
 
 
 def plot(rows, path, title):
   """Bars: tokens/s of plain and EAGLE decoding, default against no_filters, per kernels and K."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   groups = [(r["kernels"], r["program"].split("/")[0]) for r in rows if r["program"].endswith("/default")]
   fig, ax = plt.subplots(figsize=(1.8 + 1.8 * len(groups), 4))
   width = 0.38
   for j, tag in enumerate(("default", "no_filters")):
-    vals = [next(r["tok_s"] for r in rows if (r["kernels"], r["program"]) == (kern, f"{prog}/{tag}"))
-            for kern, prog in groups]
+    vals = [
+      next(r["tok_s"] for r in rows if (r["kernels"], r["program"]) == (kern, f"{prog}/{tag}")) for kern, prog in groups
+    ]
     bars = ax.bar([i + (j - 0.5) * width for i in range(len(groups))], vals, width, label=tag)
     ax.bar_label(bars, fmt="%.0f", fontsize=7)
   ax.set_xticks(range(len(groups)), [f"{kern}\n{prog}" for kern, prog in groups], fontsize=7)
@@ -76,9 +90,11 @@ def plot(rows, path, title):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", required=True)
-  ap.add_argument("--drafts", default="2",
-                  help="comma list: K for a chain of K, or a tree as bench/smollm2.py names it (3x3x1x1, "
-                       "d4x3x30:sampled); default 2")
+  ap.add_argument(
+    "--drafts",
+    default="2",
+    help="comma list: K for a chain of K, or a tree as bench/smollm2.py names it (3x3x1x1, d4x3x30:sampled); default 2",
+  )
   ap.add_argument("--kernels", default="xla,pallas", help="comma list of xla, pallas")
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--prompts", type=int, default=4, help="held-out prompts run one after another (B=1)")
@@ -99,9 +115,9 @@ def main(argv=None):
   for kern in args.kernels.split(","):
     target, tokenizer = load_smollm2(jnp.bfloat16, kernels=kern)
     eagle = load_smollm2_eagle(jnp.bfloat16, kernels=kern)
-    names = B1_ORDER[:args.prompts]
+    names = B1_ORDER[: args.prompts]
     toks, lens = encode(tokenizer, [prompts[x] for x in names])
-    calls = [(jnp.asarray(toks[i:i + 1]), jnp.asarray(lens[i:i + 1])) for i in range(len(names))]
+    calls = [(jnp.asarray(toks[i : i + 1]), jnp.asarray(lens[i : i + 1])) for i in range(len(names))]
     params, key = SamplingParams.create(jnp.ones((1,), jnp.float32)), jax.random.key(0)
     drafts = {x: (int(x) if x.isdigit() else parse_tree(x)) for x in args.drafts.split(",")}
     programs = _programs(target, eagle, drafts, args.max_new_tokens, SMOLLM2_EOS_IDS)
@@ -120,13 +136,18 @@ def main(argv=None):
           times[name].append(time.perf_counter() - t0)
       for name in programs:
         medians[name].append(statistics.median(times[name]))
-      print(f"{kern} compile {c}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()),
-            flush=True)
+      print(f"{kern} compile {c}: " + ", ".join(f"{n} {m[-1] * 1e3:.1f} ms" for n, m in medians.items()), flush=True)
     for name, fn in programs.items():
       tokens = sum(int(o.lengths.sum()) for o in outs[name])
       rounds = sum(int(o.stats.target_calls.sum()) - 1 for o in outs[name])  # the prefill is a target call too
-      row = {"kernels": kern, "program": name, "median_s": statistics.median(medians[name]),
-             "per_compile_s": medians[name], "tokens": tokens, "rounds": rounds}
+      row = {
+        "kernels": kern,
+        "program": name,
+        "median_s": statistics.median(medians[name]),
+        "per_compile_s": medians[name],
+        "tokens": tokens,
+        "rounds": rounds,
+      }
       row["tok_s"] = tokens / row["median_s"]
       row["us_per_round"] = row["median_s"] / rounds * 1e6
       row["mean_accepted_length"] = tokens / rounds if name.startswith("eagle") else None
@@ -142,9 +163,12 @@ def main(argv=None):
         tag = r["program"].split("/")[1]
         plain = next(p for p in rows if p["kernels"] == kern and p["program"] == f"plain/{tag}")
         r["speedup"] = r["tok_s"] / plain["tok_s"]
-        print(f"{kern} {r['program']:32s} {r['tok_s']:7.1f} tok/s (x{r['speedup']:.2f} plain {plain['tok_s']:.1f});"
-              f" per-compile ms {[round(x * 1e3, 1) for x in r['per_compile_s']]}; D2H/round "
-              f"{r.get('d2h_per_round', '-')}", flush=True)
+        print(
+          f"{kern} {r['program']:32s} {r['tok_s']:7.1f} tok/s (x{r['speedup']:.2f} plain {plain['tok_s']:.1f});"
+          f" per-compile ms {[round(x * 1e3, 1) for x in r['per_compile_s']]}; D2H/round "
+          f"{r.get('d2h_per_round', '-')}",
+          flush=True,
+        )
   info = {**common.device_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
   with open(os.path.join(args.out, "loop_trace.json"), "w") as f:
     json.dump({"info": info, "config": vars(args), "rows": rows}, f, indent=1)

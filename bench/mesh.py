@@ -62,10 +62,25 @@ from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.models import Transformer, TransformerConfig, make_mesh, shard
 
-SMOLLM2 = {"vocab_size": 49152, "num_layers": 30, "d_model": 576, "num_heads": 9, "num_kv_heads": 3,
-           "head_dim": 64, "d_ff": 1536, "rope_theta": 1e5}
-TINY = {"vocab_size": 512, "num_layers": 4, "d_model": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-        "d_ff": 128}
+SMOLLM2 = {
+  "vocab_size": 49152,
+  "num_layers": 30,
+  "d_model": 576,
+  "num_heads": 9,
+  "num_kv_heads": 3,
+  "head_dim": 64,
+  "d_ff": 1536,
+  "rope_theta": 1e5,
+}
+TINY = {
+  "vocab_size": 512,
+  "num_layers": 4,
+  "d_model": 64,
+  "num_heads": 4,
+  "num_kv_heads": 2,
+  "head_dim": 16,
+  "d_ff": 128,
+}
 PROMPT_LEN = 64
 
 
@@ -79,14 +94,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--repeats", type=int, default=5, help="timed whole calls per configuration (default 5)")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on GPU, float32 on CPU")
   ap.add_argument("--tiny", action="store_true", help="a 4-layer model (smoke test), not SmolLM2's shape")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
-                  help="directory for mesh_<data>x<model>.json (default bench/out, git-ignored)")
+  ap.add_argument(
+    "--out",
+    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+    help="directory for mesh_<data>x<model>.json (default bench/out, git-ignored)",
+  )
   args = ap.parse_args(argv)
   if any(b < 1 for b in args.batch) or args.data < 1 or args.model < 1 or args.k < 1 or args.repeats < 1:
     ap.error("--batch, --data, --model, -k and --repeats must be >= 1")
   if args.data * args.model > jax.device_count():
-    ap.error(f"--data {args.data} x --model {args.model} needs {args.data * args.model} devices, "
-             f"JAX sees {jax.device_count()}")
+    ap.error(
+      f"--data {args.data} x --model {args.model} needs {args.data * args.model} devices, JAX sees {jax.device_count()}"
+    )
   bad = [b for b in args.batch if b % args.data]
   if bad:
     ap.error(f"every --batch must be a multiple of --data {args.data}, got {bad}")
@@ -129,16 +148,20 @@ def measure(path: str, target, draft, mesh, b: int, args) -> dict:
   if mesh is None:
     place = jnp.asarray
   else:
+
     def place(a):
       return jax.device_put(a, NamedSharding(mesh, P("data", *([None] * (np.ndim(a) - 1)))))
+
   x, n, params = place(tokens), place(lengths), jax.tree.map(place, SamplingParams.greedy(b))
   common = {"max_new_tokens": args.max_new_tokens, "all_greedy": True}
   calls = {
-      "generate": lambda: generate(target, x, n, params, None, **common),
-      "speculative (prompt lookup)": lambda: speculative_generate(target, PromptLookupDrafter((3, 2)), x, n, params,
-                                                                  None, num_speculative_tokens=args.k, **common),
-      "speculative (draft model)": lambda: speculative_generate(target, draft, x, n, params, None,
-                                                                num_speculative_tokens=args.k, **common),
+    "generate": lambda: generate(target, x, n, params, None, **common),
+    "speculative (prompt lookup)": lambda: speculative_generate(
+      target, PromptLookupDrafter((3, 2)), x, n, params, None, num_speculative_tokens=args.k, **common
+    ),
+    "speculative (draft model)": lambda: speculative_generate(
+      target, draft, x, n, params, None, num_speculative_tokens=args.k, **common
+    ),
   }
   out = {}
   max_length = PROMPT_LEN + args.max_new_tokens + args.k + 1
@@ -152,8 +175,11 @@ def measure(path: str, target, draft, mesh, b: int, args) -> dict:
     result = jax.block_until_ready(fn())  # compile
     times = time_call(fn, repeats=args.repeats)
     tokens_out[name] = np.asarray(result.tokens)
-    out[name] = {"s": statistics.median(times), "times_s": times,
-                 "tokens_per_s": float(np.sum(result.lengths)) / statistics.median(times)}
+    out[name] = {
+      "s": statistics.median(times),
+      "times_s": times,
+      "tokens_per_s": float(np.sum(result.lengths)) / statistics.median(times),
+    }
   print(f"  {path:5s} B={b:3d}  " + "  ".join(f"{k} {v['s'] * 1e3:8.2f} ms" for k, v in out.items()), flush=True)
   for name in ("step", "verify"):
     if out[name].get("collectives"):
@@ -172,11 +198,24 @@ def compiled_programs(target, draft, mesh, b: int, args) -> dict[str, list]:
 
   def lower():
     plain = _generate_jit.lower(target_arrays, tokens, lengths, params, None, target_def=target_def, **static)
-    spec = _speculative_jit.lower(target_arrays, draft_arrays, tokens, lengths, params, None, target_def=target_def,
-                                  draft_def=draft_def, feature_draft=False, num_speculative_tokens=args.k, tree=None,
-                                  **static)
-    return {"generate": program_ops(plain.compile().as_text()),
-            "speculative (draft model)": program_ops(spec.compile().as_text())}
+    spec = _speculative_jit.lower(
+      target_arrays,
+      draft_arrays,
+      tokens,
+      lengths,
+      params,
+      None,
+      target_def=target_def,
+      draft_def=draft_def,
+      feature_draft=False,
+      num_speculative_tokens=args.k,
+      tree=None,
+      **static,
+    )
+    return {
+      "generate": program_ops(plain.compile().as_text()),
+      "speculative (draft model)": program_ops(spec.compile().as_text()),
+    }
 
   if mesh is None:
     return lower()
@@ -193,8 +232,10 @@ def main(argv=None):
   mesh = make_mesh(args.data, args.model)
   sharded_target, sharded_draft = shard(target, mesh), shard(draft, mesh)
   info = device_info()
-  print(f"{info['device']} x{info['num_devices']}, jax {info['jax']}; mesh data={args.data} x model={args.model}; "
-        f"{'tiny' if args.tiny else 'SmolLM2-135M'} shape, {args.dtype}; target split: {sharded_target.partitioning}")
+  print(
+    f"{info['device']} x{info['num_devices']}, jax {info['jax']}; mesh data={args.data} x model={args.model}; "
+    f"{'tiny' if args.tiny else 'SmolLM2-135M'} shape, {args.dtype}; target split: {sharded_target.partitioning}"
+  )
   rows = []
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"mesh_{args.data}x{args.model}.json")
@@ -204,17 +245,40 @@ def main(argv=None):
       on_mesh, mesh_tokens = measure("mesh", sharded_target, sharded_draft, mesh, b, args)
     # Only a 1-device mesh can compile to today's program; on more devices the check would cost
     # four more compilations (minutes on a GPU) to say False.
-    same_program = None if args.data * args.model > 1 else (
-        compiled_programs(target, draft, None, b, args) == compiled_programs(sharded_target, sharded_draft, mesh, b,
-                                                                             args))
+    same_program = (
+      None
+      if args.data * args.model > 1
+      else (
+        compiled_programs(target, draft, None, b, args)
+        == compiled_programs(sharded_target, sharded_draft, mesh, b, args)
+      )
+    )
     same_tokens = all(np.array_equal(today_tokens[k], mesh_tokens[k]) for k in today_tokens)
     ratios = {k: on_mesh[k]["s"] / today[k]["s"] for k in today}
-    print(f"  B={b:3d} mesh/today " + "  ".join(f"{k} {r:5.3f}" for k, r in ratios.items())
-          + f"  same_program {same_program}  same_tokens {same_tokens}", flush=True)
-    rows.append({"batch": b, "today": today, "mesh": on_mesh, "ratio": ratios, "same_program": same_program,
-                 "same_tokens": same_tokens, "no_more_cost": all(r <= 1.02 for r in ratios.values())})
-    result = {"info": info, "args": vars(args), "config": {k: str(v) for k, v in vars(config).items()},
-              "partitioning": str(sharded_target.partitioning), "rows": rows}
+    print(
+      f"  B={b:3d} mesh/today "
+      + "  ".join(f"{k} {r:5.3f}" for k, r in ratios.items())
+      + f"  same_program {same_program}  same_tokens {same_tokens}",
+      flush=True,
+    )
+    rows.append(
+      {
+        "batch": b,
+        "today": today,
+        "mesh": on_mesh,
+        "ratio": ratios,
+        "same_program": same_program,
+        "same_tokens": same_tokens,
+        "no_more_cost": all(r <= 1.02 for r in ratios.values()),
+      }
+    )
+    result = {
+      "info": info,
+      "args": vars(args),
+      "config": {k: str(v) for k, v in vars(config).items()},
+      "partitioning": str(sharded_target.partitioning),
+      "rows": rows,
+    }
     with open(path, "w") as f:  # after every batch size: a run cut short keeps what it measured
       json.dump(result, f, indent=1)
   print(f"wrote {path}")

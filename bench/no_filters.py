@@ -27,15 +27,20 @@ from bench.step_profile import profile_kernels  # noqa: E402
 from specdec_jax import SamplingParams, rejection_sample  # noqa: E402
 from specdec_jax.sampling.sample import sample_tokens  # noqa: E402
 
-PROGRAMS = {"default": {}, "no_filters": {"no_filters": True},
-            "no_filters+all_random": {"no_filters": True, "all_random": True}}
+PROGRAMS = {
+  "default": {},
+  "no_filters": {"no_filters": True},
+  "no_filters+all_random": {"no_filters": True, "all_random": True},
+}
 
 
 def _rejection_step(k, with_probs, flags):
   def step(i, acc, logits, probs, draft, params, key):
-    out = rejection_sample(draft, logits, params, jax.random.fold_in(key, i),
-                           draft_probs=probs if with_probs else None, **flags)
+    out = rejection_sample(
+      draft, logits, params, jax.random.fold_in(key, i), draft_probs=probs if with_probs else None, **flags
+    )
     return acc + out.token_ids.sum()
+
   return step
 
 
@@ -44,6 +49,7 @@ def _sample_step(flags):
 
   def step(i, acc, logits, probs, draft, params, key):
     return acc + sample_tokens(logits[:, 0], params, jax.random.fold_in(key, i), **flags)[0].sum()
+
   return step
 
 
@@ -77,21 +83,46 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   rows = []
   for b in map(int, args.batch_sizes.split(",")):
-    cells = [("sample_tokens", 1, False)] + [("rejection_sample", k, wp) for k in map(int, args.ks.split(","))
-                                             for wp in (True, False)]
+    cells = [("sample_tokens", 1, False)] + [
+      ("rejection_sample", k, wp) for k in map(int, args.ks.split(",")) for wp in (True, False)
+    ]
     for kind, k, with_probs in cells:
       for name, flags in PROGRAMS.items():
         if kind == "sample_tokens" and name == "no_filters+all_random":
           continue
         trace = os.path.join(args.trace, f"{kind}_b{b}_k{k}_{with_probs}_{name}") if args.trace else None
-        r = cell(kind, b, k, args.vocab, with_probs, flags, target_s=args.target_ms / 1e3, repeats=args.repeats,
-                 trace_dir=trace)
-        rows.append({"kind": kind, "B": b, "K": k if kind != "sample_tokens" else None, "draft_probs": with_probs,
-                     "program": name, **r})
+        r = cell(
+          kind,
+          b,
+          k,
+          args.vocab,
+          with_probs,
+          flags,
+          target_s=args.target_ms / 1e3,
+          repeats=args.repeats,
+          trace_dir=trace,
+        )
+        rows.append(
+          {
+            "kind": kind,
+            "B": b,
+            "K": k if kind != "sample_tokens" else None,
+            "draft_probs": with_probs,
+            "program": name,
+            **r,
+          }
+        )
         print(f"B={b} {kind:16s} K={k} probs={with_probs!s:5s} {name:22s} {r['us']:8.1f} us", flush=True)
   with open(os.path.join(args.out, "no_filters.json"), "w") as f:
-    json.dump({"info": {**common.device_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
-               "config": vars(args), "rows": rows}, f, indent=1)
+    json.dump(
+      {
+        "info": {**common.device_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
+        "config": vars(args),
+        "rows": rows,
+      },
+      f,
+      indent=1,
+    )
   print(f"wrote {args.out}/no_filters.json")
 
 

@@ -46,15 +46,19 @@ def main(argv=None):
   fig, (ax_ms, ax_frac) = plt.subplots(1, 2, figsize=(11, 4))
   for case, by_m in sorted(rows.items()):
     ms = sorted(by_m)
-    line, = ax_ms.plot(ms, [by_m[m]["ms"] for m in ms], "o-", label=case)
+    (line,) = ax_ms.plot(ms, [by_m[m]["ms"] for m in ms], "o-", label=case)
     if 1 in by_m:
       ax_ms.plot(ms, [by_m[1]["ms"] / m for m in ms], ":", color=line.get_color())
     ax_frac.plot(ms, [by_m[m]["frac"] for m in ms], "o-", color=line.get_color(), label=case)
   any_row = next(iter(next(iter(rows.values())).values()))
   title = f"B={any_row['B']}, K={any_row['K']}, V={any_row['V']}, f32"
   ax_ms.set(xlabel="devices (vocabulary split)", ylabel="ms per call", title=f"time per call ({title}; dotted: ideal)")
-  ax_frac.set(xlabel="devices (vocabulary split)", ylabel="fraction of each device's floor", ylim=(0, 1.05),
-              title="fraction of the floor")
+  ax_frac.set(
+    xlabel="devices (vocabulary split)",
+    ylabel="fraction of each device's floor",
+    ylim=(0, 1.05),
+    title="fraction of the floor",
+  )
   for ax in (ax_ms, ax_frac):
     ax.set_xticks(sorted({m for by_m in rows.values() for m in by_m}))
   ax_ms.legend(fontsize=8)

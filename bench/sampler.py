@@ -115,6 +115,7 @@ class Case:
 
   fn(logits [B,K+1,V], draft [B,K], draft_probs [B,K,V] or None, params, key) -> int32 scalar.
   """
+
   fn: Callable
   temperature: Callable[[int], np.ndarray]  # B -> f32[B]
   top_k: int = 0
@@ -140,24 +141,45 @@ def _half(b):
 
 def _sample(**flags):
   def fn(logits, draft, dp, params, key):
-    return _checksum(rejection_sample(draft_token_ids=draft, target_logits=logits, params=params,
-                                      key=None if flags.get("all_greedy") else key, draft_probs=dp, **flags))
+    return _checksum(
+      rejection_sample(
+        draft_token_ids=draft,
+        target_logits=logits,
+        params=params,
+        key=None if flags.get("all_greedy") else key,
+        draft_probs=dp,
+        **flags,
+      )
+    )
+
   return fn
 
 
 def _sample_penalized(**flags):
   def fn(logits, draft, dp, params_and_state, key):
     params, state = params_and_state
-    return _checksum(rejection_sample(draft_token_ids=draft, target_logits=logits, params=params, key=key,
-                                      draft_probs=dp, penalty_state=state, **flags))
+    return _checksum(
+      rejection_sample(
+        draft_token_ids=draft,
+        target_logits=logits,
+        params=params,
+        key=key,
+        draft_probs=dp,
+        penalty_state=state,
+        **flags,
+      )
+    )
+
   return fn
 
 
 def _penalty_state(b, v):
   """A PenaltyState as a long request would have it: some prompt tokens, small output counts."""
   k1, k2 = jax.random.split(jax.random.key(3))
-  return PenaltyState(prompt_mask=jax.random.bernoulli(k1, 0.002, (b, v)),
-                      output_counts=jax.random.poisson(k2, 0.002, (b, v)).astype(jnp.int32))
+  return PenaltyState(
+    prompt_mask=jax.random.bernoulli(k1, 0.002, (b, v)),
+    output_counts=jax.random.poisson(k2, 0.002, (b, v)).astype(jnp.int32),
+  )
 
 
 def _threshold_checksum(x, d, params, full):
@@ -178,48 +200,74 @@ def _stats_checksum(x, d, c):
 
 
 CASES: dict[str, Case] = {
-    "greedy_static": Case(_sample(all_greedy=True), _zeros,
-                          must_have=("reduce",), must_not_have=("exponential", "sort", "threefry")),
-    "greedy_runtime": Case(_sample(), _zeros, must_have=("reduce", "conditional")),
-    "random_draft_probs": Case(_sample(), _ones, draft_probs=True, must_have=("reduce", "exponential")),
-    "random_ngram": Case(_sample(), _ones, must_have=("reduce", "exponential", "threefry")),
-    "mixed": Case(_sample(), _half, draft_probs=True, must_have=("reduce", "exponential")),
-    "random_topk_topp": Case(_sample(), _ones, top_k=50, top_p=0.9, draft_probs=True,
-                             must_have=("reduce", "exponential")),
-    # Log-probabilities of the emitted tokens (issue goal: at most +10% on the random path).
-    "logprobs_processed": Case(_sample(logprobs="processed"), _ones, must_have=("reduce", "exponential")),
-    "logprobs_raw": Case(_sample(logprobs="raw"), _ones, must_have=("reduce", "exponential")),
-    # Block verification (issue goal: within 10% of token verification, the random_* cases).
-    "block_ngram": Case(_sample(method="block"), _ones, must_have=("reduce", "exponential", "threefry")),
-    "block_draft_probs": Case(_sample(method="block"), _ones, draft_probs=True, must_have=("reduce", "exponential")),
-    # Second-generation options (issue goals: min-p at most +10% on the random path,
-    # penalties within 1.5x of it; the penalty state's [B, V] bytes count in the floor).
-    "min_p": Case(_sample(), _ones, min_p=0.05, must_have=("reduce", "exponential")),
-    "min_p_draft_probs": Case(_sample(), _ones, min_p=0.05, draft_probs=True, must_have=("reduce", "exponential")),
-    "penalties_ngram": Case(_sample_penalized(), _ones, penalties=True, must_have=("reduce", "exponential")),
-    "penalties_draft_probs": Case(_sample_penalized(), _ones, penalties=True, draft_probs=True,
-                                  must_have=("reduce", "exponential")),
-    "penalties_greedy": Case(_sample_penalized(all_greedy=True), _zeros, penalties=True,
-                             must_have=("reduce",), must_not_have=("exponential", "threefry")),
-    "logprobs_greedy": Case(_sample(all_greedy=True, logprobs="processed"), _zeros,
-                            must_have=("reduce", "exponential"), must_not_have=("threefry",)),
-    "softmax_baseline": Case(lambda x, d, dp, p, k: jnp.sum(jnp.argmax(jax.nn.softmax(x, axis=-1), axis=-1)),
-                             _zeros, must_have=("reduce", "exponential")),
-    "argmax_only": Case(lambda x, d, dp, p, k: jnp.sum(jnp.argmax(x, axis=-1)), _zeros,
-                        must_have=("reduce",), must_not_have=("exponential",)),
-    # The one pass over the logits that the random path makes, alone: row-level
-    # (max, sum of exps, argmax) and per chunk of `chunk_size(V)` tokens.
-    "onepass_rows": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, None), _ones,
-                         must_have=("reduce", "exponential")),
-    "onepass_chunks": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, chunk_size(x.shape[-1])), _ones,
-                           must_have=("reduce", "exponential")),
-    # The top-k/top-p threshold search alone, and its first stage (the group top-4 pass) alone.
-    "threshold_search": Case(lambda x, d, dp, p, k: _threshold_checksum(x, d, p, full=True), _ones, top_k=50,
-                             top_p=0.9, must_have=("reduce", "sort")),
-    "group_top_pass": Case(lambda x, d, dp, p, k: _threshold_checksum(x, d, p, full=False), _ones,
-                           must_have=("reduce",)),
-    "logsumexp_only": Case(lambda x, d, dp, p, k: jax.lax.bitcast_convert_type(
-        jnp.sum(jax.nn.logsumexp(x, axis=-1)), jnp.int32), _zeros, must_have=("reduce", "exponential")),
+  "greedy_static": Case(
+    _sample(all_greedy=True), _zeros, must_have=("reduce",), must_not_have=("exponential", "sort", "threefry")
+  ),
+  "greedy_runtime": Case(_sample(), _zeros, must_have=("reduce", "conditional")),
+  "random_draft_probs": Case(_sample(), _ones, draft_probs=True, must_have=("reduce", "exponential")),
+  "random_ngram": Case(_sample(), _ones, must_have=("reduce", "exponential", "threefry")),
+  "mixed": Case(_sample(), _half, draft_probs=True, must_have=("reduce", "exponential")),
+  "random_topk_topp": Case(
+    _sample(), _ones, top_k=50, top_p=0.9, draft_probs=True, must_have=("reduce", "exponential")
+  ),
+  # Log-probabilities of the emitted tokens (issue goal: at most +10% on the random path).
+  "logprobs_processed": Case(_sample(logprobs="processed"), _ones, must_have=("reduce", "exponential")),
+  "logprobs_raw": Case(_sample(logprobs="raw"), _ones, must_have=("reduce", "exponential")),
+  # Block verification (issue goal: within 10% of token verification, the random_* cases).
+  "block_ngram": Case(_sample(method="block"), _ones, must_have=("reduce", "exponential", "threefry")),
+  "block_draft_probs": Case(_sample(method="block"), _ones, draft_probs=True, must_have=("reduce", "exponential")),
+  # Second-generation options (issue goals: min-p at most +10% on the random path,
+  # penalties within 1.5x of it; the penalty state's [B, V] bytes count in the floor).
+  "min_p": Case(_sample(), _ones, min_p=0.05, must_have=("reduce", "exponential")),
+  "min_p_draft_probs": Case(_sample(), _ones, min_p=0.05, draft_probs=True, must_have=("reduce", "exponential")),
+  "penalties_ngram": Case(_sample_penalized(), _ones, penalties=True, must_have=("reduce", "exponential")),
+  "penalties_draft_probs": Case(
+    _sample_penalized(), _ones, penalties=True, draft_probs=True, must_have=("reduce", "exponential")
+  ),
+  "penalties_greedy": Case(
+    _sample_penalized(all_greedy=True),
+    _zeros,
+    penalties=True,
+    must_have=("reduce",),
+    must_not_have=("exponential", "threefry"),
+  ),
+  "logprobs_greedy": Case(
+    _sample(all_greedy=True, logprobs="processed"),
+    _zeros,
+    must_have=("reduce", "exponential"),
+    must_not_have=("threefry",),
+  ),
+  "softmax_baseline": Case(
+    lambda x, d, dp, p, k: jnp.sum(jnp.argmax(jax.nn.softmax(x, axis=-1), axis=-1)),
+    _zeros,
+    must_have=("reduce", "exponential"),
+  ),
+  "argmax_only": Case(
+    lambda x, d, dp, p, k: jnp.sum(jnp.argmax(x, axis=-1)),
+    _zeros,
+    must_have=("reduce",),
+    must_not_have=("exponential",),
+  ),
+  # The one pass over the logits that the random path makes, alone: row-level
+  # (max, sum of exps, argmax) and per chunk of `chunk_size(V)` tokens.
+  "onepass_rows": Case(lambda x, d, dp, p, k: _stats_checksum(x, d, None), _ones, must_have=("reduce", "exponential")),
+  "onepass_chunks": Case(
+    lambda x, d, dp, p, k: _stats_checksum(x, d, chunk_size(x.shape[-1])), _ones, must_have=("reduce", "exponential")
+  ),
+  # The top-k/top-p threshold search alone, and its first stage (the group top-4 pass) alone.
+  "threshold_search": Case(
+    lambda x, d, dp, p, k: _threshold_checksum(x, d, p, full=True),
+    _ones,
+    top_k=50,
+    top_p=0.9,
+    must_have=("reduce", "sort"),
+  ),
+  "group_top_pass": Case(lambda x, d, dp, p, k: _threshold_checksum(x, d, p, full=False), _ones, must_have=("reduce",)),
+  "logsumexp_only": Case(
+    lambda x, d, dp, p, k: jax.lax.bitcast_convert_type(jnp.sum(jax.nn.logsumexp(x, axis=-1)), jnp.int32),
+    _zeros,
+    must_have=("reduce", "exponential"),
+  ),
 }
 DRAFT_PROB_CASES = tuple(n for n, c in CASES.items() if c.draft_probs)
 
@@ -271,27 +319,44 @@ def make_inputs(key, n_buf, b, k, v, with_dp, mesh=None):
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   ints = lambda s: tuple(int(x) for x in s.split(",") if x)
   p.add_argument("--batch-sizes", type=ints, help=f"comma list (default {FULL_BATCH_SIZES}; quick {QUICK_BATCH_SIZES})")
   p.add_argument("--vocab-sizes", type=ints, help=f"comma list (default {FULL_VOCAB_SIZES}; quick {QUICK_VOCAB_SIZES})")
-  p.add_argument("--cases", type=lambda s: tuple(x for x in s.split(",") if x), default=tuple(CASES),
-                 help="comma list of: " + ", ".join(CASES))
+  p.add_argument(
+    "--cases",
+    type=lambda s: tuple(x for x in s.split(",") if x),
+    default=tuple(CASES),
+    help="comma list of: " + ", ".join(CASES),
+  )
   p.add_argument("--k", type=int, default=4, help="draft tokens per row, K (default 4)")
   p.add_argument("--iters", type=int, help="iterations per timed loop (default: about --target-ms per loop)")
   p.add_argument("--repeats", type=int, help="timed loops per case; the median is reported (default 5, quick 3)")
-  p.add_argument("--target-ms", type=float, help="aim of one timed loop when --iters is not given (default 100, quick 30)")
-  p.add_argument("--rotate-mb", type=float,
-                 help="rotate among logits buffers totalling at least this much (default 4x the 50 MB L2; quick 64)")
+  p.add_argument(
+    "--target-ms", type=float, help="aim of one timed loop when --iters is not given (default 100, quick 30)"
+  )
+  p.add_argument(
+    "--rotate-mb",
+    type=float,
+    help="rotate among logits buffers totalling at least this much (default 4x the 50 MB L2; quick 64)",
+  )
   p.add_argument("--copy-mb", type=float, help="buffer for the bandwidth measurement (default 2048 on GPU, 256 on CPU)")
   p.add_argument("--quick", action="store_true", help="tiny grid for CPU (the default when no GPU is present)")
   p.add_argument("--dump-hlo", action="store_true", help="write each case's optimised HLO to OUT/hlo_CASE_B_V.txt")
-  p.add_argument("--model-devices", type=int, default=1,
-                 help="split the vocabulary over this many devices (a 1 x M mesh; the floor is then one device's "
-                      "slice over its bandwidth) (default 1: no mesh)")
-  p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
-                 help="output directory (default bench/out)")
+  p.add_argument(
+    "--model-devices",
+    type=int,
+    default=1,
+    help="split the vocabulary over this many devices (a 1 x M mesh; the floor is then one device's "
+    "slice over its bandwidth) (default 1: no mesh)",
+  )
+  p.add_argument(
+    "--out",
+    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+    help="output directory (default bench/out)",
+  )
   args = p.parse_args(argv)
   if args.model_devices < 1 or args.model_devices > jax.device_count():
     p.error(f"--model-devices must be in [1, {jax.device_count()}] (the devices present), got {args.model_devices}")
@@ -316,12 +381,22 @@ def run_case(name, b, v, args, inputs, bandwidth):
   case = CASES[name]
   logits_stack, dp_stack, draft0 = inputs
   n_buf = len(logits_stack)
-  params = SamplingParams.create(jnp.asarray(case.temperature(b)), top_k=case.top_k, top_p=case.top_p,
-                                 min_p=case.min_p or None)
+  params = SamplingParams.create(
+    jnp.asarray(case.temperature(b)), top_k=case.top_k, top_p=case.top_p, min_p=case.min_p or None
+  )
   if case.penalties:
-    params = (SamplingParams.create(jnp.asarray(case.temperature(b)), top_k=case.top_k, top_p=case.top_p,
-                                    repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
-                                    logit_bias={5: -1.0, 17: 2.0}), _penalty_state(b, v))
+    params = (
+      SamplingParams.create(
+        jnp.asarray(case.temperature(b)),
+        top_k=case.top_k,
+        top_p=case.top_p,
+        repetition_penalty=1.1,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
+        logit_bias={5: -1.0, 17: 2.0},
+      ),
+      _penalty_state(b, v),
+    )
   operands = (logits_stack, dp_stack if case.draft_probs else None, draft0, params, jax.random.key(1))
   loop = common.timed_loop(make_step(case, n_buf, v))
   carry = jnp.int32(0)
@@ -335,8 +410,9 @@ def run_case(name, b, v, args, inputs, bandwidth):
   materialized = common.hlo_materialized(hlo, b * args.k * v)
   missing = [op for op in case.must_have if not ops.get(op)]
   unexpected = [op for op in case.must_not_have if ops.get(op)]
-  r = common.time_per_iter(compiled, carry, operands, iters=args.iters, target_s=args.target_ms / 1e3,
-                           repeats=args.repeats)
+  r = common.time_per_iter(
+    compiled, carry, operands, iters=args.iters, target_s=args.target_ms / 1e3, repeats=args.repeats
+  )
   logit_bytes = b * (args.k + 1) * v * 4  # float32
   if case.penalties:  # the state (bool mask, int32 counts) is read too: it belongs to the floor
     logit_bytes += b * v * 5
@@ -358,15 +434,30 @@ def run_case(name, b, v, args, inputs, bandwidth):
   if ms < 0.8 * floor_ms:
     warns.append("faster than the floor: inputs may be cached")
   return {
-      "case": name, "B": b, "K": args.k, "V": v, "dtype": "float32", "model_devices": m,
-      "collectives": common.hlo_collectives(hlo),
-      "ms": ms, "floor_ms": floor_ms, "frac": floor_ms / ms, "x_floor": ms / floor_ms,
-      "all_inputs_floor_ms": all_floor_ms, "all_inputs_frac": all_floor_ms / ms,
-      "logits_bytes": logit_bytes, "all_inputs_bytes": all_bytes,
-      "iters": r["iters"], "repeats_ms": [t / r["iters"] / n_buf * 1e3 for t in r["times_s"]], "scale_2n": r["scale"],
-      "buffers": n_buf, "compile_s": compile_s, "hlo_ops": ops, "hlo_ok": not (missing or unexpected),
-      "materialized": materialized,
-      "warnings": warns,
+    "case": name,
+    "B": b,
+    "K": args.k,
+    "V": v,
+    "dtype": "float32",
+    "model_devices": m,
+    "collectives": common.hlo_collectives(hlo),
+    "ms": ms,
+    "floor_ms": floor_ms,
+    "frac": floor_ms / ms,
+    "x_floor": ms / floor_ms,
+    "all_inputs_floor_ms": all_floor_ms,
+    "all_inputs_frac": all_floor_ms / ms,
+    "logits_bytes": logit_bytes,
+    "all_inputs_bytes": all_bytes,
+    "iters": r["iters"],
+    "repeats_ms": [t / r["iters"] / n_buf * 1e3 for t in r["times_s"]],
+    "scale_2n": r["scale"],
+    "buffers": n_buf,
+    "compile_s": compile_s,
+    "hlo_ops": ops,
+    "hlo_ok": not (missing or unexpected),
+    "materialized": materialized,
+    "warnings": warns,
   }
 
 
@@ -378,9 +469,16 @@ def ratios(results):
   rows = []
   for (b, v), ms in out.items():
     for case, t in ms.items():
-      rows.append({"B": b, "V": v, "case": case, "ms": t,
-                   "vs_greedy_static": t / ms["greedy_static"] if "greedy_static" in ms else None,
-                   "vs_argmax_only": t / ms["argmax_only"] if "argmax_only" in ms else None})
+      rows.append(
+        {
+          "B": b,
+          "V": v,
+          "case": case,
+          "ms": t,
+          "vs_greedy_static": t / ms["greedy_static"] if "greedy_static" in ms else None,
+          "vs_argmax_only": t / ms["argmax_only"] if "argmax_only" in ms else None,
+        }
+      )
   return rows
 
 
@@ -394,10 +492,11 @@ def print_table(results):
   print(head)
   print("-" * len(head))
   for r in results:
-    print(f"{r['case']:<20}{r['B']:>6}{r['V']:>8}{r['ms']:>10.4f}{r['floor_ms']:>10.4f}{r['frac']:>7.2f}"
-          f"{r['x_floor']:>8.2f}{r['all_inputs_frac']:>9.2f}{r['iters']:>7}{r['scale_2n']:>6.2f}"
-          f"{len(r['materialized']):>4}"
-          + ("  ! " + "; ".join(r["warnings"]) if r["warnings"] else ""))
+    print(
+      f"{r['case']:<20}{r['B']:>6}{r['V']:>8}{r['ms']:>10.4f}{r['floor_ms']:>10.4f}{r['frac']:>7.2f}"
+      f"{r['x_floor']:>8.2f}{r['all_inputs_frac']:>9.2f}{r['iters']:>7}{r['scale_2n']:>6.2f}"
+      f"{len(r['materialized']):>4}" + ("  ! " + "; ".join(r["warnings"]) if r["warnings"] else "")
+    )
 
 
 def print_ratios(rows):
@@ -411,14 +510,17 @@ def print_ratios(rows):
     if last is not None and (r["B"], r["V"]) != last:
       print()
     last = (r["B"], r["V"])
-    print(f"{r['B']:>6}{r['V']:>8}  {r['case']:<20}{r['ms']:>10.4f}{fmt(r['vs_greedy_static']):>16}"
-          f"{fmt(r['vs_argmax_only']):>14}")
+    print(
+      f"{r['B']:>6}{r['V']:>8}  {r['case']:<20}{r['ms']:>10.4f}{fmt(r['vs_greedy_static']):>16}"
+      f"{fmt(r['vs_argmax_only']):>14}"
+    )
 
 
 def plot(results, path):
   """Grouped bars: fraction of the floor per case, one group per B, largest V."""
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -439,8 +541,9 @@ def plot(results, path):
   ax.set_xticks(np.arange(len(bs)), [f"B={b}" for b in bs])
   ax.set_ylabel("fraction of floor (floor ms / ms)")
   dev = jax.devices()[0].device_kind
-  ax.set_title(f"rejection_sample vs. one read of the logits, V={v}, K={rows[0]['K']}, {rows[0]['dtype']}, {dev}",
-               fontsize=9)
+  ax.set_title(
+    f"rejection_sample vs. one read of the logits, V={v}, K={rows[0]['K']}, {rows[0]['dtype']}, {dev}", fontsize=9
+  )
   ax.set_ylim(0, max(1.1, 1.05 * np.nanmax([r["frac"] for r in rows])))
   ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
   fig.tight_layout()
@@ -456,12 +559,19 @@ def main(argv=None):
   print(f"{info['device']} ({info['platform']}), jax {info['jax']}, python {info['python']}")
   bw = common.copy_bandwidth(int(args.copy_mb * 2**20), repeats=args.repeats)
   bandwidth = bw["bytes_per_s"]
-  print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write of {common.fmt_bytes(bw['buffer_bytes'])}, "
-        f"t(2N)/t(N) = {bw['scale']:.2f})")
+  print(
+    f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write of {common.fmt_bytes(bw['buffer_bytes'])}, "
+    f"t(2N)/t(N) = {bw['scale']:.2f})"
+  )
   mem = common.device_memory_bytes()
 
-  report = {"info": info, "config": {k: v for k, v in vars(args).items()}, "copy_bandwidth": bw,
-            "results": [], "skipped": []}
+  report = {
+    "info": info,
+    "config": {k: v for k, v in vars(args).items()},
+    "copy_bandwidth": bw,
+    "results": [],
+    "skipped": [],
+  }
   json_path = os.path.join(args.out, "sampler.json")
 
   def skip(msg, n):
@@ -478,6 +588,7 @@ def main(argv=None):
   mesh = None
   if args.model_devices > 1:
     from specdec_jax.mesh import make_mesh
+
     mesh = make_mesh(1, args.model_devices)
     print(f"vocabulary split over {args.model_devices} devices: {mesh}")
   with_dp = any(c in DRAFT_PROB_CASES for c in args.cases)
@@ -493,22 +604,23 @@ def main(argv=None):
       skip(f"B={b} V={v}: needs ~{common.fmt_bytes(need)}, device has {common.fmt_bytes(mem)}", len(args.cases))
       continue
     try:
-      inputs = jax.block_until_ready(
-          make_inputs(jax.random.key(0), n_buf, b, args.k, v, with_dp, mesh))
+      inputs = jax.block_until_ready(make_inputs(jax.random.key(0), n_buf, b, args.k, v, with_dp, mesh))
     except Exception as e:  # e.g. out of memory: skip this (B, V), keep going
       skip(f"B={b} V={v}: making inputs failed: {type(e).__name__}: {str(e)[:300]}", len(args.cases))
       continue
     for name in args.cases:
       bar.set_postfix_str(f"{name} B={b} V={v}")
       try:
-        with (contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)):
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
           r = run_case(name, b, v, args, inputs, bandwidth)
       except Exception as e:
         skip(f"{name} B={b} V={v}: {type(e).__name__}: {str(e)[:300]}", 1)
         continue
       report["results"].append(r)
-      tqdm.write(f"{name:<20} B={b:<5} V={v:<7} {r['ms']:9.4f} ms  frac {r['frac']:.2f}"
-                 + ("  ! " + "; ".join(r["warnings"]) if r["warnings"] else ""))
+      tqdm.write(
+        f"{name:<20} B={b:<5} V={v:<7} {r['ms']:9.4f} ms  frac {r['frac']:.2f}"
+        + ("  ! " + "; ".join(r["warnings"]) if r["warnings"] else "")
+      )
       bar.update(1)
       gc.collect()
     del inputs
@@ -517,8 +629,10 @@ def main(argv=None):
   bar.close()
 
   print()
-  print(f"floor = bytes of target_logits [B, K+1, V] read once / {bandwidth / 1e9:.1f} GB/s; "
-        "all_frac adds draft_probs [B, K, V] for the cases that take them")
+  print(
+    f"floor = bytes of target_logits [B, K+1, V] read once / {bandwidth / 1e9:.1f} GB/s; "
+    "all_frac adds draft_probs [B, K, V] for the cases that take them"
+  )
   print_table(report["results"])
   save()
   print_ratios(report["ratios"])

@@ -81,30 +81,45 @@ from specdec_jax.models import load_smollm2, load_smollm2_draft, load_smollm2_ea
 from specdec_jax.models.loaders import smollm2
 
 # Held-out chat questions, shared with examples/train_eagle.py (which must not train on them).
-with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                       "held_out_prompts.json")) as _f:
+with open(
+  os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "held_out_prompts.json")
+) as _f:
   HELD_OUT_QUESTIONS = json.load(_f)["questions"]
 # Stdlib files in sub-packages: train_draft.py trains on the top-level *.py files only.
-CODE_PROMPT_FILES = ("json/encoder.py", "http/client.py", "logging/__init__.py", "email/utils.py",
-                     "collections/__init__.py", "urllib/parse.py")  # the last two are fallbacks
-ACCEPTANCE_FILES = ("json/decoder.py", "email/message.py", "unittest/case.py", "asyncio/tasks.py",
-                    "xml/dom/minidom.py", "concurrent/futures/_base.py")
+CODE_PROMPT_FILES = (
+  "json/encoder.py",
+  "http/client.py",
+  "logging/__init__.py",
+  "email/utils.py",
+  "collections/__init__.py",
+  "urllib/parse.py",
+)  # the last two are fallbacks
+ACCEPTANCE_FILES = (
+  "json/decoder.py",
+  "email/message.py",
+  "unittest/case.py",
+  "asyncio/tasks.py",
+  "xml/dom/minidom.py",
+  "concurrent/futures/_base.py",
+)
 
 EDIT_PARAGRAPH = (
-    "Every morning the old ferryman rowed across the river before sunrise. On the far bank of the river he "
-    "waited for the baker, who carried two baskets of bread to the village on the other side of the river. "
-    "They rarely spoke, but when the river was high the baker always thanked him twice.")
+  "Every morning the old ferryman rowed across the river before sunrise. On the far bank of the river he "
+  "waited for the baker, who carried two baskets of bread to the village on the other side of the river. "
+  "They rarely spoke, but when the river was high the baker always thanked him twice."
+)
 EDIT_CODE = (
-    "def area(width, height):\n"
-    "    \"\"\"Return the area of a rectangle.\"\"\"\n"
-    "    if width < 0 or height < 0:\n"
-    "        raise ValueError(\"negative size\")\n"
-    "    return width * height\n\n\n"
-    "def total_area(shapes):\n"
-    "    return sum(area(w, h) for w, h in shapes)\n")
+  "def area(width, height):\n"
+  '    """Return the area of a rectangle."""\n'
+  "    if width < 0 or height < 0:\n"
+  '        raise ValueError("negative size")\n'
+  "    return width * height\n\n\n"
+  "def total_area(shapes):\n"
+  "    return sum(area(w, h) for w, h in shapes)\n"
+)
 EDIT_PROMPTS = [
-    "Repeat the following paragraph exactly, but replace every 'river' with 'lake':\n\n" + EDIT_PARAGRAPH,
-    "Copy this Python code, renaming the function `area` to `rectangle_area` everywhere:\n\n" + EDIT_CODE,
+  "Repeat the following paragraph exactly, but replace every 'river' with 'lake':\n\n" + EDIT_PARAGRAPH,
+  "Copy this Python code, renaming the function `area` to `rectangle_area` everywhere:\n\n" + EDIT_CODE,
 ]
 
 MODES = bd.MODES
@@ -131,7 +146,7 @@ def code_prompt(text: str, num_lines: int = 12) -> str:
   lines = text.splitlines()
   defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
   start = min(defs, key=lambda i: abs(i - 0.4 * len(lines))) if defs else len(lines) // 3
-  return "\n".join(lines[start:start + num_lines]) + "\n"
+  return "\n".join(lines[start : start + num_lines]) + "\n"
 
 
 def build_prompts() -> dict[str, str]:
@@ -155,7 +170,7 @@ def encode(tokenizer, texts, pad_to: int | None = None, multiple: int = 16):
   p = pad_to or -(-max(map(len, ids)) // multiple) * multiple
   tokens = np.zeros((len(ids), p), np.int32)
   for r, x in enumerate(ids):
-    tokens[r, :len(x)] = x[:p]
+    tokens[r, : len(x)] = x[:p]
   return tokens, np.asarray([min(len(x), p) for x in ids], np.int32)
 
 
@@ -171,7 +186,7 @@ def stdlib_windows(tokenizer, window: int, per_file: int, files=ACCEPTANCE_FILES
       continue
     for j in range(per_file):
       start = (len(ids) - window) * (j + 1) // (per_file + 1)
-      rows.append(ids[start:start + window])
+      rows.append(ids[start : start + window])
   tokens = np.asarray(rows, np.int32).reshape(-1, window)
   return tokens, np.ones(tokens.shape, bool)
 
@@ -183,17 +198,17 @@ def continuation_windows(prompt_tokens, prompt_lengths, outs, multiple: int = 64
     gen, lens = np.asarray(out.tokens), np.asarray(out.lengths)
     for r in range(gen.shape[0]):
       p = int(prompt_lengths[row])
-      seq = np.concatenate([prompt_tokens[row, :p], gen[r, :lens[r]]])
+      seq = np.concatenate([prompt_tokens[row, :p], gen[r, : lens[r]]])
       row += 1
       m = np.zeros(len(seq), bool)
-      m[p - 1:p + lens[r] - 1] = True
+      m[p - 1 : p + lens[r] - 1] = True
       seqs.append(seq)
       masks.append(m)
   w = -(-max(map(len, seqs)) // multiple) * multiple
   tokens = np.zeros((len(seqs), w), np.int32)
   mask = np.zeros((len(seqs), w), bool)
   for r, (s, m) in enumerate(zip(seqs, masks)):
-    tokens[r, :len(s)], mask[r, :len(m)] = s, m
+    tokens[r, : len(s)], mask[r, : len(m)] = s, m
   return tokens, mask
 
 
@@ -221,11 +236,17 @@ def acceptance(target, draft, tokens, mask, chunk: int) -> dict:
   mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), bool)])
   top1 = overlap = count = 0.0
   for i in range(0, len(tokens), chunk):
-    a, o, c = _agreement(t_state, d_state, jnp.asarray(tokens[i:i + chunk]), jnp.asarray(mask[i:i + chunk]),
-                         t_def=t_def, d_def=d_def)
+    a, o, c = _agreement(
+      t_state, d_state, jnp.asarray(tokens[i : i + chunk]), jnp.asarray(mask[i : i + chunk]), t_def=t_def, d_def=d_def
+    )
     top1, overlap, count = top1 + float(a), overlap + float(o), count + float(c)
-  return {"sequences": n, "positions": int(count), "window": int(tokens.shape[1]),
-          "t0_top1": top1 / max(count, 1), "t1_one_minus_tv": overlap / max(count, 1)}
+  return {
+    "sequences": n,
+    "positions": int(count),
+    "window": int(tokens.shape[1]),
+    "t0_top1": top1 / max(count, 1),
+    "t1_one_minus_tv": overlap / max(count, 1),
+  }
 
 
 @functools.partial(jax.jit, static_argnames=("t_def", "d_def", "depth"))
@@ -265,13 +286,24 @@ def eagle_agreement(target, drafter, tokens, mask, chunk: int, depth: int) -> di
   mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), bool)])
   sums = np.zeros((depth, 3))
   for i in range(0, len(tokens), chunk):
-    res = _eagle_agreement(t_state, d_state, jnp.asarray(tokens[i:i + chunk]), jnp.asarray(mask[i:i + chunk]),
-                           t_def=t_def, d_def=d_def, depth=depth)
+    res = _eagle_agreement(
+      t_state,
+      d_state,
+      jnp.asarray(tokens[i : i + chunk]),
+      jnp.asarray(mask[i : i + chunk]),
+      t_def=t_def,
+      d_def=d_def,
+      depth=depth,
+    )
     sums += np.asarray([[float(x) for x in d] for d in res])
   count = np.maximum(sums[:, 2], 1)
-  return {"sequences": n, "positions": int(sums[0, 2]), "window": int(tokens.shape[1]),
-          "t0_top1_by_depth": (sums[:, 0] / count).round(4).tolist(),
-          "t1_one_minus_tv_by_depth": (sums[:, 1] / count).round(4).tolist()}
+  return {
+    "sequences": n,
+    "positions": int(sums[0, 2]),
+    "window": int(tokens.shape[1]),
+    "t0_top1_by_depth": (sums[:, 0] / count).round(4).tolist(),
+    "t1_one_minus_tv_by_depth": (sums[:, 1] / count).round(4).tolist(),
+  }
 
 
 def _eagle_round_fn(graphdef, k: int, p0: int, span: int, all_greedy: bool, with_probs: bool, sample=None):
@@ -288,12 +320,11 @@ def _eagle_round_fn(graphdef, k: int, p0: int, span: int, all_greedy: bool, with
     pos = jnp.broadcast_to(base + jnp.arange(k + 1, dtype=jnp.int32), (b, k + 1))
     nxt = jnp.broadcast_to(token[:, None], (b, k + 1))
     logits, hidden, cache = drafter(nxt, drafter.fuse(feats), pos, cache, logits_at=jnp.full((b,), k, jnp.int32))
-    h = hidden[:, k:k + 1]
+    h = hidden[:, k : k + 1]
     total = jnp.zeros((b,), jnp.float32)
     for j in range(k):
       if j:
-        logits, h, cache = drafter(token[:, None], h, (base + k + j)[None, None] + jnp.zeros((b, 1), jnp.int32),
-                                   cache)
+        logits, h, cache = drafter(token[:, None], h, (base + k + j)[None, None] + jnp.zeros((b, 1), jnp.int32), cache)
       key = None if all_greedy else jax.random.fold_in(key0, i * k + j)
       token, log_probs = sample(logits[:, 0], params, key, all_greedy=all_greedy)
       if with_probs:  # the loop keeps exp(log_probs) [B, V] for the rejection sampler
@@ -324,14 +355,21 @@ def eagle_components(timer, drafter, *, b: int, k: int, mode: str, p: int, max_n
   t_verify = timer.model_step("target", b, k + 1, s_spec, p, mode)["per_iter_s"]
   t_sampler = timer.sampler(b, k, mode, with_probs=True)["per_iter_s"]
   t_round = t_draft_round + t_verify + t_sampler
-  return {"t_target_step_s": t_target, "t_draft_step_s": t_draft_round / k, "t_draft_round_s": t_draft_round,
-          "t_verify_s": t_verify, "t_sampler_s": t_sampler, "t_round_s": t_round,
-          "cache_len_plain": s_plain, "cache_len_spec": s_spec}
+  return {
+    "t_target_step_s": t_target,
+    "t_draft_step_s": t_draft_round / k,
+    "t_draft_round_s": t_draft_round,
+    "t_verify_s": t_verify,
+    "t_sampler_s": t_sampler,
+    "t_round_s": t_round,
+    "cache_len_plain": s_plain,
+    "cache_len_spec": s_spec,
+  }
 
 
 def expected_round_tokens(a: float, k: int) -> float:
   """Tokens per round with i.i.d. per-token acceptance a: 1 + a + ... + a^K."""
-  return float(sum(a ** i for i in range(k + 1)))
+  return float(sum(a**i for i in range(k + 1)))
 
 
 # ----------------------------------------------------------------------------
@@ -340,33 +378,47 @@ def expected_round_tokens(a: float, k: int) -> float:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
   trees = lambda s: tuple(parse_tree(t) for t in s.split(",") if t)  # noqa: E731
   strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
-  p.add_argument("--quick", action="store_true",
-                 help="CPU smoke run: B=1, K=2, 16 new tokens, one prompt, small acceptance windows "
-                      "(the default without a GPU)")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="CPU smoke run: B=1, K=2, 16 new tokens, one prompt, small acceptance windows (the default without a GPU)",
+  )
   p.add_argument("--batch-sizes", type=ints, help="comma list from {1, 8} (default 1,8; quick 1)")
   p.add_argument("--ks", type=ints, help="comma list of K (default 2,4,6; quick 2)")
-  p.add_argument("--trees", type=trees, default=(),
-                 help="comma list of draft trees, branching factors joined by x (e.g. 3x2x1x1,4x1x1x1): each "
-                      "runs as draft_tree= with K = its depth (eagle and model drafters; lookup for m x 1 x ... "
-                      "trees); no component timings for them. A suffix :iid draws random rows' siblings "
-                      "i.i.d. instead of without replacement (e.g. 3x3x1x1:iid). dKxkxN is a dynamic tree "
-                      "(EAGLE-2 style): depth K, top-k children of the k best nodes per depth, the N best "
-                      "nodes verified (e.g. d5x8x48); dKxkxM:sampled draws random rows' children from q and "
-                      "verifies all M = k + (K-1)k^2 candidates (e.g. d3x4x36:sampled)")
+  p.add_argument(
+    "--trees",
+    type=trees,
+    default=(),
+    help="comma list of draft trees, branching factors joined by x (e.g. 3x2x1x1,4x1x1x1): each "
+    "runs as draft_tree= with K = its depth (eagle and model drafters; lookup for m x 1 x ... "
+    "trees); no component timings for them. A suffix :iid draws random rows' siblings "
+    "i.i.d. instead of without replacement (e.g. 3x3x1x1:iid). dKxkxN is a dynamic tree "
+    "(EAGLE-2 style): depth K, top-k children of the k best nodes per depth, the N best "
+    "nodes verified (e.g. d5x8x48); dKxkxM:sampled draws random rows' children from q and "
+    "verifies all M = k + (K-1)k^2 candidates (e.g. d3x4x36:sampled)",
+  )
   p.add_argument("--modes", type=strs, default=MODES, help="comma list of: greedy, t1 (default both)")
   p.add_argument("--drafters", type=strs, default=DRAFTERS, help="comma list of: eagle, model, lookup (default all)")
   p.add_argument("--max-new-tokens", type=int, help="default 128; quick 16")
   p.add_argument("--b1-prompts", type=int, help="prompts run one after another at B=1 (default 4; quick 1)")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
-  p.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
-                 help="TransformerConfig.kernels of the target and the drafters (default xla)")
-  p.add_argument("--draft-kernels", choices=("xla", "pallas"),
-                 help="TransformerConfig.kernels of the drafters alone (default: --kernels)")
+  p.add_argument(
+    "--kernels",
+    choices=("xla", "pallas"),
+    default="xla",
+    help="TransformerConfig.kernels of the target and the drafters (default xla)",
+  )
+  p.add_argument(
+    "--draft-kernels",
+    choices=("xla", "pallas"),
+    help="TransformerConfig.kernels of the drafters alone (default: --kernels)",
+  )
   p.add_argument("--draft-path", help="draft .safetensors (default: the shipped specdec_jax/weights/...)")
   p.add_argument("--eagle-path", help="EAGLE head .safetensors (default: the shipped specdec_jax/weights/...)")
   p.add_argument("--eagle-depth", type=int, default=6, help="unrolled depths of the EAGLE agreement section")
@@ -374,18 +426,28 @@ def parse_args(argv=None):
   p.add_argument("--target-ms", type=float, help="length of one component timing loop (default 50; quick 20)")
   p.add_argument("--component-repeats", type=int, help="component timing loops (median; default 5; quick 3)")
   p.add_argument("--no-components", action="store_true", help="skip the component timings (no prediction)")
-  p.add_argument("--no-filters", action="store_true",
-                 help="T=1 rows promise no top-k/top-p/min-p (the loops' no_filters=True: no run-time branches)")
+  p.add_argument(
+    "--no-filters",
+    action="store_true",
+    help="T=1 rows promise no top-k/top-p/min-p (the loops' no_filters=True: no run-time branches)",
+  )
   p.add_argument("--skip-generation", action="store_true", help="only the acceptance section")
   p.add_argument("--skip-acceptance", action="store_true", help="no teacher-forced acceptance section")
   p.add_argument("--acc-window", type=int, help="tokens per stdlib window (default 256; quick 64)")
   p.add_argument("--acc-per-file", type=int, help="windows per stdlib file (default 2; quick 1)")
-  p.add_argument("--budget-s", type=float, default=450.0,
-                 help="start no new configuration after this many seconds (default 450; 0 = no limit)")
+  p.add_argument(
+    "--budget-s",
+    type=float,
+    default=450.0,
+    help="start no new configuration after this many seconds (default 450; 0 = no limit)",
+  )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--cache-dir", default="/tmp/jax_cache", help="persistent compilation cache ('' = off)")
-  p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
-                 help="output directory (default bench/out)")
+  p.add_argument(
+    "--out",
+    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+    help="output directory (default bench/out)",
+  )
   args = p.parse_args(argv)
   for name, allowed in (("modes", MODES), ("drafters", DRAFTERS)):
     bad = [x for x in getattr(args, name) if x not in allowed]
@@ -395,9 +457,16 @@ def parse_args(argv=None):
     print("No GPU found: running the --quick configuration (pass --batch-sizes to override).")
     args.quick = True
   q = args.quick
-  defaults = dict(batch_sizes=(1,) if q else (1, 8), ks=(2,) if q else (2, 4, 6), max_new_tokens=16 if q else 128,
-                  b1_prompts=1 if q else 4, target_ms=20.0 if q else 50.0, component_repeats=3 if q else 5,
-                  acc_window=64 if q else 256, acc_per_file=1 if q else 2)
+  defaults = dict(
+    batch_sizes=(1,) if q else (1, 8),
+    ks=(2,) if q else (2, 4, 6),
+    max_new_tokens=16 if q else 128,
+    b1_prompts=1 if q else 4,
+    target_ms=20.0 if q else 50.0,
+    component_repeats=3 if q else 5,
+    acc_window=64 if q else 256,
+    acc_per_file=1 if q else 2,
+  )
   for name, value in defaults.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
@@ -419,8 +488,7 @@ def compare_greedy(spec_outs, plain_outs) -> dict:
       if d[r].any():
         rows += 1
         firsts.append(int(np.argmax(d[r])))
-  return {"identical": diff_pos == 0, "positions_differ": diff_pos, "rows_differ": rows,
-          "first_diff_positions": firsts}
+  return {"identical": diff_pos == 0, "positions_differ": diff_pos, "rows_differ": rows, "first_diff_positions": firsts}
 
 
 def same_cell(r):
@@ -434,13 +502,15 @@ def same_cell(r):
 
 # The drafter column is wider: tree rows are labelled "eagle[3x2x1x1]".
 RESULT_COLUMNS = [("drafter", "drafter", 16, "s") if c[0] == "drafter" else c for c in bd.RESULT_COLUMNS] + [
-    ("same", same_cell, 16, "s")]
+  ("same", same_cell, 16, "s")
+]
 
 
 def plot_tokens(rows, plains, path, title):
   """Bars of tokens/s: one group per (B, mode), one bar per drafter and K, plus plain."""
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -449,8 +519,9 @@ def plot_tokens(rows, plains, path, title):
   groups = sorted({(p["B"], p["mode"]) for p in plains} | {(r["B"], r["mode"]) for r in rows})
   if not groups:
     return None
-  series = ["plain"] + sorted({f"{r['drafter']} K={r['K']}" for r in rows},
-                              key=lambda s: (s.split()[0], int(s[s.index("=") + 1:])))
+  series = ["plain"] + sorted(
+    {f"{r['drafter']} K={r['K']}" for r in rows}, key=lambda s: (s.split()[0], int(s[s.index("=") + 1 :]))
+  )
   width = 0.8 / len(series)
   fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups) + 3), 4))
   for si, name in enumerate(series):
@@ -459,11 +530,18 @@ def plot_tokens(rows, plains, path, title):
       if name == "plain":
         v = next((p["tok_s"] for p in plains if p["B"] == b and p["mode"] == m), np.nan)
       else:
-        v = next((r["spec_tok_s"] for r in rows if r["B"] == b and r["mode"] == m
-                  and f"{r['drafter']} K={r['K']}" == name), np.nan)
+        v = next(
+          (r["spec_tok_s"] for r in rows if r["B"] == b and r["mode"] == m and f"{r['drafter']} K={r['K']}" == name),
+          np.nan,
+        )
       ys.append(v)
-    ax.bar(np.arange(len(groups)) + (si - (len(series) - 1) / 2) * width, ys, width, label=name,
-           color="k" if name == "plain" else None)
+    ax.bar(
+      np.arange(len(groups)) + (si - (len(series) - 1) / 2) * width,
+      ys,
+      width,
+      label=name,
+      color="k" if name == "plain" else None,
+    )
   ax.set_xticks(np.arange(len(groups)), [f"B={b}, {'greedy' if m == 'greedy' else 'T=1'}" for b, m in groups])
   ax.set_ylabel("tokens/s")
   ax.set_title(title, fontsize=9)
@@ -475,7 +553,7 @@ def plot_tokens(rows, plains, path, title):
 
 
 def parse_tree(name: str):
-  """"3x2x1x1" (":iid" for i.i.d. siblings) -> DraftTree; "d5x8x48" -> DynamicTree(5, 8, 48) ("d3x4x36:sampled"
+  """ "3x2x1x1" (":iid" for i.i.d. siblings) -> DraftTree; "d5x8x48" -> DynamicTree(5, 8, 48) ("d3x4x36:sampled"
   for sampled children); `tree_name`'s inverse."""
   shape, _, draws = name.partition(":")
   if shape.startswith("d"):
@@ -484,7 +562,7 @@ def parse_tree(name: str):
 
 
 def tree_name(tree) -> str:
-  """"3x2x1x1" (":iid" when siblings are i.i.d.) for a DraftTree, "d5x8x48" for a DynamicTree."""
+  """ "3x2x1x1" (":iid" when siblings are i.i.d.) for a DraftTree, "d5x8x48" for a DynamicTree."""
   if isinstance(tree, DynamicTree):
     return f"d{tree.depth}x{tree.top_k}x{tree.num_nodes}" + (":sampled" if tree.sampled else "")
   return "x".join(map(str, tree.branching)) + (":iid" if tree.sibling_draws == "iid" else "")
@@ -496,6 +574,7 @@ def plot_trees(rows, path, title):
     return None
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -532,8 +611,16 @@ def _ensure_continuations(continuations, args, tokenizer, prompts, pad, target, 
   toks, lens = encode(tokenizer, [prompts[x] for x in names], pad_to=pad)
   for mode in args.modes:
     params, key, all_greedy = bd.mode_setup(mode, b, args.seed)
-    out = generate(target, jnp.asarray(toks), jnp.asarray(lens), params, key, max_new_tokens=n,
-                   eos_token_id=eos, all_greedy=all_greedy)
+    out = generate(
+      target,
+      jnp.asarray(toks),
+      jnp.asarray(lens),
+      params,
+      key,
+      max_new_tokens=n,
+      eos_token_id=eos,
+      all_greedy=all_greedy,
+    )
     continuations[mode] = (toks, lens, [out])
 
 
@@ -576,15 +663,19 @@ def main(argv=None):
       eagle_note = f"no EAGLE head, its rows skipped: {e}"
       print(eagle_note)
   drafters = [d for d in args.drafters if (d != "model" or draft is not None) and (d != "eagle" or eagle)]
-  print(f"loaded SmolLM2 ({args.dtype})" + (f" and draft L={draft.config.num_layers}" if draft else "")
-        + f" in {time.perf_counter() - t0:.1f}s")
+  print(
+    f"loaded SmolLM2 ({args.dtype})"
+    + (f" and draft L={draft.config.num_layers}" if draft else "")
+    + f" in {time.perf_counter() - t0:.1f}s"
+  )
   lookup = PromptLookupDrafter(bd.LOOKUP_NGRAMS)
 
   prompts = build_prompts()
-  used = {b: [x for x in (B8_ORDER if b == 8 else B1_ORDER[:args.b1_prompts]) if x in prompts]
-          for b in args.batch_sizes}
+  used = {
+    b: [x for x in (B8_ORDER if b == 8 else B1_ORDER[: args.b1_prompts]) if x in prompts] for b in args.batch_sizes
+  }
   if args.skip_generation or not args.skip_acceptance:
-    used.setdefault(8 if not args.quick else 1, list(B8_ORDER[:8 if not args.quick else 1]))
+    used.setdefault(8 if not args.quick else 1, list(B8_ORDER[: 8 if not args.quick else 1]))
   # One P for every prompt of the run: one compile per configuration.
   pad = -(-max(len(tokenizer.encode(prompts[x]).ids) for names in used.values() for x in names) // 16) * 16
   batches = {}
@@ -592,17 +683,32 @@ def main(argv=None):
     names = used[b]
     toks, lens = encode(tokenizer, [prompts[n] for n in names], pad_to=pad)
     # B=1: one [1, P] call per prompt; B=8: one [8, P] call.
-    calls = [(toks[i:i + 1], lens[i:i + 1]) for i in range(len(names))] if b == 1 else [(toks, lens)]
-    batches[b] = {"names": names, "calls": [(jnp.asarray(t), jnp.asarray(l)) for t, l in calls],
-                  "tokens": toks, "lengths": lens}
+    calls = [(toks[i : i + 1], lens[i : i + 1]) for i in range(len(names))] if b == 1 else [(toks, lens)]
+    batches[b] = {
+      "names": names,
+      "calls": [(jnp.asarray(t), jnp.asarray(l)) for t, l in calls],
+      "tokens": toks,
+      "lengths": lens,
+    }
   print(f"prompts padded to P={pad}; " + "; ".join(f"B={b}: {v['names']}" for b, v in batches.items()))
 
-  timer = bd.ComponentTimer(target, draft, target_s=args.target_ms / 1e3, repeats=args.component_repeats,
-                            seed=args.seed)
-  report = {"info": info, "config": vars(args), "prompt_len_padded": pad, "draft_note": draft_note,
-            "eagle_note": eagle_note, "eagle_meta": _eagle_meta(args.eagle_path) if eagle else None,
-            "prompts": prompts, "batches": {b: v["names"] for b, v in batches.items()},
-            "plain": [], "results": [], "acceptance": {}, "errors": []}
+  timer = bd.ComponentTimer(
+    target, draft, target_s=args.target_ms / 1e3, repeats=args.component_repeats, seed=args.seed
+  )
+  report = {
+    "info": info,
+    "config": vars(args),
+    "prompt_len_padded": pad,
+    "draft_note": draft_note,
+    "eagle_note": eagle_note,
+    "eagle_meta": _eagle_meta(args.eagle_path) if eagle else None,
+    "prompts": prompts,
+    "batches": {b: v["names"] for b, v in batches.items()},
+    "plain": [],
+    "results": [],
+    "acceptance": {},
+    "errors": [],
+  }
   json_path = os.path.join(args.out, "smollm2.json")
 
   def save():
@@ -629,8 +735,9 @@ def main(argv=None):
       calls = batches[b]["calls"]
       for mode in args.modes:
         params, key, all_greedy = bd.mode_setup(mode, b, args.seed)
-        kw = dict(max_new_tokens=n, eos_token_id=eos, all_greedy=all_greedy,
-                  no_filters=args.no_filters and not all_greedy)
+        kw = dict(
+          max_new_tokens=n, eos_token_id=eos, all_greedy=all_greedy, no_filters=args.no_filters and not all_greedy
+        )
         bar.set_postfix_str(f"B={b} {mode} plain")
         plain, plain_outs = None, None
         if budget.over(f"B={b} {mode}"):
@@ -638,14 +745,17 @@ def main(argv=None):
           continue
         try:
           plain_outs, timing = bd.run_generation(
-              lambda: [generate(target, t, l, params, key, **kw) for t, l in calls], args.repeats)
+            lambda: [generate(target, t, l, params, key, **kw) for t, l in calls], args.repeats
+          )
           plain = {"B": b, "mode": mode, **bd.stats_summary(plain_outs), **timing}
           plain["tok_s"] = plain["tokens"] / plain["median_s"]
           report["plain"].append(plain)
           if b == max(args.batch_sizes):
             continuations[mode] = (batches[b]["tokens"], batches[b]["lengths"], plain_outs)
-          tqdm.write(f"B={b} {mode:<6} plain           {plain['tok_s']:9.1f} tok/s  {plain['tokens']} tokens  "
-                     f"(first call {timing['first_call_s']:.1f}s)")
+          tqdm.write(
+            f"B={b} {mode:<6} plain           {plain['tok_s']:9.1f} tok/s  {plain['tokens']} tokens  "
+            f"(first call {timing['first_call_s']:.1f}s)"
+          )
         except Exception as e:  # noqa: BLE001 - record and continue
           error(f"plain B={b} {mode}", e)
         bar.update(1)
@@ -654,8 +764,11 @@ def main(argv=None):
             label = dname if tree is None else f"{dname}[{tree_name(tree)}]"
             bar.set_postfix_str(f"B={b} {mode} K={k} {label}")
             drafter = {"model": draft, "lookup": lookup, "eagle": eagle}[dname]
-            if tree is not None and dname == "lookup" and (isinstance(tree, DynamicTree)
-                                                           or any(x != 1 for x in tree.branching[1:])):
+            if (
+              tree is not None
+              and dname == "lookup"
+              and (isinstance(tree, DynamicTree) or any(x != 1 for x in tree.branching[1:]))
+            ):
               bar.update(1)
               continue
             if budget.over(f"B={b} K={k} {mode} {label}"):
@@ -663,13 +776,26 @@ def main(argv=None):
               continue
             try:
               outs, timing = bd.run_generation(
-                  lambda: [speculative_generate(target, drafter, t, l, params, key, num_speculative_tokens=k,
-                                                draft_tree=tree, **kw)
-                           for t, l in calls], args.repeats)
-              row = {"B": b, "K": k, "mode": mode, "drafter": label, "tree": None if tree is None else tree_name(tree),
-                     "sibling_draws": getattr(tree, "sibling_draws", None), **bd.stats_summary(outs),
-                     "spec_s": timing["median_s"], "spec_times_s": timing["times_s"],
-                     "spec_first_call_s": timing["first_call_s"]}
+                lambda: [
+                  speculative_generate(
+                    target, drafter, t, l, params, key, num_speculative_tokens=k, draft_tree=tree, **kw
+                  )
+                  for t, l in calls
+                ],
+                args.repeats,
+              )
+              row = {
+                "B": b,
+                "K": k,
+                "mode": mode,
+                "drafter": label,
+                "tree": None if tree is None else tree_name(tree),
+                "sibling_draws": getattr(tree, "sibling_draws", None),
+                **bd.stats_summary(outs),
+                "spec_s": timing["median_s"],
+                "spec_times_s": timing["times_s"],
+                "spec_first_call_s": timing["first_call_s"],
+              }
               row["spec_tok_s"] = row["tokens"] / row["spec_s"]
               row["plain_tok_s"] = plain["tok_s"] if plain else None
               row["speedup"] = row["spec_tok_s"] / plain["tok_s"] if plain else None
@@ -685,22 +811,31 @@ def main(argv=None):
                   t, l = calls[0]
                   s = bd.loop_lengths(pad, n, k)
                   buf = jnp.zeros((t.shape[0], s), jnp.int32).at[:, :pad].set(t)
-                  buf = buf.at[:, pad:pad + n].set(jnp.maximum(outs[0].tokens, 0))
+                  buf = buf.at[:, pad : pad + n].set(jnp.maximum(outs[0].tokens, 0))
                 if dname == "eagle":
                   comp = eagle_components(timer, eagle, b=b, k=k, mode=mode, p=pad, max_new_tokens=n)
                 else:
-                  comp = timer.round(b=b, k=k, mode=mode, drafter="model" if dname == "model" else lookup,
-                                     p=pad, max_new_tokens=n, buf=buf)
+                  comp = timer.round(
+                    b=b,
+                    k=k,
+                    mode=mode,
+                    drafter="model" if dname == "model" else lookup,
+                    p=pad,
+                    max_new_tokens=n,
+                    buf=buf,
+                  )
                 row.update(comp)
                 bd.predict(row, comp, plain)
               except Exception as e:  # noqa: BLE001
                 error(f"B={b} K={k} {mode} {dname} components", e)
             report["results"].append(row)
-            tqdm.write(f"B={b} {mode:<6} K={k} {label:<7} {row['spec_tok_s']:9.1f} tok/s  "
-                       f"x{bd._fmt(row['speedup'], '.2f')} (pred {bd._fmt(row.get('pred'), '.2f')})  "
-                       f"accept {bd._fmt(row['acceptance'], '.2f')}  mean_len "
-                       f"{bd._fmt(row['mean_accepted_length'], '.2f')}  same {same_cell(row)}  "
-                       f"(first call {timing['first_call_s']:.1f}s)")
+            tqdm.write(
+              f"B={b} {mode:<6} K={k} {label:<7} {row['spec_tok_s']:9.1f} tok/s  "
+              f"x{bd._fmt(row['speedup'], '.2f')} (pred {bd._fmt(row.get('pred'), '.2f')})  "
+              f"accept {bd._fmt(row['acceptance'], '.2f')}  mean_len "
+              f"{bd._fmt(row['mean_accepted_length'], '.2f')}  same {same_cell(row)}  "
+              f"(first call {timing['first_call_s']:.1f}s)"
+            )
             bar.update(1)
             save()
             gc.collect()
@@ -715,12 +850,15 @@ def main(argv=None):
       for mode, (toks, lens, outs) in continuations.items():
         c_tokens, c_mask = continuation_windows(toks, lens, outs)
         report["eagle_agreement"] = report.get("eagle_agreement", {})
-        report["eagle_agreement"][f"target {'greedy' if mode == 'greedy' else 'T=1'} continuations"] = (
-            eagle_agreement(target, eagle, c_tokens, c_mask, chunk, args.eagle_depth))
-      w_tokens, w_mask = stdlib_windows(tokenizer, args.acc_window, args.acc_per_file,
-                                        ACCEPTANCE_FILES[:2] if args.quick else ACCEPTANCE_FILES)
-      report["eagle_agreement"]["stdlib source"] = eagle_agreement(target, eagle, w_tokens, w_mask, chunk,
-                                                                   args.eagle_depth)
+        report["eagle_agreement"][f"target {'greedy' if mode == 'greedy' else 'T=1'} continuations"] = eagle_agreement(
+          target, eagle, c_tokens, c_mask, chunk, args.eagle_depth
+        )
+      w_tokens, w_mask = stdlib_windows(
+        tokenizer, args.acc_window, args.acc_per_file, ACCEPTANCE_FILES[:2] if args.quick else ACCEPTANCE_FILES
+      )
+      report["eagle_agreement"]["stdlib source"] = eagle_agreement(
+        target, eagle, w_tokens, w_mask, chunk, args.eagle_depth
+      )
       for src, a in report["eagle_agreement"].items():
         print(f"  {src:<32} top1 by depth {a['t0_top1_by_depth']}  1-TV {a['t1_one_minus_tv_by_depth']}")
     except Exception as e:  # noqa: BLE001
@@ -732,13 +870,15 @@ def main(argv=None):
     try:
       _ensure_continuations(continuations, args, tokenizer, prompts, pad, target, n, eos)
       chunk = 2 if args.quick else 4
-      w_tokens, w_mask = stdlib_windows(tokenizer, args.acc_window, args.acc_per_file,
-                                        ACCEPTANCE_FILES[:2] if args.quick else ACCEPTANCE_FILES)
+      w_tokens, w_mask = stdlib_windows(
+        tokenizer, args.acc_window, args.acc_per_file, ACCEPTANCE_FILES[:2] if args.quick else ACCEPTANCE_FILES
+      )
       report["acceptance"]["stdlib source"] = acceptance(target, draft, w_tokens, w_mask, chunk)
       for mode, (toks, lens, outs) in continuations.items():
         c_tokens, c_mask = continuation_windows(toks, lens, outs)
         report["acceptance"][f"target {'greedy' if mode == 'greedy' else 'T=1'} continuations"] = acceptance(
-            target, draft, c_tokens, c_mask, chunk)
+          target, draft, c_tokens, c_mask, chunk
+        )
     except Exception as e:  # noqa: BLE001
       error("acceptance", e)
     save()
@@ -746,11 +886,12 @@ def main(argv=None):
     print("acceptance section skipped: no draft")
 
   rows = report["results"]
-  title = (f"SmolLM2-135M {args.dtype}, {n} new tokens, P={pad}, {info['device']}")
-  pngs = [plot_tokens(rows, report["plain"], os.path.join(args.out, "smollm2_tokens.png"), title),
-          bd.plot_speedup([r for r in rows if not r.get("tree")], os.path.join(args.out, "smollm2_speedup.png"),
-                          title),
-          plot_trees(rows, os.path.join(args.out, "smollm2_trees.png"), title)]
+  title = f"SmolLM2-135M {args.dtype}, {n} new tokens, P={pad}, {info['device']}"
+  pngs = [
+    plot_tokens(rows, report["plain"], os.path.join(args.out, "smollm2_tokens.png"), title),
+    bd.plot_speedup([r for r in rows if not r.get("tree")], os.path.join(args.out, "smollm2_speedup.png"), title),
+    plot_trees(rows, os.path.join(args.out, "smollm2_trees.png"), title),
+  ]
   save()
   print(f"\nwrote {json_path}" + "".join(f" and {p}" for p in pngs if p))
   if draft_note:
@@ -764,19 +905,30 @@ def main(argv=None):
     bd.print_table(rows, bd.COMPONENT_COLUMNS, "Components, each timed alone (us; see bench/decode.py)")
   if report["acceptance"]:
     ks = args.ks
-    acc_rows = [{"source": s, **a, **{f"exp{k}": expected_round_tokens(a["t0_top1"], k) for k in ks}}
-                for s, a in report["acceptance"].items()]
-    bd.print_table(acc_rows, [("source", "source", 28, "s"), ("seqs", "sequences", 6, "d"),
-                              ("positions", "positions", 10, "d"), ("T=0 top1", "t0_top1", 9, ".3f"),
-                              ("T=1 1-TV", "t1_one_minus_tv", 9, ".3f")]
-                   + [(f"E[len] K={k}", f"exp{k}", 12, ".2f") for k in ks],
-                   "Teacher-forced acceptance of the draft on held-out text (E[len] = 1 + a + ... + a^K "
-                   "with a = T=0 top1)")
+    acc_rows = [
+      {"source": s, **a, **{f"exp{k}": expected_round_tokens(a["t0_top1"], k) for k in ks}}
+      for s, a in report["acceptance"].items()
+    ]
+    bd.print_table(
+      acc_rows,
+      [
+        ("source", "source", 28, "s"),
+        ("seqs", "sequences", 6, "d"),
+        ("positions", "positions", 10, "d"),
+        ("T=0 top1", "t0_top1", 9, ".3f"),
+        ("T=1 1-TV", "t1_one_minus_tv", 9, ".3f"),
+      ]
+      + [(f"E[len] K={k}", f"exp{k}", 12, ".2f") for k in ks],
+      "Teacher-forced acceptance of the draft on held-out text (E[len] = 1 + a + ... + a^K with a = T=0 top1)",
+    )
   if rows:
-    bd.print_table(rows, RESULT_COLUMNS,
-                   f"tokens/s, SmolLM2 {args.dtype}, P={pad}, up to {n} new tokens, eos {eos}; B=1 = "
-                   f"{args.b1_prompts} prompts in sequence (same: greedy tokens equal plain's; "
-                   "no:<rows>r@<first differing positions>)")
+    bd.print_table(
+      rows,
+      RESULT_COLUMNS,
+      f"tokens/s, SmolLM2 {args.dtype}, P={pad}, up to {n} new tokens, eos {eos}; B=1 = "
+      f"{args.b1_prompts} prompts in sequence (same: greedy tokens equal plain's; "
+      "no:<rows>r@<first differing positions>)",
+    )
 
 
 if __name__ == "__main__":

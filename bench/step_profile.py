@@ -64,21 +64,22 @@ from specdec_jax.models.transformer import (
   rms_norm,
 )
 
-SMOLLM2 = dict(vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536,
-               rope_theta=1e5)
+SMOLLM2 = dict(
+  vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5
+)
 TINY = dict(vocab_size=512, num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=32, d_ff=128)
 
 # name -> (scan, fused, attention, mlp, head, pallas)
 VARIANTS = {
-    "before": (True, False, True, True, True, False),
-    "scan+fused": (True, True, True, True, True, False),
-    "unrolled": (False, False, True, True, True, False),
-    "after": (False, True, True, True, True, False),
-    "after-attn": (False, True, False, True, True, False),
-    "after-mlp": (False, True, True, False, True, False),
-    "after-head": (False, True, True, True, False, False),
-    "after-bare": (False, True, False, False, True, False),
-    "pallas": (False, True, True, True, True, "pallas"),
+  "before": (True, False, True, True, True, False),
+  "scan+fused": (True, True, True, True, True, False),
+  "unrolled": (False, False, True, True, True, False),
+  "after": (False, True, True, True, True, False),
+  "after-attn": (False, True, False, True, True, False),
+  "after-mlp": (False, True, True, False, True, False),
+  "after-head": (False, True, True, True, False, False),
+  "after-bare": (False, True, False, False, True, False),
+  "pallas": (False, True, True, True, True, "pallas"),
 }
 # Tile sizes of the pallas variant, and others to compare ("pallas:NAME" in --variants): NAME -> (AttentionBlocks
 # fields, MlpBlocks fields) over the defaults the models use, which are "pallas" (= the sweep's "h16k64s4").
@@ -86,26 +87,26 @@ VARIANTS = {
 # (the sweep's first runs were over older defaults, FIRST).
 FIRST = {"block_h": 32, "block_k": 128, "num_stages": 2}
 PALLAS_TILES = {
-    "pallas": ({}, {}),
-    "first": (FIRST, {}),
-    "h16": ({**FIRST, "block_h": 16}, {}),
-    "w2": ({**FIRST, "num_warps": 2}, {}),
-    "h16w2": ({**FIRST, "block_h": 16, "num_warps": 2}, {}),
-    "h16k64s4": ({}, {}),
-    "k1024w8": ({**FIRST, "block_k": 1024, "num_warps": 8}, {}),
-    "h16k1024w4": ({**FIRST, "block_h": 16, "block_k": 1024}, {}),
-    "mk1024w8": (FIRST, {"block_k1": 1024, "num_warps": 8}),
-    "mk1024w4f32": (FIRST, {"block_f": 32, "block_k1": 1024, "num_warps": 4}),
-    "mk64s4": (FIRST, {"block_k1": 64, "block_k2": 64, "num_stages": 4, "split_k": 8}),
-    "s32": ({**FIRST, "block_s": 32}, {}),
-    "k64s4": ({"block_h": 32}, {}),
-    "h16k32s4": ({"block_k": 32}, {}),
-    "h16k64s5w2": ({"num_stages": 5, "num_warps": 2}, {}),
-    "q+m64s4": ({}, {"block_k1": 64, "block_k2": 64, "num_stages": 4}),
-    "q+m64s4w4": ({}, {"block_k1": 64, "block_k2": 64, "num_stages": 4, "num_warps": 4}),
-    "q+m32s4": ({}, {"block_k1": 32, "block_k2": 32, "num_stages": 4}),
-    "q+o64s4": ({"out": {"block_k2": 64, "num_stages": 4}}, {}),
-    "q+all64s4": ({"out": {"block_k2": 64, "num_stages": 4}}, {"block_k1": 64, "block_k2": 64, "num_stages": 4}),
+  "pallas": ({}, {}),
+  "first": (FIRST, {}),
+  "h16": ({**FIRST, "block_h": 16}, {}),
+  "w2": ({**FIRST, "num_warps": 2}, {}),
+  "h16w2": ({**FIRST, "block_h": 16, "num_warps": 2}, {}),
+  "h16k64s4": ({}, {}),
+  "k1024w8": ({**FIRST, "block_k": 1024, "num_warps": 8}, {}),
+  "h16k1024w4": ({**FIRST, "block_h": 16, "block_k": 1024}, {}),
+  "mk1024w8": (FIRST, {"block_k1": 1024, "num_warps": 8}),
+  "mk1024w4f32": (FIRST, {"block_f": 32, "block_k1": 1024, "num_warps": 4}),
+  "mk64s4": (FIRST, {"block_k1": 64, "block_k2": 64, "num_stages": 4, "split_k": 8}),
+  "s32": ({**FIRST, "block_s": 32}, {}),
+  "k64s4": ({"block_h": 32}, {}),
+  "h16k32s4": ({"block_k": 32}, {}),
+  "h16k64s5w2": ({"num_stages": 5, "num_warps": 2}, {}),
+  "q+m64s4": ({}, {"block_k1": 64, "block_k2": 64, "num_stages": 4}),
+  "q+m64s4w4": ({}, {"block_k1": 64, "block_k2": 64, "num_stages": 4, "num_warps": 4}),
+  "q+m32s4": ({}, {"block_k1": 32, "block_k2": 32, "num_stages": 4}),
+  "q+o64s4": ({"out": {"block_k2": 64, "num_stages": 4}}, {}),
+  "q+all64s4": ({"out": {"block_k2": 64, "num_stages": 4}}, {"block_k1": 64, "block_k2": 64, "num_stages": 4}),
 }
 for _name in PALLAS_TILES:
   if _name != "pallas":
@@ -129,8 +130,10 @@ def pallas_tiles(name: str):
   attn, mlp_tiles = dict(PALLAS_TILES[name][0]), PALLAS_TILES[name][1]
   if "out" in attn:  # the output projection's tiles, over the default ones
     attn["out"] = dataclasses.replace(pallas_attention.DEFAULT_BLOCKS.out, **attn["out"])
-  return (dataclasses.replace(pallas_attention.DEFAULT_BLOCKS, **attn),
-          dataclasses.replace(pallas_mlp.BEST_BLOCKS, **mlp_tiles))
+  return (
+    dataclasses.replace(pallas_attention.DEFAULT_BLOCKS, **attn),
+    dataclasses.replace(pallas_mlp.BEST_BLOCKS, **mlp_tiles),
+  )
 
 
 def forward(c: TransformerConfig, weights: dict, layers: dict, tokens, positions, cache: KVCache, variant):
@@ -146,11 +149,23 @@ def forward(c: TransformerConfig, weights: dict, layers: dict, tokens, positions
     x, k_cache, v_cache = carry
     p, i = layer
     if pallas and x.shape[0] * x.shape[1] <= MAX_ROWS:  # as kernels="pallas" ("pallas_interpret" off a GPU)
-      return pallas_block(c, x, p, k_cache, v_cache, i, positions, ctx, interpret=not common.has_gpu(),
-                          attn_blocks=attn_blocks, mlp_blocks=mlp_blocks), None
+      return pallas_block(
+        c,
+        x,
+        p,
+        k_cache,
+        v_cache,
+        i,
+        positions,
+        ctx,
+        interpret=not common.has_gpu(),
+        attn_blocks=attn_blocks,
+        mlp_blocks=mlp_blocks,
+      ), None
     if attention:
-      x, k_cache, v_cache = attention_block(c, x, rms_norm(x, p["attn_norm"], c.rms_norm_eps), p, k_cache, v_cache,
-                                            i, ctx)
+      x, k_cache, v_cache = attention_block(
+        c, x, rms_norm(x, p["attn_norm"], c.rms_norm_eps), p, k_cache, v_cache, i, ctx
+      )
     if mlp:
       x = mlp_block(c, x, p)
     if not (attention or mlp):  # the per-layer glue alone: two norms' worth of elementwise work
@@ -209,8 +224,11 @@ def check_against_model(model: Transformer, weights: dict, variants) -> dict:
   for name, cfg in checks:
     if cfg not in wants:
       wants[cfg] = call(tokens, pos, Transformer.from_weights(cfg, weights))
-    mine = jax.jit(lambda t, p, n=name: forward(c, weights, layer_params(weights, VARIANTS[n]), t, p,
-                                                 model.init_cache(2, 8), VARIANTS[n])[0])(tokens, pos)
+    mine = jax.jit(
+      lambda t, p, n=name: forward(
+        c, weights, layer_params(weights, VARIANTS[n]), t, p, model.init_cache(2, 8), VARIANTS[n]
+      )[0]
+    )(tokens, pos)
     diffs[name] = float(jnp.max(jnp.abs(wants[cfg] - mine)))
   # Equal on a CPU in float32; a GPU may fuse the programs differently, or the kernels round differently
   # (bf16), not more.
@@ -222,21 +240,29 @@ def check_against_model(model: Transformer, weights: dict, variants) -> dict:
 
 def kernel_table(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
   """Per-kernel totals from a jax.profiler trace's Chrome-format JSON: the device events, grouped by name."""
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-                 + glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+  files = sorted(
+    glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    + glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+  )
   if not files:
     return []
   with gzip.open(files[-1], "rt") as f:
     trace = json.load(f)
   events = trace.get("traceEvents", [])
   # Device (GPU) events live under processes whose name mentions the device; host threads are the rest.
-  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
-           and e.get("name") == "process_name"}
+  names = {
+    e["pid"]: e.get("args", {}).get("name", "")
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
   device_pids = {pid for pid, n in names.items() if "/device:" in n or "GPU" in n or "gpu" in n}
   # A device has a thread per CUDA stream ("Stream #..."): kernels and copies. Its other threads ("XLA Ops",
   # "XLA Modules", ...) repeat the same time under op and program names, so they are left out where streams exist.
-  threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device_pids}
+  threads = {
+    (e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device_pids
+  }
   streams = {key for key, n in threads.items() if n.startswith("Stream")}
   totals, counts = defaultdict(float), defaultdict(int)
   for e in events:
@@ -281,8 +307,10 @@ def trace_kernels(c, weights, name, cache: KVCache, p0, trace_dir, report) -> li
     print(f"\nkernels of one `{name}` step at B={b} (top 25 by time), from the trace in {trace_dir}:")
     for r in table[:25]:
       print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['kernel'][:100]}")
-    print(f"  all device kernels: {sum(r['per_step'] for r in table):.0f} launches (top {len(table)} names), "
-          f"{sum(r['us_per_step'] for r in table):.0f} us per step")
+    print(
+      f"  all device kernels: {sum(r['per_step'] for r in table):.0f} launches (top {len(table)} names), "
+      f"{sum(r['us_per_step'] for r in table):.0f} us per step"
+    )
   else:
     print(f"(no device kernels read from the trace in {trace_dir})")
   return table
@@ -294,16 +322,21 @@ def main(argv=None):
   ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
   ap.add_argument("--batch-sizes", default=None, help="comma list (default 1,8,32; tiny 1,2)")
   ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
-  ap.add_argument("--ablations-at", default="first", choices=("first", "all"),
-                  help="run the after-* ablations at the first batch size only (default) or at all")
+  ap.add_argument(
+    "--ablations-at",
+    default="first",
+    choices=("first", "all"),
+    help="run the after-* ablations at the first batch size only (default) or at all",
+  )
   ap.add_argument("--cache-len", type=int, default=None, help="cache slots (default 320; tiny 32)")
   ap.add_argument("--k", type=int, default=4, help="verification calls score K+1 tokens (default 4)")
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
   ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timing loop")
   ap.add_argument("--repeats", type=int, default=5, help="timing loops per figure (median)")
   ap.add_argument("--no-plot", action="store_true", help="skip the PNG (matplotlib is a bench extra)")
-  ap.add_argument("--trace", default="", help="also write a jax.profiler trace of each --trace-variants here and "
-                  "print its kernels")
+  ap.add_argument(
+    "--trace", default="", help="also write a jax.profiler trace of each --trace-variants here and print its kernels"
+  )
   ap.add_argument("--trace-variants", default="after", help="comma list of variants to trace (default after)")
   args = ap.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
@@ -325,38 +358,66 @@ def main(argv=None):
   model = Transformer(c, rngs=__import__("flax").nnx.Rngs(0))  # its init_cache makes every zero cache below
   weights = {k: jnp.asarray(v) for k, v in model.to_weights().items()}
   diffs = check_against_model(model, weights, variants)
-  print(f"{dtype}, L={c.num_layers}, D={c.d_model}, V={c.vocab_size}, cache {cache_len} slots; "
-        f"forward checked against the Transformer: {diffs}")
+  print(
+    f"{dtype}, L={c.num_layers}, D={c.d_model}, V={c.vocab_size}, cache {cache_len} slots; "
+    f"forward checked against the Transformer: {diffs}"
+  )
 
   p0 = cache_len // 4
   rows = []
-  jobs = [(b, v, 1) for b in batch_sizes for v in variants
-          if not v.startswith("after-") or args.ablations_at == "all" or b == batch_sizes[0]]
-  jobs += [(b, v, args.k + 1) for b in batch_sizes for v in variants if v in ("before", "after") or
-           v.startswith("pallas")]
+  jobs = [
+    (b, v, 1)
+    for b in batch_sizes
+    for v in variants
+    if not v.startswith("after-") or args.ablations_at == "all" or b == batch_sizes[0]
+  ]
+  jobs += [
+    (b, v, args.k + 1) for b in batch_sizes for v in variants if v in ("before", "after") or v.startswith("pallas")
+  ]
   for b, name, t in jobs:
     variant = VARIANTS[name]
     layers = layer_params(weights, variant)
     step = step_fn(c, variant, t, p0, max(cache_len - p0 - t, 1))
     carry = (model.init_cache(b, cache_len), jnp.full((b, t), 7, jnp.int32))
-    r = common.time_per_iter(common.timed_loop(step), carry, (weights, layers), target_s=args.target_ms / 1e3,
-                             repeats=args.repeats)
+    r = common.time_per_iter(
+      common.timed_loop(step), carry, (weights, layers), target_s=args.target_ms / 1e3, repeats=args.repeats
+    )
     r.pop("compiled")
-    rows.append({"B": b, "T": t, "variant": name, "us": r["per_iter_s"] * 1e6, "compile_s": r["compile_s"],
-                 "scale": r["scale"], "iters": r["iters"]})
-    print(f"B={b:3d} T={t} {name:11s} {rows[-1]['us']:9.1f} us   (compile {r['compile_s']:.1f}s, "
-          f"t(2N)/t(N) {r['scale']:.2f})", flush=True)
+    rows.append(
+      {
+        "B": b,
+        "T": t,
+        "variant": name,
+        "us": r["per_iter_s"] * 1e6,
+        "compile_s": r["compile_s"],
+        "scale": r["scale"],
+        "iters": r["iters"],
+      }
+    )
+    print(
+      f"B={b:3d} T={t} {name:11s} {rows[-1]['us']:9.1f} us   (compile {r['compile_s']:.1f}s, "
+      f"t(2N)/t(N) {r['scale']:.2f})",
+      flush=True,
+    )
 
   weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in weights.values())
-  report = {"info": common.device_info(), "config": vars(args), "dtype": dtype, "cache_len": cache_len,
-            "model": {k: getattr(c, k) for k in SMOLLM2}, "weight_bytes": weight_bytes,
-            "forward_check_max_abs_diff": diffs, "rows": rows}
+  report = {
+    "info": common.device_info(),
+    "config": vars(args),
+    "dtype": dtype,
+    "cache_len": cache_len,
+    "model": {k: getattr(c, k) for k in SMOLLM2},
+    "weight_bytes": weight_bytes,
+    "forward_check_max_abs_diff": diffs,
+    "rows": rows,
+  }
 
   if args.trace:
     report["kernels"] = {}
     for name in [v for v in args.trace_variants.split(",") if v]:
-      report["kernels"][name] = trace_kernels(c, weights, name, model.init_cache(batch_sizes[0], cache_len), p0,
-                                              os.path.join(args.trace, name), report)
+      report["kernels"][name] = trace_kernels(
+        c, weights, name, model.init_cache(batch_sizes[0], cache_len), p0, os.path.join(args.trace, name), report
+      )
 
   with open(os.path.join(args.out, "step_profile.json"), "w") as f:
     json.dump(report, f, indent=1)

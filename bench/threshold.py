@@ -63,25 +63,41 @@ def main(argv=None):
       tk = jnp.full((b,), top_k, jnp.int32)
       tp = jnp.full((b,), top_p, jnp.float32)
       fns = {
-          "sorted": lambda x: thresholds.sorted_threshold(x, tk, tp),
-          "candidate": lambda x: thresholds.top_k_top_p_threshold(x, tk, tp),
-          "group_top": lambda x: thresholds.group_top(x)[..., 0, 0],
-          "argmax": lambda x: jnp.argmax(x, -1).astype(jnp.float32),
+        "sorted": lambda x: thresholds.sorted_threshold(x, tk, tp),
+        "candidate": lambda x: thresholds.top_k_top_p_threshold(x, tk, tp),
+        "group_top": lambda x: thresholds.group_top(x)[..., 0, 0],
+        "argmax": lambda x: jnp.argmax(x, -1).astype(jnp.float32),
       }
-      exact = np.asarray(thresholds.top_k_top_p_threshold(stack[0], tk, tp) == thresholds.sorted_threshold(stack[0], tk, tp))
+      exact = np.asarray(
+        thresholds.top_k_top_p_threshold(stack[0], tk, tp) == thresholds.sorted_threshold(stack[0], tk, tp)
+      )
       for name, fn in fns.items():
+
         def step(i, carry, stack, fn=fn):
           x = stack[(i + (carry == jnp.float32(-1e30)).astype(jnp.int32)) % stack.shape[0]]
           return carry + jnp.sum(jnp.where(jnp.isfinite(fn(x)), fn(x), 0.0)) * 1e-9
+
         loop = common.timed_loop(step)
         r = common.time_per_iter(loop, jnp.float32(0), (stack,), target_s=0.2, repeats=5)
         ms = r["per_iter_s"] * 1e3
         r = {k: v for k, v in r.items() if k != "compiled"}
-        row = {"B": b, "V": args.vocab_size, "filter": label, "method": name, "ms": ms, "floor_ms": floor_ms,
-               "x_floor": ms / floor_ms, "candidate_equals_sorted": bool(exact.all()), "timing": r}
+        row = {
+          "B": b,
+          "V": args.vocab_size,
+          "filter": label,
+          "method": name,
+          "ms": ms,
+          "floor_ms": floor_ms,
+          "x_floor": ms / floor_ms,
+          "candidate_equals_sorted": bool(exact.all()),
+          "timing": r,
+        }
         results["rows"].append(row)
-        print(f"B={b:5d} {label:20s} {name:10s} {ms:9.3f} ms  {ms / floor_ms:7.2f}x floor"
-              f"  (candidate==sorted: {bool(exact.all())})", flush=True)
+        print(
+          f"B={b:5d} {label:20s} {name:10s} {ms:9.3f} ms  {ms / floor_ms:7.2f}x floor"
+          f"  (candidate==sorted: {bool(exact.all())})",
+          flush=True,
+        )
     del stack
   with open(os.path.join(args.out, "threshold.json"), "w") as f:
     json.dump(results, f, indent=1, default=str)

@@ -68,12 +68,25 @@ def make_step(kind: str, mode: str, n_buf: int, vocab: int, parents):
       key = None if all_greedy else jax.random.fold_in(key0, carry)
       dp = dp_bufs[j] if with_dp else None
       if kind == "tree":
-        out = tree_rejection_sample(draft_token_ids=draft, parents=parents, target_logits=logits_bufs[j],
-                                    params=params, key=key, draft_probs=dp, all_greedy=all_greedy)
+        out = tree_rejection_sample(
+          draft_token_ids=draft,
+          parents=parents,
+          target_logits=logits_bufs[j],
+          params=params,
+          key=key,
+          draft_probs=dp,
+          all_greedy=all_greedy,
+        )
         carry = carry + _tree_checksum(out)
       else:
-        out = rejection_sample(draft_token_ids=draft, target_logits=logits_bufs[j], params=params, key=key,
-                               draft_probs=dp, all_greedy=all_greedy)
+        out = rejection_sample(
+          draft_token_ids=draft,
+          target_logits=logits_bufs[j],
+          params=params,
+          key=key,
+          draft_probs=dp,
+          all_greedy=all_greedy,
+        )
         carry = carry + _checksum(out)
     return carry
 
@@ -113,14 +126,27 @@ def run(kind, mode, b, v, n, args, bandwidth, mem):
   floor_ms = b * rows * v * 4 / bandwidth * 1e3
   del bufs, logits, dps
   gc.collect()
-  return {"kind": kind, "mode": mode, "B": b, "V": v, "N": n if kind == "tree" else DEPTH, "depth": DEPTH,
-          "tree": None if tree is None else list(tree.branching), "ms": ms, "floor_ms": floor_ms,
-          "frac": floor_ms / ms, "scale_2n": r["scale"], "compile_s": compile_s, "buffers": n_buf}
+  return {
+    "kind": kind,
+    "mode": mode,
+    "B": b,
+    "V": v,
+    "N": n if kind == "tree" else DEPTH,
+    "depth": DEPTH,
+    "tree": None if tree is None else list(tree.branching),
+    "ms": ms,
+    "floor_ms": floor_ms,
+    "frac": floor_ms / ms,
+    "scale_2n": r["scale"],
+    "compile_s": compile_s,
+    "buffers": n_buf,
+  }
 
 
 def plot(results, path):
   try:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -179,8 +205,13 @@ def main(argv=None):
   mem = common.device_memory_bytes()
   report = {"info": info, "config": vars(args), "copy_bandwidth": bw, "results": [], "skipped": []}
   path = os.path.join(args.out, "tree_sampler.json")
-  grid = [(kind, mode, b, v, n) for v in args.vocab_sizes for b in args.batch_sizes for mode in args.modes
-          for kind, n in [("chain", DEPTH)] + [("tree", n) for n in args.nodes]]
+  grid = [
+    (kind, mode, b, v, n)
+    for v in args.vocab_sizes
+    for b in args.batch_sizes
+    for mode in args.modes
+    for kind, n in [("chain", DEPTH)] + [("tree", n) for n in args.nodes]
+  ]
   for kind, mode, b, v, n in tqdm(grid, desc="tree sampler", unit="case", mininterval=2.0, file=sys.stdout):
     try:
       r = run(kind, mode, b, v, n, args, bw["bytes_per_s"], mem)
@@ -190,12 +221,15 @@ def main(argv=None):
     if r is None:
       report["skipped"].append(f"{kind} {mode} B={b} V={v} N={n}: does not fit in memory")
       continue
-    chain = next((c for c in report["results"] if c["kind"] == "chain" and c["mode"] == mode and c["B"] == b
-                  and c["V"] == v), None)
+    chain = next(
+      (c for c in report["results"] if c["kind"] == "chain" and c["mode"] == mode and c["B"] == b and c["V"] == v), None
+    )
     r["vs_chain"] = r["ms"] / chain["ms"] if chain and kind == "tree" else None
     report["results"].append(r)
-    tqdm.write(f"{kind:<5} {mode:<14} B={b:<4} V={v:<7} N={r['N']:<3} {r['ms']:8.4f} ms  frac {r['frac']:.2f}"
-               + (f"  tree/chain {r['vs_chain']:.2f}" if r["vs_chain"] else ""))
+    tqdm.write(
+      f"{kind:<5} {mode:<14} B={b:<4} V={v:<7} N={r['N']:<3} {r['ms']:8.4f} ms  frac {r['frac']:.2f}"
+      + (f"  tree/chain {r['vs_chain']:.2f}" if r["vs_chain"] else "")
+    )
     with open(path, "w") as f:
       json.dump(report, f, indent=1, default=str)
   png = plot(report["results"], os.path.join(args.out, "tree_sampler.png"))

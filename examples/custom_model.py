@@ -59,9 +59,11 @@ class TinyRNN:
   def random(cls, seed: int, vocab_size: int = VOCAB, hidden: int = HIDDEN) -> "TinyRNN":
     """Random weights; large enough that the greedy text is not constant."""
     r = np.random.default_rng(seed)
-    return cls(embed=jnp.asarray(r.normal(0, 1.0, (vocab_size, hidden)), jnp.float32),
-               recur=jnp.asarray(r.normal(0, 0.6 / np.sqrt(hidden), (hidden, hidden)), jnp.float32),
-               unembed=jnp.asarray(r.normal(0, 4.0 / np.sqrt(hidden), (hidden, vocab_size)), jnp.float32))
+    return cls(
+      embed=jnp.asarray(r.normal(0, 1.0, (vocab_size, hidden)), jnp.float32),
+      recur=jnp.asarray(r.normal(0, 0.6 / np.sqrt(hidden), (hidden, hidden)), jnp.float32),
+      unembed=jnp.asarray(r.normal(0, 4.0 / np.sqrt(hidden), (hidden, vocab_size)), jnp.float32),
+    )
 
   def noisy_copy(self, seed: int, scale: float) -> "TinyRNN":
     """The same model with every weight perturbed by `scale` times its own spread."""
@@ -134,34 +136,61 @@ def main(max_new_tokens: int = 48, k: int = 4) -> dict:
     start = time.perf_counter()
     out = jax.block_until_ready(fn())
     st = out.stats
-    print(f"{name:34s} {int(jnp.sum(out.lengths)):4d} tokens  acceptance {float(st.acceptance_rate):.2f}  "
-          f"tokens/target call {float(st.mean_accepted_length):.2f}  ({time.perf_counter() - start:.1f} s incl. "
-          f"compile)")
+    print(
+      f"{name:34s} {int(jnp.sum(out.lengths)):4d} tokens  acceptance {float(st.acceptance_rate):.2f}  "
+      f"tokens/target call {float(st.mean_accepted_length):.2f}  ({time.perf_counter() - start:.1f} s incl. "
+      f"compile)"
+    )
     return out
 
-  plain = run("generate (greedy)", lambda: generate(
-      target, prompts, lengths, greedy, None, max_new_tokens=max_new_tokens, all_greedy=True))
-  print("  row 0:", np.asarray(plain.tokens[0, :plain.lengths[0]]).tolist())
+  plain = run(
+    "generate (greedy)",
+    lambda: generate(target, prompts, lengths, greedy, None, max_new_tokens=max_new_tokens, all_greedy=True),
+  )
+  print("  row 0:", np.asarray(plain.tokens[0, : plain.lengths[0]]).tolist())
 
   same = True
   for name, drafter in (("draft model (noisy copy)", draft), ("prompt lookup", PromptLookupDrafter((3, 2)))):
-    out = run(f"speculative, {name}, K={k}", lambda: speculative_generate(
-        target, drafter, prompts, lengths, greedy, None, max_new_tokens=max_new_tokens,
-        num_speculative_tokens=k, all_greedy=True))
+    out = run(
+      f"speculative, {name}, K={k}",
+      lambda: speculative_generate(
+        target,
+        drafter,
+        prompts,
+        lengths,
+        greedy,
+        None,
+        max_new_tokens=max_new_tokens,
+        num_speculative_tokens=k,
+        all_greedy=True,
+      ),
+    )
     print(f"  accepted drafts by position: {np.asarray(out.stats.accepted_per_position).tolist()}")
     equal = bool(np.array_equal(np.asarray(out.tokens), np.asarray(plain.tokens)))
     print(f"  greedy output equals generate's: {equal}")
     same &= equal
-    results[name] = {"acceptance_rate": float(out.stats.acceptance_rate),
-                     "mean_accepted_length": float(out.stats.mean_accepted_length)}
+    results[name] = {
+      "acceptance_rate": float(out.stats.acceptance_rate),
+      "mean_accepted_length": float(out.stats.mean_accepted_length),
+    }
 
   # Sampled rows: the tokens differ from any other run, but their distribution is the target's.
   # (top_k= and top_p= work the same way; they add a threshold search to the program.)
   sampled = SamplingParams.create([0.8, 1.0, 0.6])
-  out = run(f"speculative, sampled, K={k}", lambda: speculative_generate(
-      target, draft, prompts, lengths, sampled, jax.random.key(0), max_new_tokens=max_new_tokens,
-      num_speculative_tokens=k))
-  print("  row 0:", np.asarray(out.tokens[0, :out.lengths[0]]).tolist())
+  out = run(
+    f"speculative, sampled, K={k}",
+    lambda: speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      sampled,
+      jax.random.key(0),
+      max_new_tokens=max_new_tokens,
+      num_speculative_tokens=k,
+    ),
+  )
+  print("  row 0:", np.asarray(out.tokens[0, : out.lengths[0]]).tolist())
 
   print("\nCHECK greedy speculative == greedy generate:", "OK" if same else "FAILED")
   results["greedy_equal"] = same

@@ -24,8 +24,10 @@ def show(title, draft, out, params, n=(K,) * B):
     kind = "greedy" if t == 0 else f"T={t:g}"
     emitted = [int(x) for x in out.token_ids[b] if x != PLACEHOLDER_TOKEN_ID]
     n_acc = int(out.num_accepted[b])
-    print(f"  row {b} ({kind:6s}) drafts {list(map(int, draft[b][:n[b]]))} -> emitted {emitted}"
-          f"  (accepted {n_acc} of {n[b]}, then {'bonus' if n_acc == n[b] else 'recovered'} {emitted[-1]})")
+    print(
+      f"  row {b} ({kind:6s}) drafts {list(map(int, draft[b][: n[b]]))} -> emitted {emitted}"
+      f"  (accepted {n_acc} of {n[b]}, then {'bonus' if n_acc == n[b] else 'recovered'} {emitted[-1]})"
+    )
 
 
 def main():
@@ -41,8 +43,12 @@ def main():
   key = jax.random.key(42)
 
   greedy = SamplingParams.greedy(B)
-  show("greedy batch (all_greedy=True: no softmax, no random numbers)", draft,
-       rejection_sample(draft, target_logits, greedy, key, all_greedy=True), greedy)
+  show(
+    "greedy batch (all_greedy=True: no softmax, no random numbers)",
+    draft,
+    rejection_sample(draft, target_logits, greedy, key, all_greedy=True),
+    greedy,
+  )
 
   # At T=1 the sampler is lossless only if each draft token was drawn from the
   # draft distribution passed beside it: here a noisy copy of the target's
@@ -51,15 +57,24 @@ def main():
   draft_probs = jax.nn.softmax(target_logits[:, :K] + jnp.asarray(rng.normal(size=(B, K, V)), jnp.float32))
   key, draft_key = jax.random.split(key)
   sampled_draft = jax.random.categorical(draft_key, jnp.log(draft_probs), axis=-1).astype(jnp.int32)  # [B, K]
-  show("random batch, T=1, drafts sampled from draft_probs", sampled_draft,
-       rejection_sample(sampled_draft, target_logits, random, key, draft_probs=draft_probs), random)
+  show(
+    "random batch, T=1, drafts sampled from draft_probs",
+    sampled_draft,
+    rejection_sample(sampled_draft, target_logits, random, key, draft_probs=draft_probs),
+    random,
+  )
 
   mixed = SamplingParams.create([0.0, 0.7, 0.0, 1.0], top_k=[0, 5, 0, 0], top_p=[1.0, 1.0, 1.0, 0.9])
   n = (4, 3, 2, 0)
   # Drafts without probabilities (n-gram / prompt lookup) count as certain
   # guesses (draft_probs=None), so any tokens may be passed.
-  show("mixed batch, n-gram drafts (no probabilities), ragged lengths [4, 3, 2, 0]", draft,
-       rejection_sample(draft, target_logits, mixed, key, num_draft_tokens=jnp.array(n)), mixed, n)
+  show(
+    "mixed batch, n-gram drafts (no probabilities), ragged lengths [4, 3, 2, 0]",
+    draft,
+    rejection_sample(draft, target_logits, mixed, key, num_draft_tokens=jnp.array(n)),
+    mixed,
+    n,
+  )
 
 
 if __name__ == "__main__":

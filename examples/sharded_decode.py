@@ -50,8 +50,12 @@ from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, enc
 MAX_CONTEXT = 8192
 # Model-axis sizes the demo tries, largest first, when --model is not given (8 devices: 2 x 4, both axes used).
 MODEL_SIZES = (4, 2, 1)
-PROMPTS = ("What is the capital of France?", "Name three colours of the rainbow.",
-           "Why do leaves change colour in autumn?", "Write a haiku about the sea.")
+PROMPTS = (
+  "What is the capital of France?",
+  "Name three colours of the rainbow.",
+  "Why do leaves change colour in autumn?",
+  "Write a haiku about the sea.",
+)
 DRAFTERS = ("lookup", "eagle")
 
 
@@ -65,19 +69,30 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
   ap = _Parser(prog="sharded_decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--data", type=int, help="devices on the data axis (default: all devices / --model)")
-  ap.add_argument("--model", type=int, help="devices on the model axis (default: the largest of 4, 2, 1 that "
-                  "divides the device count)")
+  ap.add_argument(
+    "--model",
+    type=int,
+    help="devices on the model axis (default: the largest of 4, 2, 1 that divides the device count)",
+  )
   ap.add_argument("--rows", type=int, help="batch rows (default: 2 per data device); must be a multiple of --data")
   ap.add_argument("--prompt", action="append", help="a chat prompt (repeatable; cycled over the rows)")
-  ap.add_argument("--drafter", action="append", choices=DRAFTERS,
-                  help="drafter for speculative_generate (repeatable; default: lookup)")
+  ap.add_argument(
+    "--drafter",
+    action="append",
+    choices=DRAFTERS,
+    help="drafter for speculative_generate (repeatable; default: lookup)",
+  )
   ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="K, drafts per round (default 4)")
   ap.add_argument("--max-tokens", type=int, default=24, help="new tokens per row (default 24)")
   ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--no-check", dest="check", action="store_false",
-                  help="skip the one-device runs that the mesh's tokens are compared with")
+  ap.add_argument(
+    "--no-check",
+    dest="check",
+    action="store_false",
+    help="skip the one-device runs that the mesh's tokens are compared with",
+  )
   return ap
 
 
@@ -92,8 +107,9 @@ def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
   if args.max_tokens < 1:
     ap.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
   if args.max_tokens + args.num_speculative_tokens + 2 > MAX_CONTEXT:
-    ap.error(f"--max-tokens ({args.max_tokens}) + K+1 plus the prompt must fit in SmolLM2's context of "
-             f"{MAX_CONTEXT} tokens")
+    ap.error(
+      f"--max-tokens ({args.max_tokens}) + K+1 plus the prompt must fit in SmolLM2's context of {MAX_CONTEXT} tokens"
+    )
   if not (math.isfinite(args.temperature) and args.temperature >= 0):
     ap.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
   if args.seed < 0:
@@ -104,8 +120,9 @@ def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
   args.drafter = tuple(dict.fromkeys(args.drafter or ("lookup",)))
 
   n = len(jax.devices())
-  hint = ("; on CPU, fake N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N (set before the "
-          "script starts)")
+  hint = (
+    "; on CPU, fake N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N (set before the script starts)"
+  )
   if args.model is None:
     divisors = [m for m in MODEL_SIZES if n % m == 0 and (args.data is None or args.data * m <= n)]
     args.model = divisors[0] if divisors else 1
@@ -116,8 +133,9 @@ def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
   if args.rows is None:
     args.rows = 2 * args.data
   if args.rows % args.data:
-    ap.error(f"--rows ({args.rows}) must be a multiple of --data ({args.data}): each data device takes the same "
-             f"number of rows")
+    ap.error(
+      f"--rows ({args.rows}) must be a multiple of --data ({args.data}): each data device takes the same number of rows"
+    )
   return args
 
 
@@ -128,15 +146,23 @@ def describe_layout(config, part, data: int) -> list[str]:
   if part.heads:
     heads = f"attention: {h} query / {hkv} KV heads split {m} ways ({h // m} / {hkv // m} per device)"
   elif m > 1:
-    heads = (f"attention: {h} query / {hkv} KV heads do not divide by model={m}: every model device keeps all "
-             f"heads (attention weights and KV cache replicated over 'model')")
+    heads = (
+      f"attention: {h} query / {hkv} KV heads do not divide by model={m}: every model device keeps all "
+      f"heads (attention weights and KV cache replicated over 'model')"
+    )
   else:
     heads = f"attention: {h} query / {hkv} KV heads on each device (model axis of 1)"
-  mlp = (f"MLP: F={config.d_ff} hidden units split {m} ways ({config.d_ff // m} per device)" if part.mlp else
-         f"MLP: F={config.d_ff} whole on each device")
-  vocab = (f"vocabulary: V={config.vocab_size} split {m} ways ({config.vocab_size // m} rows of the embedding per "
-           f"device; logits arrive split, P('data', None, 'model'))" if part.vocab else
-           f"vocabulary: V={config.vocab_size} whole on each device")
+  mlp = (
+    f"MLP: F={config.d_ff} hidden units split {m} ways ({config.d_ff // m} per device)"
+    if part.mlp
+    else f"MLP: F={config.d_ff} whole on each device"
+  )
+  vocab = (
+    f"vocabulary: V={config.vocab_size} split {m} ways ({config.vocab_size // m} rows of the embedding per "
+    f"device; logits arrive split, P('data', None, 'model'))"
+    if part.vocab
+    else f"vocabulary: V={config.vocab_size} whole on each device"
+  )
   rows = f"rows: split over {data} data device(s); each holds its rows' KV cache"
   return [heads, mlp, vocab, rows]
 
@@ -174,12 +200,15 @@ def main(argv=None):
   tokenizer = smollm2_tokenizer()
   tokens, lengths = encode_prompts(tokenizer, texts)
   if tokens.shape[1] + args.max_tokens + k + 1 > MAX_CONTEXT:
-    ap.error(f"the longest prompt ({tokens.shape[1]} tokens) + --max-tokens + K+1 exceeds SmolLM2's context of "
-             f"{MAX_CONTEXT}")
+    ap.error(
+      f"the longest prompt ({tokens.shape[1]} tokens) + --max-tokens + K+1 exceeds SmolLM2's context of {MAX_CONTEXT}"
+    )
 
   devices = jax.devices()
-  print(f"{len(devices)} {devices[0].platform} device(s); mesh data={args.data} x model={args.model}; "
-        f"{args.rows} rows; jax {jax.__version__}")
+  print(
+    f"{len(devices)} {devices[0].platform} device(s); mesh data={args.data} x model={args.model}; "
+    f"{args.rows} rows; jax {jax.__version__}"
+  )
   start = time.perf_counter()
   target, _ = load_smollm2(dtype)
   drafters = {"prompt lookup": PromptLookupDrafter(ngram_size=(3, 2))} if "lookup" in args.drafter else {}
@@ -189,8 +218,9 @@ def main(argv=None):
 
   mesh = make_mesh(args.data, args.model)
   sharded_target = shard(target, mesh)
-  sharded_drafters = {label: d if isinstance(d, PromptLookupDrafter) else shard(d, mesh)
-                      for label, d in drafters.items()}
+  sharded_drafters = {
+    label: d if isinstance(d, PromptLookupDrafter) else shard(d, mesh) for label, d in drafters.items()
+  }
   print("layout:")
   for line in describe_layout(target.config, sharded_target.partitioning, args.data):
     print(f"  {line}")
@@ -203,8 +233,9 @@ def main(argv=None):
     x, n, p = place(tokens), place(lengths), jax.tree.map(place, params)
     out = {"generate": lambda: generate(target, x, n, p, key, **common)}
     for label, d in drafters.items():
-      out[f"speculative ({label})"] = (lambda d=d: speculative_generate(
-          target, d, x, n, p, key, num_speculative_tokens=k, **common))
+      out[f"speculative ({label})"] = lambda d=d: speculative_generate(
+        target, d, x, n, p, key, num_speculative_tokens=k, **common
+      )
     return out
 
   def rows(a):  # [B, ...] split by rows over the data axis
@@ -215,20 +246,24 @@ def main(argv=None):
     for label, fn in calls(sharded_target, sharded_drafters, rows).items():
       timed(f"mesh: {label}, first call (compiles)", fn)
       results[label], seconds = timed(f"mesh: {label}, timed call", fn)
-      print(f"    {int(np.sum(results[label].lengths))} tokens, "
-            f"{np.sum(results[label].lengths) / seconds:.1f} tokens/s, "
-            f"mean accepted length {float(results[label].stats.mean_accepted_length):.2f}")
+      print(
+        f"    {int(np.sum(results[label].lengths))} tokens, "
+        f"{np.sum(results[label].lengths) / seconds:.1f} tokens/s, "
+        f"mean accepted length {float(results[label].stats.mean_accepted_length):.2f}"
+      )
   if args.check:
     for label, fn in calls(target, drafters, jnp.asarray).items():
       one, _ = timed(f"one device: {label} (compiles)", fn)
       same = np.array_equal(np.asarray(one.tokens), np.asarray(results[label].tokens))
-      print(f"    CHECK {label} tokens on the mesh {'identical to' if same else 'DIFFER from'} one device's"
-            f"{'' if same else difference_note(greedy, args.dtype)}")
+      print(
+        f"    CHECK {label} tokens on the mesh {'identical to' if same else 'DIFFER from'} one device's"
+        f"{'' if same else difference_note(greedy, args.dtype)}"
+      )
 
   out = results["generate"]
   print("text (generate, first rows):")
   for r in range(min(args.rows, len(args.prompt or PROMPTS))):
-    ids = [int(t) for t in np.asarray(out.tokens[r, :int(out.lengths[r])])]
+    ids = [int(t) for t in np.asarray(out.tokens[r, : int(out.lengths[r])])]
     print(f"  [{r}] {tokenizer.decode(ids).strip()!r}")
   return results
 

@@ -72,8 +72,10 @@ from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, enc
 # needs the weights; the flags are checked before.
 MAX_CONTEXT = 8192
 
-REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she "
-               "walked to the well to fetch water, and every evening she read stories to her younger brother.")
+REPEAT_TEXT = (
+  "Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she "
+  "walked to the well to fetch water, and every evening she read stories to her younger brother."
+)
 
 # name -> (prompt as the model sees it, what to show the user). Chosen so the
 # 135M model answers sensibly with greedy decoding: the code prompt is a raw
@@ -83,11 +85,15 @@ REPEAT_TEXT = ("Once upon a time, a little girl lived in a small house at the ed
 # what a user's own prompts can expect.
 CHAT_QUESTION = "Why do leaves change colour in autumn?"
 PROMPTS = {
-    "chat": (chat_prompt(CHAT_QUESTION), CHAT_QUESTION),
-    "code": ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        ",
-             "(raw completion of a Python class)"),
-    "repeat": (chat_prompt("Repeat the following text exactly:\n\n" + REPEAT_TEXT),
-               "Repeat the following text exactly: Once upon a time, ..."),
+  "chat": (chat_prompt(CHAT_QUESTION), CHAT_QUESTION),
+  "code": (
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        ",
+    "(raw completion of a Python class)",
+  ),
+  "repeat": (
+    chat_prompt("Repeat the following text exactly:\n\n" + REPEAT_TEXT),
+    "Repeat the following text exactly: Once upon a time, ...",
+  ),
 }
 RAW_PROMPTS = ("code",)  # shown as prompt + completion
 
@@ -109,12 +115,15 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
   """The demo's flags (checked by `parse_args`)."""
-  ap = _Parser(prog="speculative_decode.py", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = _Parser(prog="speculative_decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--prompt", action="append", help="a chat prompt of your own (repeatable); default: built-ins")
-  ap.add_argument("--drafter", action="append", choices=(*DRAFTERS, "all"),
-                  help=f"drafter to compare with plain decoding (repeatable; 'all' = every one; "
-                  f"default: {' and '.join(DEFAULT_DRAFTERS)})")
+  ap.add_argument(
+    "--drafter",
+    action="append",
+    choices=(*DRAFTERS, "all"),
+    help=f"drafter to compare with plain decoding (repeatable; 'all' = every one; "
+    f"default: {' and '.join(DEFAULT_DRAFTERS)})",
+  )
   ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="K, drafts per round (default 4)")
   ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
   ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
@@ -122,9 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
   ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-  ap.add_argument("--kernels", choices=("xla", "pallas"), default="xla",
-                  help="pallas: hand-written GPU kernels for the small calls of the target and the drafters "
-                       "(TransformerConfig.kernels; used on a GPU in bfloat16 only; default xla)")
+  ap.add_argument(
+    "--kernels",
+    choices=("xla", "pallas"),
+    default="xla",
+    help="pallas: hand-written GPU kernels for the small calls of the target and the drafters "
+    "(TransformerConfig.kernels; used on a GPU in bfloat16 only; default xla)",
+  )
   ap.add_argument("--seed", type=int, default=0)
   return ap
 
@@ -161,8 +174,10 @@ def check_context(ap: argparse.ArgumentParser, args, longest_prompt: int) -> Non
   """Exits (code 2) if the longest prompt and the new tokens overflow the context (the loops' own rule)."""
   total = longest_prompt + args.max_tokens
   if total > MAX_CONTEXT:
-    ap.error(f"the longest prompt ({longest_prompt} tokens) + --max-tokens ({args.max_tokens}) = "
-             f"{total} tokens exceeds SmolLM2's context of {MAX_CONTEXT}")
+    ap.error(
+      f"the longest prompt ({longest_prompt} tokens) + --max-tokens ({args.max_tokens}) = "
+      f"{total} tokens exceeds SmolLM2's context of {MAX_CONTEXT}"
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -173,6 +188,7 @@ def check_context(ap: argparse.ArgumentParser, args, longest_prompt: int) -> Non
 def load_eagle_head(dtype, kernels: str = "xla"):
   """The shipped EAGLE head for SmolLM2 (raises ImportError/AttributeError/FileNotFoundError if absent)."""
   from specdec_jax import models
+
   return models.load_smollm2_eagle(dtype, kernels=kernels)
 
 
@@ -255,8 +271,11 @@ def measure_costs(target, drafters, k: int, max_length: int, repeats: int = 7, c
   """
   step = model_call_program(target, 1, max_length, calls)
   verify = model_call_program(target, k + 1, max_length, calls)
-  draft_steps = {label: model_call_program(d, 1, max_length, calls)
-                 for label, d in drafters.items() if not isinstance(d, PromptLookupDrafter)}
+  draft_steps = {
+    label: model_call_program(d, 1, max_length, calls)
+    for label, d in drafters.items()
+    if not isinstance(d, PromptLookupDrafter)
+  }
   for fn in (step, verify, *draft_steps.values()):
     fn()  # compile
   start = time.perf_counter()
@@ -272,8 +291,10 @@ def describe_machine() -> str:
   """The accelerator JAX runs on and the CPU cores this process may use."""
   d = jax.devices()[0]
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return (f"JAX platform {d.platform} (device kind {d.device_kind!r}, {len(jax.devices())} device(s)), "
-          f"{cores} CPU cores, jax {jax.__version__}")
+  return (
+    f"JAX platform {d.platform} (device kind {d.device_kind!r}, {len(jax.devices())} device(s)), "
+    f"{cores} CPU cores, jax {jax.__version__}"
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -286,9 +307,11 @@ def make_methods(target, drafters, params, greedy, k, common):
   methods = {"plain generate": lambda x, n, key: generate(target, x, n, params, key, all_greedy=greedy, **common)}
   for label, drafter in drafters.items():
     methods[label] = functools.partial(
-        lambda x, n, key, drafter: speculative_generate(target, drafter, x, n, params, key,
-                                                        num_speculative_tokens=k, all_greedy=greedy, **common),
-        drafter=drafter)
+      lambda x, n, key, drafter: speculative_generate(
+        target, drafter, x, n, params, key, num_speculative_tokens=k, all_greedy=greedy, **common
+      ),
+      drafter=drafter,
+    )
   return methods
 
 
@@ -309,7 +332,7 @@ def run_all(methods, tokens, lengths, key, repeats, bar):
     for label, fn in methods.items():
       for r in range(b):
         start = time.perf_counter()
-        outs[label][r] = jax.block_until_ready(fn(tokens[r:r + 1], lengths[r:r + 1], jax.random.fold_in(key, r)))
+        outs[label][r] = jax.block_until_ready(fn(tokens[r : r + 1], lengths[r : r + 1], jax.random.fold_in(key, r)))
         seconds[label][r].append(time.perf_counter() - start)
         bar.update(1)
   return {label: list(zip(outs[label], seconds[label])) for label in methods}
@@ -332,9 +355,11 @@ def format_acceptance(stats) -> str:
   per_position = np.asarray(stats.acceptance_per_position, np.float64)
   reached = np.asarray(stats.reached_per_position)
   positions = " ".join("  - " if n == 0 else f"{a:4.2f}" for a, n in zip(per_position, reached))
-  return (f"mean accepted length {float(stats.mean_accepted_length):4.2f}  "
-          f"acceptance by draft position [{positions}]  "
-          f"usable drafts accepted {float(stats.usable_acceptance_rate):4.2f}")
+  return (
+    f"mean accepted length {float(stats.mean_accepted_length):4.2f}  "
+    f"acceptance by draft position [{positions}]  "
+    f"usable drafts accepted {float(stats.usable_acceptance_rate):4.2f}"
+  )
 
 
 def speed_verdict(plain_rates, drafter_rates) -> str:
@@ -355,13 +380,17 @@ def speed_verdict(plain_rates, drafter_rates) -> str:
   return f"within this machine's run-to-run noise ({span}: neither clearly faster nor slower)"
 
 
-VERDICT_RULE = ("verdict: from the repeats, a drafter's speed-up lies between its slowest run over plain decoding's "
-                "fastest and its fastest run over plain's slowest; 'faster' or 'slower' means that whole range is "
-                "above or below 1, 'within noise' that it includes 1.")
+VERDICT_RULE = (
+  "verdict: from the repeats, a drafter's speed-up lies between its slowest run over plain decoding's "
+  "fastest and its fastest run over plain's slowest; 'faster' or 'slower' means that whole range is "
+  "above or below 1, 'within noise' that it includes 1."
+)
 
-SAMPLED_NOTE = ("sampled (T > 0): the drafters' texts differ from plain decoding's by design. The programs draw "
-                "different random numbers; each output is a correct sample from the target's distribution "
-                "(speculative decoding is lossless in distribution, not token for token).")
+SAMPLED_NOTE = (
+  "sampled (T > 0): the drafters' texts differ from plain decoding's by design. The programs draw "
+  "different random numbers; each output is a correct sample from the target's distribution "
+  "(speculative decoding is lossless in distribution, not token for token)."
+)
 
 
 def format_rate(n, rs) -> str:
@@ -369,7 +398,7 @@ def format_rate(n, rs) -> str:
 
 
 def decoded_text(tokenizer, out, prompt_ids, raw: bool) -> str:
-  ids = [int(x) for x in out.tokens[0, :int(out.lengths[0])]]
+  ids = [int(x) for x in out.tokens[0, : int(out.lengths[0])]]
   if raw:  # a completion reads best after its prompt
     return tokenizer.decode([int(x) for x in prompt_ids] + ids).rstrip()
   return tokenizer.decode(ids).strip()
@@ -410,8 +439,10 @@ def explain(step_s, verify_cost, draft_cost, k, runs, names) -> list[str]:
   is not counted, which is why the measured figure comes out somewhat lower.
   """
   platform = jax.devices()[0].platform
-  lines = [f"one target step {step_s * 1e3:.1f} ms; one target call on K+1={k + 1} tokens costs {verify_cost:.2f} "
-           f"steps on this {platform} (1 = a step is bound by memory traffic or launches, {k + 1} = by arithmetic)"]
+  lines = [
+    f"one target step {step_s * 1e3:.1f} ms; one target call on K+1={k + 1} tokens costs {verify_cost:.2f} "
+    f"steps on this {platform} (1 = a step is bound by memory traffic or launches, {k + 1} = by arithmetic)"
+  ]
   for label, cost in draft_cost.items():
     lines.append(f"one {label} call costs {cost:.2f} target steps")
   lines.append("expected speed-up = mean accepted length / (verification + K drafter calls), in target steps:")
@@ -424,18 +455,24 @@ def explain(step_s, verify_cost, draft_cost, k, runs, names) -> list[str]:
       mal = float(per_prompt[r][0].stats.mean_accepted_length)
       plain = statistics.median(rates(runs["plain generate"], [r])[1])
       measured = statistics.median(rates(per_prompt, [r])[1]) / plain
-      lines.append(f"  {label:15s} {name:10s} {mal:4.2f} / {round_cost:4.2f} -> expected {mal / round_cost:4.2f}x, "
-                   f"measured {measured:4.2f}x")
+      lines.append(
+        f"  {label:15s} {name:10s} {mal:4.2f} / {round_cost:4.2f} -> expected {mal / round_cost:4.2f}x, "
+        f"measured {measured:4.2f}x"
+      )
   lines.append(VERDICT_RULE)
   for label, per_prompt in runs.items():
     if label == "plain generate":
       continue
-    verdicts = [f"{name}: {speed_verdict(rates(runs['plain generate'], [r])[1], rates(per_prompt, [r])[1])}"
-                for r, name in enumerate(names)]
+    verdicts = [
+      f"{name}: {speed_verdict(rates(runs['plain generate'], [r])[1], rates(per_prompt, [r])[1])}"
+      for r, name in enumerate(names)
+    ]
     lines.append(f"  {label}: " + "; ".join(verdicts))
-  lines.append("A drafter pays only where its mean accepted length clearly exceeds the cost of its round. "
-               "Verification costs up to K+1 steps where a step is bound by arithmetic, and close to 1 where it is "
-               "bound by memory traffic or kernel launches (about 1.0 on the H100 of bench/RESULTS.md at batch 1).")
+  lines.append(
+    "A drafter pays only where its mean accepted length clearly exceeds the cost of its round. "
+    "Verification costs up to K+1 steps where a step is bound by arithmetic, and close to 1 where it is "
+    "bound by memory traffic or kernel launches (about 1.0 on the H100 of bench/RESULTS.md at batch 1)."
+  )
   return lines
 
 
@@ -482,13 +519,15 @@ def main(argv=None):
   bar.close()
 
   how = "greedy" if greedy else f"sampled, T={args.temperature:g}, top-k={args.top_k}, top-p={args.top_p:g}"
-  print(f"\n=== {how}  (K={k}, up to {args.max_tokens} new tokens, one prompt at a time, "
-        f"median of {args.repeats} timed runs (min-max))")
+  print(
+    f"\n=== {how}  (K={k}, up to {args.max_tokens} new tokens, one prompt at a time, "
+    f"median of {args.repeats} timed runs (min-max))"
+  )
   if not greedy:
     print(textwrap.fill(SAMPLED_NOTE, 116, initial_indent="  ", subsequent_indent="  "))
   first_drafter = next(label for label in runs if label != "plain generate")
   for r, name in enumerate(names):
-    text = decoded_text(tokenizer, runs[first_drafter][r][0], tokens[r, :lengths[r]], raw[r])
+    text = decoded_text(tokenizer, runs[first_drafter][r][0], tokens[r, : lengths[r]], raw[r])
     print_block(runs, [r], greedy, f"{name}: {shown[r]}", text=(first_drafter, text))
   if b > 1:
     print_block(runs, list(range(b)), greedy, f"all {b} prompts")

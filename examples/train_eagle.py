@@ -98,27 +98,81 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_draft import CHAT_QUESTIONS, TEMPLATES, TOPICS  # noqa: E402  (the draft model's prompt lists)
 
 MORE_TEMPLATES = [
-    "Can you tell me about {t}?", "Write a list of five questions a student might ask about {t}.",
-    "What is a common misconception about {t}?", "Describe {t} in one paragraph for a newspaper.",
+  "Can you tell me about {t}?",
+  "Write a list of five questions a student might ask about {t}.",
+  "What is a common misconception about {t}?",
+  "Describe {t} in one paragraph for a newspaper.",
 ]
 
 
 # --more-prompts: more topics and requests (off for the shipped head, so its command reproduces it).
 EXTRA_TOPICS = [
-    "the Industrial Revolution", "photosynthesis in the ocean", "the history of the bicycle", "rain forests",
-    "the stock exchange", "volunteering", "first aid", "the solar system", "electricity at home", "bees and flowers",
-    "ancient Egypt", "the Olympic Games", "cloud computing", "password security", "composting", "chess openings",
-    "knitting", "the history of jazz", "deserts", "glaciers", "the human brain", "nutrition labels", "podcasts",
-    "public libraries", "city planning", "trains", "airplanes", "submarines", "the Silk Road", "vaccination history",
-    "the periodic table", "probability", "prime numbers", "linear regression", "spreadsheets", "touch typing",
-    "writing a resume", "negotiation", "saving money", "learning to swim", "yoga", "running shoes", "board games",
-    "origami", "photography", "film editing", "birdwatching", "coral reefs", "whales", "wolves", "mushrooms",
-    "volcanic islands", "the water supply", "recycling plastic", "wind turbines", "batteries", "3D printing",
-    "open source software", "the command line", "regular expressions",
+  "the Industrial Revolution",
+  "photosynthesis in the ocean",
+  "the history of the bicycle",
+  "rain forests",
+  "the stock exchange",
+  "volunteering",
+  "first aid",
+  "the solar system",
+  "electricity at home",
+  "bees and flowers",
+  "ancient Egypt",
+  "the Olympic Games",
+  "cloud computing",
+  "password security",
+  "composting",
+  "chess openings",
+  "knitting",
+  "the history of jazz",
+  "deserts",
+  "glaciers",
+  "the human brain",
+  "nutrition labels",
+  "podcasts",
+  "public libraries",
+  "city planning",
+  "trains",
+  "airplanes",
+  "submarines",
+  "the Silk Road",
+  "vaccination history",
+  "the periodic table",
+  "probability",
+  "prime numbers",
+  "linear regression",
+  "spreadsheets",
+  "touch typing",
+  "writing a resume",
+  "negotiation",
+  "saving money",
+  "learning to swim",
+  "yoga",
+  "running shoes",
+  "board games",
+  "origami",
+  "photography",
+  "film editing",
+  "birdwatching",
+  "coral reefs",
+  "whales",
+  "wolves",
+  "mushrooms",
+  "volcanic islands",
+  "the water supply",
+  "recycling plastic",
+  "wind turbines",
+  "batteries",
+  "3D printing",
+  "open source software",
+  "the command line",
+  "regular expressions",
 ]
 EXTRA_TEMPLATES = [
-    "Write step-by-step instructions related to {t}.", "Explain {t} using an analogy.",
-    "What would a beginner need to know about {t}?", "Write a short dialogue between two friends about {t}.",
+  "Write step-by-step instructions related to {t}.",
+  "Explain {t} using an analogy.",
+  "What would a beginner need to know about {t}?",
+  "Write a short dialogue between two friends about {t}.",
 ]
 
 
@@ -134,15 +188,18 @@ def code_prompts(max_files: int, per_file: int, rng) -> list[str]:
       lines = f.read().splitlines()
     defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
     for i in rng.permutation(defs)[:per_file]:
-      prompts.append("\n".join(lines[max(0, i - 8):i + 1]) + "\n")
+      prompts.append("\n".join(lines[max(0, i - 8) : i + 1]) + "\n")
   return prompts
 
 
 def repeat_prompts(max_files: int, rng) -> list[str]:
   """Chat requests to repeat or lightly rewrite a paragraph (a module docstring of the stdlib)."""
   files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-  asks = ["Repeat the following text exactly:", "Rewrite the following text in plain English:",
-          "Copy this paragraph, then summarise it in one sentence:"]
+  asks = [
+    "Repeat the following text exactly:",
+    "Rewrite the following text in plain English:",
+    "Copy this paragraph, then summarise it in one sentence:",
+  ]
   prompts = []
   for n, path in enumerate(files[:max_files]):
     try:
@@ -156,10 +213,10 @@ def repeat_prompts(max_files: int, rng) -> list[str]:
 
 
 CODE_QUESTION_TEMPLATES = [
-    "Write a Python function `{name}` that does this: {summary}",
-    "In Python's `{module}` module, what does `{name}` do? Give an example.",
-    "Explain this line from Python's documentation in simple words: \"{summary}\"",
-    "How can I use `{module}.{name}` in my own code?",
+  "Write a Python function `{name}` that does this: {summary}",
+  "In Python's `{module}` module, what does `{name}` do? Give an example.",
+  'Explain this line from Python\'s documentation in simple words: "{summary}"',
+  "How can I use `{module}.{name}` in my own code?",
 ]
 # Held-out benchmark prompts must not be trained on: bench/smollm2.py asks how to read a CSV file.
 CODE_QUESTION_SKIP = ("csv.py",)
@@ -196,8 +253,9 @@ def code_questions(max_files: int, per_file: int, rng) -> list[str]:
   return prompts
 
 
-SELF_QUESTION_ASK = ("Write one question that a curious person might ask an AI assistant about {t}. "
-                     "Reply with the question only.")
+SELF_QUESTION_ASK = (
+  "Write one question that a curious person might ask an AI assistant about {t}. Reply with the question only."
+)
 
 
 def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> list[str]:
@@ -210,11 +268,18 @@ def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> l
   ids = [tokenizer.encode(a).ids for a in asks]
   questions = []
   for start in tqdm(range(0, len(asks), batch_size), desc="self-written questions"):
-    chunk = ids[start:start + batch_size]
-    gen, n = generate_padded(target, chunk, [0.8] * len(chunk), width=max(map(len, ids)), batch_size=batch_size,
-                             key=jax.random.key(seed + 7919 + start), max_new_tokens=48)
+    chunk = ids[start : start + batch_size]
+    gen, n = generate_padded(
+      target,
+      chunk,
+      [0.8] * len(chunk),
+      width=max(map(len, ids)),
+      batch_size=batch_size,
+      key=jax.random.key(seed + 7919 + start),
+      max_new_tokens=48,
+    )
     for r in range(len(chunk)):
-      text = tokenizer.decode(gen[r, :n[r]].tolist()).strip().split("\n")[0].strip().strip('"')
+      text = tokenizer.decode(gen[r, : n[r]].tolist()).strip().split("\n")[0].strip().strip('"')
       if 15 <= len(text) <= 200 and text.endswith("?"):
         questions.append(text)
   with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "held_out_prompts.json")) as f:
@@ -223,8 +288,15 @@ def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> l
   return [smollm2.chat_prompt(q) for q in unique]
 
 
-def all_prompts(quick: bool, seed: int, more: bool = False, code_questions_per_file: int = 0,
-                extra: list[str] | None = None, code_files: int = 60, code_per_file: int = 3) -> list[str]:
+def all_prompts(
+  quick: bool,
+  seed: int,
+  more: bool = False,
+  code_questions_per_file: int = 0,
+  extra: list[str] | None = None,
+  code_files: int = 60,
+  code_per_file: int = 3,
+) -> list[str]:
   rng = np.random.default_rng(seed)
   chats = [smollm2.chat_prompt(q) for q in CHAT_QUESTIONS]
   chats += [smollm2.chat_prompt(tpl.format(t=t)) for t in TOPICS for tpl in TEMPLATES + MORE_TEMPLATES]
@@ -247,10 +319,16 @@ def generate_padded(target, id_rows, temperatures, *, width, batch_size, key, ma
   id_rows, temperatures = list(id_rows) + [id_rows[-1]] * pad, list(temperatures) + [temperatures[-1]] * pad
   x = np.zeros((batch_size, width), np.int32)
   for r, row in enumerate(id_rows):
-    x[r, :len(row)] = row
-  out = generate(target, jnp.asarray(x), jnp.asarray([len(r) for r in id_rows], jnp.int32),
-                 SamplingParams.create(temperatures), key, max_new_tokens=max_new_tokens,
-                 eos_token_id=smollm2.SMOLLM2_EOS_IDS)
+    x[r, : len(row)] = row
+  out = generate(
+    target,
+    jnp.asarray(x),
+    jnp.asarray([len(r) for r in id_rows], jnp.int32),
+    SamplingParams.create(temperatures),
+    key,
+    max_new_tokens=max_new_tokens,
+    eos_token_id=smollm2.SMOLLM2_EOS_IDS,
+  )
   real = batch_size - pad
   return np.asarray(out.tokens)[:real], np.asarray(out.lengths)[:real]
 
@@ -263,13 +341,20 @@ def generate_data(target, tokenizer, prompts, *, samples, gen_tokens, prompt_len
   tokens = np.zeros((len(jobs), seq), np.int32)
   p_lens, lens, prompt_of = np.zeros(len(jobs), np.int32), np.zeros(len(jobs), np.int32), np.zeros(len(jobs), int)
   for start in tqdm(range(0, len(jobs), batch_size), desc="target continuations"):
-    batch = jobs[start:start + batch_size]
-    gen, n = generate_padded(target, [ids[i] for i, _ in batch], [t for _, t in batch], width=prompt_len,
-                             batch_size=batch_size, key=jax.random.key(seed + start), max_new_tokens=gen_tokens)
+    batch = jobs[start : start + batch_size]
+    gen, n = generate_padded(
+      target,
+      [ids[i] for i, _ in batch],
+      [t for _, t in batch],
+      width=prompt_len,
+      batch_size=batch_size,
+      key=jax.random.key(seed + start),
+      max_new_tokens=gen_tokens,
+    )
     for r, (i, _) in enumerate(batch):
       row, pl = start + r, len(ids[i])
       tokens[row, :pl] = ids[i]
-      tokens[row, pl:pl + n[r]] = gen[r, :n[r]]
+      tokens[row, pl : pl + n[r]] = gen[r, : n[r]]
       p_lens[row], lens[row], prompt_of[row] = pl, pl + n[r], i
   return tokens, p_lens, lens, prompt_of
 
@@ -280,15 +365,21 @@ def draft_vocabulary(tokens, p_lens, lens, size, must_have) -> np.ndarray:
   for row, pl, n in zip(tokens, p_lens, lens):
     np.add.at(counts, row[pl:n], 1)
   order = [int(t) for t in np.argsort(-counts, kind="stable") if t not in must_have]
-  return np.sort(np.asarray(list(must_have) + order[:size - len(must_have)], np.int32))
+  return np.sort(np.asarray(list(must_have) + order[: size - len(must_have)], np.int32))
 
 
 def save_state(path, drafter, optimizer, rng, step, history) -> None:
   """Everything a run needs to continue exactly: weights, optimiser, next step, the data order's RNG, history."""
-  arrays = {"drafter": nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),
-            "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
-  state = {**jax.tree.map(np.asarray, arrays), "step": step, "rng": json.dumps(rng.bit_generator.state),
-           "history": json.dumps(history)}
+  arrays = {
+    "drafter": nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),
+    "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
+  }
+  state = {
+    **jax.tree.map(np.asarray, arrays),
+    "step": step,
+    "rng": json.dumps(rng.bit_generator.state),
+    "history": json.dumps(history),
+  }
   with open(path, "wb") as f:
     f.write(serialization.msgpack_serialize(state))
 
@@ -311,53 +402,99 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default="specdec_jax/weights/smollm2_eagle.safetensors")
   ap.add_argument("--steps", type=int, default=5000, help="length of the learning-rate schedule")
-  ap.add_argument("--stop-at-step", type=int, default=0,
-                  help="stop after this many steps (the schedule still spans --steps; 0 = run them all)")
+  ap.add_argument(
+    "--stop-at-step",
+    type=int,
+    default=0,
+    help="stop after this many steps (the schedule still spans --steps; 0 = run them all)",
+  )
   ap.add_argument("--batch-size", type=int, default=32, help="sequences per step")
   ap.add_argument("--depth", type=int, default=6, help="unrolled steps (training-time test), >= the K shipped for")
   ap.add_argument("--lr", type=float, default=1e-3)
-  ap.add_argument("--b1", type=float, default=0.9,
-                  help="AdamW's first-moment decay (default 0.9). The shipped heads were trained with 0: the "
-                       "script passed 0.0 as optax.adamw's second positional argument, meaning weight decay")
-  ap.add_argument("--weight-decay", type=float, default=0.0,
-                  help="AdamW's weight decay (default 0; the shipped heads had optax's default, 1e-4)")
+  ap.add_argument(
+    "--b1",
+    type=float,
+    default=0.9,
+    help="AdamW's first-moment decay (default 0.9). The shipped heads were trained with 0: the "
+    "script passed 0.0 as optax.adamw's second positional argument, meaning weight decay",
+  )
+  ap.add_argument(
+    "--weight-decay",
+    type=float,
+    default=0.0,
+    help="AdamW's weight decay (default 0; the shipped heads had optax's default, 1e-4)",
+  )
   ap.add_argument("--num-layers", type=int, default=2, help="decoder blocks of the head")
   ap.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head scores (0 = all 49152)")
-  ap.add_argument("--samples", default="0,1,1,1,1,0.7,0.7",
-                  help="temperatures of the continuations generated per prompt (0 = greedy)")
+  ap.add_argument(
+    "--samples", default="0,1,1,1,1,0.7,0.7", help="temperatures of the continuations generated per prompt (0 = greedy)"
+  )
   ap.add_argument("--gen-tokens", type=int, default=256)
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--gen-batch", type=int, default=256)
   ap.add_argument("--checkpoint-every", type=int, default=1000, help="save OUT_checkpoint every N steps (0 = never)")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--time-limit-s", type=float, default=0.0,
-                  help="stop training after this many seconds of training steps (0 = no limit; the steps done "
-                       "are recorded)")
-  ap.add_argument("--wall-limit-s", type=float, default=0.0,
-                  help="stop training once this many seconds have passed since the start, data generation "
-                       "included (0 = no limit), to end inside a lent machine's command limit")
-  ap.add_argument("--data-cache", default="",
-                  help="an .npz of the generated data: loaded if it exists, else written after generating")
-  ap.add_argument("--state", default="",
-                  help="a training-state file (weights, optimiser, step, data order): resumed from if it exists, "
-                       "written when the run stops, so a long schedule can span several runs")
-  ap.add_argument("--more-prompts", action="store_true",
-                  help="about 2.2x the chat prompts (extra topics and requests); off for the shipped head")
-  ap.add_argument("--code-files", type=int, default=60,
-                  help="top-level stdlib modules whose function heads become raw code-completion prompts")
+  ap.add_argument(
+    "--time-limit-s",
+    type=float,
+    default=0.0,
+    help="stop training after this many seconds of training steps (0 = no limit; the steps done are recorded)",
+  )
+  ap.add_argument(
+    "--wall-limit-s",
+    type=float,
+    default=0.0,
+    help="stop training once this many seconds have passed since the start, data generation "
+    "included (0 = no limit), to end inside a lent machine's command limit",
+  )
+  ap.add_argument(
+    "--data-cache", default="", help="an .npz of the generated data: loaded if it exists, else written after generating"
+  )
+  ap.add_argument(
+    "--state",
+    default="",
+    help="a training-state file (weights, optimiser, step, data order): resumed from if it exists, "
+    "written when the run stops, so a long schedule can span several runs",
+  )
+  ap.add_argument(
+    "--more-prompts",
+    action="store_true",
+    help="about 2.2x the chat prompts (extra topics and requests); off for the shipped head",
+  )
+  ap.add_argument(
+    "--code-files",
+    type=int,
+    default=60,
+    help="top-level stdlib modules whose function heads become raw code-completion prompts",
+  )
   ap.add_argument("--code-per-file", type=int, default=3, help="code-completion prompts per such module")
-  ap.add_argument("--code-questions", type=int, default=0,
-                  help="chat questions per top-level stdlib module about its documented functions (0 = none, "
-                       "as for the shipped head)")
-  ap.add_argument("--self-questions", type=int, default=0,
-                  help="questions the target writes itself per topic (T=0.8), added as chat prompts (0 = none)")
-  ap.add_argument("--init", default="",
-                  help="start from this head (.safetensors from this script, e.g. the shipped one) instead of random "
-                       "weights, with a fresh schedule: continued training. Its blocks and draft vocabulary are "
-                       "kept (--num-layers and --draft-vocab are then ignored)")
-  ap.add_argument("--top1-weight", type=float, default=0.0,
-                  help="add this weight times the cross-entropy of the target's argmax (where the draft "
-                       "vocabulary has it) to each depth's loss: greedy rows accept only the argmax (default 0)")
+  ap.add_argument(
+    "--code-questions",
+    type=int,
+    default=0,
+    help="chat questions per top-level stdlib module about its documented functions (0 = none, "
+    "as for the shipped head)",
+  )
+  ap.add_argument(
+    "--self-questions",
+    type=int,
+    default=0,
+    help="questions the target writes itself per topic (T=0.8), added as chat prompts (0 = none)",
+  )
+  ap.add_argument(
+    "--init",
+    default="",
+    help="start from this head (.safetensors from this script, e.g. the shipped one) instead of random "
+    "weights, with a fresh schedule: continued training. Its blocks and draft vocabulary are "
+    "kept (--num-layers and --draft-vocab are then ignored)",
+  )
+  ap.add_argument(
+    "--top1-weight",
+    type=float,
+    default=0.0,
+    help="add this weight times the cross-entropy of the target's argmax (where the draft "
+    "vocabulary has it) to each depth's loss: greedy rows accept only the argmax (default 0)",
+  )
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
   for name in ("code_files", "code_per_file", "code_questions", "self_questions"):
@@ -396,25 +533,47 @@ def main(argv=None):
     extra = []
     if args.self_questions:
       topics = TOPICS + EXTRA_TOPICS if args.more_prompts else TOPICS
-      extra = self_questions(target, tokenizer, topics[:4] if args.quick else topics, samples=args.self_questions,
-                             seed=args.seed, batch_size=args.gen_batch)
-      print(f"self-written questions: {len(extra)} kept, e.g. " +
-            " | ".join(q.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for q in extra[:4]))
-    prompts = all_prompts(args.quick, args.seed, more=args.more_prompts,
-                          code_questions_per_file=args.code_questions, extra=extra, code_files=args.code_files,
-                          code_per_file=args.code_per_file)
+      extra = self_questions(
+        target,
+        tokenizer,
+        topics[:4] if args.quick else topics,
+        samples=args.self_questions,
+        seed=args.seed,
+        batch_size=args.gen_batch,
+      )
+      print(
+        f"self-written questions: {len(extra)} kept, e.g. "
+        + " | ".join(q.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for q in extra[:4])
+      )
+    prompts = all_prompts(
+      args.quick,
+      args.seed,
+      more=args.more_prompts,
+      code_questions_per_file=args.code_questions,
+      extra=extra,
+      code_files=args.code_files,
+      code_per_file=args.code_per_file,
+    )
     num_prompts = len(prompts)
     tokens, p_lens, lens, prompt_of = generate_data(
-        target, tokenizer, prompts, samples=samples, gen_tokens=args.gen_tokens, prompt_len=args.prompt_len,
-        batch_size=args.gen_batch, seed=args.seed)
+      target,
+      tokenizer,
+      prompts,
+      samples=samples,
+      gen_tokens=args.gen_tokens,
+      prompt_len=args.prompt_len,
+      batch_size=args.gen_batch,
+      seed=args.seed,
+    )
     if args.data_cache:
-      np.savez(args.data_cache, tokens=tokens, p_lens=p_lens, lens=lens, prompt_of=prompt_of,
-               num_prompts=num_prompts)
+      np.savez(args.data_cache, tokens=tokens, p_lens=p_lens, lens=lens, prompt_of=prompt_of, num_prompts=num_prompts)
   held = (prompt_of % 20 == 0) if not args.quick else (np.arange(len(tokens)) % 2 == 0)
   train = ~held
   gen_count = int(np.sum(lens - p_lens))
-  print(f"data: {num_prompts} prompts, {len(tokens)} continuations, {gen_count} generated tokens "
-        f"({time.time() - t_start:.0f}s so far)")
+  print(
+    f"data: {num_prompts} prompts, {len(tokens)} continuations, {gen_count} generated tokens "
+    f"({time.time() - t_start:.0f}s so far)"
+  )
 
   vocab = None
   coverage = 1.0
@@ -426,8 +585,7 @@ def main(argv=None):
     vocab = np.asarray(init.draft_vocab[...]) if args.draft_vocab else None
     print(f"init: {args.init} ({args.num_layers} blocks, draft vocabulary {args.draft_vocab or 'all'})")
   if args.draft_vocab and vocab is None:
-    vocab = draft_vocabulary(tokens[train], p_lens[train], lens[train], args.draft_vocab,
-                             smollm2.SMOLLM2_EOS_IDS)
+    vocab = draft_vocabulary(tokens[train], p_lens[train], lens[train], args.draft_vocab, smollm2.SMOLLM2_EOS_IDS)
   if vocab is not None:
     in_vocab = np.zeros(49152, bool)
     in_vocab[vocab] = True
@@ -437,15 +595,18 @@ def main(argv=None):
 
   # The head trains in float32 on float32 copies of SmolLM2's embedding and head.
   f32_target, _ = smollm2.load_smollm2(jnp.float32) if on_gpu else (target, None)
-  drafter = init if init is not None else EagleDrafter.for_target(
-      f32_target, num_layers=args.num_layers, draft_vocab=vocab, rngs=nnx.Rngs(args.seed))
+  drafter = (
+    init
+    if init is not None
+    else EagleDrafter.for_target(f32_target, num_layers=args.num_layers, draft_vocab=vocab, rngs=nnx.Rngs(args.seed))
+  )
   del f32_target, init
   depth = args.depth
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(200, args.steps // 10 + 1), args.steps,
-                                                args.lr * 0.05)
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, args.lr, min(200, args.steps // 10 + 1), args.steps, args.lr * 0.05
+  )
   adamw = optax.adamw(schedule, b1=args.b1, weight_decay=args.weight_decay)
-  optimizer = nnx.Optimizer(drafter, optax.chain(optax.clip_by_global_norm(1.0), adamw),
-                            wrt=nnx.Param)
+  optimizer = nnx.Optimizer(drafter, optax.chain(optax.clip_by_global_norm(1.0), adamw), wrt=nnx.Param)
   t_graph, t_state = nnx.split(target)
   vocab_ids = jnp.asarray(vocab if vocab is not None else np.arange(49152), jnp.int32)
   # Where each token sits in the draft vocabulary (-1: outside it), for the --top1-weight term.
@@ -505,19 +666,23 @@ def main(argv=None):
     sums = np.zeros((depth, 3))
     batches = 0
     for s in range(0, len(rows) - args.batch_size + 1, args.batch_size):
-      r = rows[s:s + args.batch_size]
+      r = rows[s : s + args.batch_size]
       res = eval_step(drafter, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]))
       sums += np.asarray([[float(v) for v in d] for d in res])
       batches += 1
     m = sums / max(batches, 1)
-    return {"ce": m[:, 0].round(4).tolist(), "top1": m[:, 1].round(4).tolist(),
-            "one_minus_tv": m[:, 2].round(4).tolist()}
+    return {
+      "ce": m[:, 0].round(4).tolist(),
+      "top1": m[:, 1].round(4).tolist(),
+      "one_minus_tv": m[:, 2].round(4).tolist(),
+    }
 
   def print_report(report, title):
     print(title)
     for j in range(depth):
-      print(f"  depth {j}: top1 {report['top1'][j]:.3f}  1-TV {report['one_minus_tv'][j]:.3f}  "
-            f"CE {report['ce'][j]:.3f}")
+      print(
+        f"  depth {j}: top1 {report['top1'][j]:.3f}  1-TV {report['one_minus_tv'][j]:.3f}  CE {report['ce'][j]:.3f}"
+      )
 
   init_report = None
   if args.init and not (args.state and os.path.isfile(args.state)):
@@ -536,8 +701,9 @@ def main(argv=None):
   step = first - 1
   for step in bar:
     r = rng.choice(train_rows, args.batch_size, replace=len(train_rows) < args.batch_size)
-    loss, per_depth = train_step(drafter, optimizer, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]),
-                                 jnp.asarray(lens[r]))
+    loss, per_depth = train_step(
+      drafter, optimizer, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r])
+    )
     if step % 50 == 0 or step == args.steps - 1:
       top1 = [round(float(d[1]), 3) for d in per_depth]
       history.append({"step": step, "loss": round(float(loss), 4), "top1": top1})
@@ -551,23 +717,38 @@ def main(argv=None):
       print(f"wall-clock limit: stopping after {step + 1} of {args.steps} steps")
       break
     if args.checkpoint_every and step and step % args.checkpoint_every == 0:
-      smollm2.save_eagle(drafter, os.path.splitext(args.out)[0] + "_checkpoint.safetensors",
-                         metadata={"step": step})
+      smollm2.save_eagle(drafter, os.path.splitext(args.out)[0] + "_checkpoint.safetensors", metadata={"step": step})
   train_seconds = time.time() - t_train
   if args.state:
     save_state(args.state, drafter, optimizer, rng, step + 1, history)
   report = held_out_report()
   print_report(report, "held-out teacher-forced agreement by depth:")
   meta = {
-      "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
-      "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-      "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
-      "steps": args.steps, "steps_done": step + 1, "batch_size": args.batch_size, "depth": depth, "lr": args.lr,
-      "b1": args.b1, "weight_decay": args.weight_decay, "top1_weight": args.top1_weight, "init": args.init or None,
-      "prompts": num_prompts, "continuations": int(len(tokens)), "generated_tokens": gen_count,
-      "samples": samples, "gen_tokens": args.gen_tokens, "draft_vocab_coverage": round(coverage, 4),
-      "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
-      "held_out": report, "init_held_out": init_report, "history": history,
+    "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+    "device": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "date": time.strftime("%Y-%m-%d"),
+    "seed": args.seed,
+    "steps": args.steps,
+    "steps_done": step + 1,
+    "batch_size": args.batch_size,
+    "depth": depth,
+    "lr": args.lr,
+    "b1": args.b1,
+    "weight_decay": args.weight_decay,
+    "top1_weight": args.top1_weight,
+    "init": args.init or None,
+    "prompts": num_prompts,
+    "continuations": int(len(tokens)),
+    "generated_tokens": gen_count,
+    "samples": samples,
+    "gen_tokens": args.gen_tokens,
+    "draft_vocab_coverage": round(coverage, 4),
+    "train_seconds": round(train_seconds, 1),
+    "total_seconds": round(time.time() - t_start, 1),
+    "held_out": report,
+    "init_held_out": init_report,
+    "history": history,
   }
   smollm2.save_eagle(drafter, args.out, metadata=meta)
   print(f"saved {args.out} in {time.time() - t_start:.0f}s (training {train_seconds:.0f}s)")

@@ -117,8 +117,10 @@ def make_mesh(data: int = 1, model: int = 1, *, devices=None) -> jax.sharding.Me
       raise ValueError(f"make_mesh: {name} must be a positive int, got {value!r}.")
   devices = list(jax.devices() if devices is None else devices)
   if len(devices) < data * model:
-    raise ValueError(f"make_mesh: data={data} x model={model} needs {data * model} devices, found {len(devices)} "
-                     f"(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices; set it before "
-                     f"JAX starts).")
-  grid = np.asarray(devices[:data * model], dtype=object).reshape(data, model)
+    raise ValueError(
+      f"make_mesh: data={data} x model={model} needs {data * model} devices, found {len(devices)} "
+      f"(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices; set it before "
+      f"JAX starts)."
+    )
+  grid = np.asarray(devices[: data * model], dtype=object).reshape(data, model)
   return jax.sharding.Mesh(grid, AXIS_NAMES, axis_types=(AxisType.Auto, AxisType.Auto))

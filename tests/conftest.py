@@ -14,8 +14,11 @@ import os
 # older elemental emitters instead of its fusion emitters about 20% more (tests/models/test_eagle.py: 88 -> 69 s),
 # all with the same float semantics (no fast-math either way, so no reassociated sums).
 # Read when JAX starts its backend, which no import below does; the subprocess tests inherit it.
-for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-              "--xla_cpu_use_fusion_emitters=false"):
+for _flag in (
+  "--xla_backend_optimization_level=0",
+  "--xla_llvm_disable_expensive_passes=true",
+  "--xla_cpu_use_fusion_emitters=false",
+):
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
@@ -30,6 +33,7 @@ jax.config.update("jax_enable_x64", False)
 def tree_models():
   """(target, draft model, untrained EAGLE drafter, distilled EAGLE drafter): tests/support/tiny_transformers.py."""
   from tests.support.tiny_transformers import build_models
+
   return build_models()
 
 
@@ -37,6 +41,7 @@ def tree_models():
 def eight_device_results(request):
   """{worker: {check: result}}: the fast part of each 8-device worker the collected tests need, in ONE subprocess."""
   from tests.support.eight_devices import run_workers, workers_needed
+
   return run_workers({w: "fast" for w in workers_needed(request.session, "eight_device_results")})
 
 
@@ -44,6 +49,7 @@ def eight_device_results(request):
 def eight_device_more_results(request):
   """As `eight_device_results`, for the slow-marked parts ("more" loops, "more-meshes")."""
   from tests.support.eight_devices import run_workers, workers_needed
+
   parts = {"models": "more", "samplers": "more-meshes"}
   return run_workers({w: parts[w] for w in workers_needed(request.session, "eight_device_more_results")})
 

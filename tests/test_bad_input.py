@@ -42,11 +42,14 @@ def _rs_np(**kwargs):
 def _eager_kwargs(seed=0):
   """Valid eager rejection_sample arguments of the shapes and kinds test_rejection uses (one compile)."""
   rng = np.random.default_rng(seed)
-  return dict(draft_token_ids=np.zeros((4, K), np.int32),
-              target_logits=rng.normal(size=(4, K + 1, V)).astype(np.float32),
-              params=SamplingParams.create(np.ones(4, np.float32)), key=_keys(0, 4),
-              draft_probs=rng.dirichlet(np.ones(V), (4, K)).astype(np.float32),
-              num_draft_tokens=np.full(4, K, np.int32))
+  return dict(
+    draft_token_ids=np.zeros((4, K), np.int32),
+    target_logits=rng.normal(size=(4, K + 1, V)).astype(np.float32),
+    params=SamplingParams.create(np.ones(4, np.float32)),
+    key=_keys(0, 4),
+    draft_probs=rng.dirichlet(np.ones(V), (4, K)).astype(np.float32),
+    num_draft_tokens=np.full(4, K, np.int32),
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -54,7 +57,9 @@ def _eager_kwargs(seed=0):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, name", [
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
     pytest.param(dict(temperature=np.nan), "temperature", id="temperature_nan"),
     pytest.param(dict(temperature=np.inf), "temperature", id="temperature_inf"),
     pytest.param(dict(temperature=1e39), "temperature", id="temperature_overflows_float32"),
@@ -74,7 +79,8 @@ def _eager_kwargs(seed=0):
     pytest.param(dict(temperature=1.0, top_p=np.nan), "top_p", id="top_p_nan"),
     pytest.param(dict(temperature=1.0, top_p=0.5 + 0j), "top_p", id="top_p_complex"),
     pytest.param(dict(temperature=1.0, top_p=[[0.5], [0.5, 0.9]]), "top_p", id="top_p_ragged"),
-])
+  ],
+)
 def test_create_rejects_bad_values_naming_the_argument(kwargs, name):
   with pytest.raises(ValueError, match=rf"{name} must"):
     SamplingParams.create(**kwargs)
@@ -107,9 +113,9 @@ def test_create_under_jit_checks_dtypes():
 
 
 _DIRECT = [
-    ("top_k", dict(temperature=jnp.ones(2), top_k=jnp.full(2, 3.0), top_p=jnp.ones(2))),
-    ("temperature", dict(temperature=jnp.ones(2, jnp.int32), top_k=jnp.zeros(2, jnp.int32), top_p=jnp.ones(2))),
-    ("top_p", dict(temperature=jnp.ones(2), top_k=jnp.zeros(2, jnp.int32), top_p=jnp.ones(2, jnp.int32))),
+  ("top_k", dict(temperature=jnp.ones(2), top_k=jnp.full(2, 3.0), top_p=jnp.ones(2))),
+  ("temperature", dict(temperature=jnp.ones(2, jnp.int32), top_k=jnp.zeros(2, jnp.int32), top_p=jnp.ones(2))),
+  ("top_p", dict(temperature=jnp.ones(2), top_k=jnp.zeros(2, jnp.int32), top_p=jnp.ones(2, jnp.int32))),
 ]
 
 
@@ -130,10 +136,13 @@ def test_directly_built_params_with_wrong_dtypes_are_rejected_at_trace_time(name
 
 # Finite logits near the float32 limit: gaps of >= 1e37 make the argmax's probability 1
 # at any temperature <= 0.5, but x / T overflows to +-inf. Token 6 is masked.
-_HUGE = np.array([
+_HUGE = np.array(
+  [
     [3.0e38, 3.2e38, -3e38, 1.0, 0.0, 3.1e38, -np.inf, 2.0],  # argmax 1
     [-3.0e38, -2.9e38, -3.3e38, -3.1e38, -3.2e38, -3.0e38, -np.inf, -3.0e38],  # all negative: argmax 1
-], np.float32)
+  ],
+  np.float32,
+)
 
 
 @pytest.mark.parametrize("temperature", [2e-5, 0.1, 0.5])
@@ -177,15 +186,13 @@ def test_huge_logits_small_temperature_rejection_sample(temperature):
     params = SamplingParams.create(np.full(b, temperature, np.float32), top_k=top_k)
     # Drafts equal to the argmax, drawn with probability 1: always accepted, bonus = argmax.
     for probs in (one_hot(best[:, :K]), None):
-      out = _rs_np(draft_token_ids=best[:, :K], target_logits=logits, params=params, key=_keys(2, b),
-                   draft_probs=probs)
+      out = _rs_np(draft_token_ids=best[:, :K], target_logits=logits, params=params, key=_keys(2, b), draft_probs=probs)
       np.testing.assert_array_equal(out.num_accepted, K)
       np.testing.assert_array_equal(out.token_ids, best)
     # Drafts of the masked token with probability 1: rejected, recovered = argmax.
     masked_ids = np.argmax(masked[:, :K], -1).astype(np.int32)
     for probs in (one_hot(masked_ids), None):
-      out = _rs_np(draft_token_ids=masked_ids, target_logits=logits, params=params, key=_keys(3, b),
-                   draft_probs=probs)
+      out = _rs_np(draft_token_ids=masked_ids, target_logits=logits, params=params, key=_keys(3, b), draft_probs=probs)
       np.testing.assert_array_equal(out.num_accepted, 0)
       np.testing.assert_array_equal(out.token_ids[:, 0], best[:, 0])
 
@@ -200,12 +207,12 @@ def test_overflowing_row_leaves_its_neighbours_bit_for_bit():
   for top_k in ([0] * B, [0, 0, 3, 0, 2, 0, 0, 0]):  # unfiltered (chunk draws) and filtered batches
     params = SamplingParams.create([0.7, 0.1, 1.0, 0.1, 0.5, 0.0, 1.0, 2.0], top_k=top_k)
     for probs in (q, None):
-      alone = _rs_np(draft_token_ids=draft, target_logits=ordinary, params=params, key=_keys(4, B),
-                     draft_probs=probs)
+      alone = _rs_np(draft_token_ids=draft, target_logits=ordinary, params=params, key=_keys(4, B), draft_probs=probs)
       mixed_logits = ordinary.copy()
       mixed_logits[1] = huge[1]
-      mixed = _rs_np(draft_token_ids=draft, target_logits=mixed_logits, params=params, key=_keys(4, B),
-                     draft_probs=probs)
+      mixed = _rs_np(
+        draft_token_ids=draft, target_logits=mixed_logits, params=params, key=_keys(4, B), draft_probs=probs
+      )
       np.testing.assert_array_equal(mixed.token_ids[others], alone.token_ids[others])
     logp_alone = np.asarray(_pl(jnp.asarray(ordinary[:, 0]), params))
     logp_mixed = np.asarray(_pl(jnp.asarray(mixed_logits[:, 0]), params))
@@ -220,8 +227,9 @@ _PLUS_INF = np.array([0.0, np.inf, 1.0, -np.inf, np.inf, 2.0, -np.inf, 3.0], np.
 
 
 def test_plus_inf_logits_share_the_mass_in_process_logits():
-  params = SamplingParams.create([1.0, 0.5, 1.0, 2e-5] * 2, top_k=[0, 1, 3, 0, 2, 0, 0, 7],
-                                 top_p=[1.0, 1.0, 0.5, 0.9] * 2)
+  params = SamplingParams.create(
+    [1.0, 0.5, 1.0, 2e-5] * 2, top_k=[0, 1, 3, 0, 2, 0, 0, 7], top_p=[1.0, 1.0, 0.5, 0.9] * 2
+  )
   logp = np.asarray(_pl(jnp.asarray(np.tile(_PLUS_INF, (B, 1))), params))
   expected = np.where(np.isin(np.arange(V), [1, 4]), np.log(0.5), -np.inf).astype(np.float32)
   np.testing.assert_allclose(logp, np.tile(expected, (B, 1)), rtol=1e-6)
@@ -230,8 +238,9 @@ def test_plus_inf_logits_share_the_mass_in_process_logits():
 def test_plus_inf_logits_sample_tokens_never_emit_others():
   b = B
   logits = jnp.asarray(np.tile(_PLUS_INF, (b, 1)))
-  params = SamplingParams.create(np.where(np.arange(b) % 4 == 0, 0.0, 0.8), top_k=np.arange(b) % 3,
-                                 top_p=np.where(np.arange(b) % 5 == 0, 0.7, 1.0))
+  params = SamplingParams.create(
+    np.where(np.arange(b) % 4 == 0, 0.0, 0.8), top_k=np.arange(b) % 3, top_p=np.where(np.arange(b) % 5 == 0, 0.7, 1.0)
+  )
   greedy = np.arange(b) % 4 == 0
   seen = set()
   for seed in range(8):
@@ -301,8 +310,13 @@ def test_under_jit_nan_draft_probability_of_the_draft_counts_as_zero():
   draft = np.full((B, K), 2, np.int32)
   q = rng.dirichlet(np.ones(V), (B, K)).astype(np.float32)
   q[:, :, 2] = np.array([np.nan, -np.inf, -1.0, 0.0] * 2, np.float32)[:, None]
-  out = _rs_np(draft_token_ids=draft, target_logits=logits, params=SamplingParams.create(np.ones(B)),
-               key=_keys(11, B), draft_probs=q)
+  out = _rs_np(
+    draft_token_ids=draft,
+    target_logits=logits,
+    params=SamplingParams.create(np.ones(B)),
+    key=_keys(11, B),
+    draft_probs=q,
+  )
   np.testing.assert_array_equal(out.num_accepted, K)
 
 
@@ -317,8 +331,7 @@ def test_nan_logits_sample_tokens_every_path():
   b = B
   logits = jnp.asarray(np.tile(_NAN_ROW, (b, 1)))
   greedy_params = SamplingParams.greedy(b)
-  mixed = SamplingParams.create(np.where(np.arange(b) % 2 == 0, 0.0, 1.0),
-                                top_k=np.where(np.arange(b) % 4 == 1, 2, 0))
+  mixed = SamplingParams.create(np.where(np.arange(b) % 2 == 0, 0.0, 1.0), top_k=np.where(np.arange(b) % 4 == 1, 2, 0))
   static = np.asarray(_st(logits, greedy_params, None, all_greedy=True)[0])
   runtime = np.asarray(_st(logits, greedy_params, jax.random.key(0))[0])
   tokens = np.asarray(_st(logits, mixed, _keys(1, b))[0])
@@ -337,8 +350,8 @@ def test_nan_logits_rejection_sample_every_path():
   expected = np.array([[2, 2, 2, -1]] * (b // 2) + [[2, 2, -1, -1]] * (b // 2))
   greedy = SamplingParams.greedy(b)
   outs = {
-      "all_greedy_flag": _rs_np(draft_token_ids=draft, target_logits=logits, params=greedy, all_greedy=True),
-      "runtime_all_greedy": _rs_np(draft_token_ids=draft, target_logits=logits, params=greedy, key=_keys(0, b)),
+    "all_greedy_flag": _rs_np(draft_token_ids=draft, target_logits=logits, params=greedy, all_greedy=True),
+    "runtime_all_greedy": _rs_np(draft_token_ids=draft, target_logits=logits, params=greedy, key=_keys(0, b)),
   }
   for name, top_k in (("mixed_plain", 0), ("mixed_filtered", 3)):
     params = SamplingParams.create(np.where(np.arange(b) % 2 == 0, 0.0, 1.0), top_k=top_k)
@@ -378,14 +391,17 @@ def test_all_masked_position_emits_token_zero_and_accepts_nothing_on_every_path(
   best0 = np.argmax(logits[:, 0], -1).astype(np.int32)
   draft = np.stack([best0, np.zeros(b, np.int32), best0], 1)  # position 1 drafts its "argmax" 0
   one_hot = np.eye(V, dtype=np.float32)[draft]
-  cases = {"all_greedy_flag": dict(params=SamplingParams.greedy(b), all_greedy=True),
-           "runtime_all_greedy": dict(params=SamplingParams.greedy(b), key=_keys(0, b))}
+  cases = {
+    "all_greedy_flag": dict(params=SamplingParams.greedy(b), all_greedy=True),
+    "runtime_all_greedy": dict(params=SamplingParams.greedy(b), key=_keys(0, b)),
+  }
   for top_k in (0, 3):
     params = SamplingParams.create([0.0, 1.0, 0.0, 0.5] * 2, top_k=top_k)
     for probs in (None, one_hot):
       cases[f"mixed_top_k{top_k}_{probs is None}"] = dict(params=params, key=_keys(1, b), draft_probs=probs)
-      cases[f"random_top_k{top_k}_{probs is None}"] = dict(params=SamplingParams.create(np.full(b, 0.8), top_k=top_k),
-                                                           key=_keys(2, b), draft_probs=probs, all_random=True)
+      cases[f"random_top_k{top_k}_{probs is None}"] = dict(
+        params=SamplingParams.create(np.full(b, 0.8), top_k=top_k), key=_keys(2, b), draft_probs=probs, all_random=True
+      )
   for name, kw in cases.items():
     out = _rs_np(draft_token_ids=draft, target_logits=logits, **kw)
     # Position 0 may or may not accept (random rows); position 1 never accepts and emits 0.
@@ -399,11 +415,19 @@ def test_all_masked_position_emits_token_zero_and_accepts_nothing_on_every_path(
 def test_all_masked_bonus_position_emits_token_zero():
   b = B
   logits = np.full((b, K + 1, V), -np.inf, np.float32)
-  for params, flags in ((SamplingParams.create([0.0, 1.0, 0.3, 1.0] * 2, top_k=[0, 0, 2, 0] * 2), {}),
-                        (SamplingParams.create(np.ones(b)), {"all_random": True}),
-                        (SamplingParams.greedy(b), {"all_greedy": True})):
-    out = _rs_np(draft_token_ids=np.zeros((b, K), np.int32), target_logits=logits, params=params,
-                 key=_keys(4, b), num_draft_tokens=np.zeros(b, np.int32), **flags)
+  for params, flags in (
+    (SamplingParams.create([0.0, 1.0, 0.3, 1.0] * 2, top_k=[0, 0, 2, 0] * 2), {}),
+    (SamplingParams.create(np.ones(b)), {"all_random": True}),
+    (SamplingParams.greedy(b), {"all_greedy": True}),
+  ):
+    out = _rs_np(
+      draft_token_ids=np.zeros((b, K), np.int32),
+      target_logits=logits,
+      params=params,
+      key=_keys(4, b),
+      num_draft_tokens=np.zeros(b, np.int32),
+      **flags,
+    )
     np.testing.assert_array_equal(out.token_ids, [[0, -1, -1, -1]] * b)
     np.testing.assert_array_equal(out.num_accepted, 0)
 
@@ -463,15 +487,18 @@ def _x64_cases(names):
   plain = SamplingParams.create(temperature)
   key = jax.random.key(14)
   rs_cases = {
-      "rs_all_greedy": dict(params=SamplingParams.greedy(B), all_greedy=True, num_draft_tokens=n),
-      "rs_runtime_greedy": dict(params=SamplingParams.greedy(B), key=key),
-      "rs_mixed_filtered_probs_ragged": dict(params=mixed, key=key, draft_probs=q, num_draft_tokens=n),
-      "rs_mixed_plain_ngram_ragged": dict(params=plain, key=key, num_draft_tokens=n),
-      "rs_random_probs": dict(params=plain, key=key, draft_probs=q, all_random=True),
-      "rs_random_filtered_ngram": dict(params=mixed, key=key, all_random=True),
+    "rs_all_greedy": dict(params=SamplingParams.greedy(B), all_greedy=True, num_draft_tokens=n),
+    "rs_runtime_greedy": dict(params=SamplingParams.greedy(B), key=key),
+    "rs_mixed_filtered_probs_ragged": dict(params=mixed, key=key, draft_probs=q, num_draft_tokens=n),
+    "rs_mixed_plain_ngram_ragged": dict(params=plain, key=key, num_draft_tokens=n),
+    "rs_random_probs": dict(params=plain, key=key, draft_probs=q, all_random=True),
+    "rs_random_filtered_ngram": dict(params=mixed, key=key, all_random=True),
   }
-  st_cases = {"st_greedy": (SamplingParams.greedy(B), True), "st_mixed_filtered": (mixed, False),
-              "st_plain": (plain, False)}
+  st_cases = {
+    "st_greedy": (SamplingParams.greedy(B), True),
+    "st_mixed_filtered": (mixed, False),
+    "st_plain": (plain, False),
+  }
   out = {}
   for name in names:
     if name in rs_cases:
@@ -503,6 +530,17 @@ def test_sampler_runs_under_x64_with_the_same_outputs():
 
 @pytest.mark.slow
 def test_sampler_runs_under_x64_with_the_same_outputs_every_path():
-  _check_x64(["rs_all_greedy", "rs_runtime_greedy", "rs_mixed_filtered_probs_ragged", "rs_mixed_plain_ngram_ragged",
-              "rs_random_probs", "rs_random_filtered_ngram", "st_greedy", "st_mixed_filtered", "st_plain",
-              "process_logits"])
+  _check_x64(
+    [
+      "rs_all_greedy",
+      "rs_runtime_greedy",
+      "rs_mixed_filtered_probs_ragged",
+      "rs_mixed_plain_ngram_ragged",
+      "rs_random_probs",
+      "rs_random_filtered_ngram",
+      "st_greedy",
+      "st_mixed_filtered",
+      "st_plain",
+      "process_logits",
+    ]
+  )

@@ -69,7 +69,7 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
             options["devices"] = int(item.split("=", 1)[1])
           else:
             raise ValueError(f"{path.relative_to(_ROOT)}:{i}: unknown option {item!r} in {lines[i - 1]!r}")
-      blocks.append(Block(path, i + 1, "\n".join(lines[i + 1:end]) + "\n", **options))
+      blocks.append(Block(path, i + 1, "\n".join(lines[i + 1 : end]) + "\n", **options))
       i = end
     i += 1
   return blocks
@@ -92,11 +92,16 @@ def test_blocks_were_found():
 
 def test_marker_parsing(tmp_path):
   page = tmp_path / "page.md"
-  page.write_text("text\n```python\nx = 1\n```\n<!-- not run: needs a GPU -->\n```python\ny\n```\n"
-                  "<!-- run: slow, devices=8 -->\n```python\nz = 2\n```\n```bash\nls\n```\n")
+  page.write_text(
+    "text\n```python\nx = 1\n```\n<!-- not run: needs a GPU -->\n```python\ny\n```\n"
+    "<!-- run: slow, devices=8 -->\n```python\nz = 2\n```\n```bash\nls\n```\n"
+  )
   found = python_blocks(page)
   assert [(b.line, b.source, b.skip, b.slow, b.devices) for b in found] == [
-      (2, "x = 1\n", None, False, 1), (6, "y\n", "needs a GPU", False, 1), (10, "z = 2\n", None, True, 8)]
+    (2, "x = 1\n", None, False, 1),
+    (6, "y\n", "needs a GPU", False, 1),
+    (10, "z = 2\n", None, True, 8),
+  ]
 
 
 # Runs blocks given as JSON [{where, path, line, source}], each in a fresh namespace; writes {where: traceback or None}.
@@ -124,12 +129,19 @@ def _run_group(blocks: list[Block], tmp: pathlib.Path) -> dict:
   devices = blocks[0].devices
   if devices > 1:
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-  (tmp / "blocks.json").write_text(json.dumps(
-      [dict(where=b.where, path=str(b.path), line=b.line, source=b.source) for b in blocks]))
+  (tmp / "blocks.json").write_text(
+    json.dumps([dict(where=b.where, path=str(b.path), line=b.line, source=b.source) for b in blocks])
+  )
   (tmp / "runner.py").write_text(_RUNNER)
   try:
-    done = subprocess.run([sys.executable, "runner.py", "blocks.json", "results.json"], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=_TIMEOUT_S * len(blocks))
+    done = subprocess.run(
+      [sys.executable, "runner.py", "blocks.json", "results.json"],
+      cwd=tmp,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=_TIMEOUT_S * len(blocks),
+    )
   except subprocess.TimeoutExpired as e:
     return {b.where: f"the blocks' process ran past {e.timeout} s" for b in blocks}
   if done.returncode != 0 or not (tmp / "results.json").exists():

@@ -24,15 +24,15 @@ _spec.loader.exec_module(golden)
 
 # One or two cases of each kind (sampler, options, tree, each loop): the default run's share of the grid.
 FAST = (
-    "rs V=96 K=4 nf=False mixed filt=True dp=True ragged=True lp=None token {}",
-    "rs V=4096 K=4 nf=True random filt=False dp=False ragged=False lp=processed block {}",
-    "sample_tokens V=1000 mixed filt=True",
-    "rs-options V=96 K=4 mixed dp=True lp=processed min_p=0.1",
-    "tree V=64 mixed dp=True parents=static ragged=True {}",
-    "tree V=64 random dp=False parents=batched max_depth=3 ragged=True {}",
-    "loop generate greedy",
-    "loop spec model chain K=3 greedy",
-    "loop spec lookup tree (2, 1) greedy",
+  "rs V=96 K=4 nf=False mixed filt=True dp=True ragged=True lp=None token {}",
+  "rs V=4096 K=4 nf=True random filt=False dp=False ragged=False lp=processed block {}",
+  "sample_tokens V=1000 mixed filt=True",
+  "rs-options V=96 K=4 mixed dp=True lp=processed min_p=0.1",
+  "tree V=64 mixed dp=True parents=static ragged=True {}",
+  "tree V=64 random dp=False parents=batched max_depth=3 ragged=True {}",
+  "loop generate greedy",
+  "loop spec model chain K=3 greedy",
+  "loop spec lookup tree (2, 1) greedy",
 )
 
 
@@ -53,9 +53,10 @@ def _check(record, select):
   differ, missing, new = golden.compare(record, got, select)
   assert not new, f"{len(new)} arrays not in the record (new cases: save the record again), e.g. {new[:5]}"
   assert not differ and not missing, (
-      f"{len(differ)} arrays differ and {len(missing)} are missing of {len(got)} (on a CPU of another kind than "
-      f"the record's {record['header'].get('cpu')!r}, XLA:CPU may compile differently); first differing: "
-      f"{differ[:10]}; first missing: {missing[:10]}")
+    f"{len(differ)} arrays differ and {len(missing)} are missing of {len(got)} (on a CPU of another kind than "
+    f"the record's {record['header'].get('cpu')!r}, XLA:CPU may compile differently); first differing: "
+    f"{differ[:10]}; first missing: {missing[:10]}"
+  )
 
 
 def test_fast_subset_is_bit_identical(record):

@@ -73,8 +73,11 @@ def _edges():
 
 
 def _violations(edges):
-  return [f"{path}:{line}: {source} imports {target}" for path, line, source, target in edges
-          if target != source and target != "__init__" and target not in ALLOWED[source]]
+  return [
+    f"{path}:{line}: {source} imports {target}"
+    for path, line, source, target in edges
+    if target != source and target != "__init__" and target not in ALLOWED[source]
+  ]
 
 
 def test_every_file_belongs_to_a_known_layer():
@@ -96,16 +99,19 @@ def test_no_layer_imports_the_package_root():
   assert bad == []
 
 
-@pytest.mark.parametrize("edge, wrong", [
-  (("specdec_jax/loop/x.py", 1, "loop", "models"), True),
-  (("specdec_jax/loop/x.py", 1, "loop", "kernels"), True),
-  (("specdec_jax/models/x.py", 1, "models", "sampling"), True),
-  (("specdec_jax/sampling/x.py", 1, "sampling", "verify"), True),
-  (("specdec_jax/verify/x.py", 1, "verify", "drafts"), True),
-  (("specdec_jax/mesh.py", 1, "mesh", "sampling"), True),
-  (("specdec_jax/drafts/x.py", 1, "drafts", "verify"), False),
-  (("specdec_jax/models/x.py", 1, "models", "kernels"), False),
-])
+@pytest.mark.parametrize(
+  "edge, wrong",
+  [
+    (("specdec_jax/loop/x.py", 1, "loop", "models"), True),
+    (("specdec_jax/loop/x.py", 1, "loop", "kernels"), True),
+    (("specdec_jax/models/x.py", 1, "models", "sampling"), True),
+    (("specdec_jax/sampling/x.py", 1, "sampling", "verify"), True),
+    (("specdec_jax/verify/x.py", 1, "verify", "drafts"), True),
+    (("specdec_jax/mesh.py", 1, "mesh", "sampling"), True),
+    (("specdec_jax/drafts/x.py", 1, "drafts", "verify"), False),
+    (("specdec_jax/models/x.py", 1, "models", "kernels"), False),
+  ],
+)
 def test_the_check_rejects_a_planted_edge(edge, wrong):
   assert bool(_violations([edge])) == wrong
 
@@ -114,7 +120,10 @@ def test_the_loop_imports_no_flax():
   """The sampler and the loops need no Flax (models are adapted only when one is passed)."""
   import subprocess
   import sys
-  code = ("import sys, specdec_jax; from specdec_jax import rejection_sample, generate, speculative_generate; "
-          "import specdec_jax.loop.adapter; "
-          "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)")
+
+  code = (
+    "import sys, specdec_jax; from specdec_jax import rejection_sample, generate, speculative_generate; "
+    "import specdec_jax.loop.adapter; "
+    "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)"
+  )
   subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)

@@ -96,17 +96,21 @@ class DynamicTree:
     if not isinstance(self.sampled, (bool, np.bool_)):
       raise ValueError(f"draft_tree: DynamicTree.sampled must be a bool, got {self.sampled!r}")
     if self.num_nodes > self.num_candidates:
-      raise ValueError(f"draft_tree: DynamicTree.num_nodes={self.num_nodes} exceeds the {self.num_candidates} "
-                       f"candidates of depth {self.depth} and top_k {self.top_k} (k + (K-1) * k * k)")
+      raise ValueError(
+        f"draft_tree: DynamicTree.num_nodes={self.num_nodes} exceeds the {self.num_candidates} "
+        f"candidates of depth {self.depth} and top_k {self.top_k} (k + (K-1) * k * k)"
+      )
     if self.sampled and self.num_nodes != self.num_candidates:
-      raise ValueError(f"draft_tree: a sampled DynamicTree verifies every candidate, so num_nodes must be "
-                       f"k + (K-1) * k * k = {self.num_candidates} for depth {self.depth} and top_k "
-                       f"{self.top_k}, got {self.num_nodes}")
+      raise ValueError(
+        f"draft_tree: a sampled DynamicTree verifies every candidate, so num_nodes must be "
+        f"k + (K-1) * k * k = {self.num_candidates} for depth {self.depth} and top_k "
+        f"{self.top_k}, got {self.num_nodes}"
+      )
 
   @property
   def num_candidates(self) -> int:
     """M = k + (K-1) * k * k: the candidates a round scores."""
-    return self.top_k + (self.depth - 1) * self.top_k ** 2
+    return self.top_k + (self.depth - 1) * self.top_k**2
 
   @property
   def frontier_slots(self) -> int:
@@ -157,9 +161,16 @@ def _children(logits, k, tree, params, keys, ids, all_greedy):
   return _log_q(jnp.take_along_axis(raw, tokens, axis=-1), raw), tokens, q
 
 
-def grow_dynamic_tree(tree: DynamicTree, root_logits: jax.Array, level_logits, carry,
-                      params: SamplingParams | None = None, keys: jax.Array | None = None, *,
-                      all_greedy: bool = True):
+def grow_dynamic_tree(
+  tree: DynamicTree,
+  root_logits: jax.Array,
+  level_logits,
+  carry,
+  params: SamplingParams | None = None,
+  keys: jax.Array | None = None,
+  *,
+  all_greedy: bool = True,
+):
   """Drafts a tree of N nodes by the drafter's confidence, one depth per draft call.
 
   Args:
@@ -192,8 +203,9 @@ def grow_dynamic_tree(tree: DynamicTree, root_logits: jax.Array, level_logits, c
   if sampled and (params is None or keys is None):
     raise ValueError("grow_dynamic_tree: a sampled tree with random rows needs params and keys")
   rows = jnp.arange(b)[:, None]
-  score, token, q = _children(root_logits[:, None, :], k, tree, params, keys,
-                              jnp.arange(k, dtype=jnp.int32)[None, :], all_greedy)
+  score, token, q = _children(
+    root_logits[:, None, :], k, tree, params, keys, jnp.arange(k, dtype=jnp.int32)[None, :], all_greedy
+  )
   score, token = score[:, 0], token[:, 0]  # [B, k]: depth 1, all of it the first frontier
   probs = None
   if sampled:  # row 0: the root's q; row j+1: expanded candidate j's (filled below)
@@ -231,8 +243,9 @@ def grow_dynamic_tree(tree: DynamicTree, root_logits: jax.Array, level_logits, c
   # The N best, in candidate order (parents first); top_k breaks ties towards the lower index (the parent).
   _, chosen = jax.lax.top_k(scores, tree.num_nodes)
   chosen = jnp.sort(chosen, axis=1).astype(jnp.int32)
-  node_of = jnp.full((b, tree.num_candidates), -1, jnp.int32).at[rows, chosen].set(
-      jnp.arange(tree.num_nodes, dtype=jnp.int32))
+  node_of = (
+    jnp.full((b, tree.num_candidates), -1, jnp.int32).at[rows, chosen].set(jnp.arange(tree.num_nodes, dtype=jnp.int32))
+  )
   parent_candidate = parent_ids[rows, chosen]
   parents = jnp.where(parent_candidate >= 0, node_of[rows, jnp.maximum(parent_candidate, 0)], -1)
   return tokens[rows, chosen].astype(jnp.int32), parents, fed[rows, chosen], None, carry

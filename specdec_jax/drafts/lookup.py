@@ -45,8 +45,9 @@ class PromptLookupDrafter:
   def __post_init__(self):
     sizes = self.ngram_size if isinstance(self.ngram_size, tuple) else (self.ngram_size,)
     if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
-      raise ValueError(f"PromptLookupDrafter: ngram_size must be an int >= 1 or a non-empty tuple of them, "
-                       f"got {self.ngram_size!r}")
+      raise ValueError(
+        f"PromptLookupDrafter: ngram_size must be an int >= 1 or a non-empty tuple of them, got {self.ngram_size!r}"
+      )
 
   @property
   def ngram_sizes(self) -> tuple[int, ...]:
@@ -96,8 +97,7 @@ class PromptLookupDrafter:
       found |= has
     return proposal
 
-  def propose_branches(self, tokens: jax.Array, lengths: jax.Array, num_tokens: int, num_branches: int
-                       ) -> jax.Array:
+  def propose_branches(self, tokens: jax.Array, lengths: jax.Array, num_tokens: int, num_branches: int) -> jax.Array:
     """Up to `num_branches` different continuations per row: the branches of a tree of drafts.
 
     Candidates are taken in the order `propose` prefers them (the largest n
@@ -160,7 +160,7 @@ def _match_scores(tokens: jax.Array, lengths: jax.Array, n: int) -> jax.Array:
   suffix = jnp.take_along_axis(tokens, suffix_idx, axis=1)
   match = jnp.ones((b, w), bool)
   for m in range(n):
-    match &= tokens[:, m:m + w] == suffix[:, m:m + 1]
+    match &= tokens[:, m : m + w] == suffix[:, m : m + 1]
   j = jnp.arange(w)[None, :]
   # Strictly earlier than the suffix itself, so the window has a follower
   # inside the known context (j + n <= lengths - 1); with lengths < n + 1

@@ -64,10 +64,14 @@ class DraftTree:
     if self.sibling_draws not in SIBLING_DRAWS:
       raise ValueError(f"draft_tree: sibling_draws must be one of {SIBLING_DRAWS}, got {self.sibling_draws!r}")
     b = self.branching
-    if (not isinstance(b, tuple) or not b or
-        any(not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1 for k in b)):
-      raise ValueError(f"draft_tree must be a non-empty tuple of ints >= 1 (children per node at each depth), "
-                       f"got {b!r}")
+    if (
+      not isinstance(b, tuple)
+      or not b
+      or any(not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1 for k in b)
+    ):
+      raise ValueError(
+        f"draft_tree must be a non-empty tuple of ints >= 1 (children per node at each depth), got {b!r}"
+      )
 
   @property
   def depth(self) -> int:
@@ -122,8 +126,7 @@ class DraftTree:
     return slice(self.level_starts[i - 1], self.level_starts[i - 1] + self.level_sizes[i - 1])
 
 
-def tree_attention_mask(context_end: jax.Array, node_base: jax.Array, rows: np.ndarray, max_length: int
-                        ) -> jax.Array:
+def tree_attention_mask(context_end: jax.Array, node_base: jax.Array, rows: np.ndarray, max_length: int) -> jax.Array:
   """Which cache slots each query of a tree call sees: the context, and its own ancestors.
 
   Node j of a row sits at slot node_base[b] + j; the context is every slot below
@@ -160,8 +163,15 @@ def tree_attention_mask(context_end: jax.Array, node_base: jax.Array, rows: np.n
   return (s < context_end.astype(jnp.int32)[:, None])[:, None, :] | (in_tree[:, None, :] & sees)
 
 
-def child_tokens(logits: jax.Array, num_children: int, params: SamplingParams, keys: jax.Array | None, *,
-                 all_greedy: bool, without_replacement: bool = True) -> tuple[jax.Array, jax.Array | None]:
+def child_tokens(
+  logits: jax.Array,
+  num_children: int,
+  params: SamplingParams,
+  keys: jax.Array | None,
+  *,
+  all_greedy: bool,
+  without_replacement: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
   """Children for each of n nodes from the draft's logits at those nodes.
 
   A greedy row takes the node's top-`num_children` tokens (distinct, the argmax
@@ -224,8 +234,16 @@ def node_keys(keys: jax.Array, ids: jax.Array) -> jax.Array:
   return jax.vmap(lambda key: jax.vmap(jax.vmap(lambda j: jax.random.fold_in(key, j)))(ids))(keys)
 
 
-def grow_tree(tree: DraftTree, root_logits: jax.Array, level_logits, carry, params: SamplingParams,
-              keys: jax.Array | None, *, all_greedy: bool):
+def grow_tree(
+  tree: DraftTree,
+  root_logits: jax.Array,
+  level_logits,
+  carry,
+  params: SamplingParams,
+  keys: jax.Array | None,
+  *,
+  all_greedy: bool,
+):
   """Drafts a whole tree, one depth per draft call.
 
   Args:
@@ -254,11 +272,18 @@ def grow_tree(tree: DraftTree, root_logits: jax.Array, level_logits, carry, para
   for i, k in enumerate(tree.branching, start=1):
     child_keys = None
     if not all_greedy:
-      ids = jnp.arange(tree.level_starts[i - 1], tree.level_starts[i - 1] + tree.level_sizes[i - 1],
-                       dtype=jnp.int32).reshape(-1, k)
+      ids = jnp.arange(
+        tree.level_starts[i - 1], tree.level_starts[i - 1] + tree.level_sizes[i - 1], dtype=jnp.int32
+      ).reshape(-1, k)
       child_keys = node_keys(keys, ids)
-    level_tokens, q = child_tokens(logits, k, params, child_keys, all_greedy=all_greedy,
-                                   without_replacement=tree.sibling_draws == "without_replacement")
+    level_tokens, q = child_tokens(
+      logits,
+      k,
+      params,
+      child_keys,
+      all_greedy=all_greedy,
+      without_replacement=tree.sibling_draws == "without_replacement",
+    )
     tokens.append(level_tokens)
     qs.append(q)
     if i < tree.depth:

@@ -164,8 +164,18 @@ def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h
   c0 = part * block_h  # this program's columns: [c0, c0 + block_h) of each half of head h
   col0 = h * dh + c0
 
-  product = functools.partial(normed_products, w_ref=w_ref, lead=(), starts=(col0, col0 + half), width=block_h,
-                              col_ok=None, rows=rows, d=d, eps=eps, block_k=block_k)
+  product = functools.partial(
+    normed_products,
+    w_ref=w_ref,
+    lead=(),
+    starts=(col0, col0 + half),
+    width=block_h,
+    col_ok=None,
+    rows=rows,
+    d=d,
+    eps=eps,
+    block_k=block_k,
+  )
   acc1, acc2 = product(x_ref, nw_ref, row0=d if prefix else 0)
   if prefix:  # its rows of wqkv come first
     p1, p2 = product(px_ref, pnw_ref)
@@ -253,17 +263,38 @@ def _attention_kernel(*refs, t, group, dh, s, block_s, masked):
     acc = acc * alpha[:, None] + jnp.dot(p.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
     return m_new, l, acc
 
-  init = (jnp.full((MAX_ROWS,), _MASKED, jnp.float32), jnp.zeros((MAX_ROWS,), jnp.float32),
-          jnp.zeros((MAX_ROWS, dh), jnp.float32))
+  init = (
+    jnp.full((MAX_ROWS,), _MASKED, jnp.float32),
+    jnp.zeros((MAX_ROWS,), jnp.float32),
+    jnp.zeros((MAX_ROWS, dh), jnp.float32),
+  )
   _, l, acc = lax.fori_loop(0, pl.cdiv(live, block_s), body, init)
   out = acc / jnp.maximum(l, 1e-30)[:, None]
   plgpu.store(o_ref.at[pl.ds(b * t, MAX_ROWS), pl.ds(h * dh, dh)], out.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret", "blocks"))
-def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions, cos, sin, *,
-                    num_heads: int, num_kv_heads: int, eps: float, interpret: bool = False,
-                    blocks: AttentionBlocks = DEFAULT_BLOCKS, prefix=None, slots=None, mask=None):
+def fused_attention(
+  x,
+  norm_weight,
+  wqkv,
+  wo,
+  k_cache,
+  v_cache,
+  layer,
+  positions,
+  cos,
+  sin,
+  *,
+  num_heads: int,
+  num_kv_heads: int,
+  eps: float,
+  interpret: bool = False,
+  blocks: AttentionBlocks = DEFAULT_BLOCKS,
+  prefix=None,
+  slots=None,
+  mask=None,
+):
   """x + attention(rms_norm(x)) with layer `layer`'s cache write: `attention_block` of a chain call.
 
   Args:
@@ -312,8 +343,9 @@ def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions
   if slots is not None and slots.shape != positions.shape:
     raise ValueError(f"fused_attention: slots must have the shape of positions {positions.shape}, got {slots.shape}")
   if mask is not None and mask.shape != (*positions.shape, k_cache.shape[3]):
-    raise ValueError(f"fused_attention: mask must be [B, T, S] = {(*positions.shape, k_cache.shape[3])}, "
-                     f"got {mask.shape}")
+    raise ValueError(
+      f"fused_attention: mask must be [B, T, S] = {(*positions.shape, k_cache.shape[3])}, got {mask.shape}"
+    )
   if plgpu is None:  # pragma: no cover
     raise ValueError("fused_attention: jax.experimental.pallas.triton is not importable")
   blocks.validate()
@@ -330,16 +362,40 @@ def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions
 
   inputs = (x2, norm_weight) if prefix is None else (px.reshape(rows, d), pnw, x2, norm_weight)
   q, k_cache, v_cache = pl.pallas_call(
-      functools.partial(_qkv_kernel, rows=rows, t=t, d=d, heads=num_heads, kv_heads=hkv, dh=dh, s=s,
-                        eps=float(eps), block_k=blocks.block_k, block_h=block_h, prefix=prefix is not None),
-      out_shape=(jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
-                 jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
-      grid=((num_heads + 2 * hkv) * (half // block_h),),
-      input_output_aliases={len(inputs) + 5: 1, len(inputs) + 6: 2},  # the caches, after layer, slots, inputs,
-      interpret=interpret, compiler_params=params, name="fused_attention_qkv",  # wqkv, cos, sin
-  )(layer, slots, *inputs, wqkv, cos.reshape(rows, half).astype(jnp.float32),
-    sin.reshape(rows, half).astype(jnp.float32), k_cache, v_cache)
+    functools.partial(
+      _qkv_kernel,
+      rows=rows,
+      t=t,
+      d=d,
+      heads=num_heads,
+      kv_heads=hkv,
+      dh=dh,
+      s=s,
+      eps=float(eps),
+      block_k=blocks.block_k,
+      block_h=block_h,
+      prefix=prefix is not None,
+    ),
+    out_shape=(
+      jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
+      jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+    ),
+    grid=((num_heads + 2 * hkv) * (half // block_h),),
+    input_output_aliases={len(inputs) + 5: 1, len(inputs) + 6: 2},  # the caches, after layer, slots, inputs,
+    interpret=interpret,
+    compiler_params=params,
+    name="fused_attention_qkv",  # wqkv, cos, sin
+  )(
+    layer,
+    slots,
+    *inputs,
+    wqkv,
+    cos.reshape(rows, half).astype(jnp.float32),
+    sin.reshape(rows, half).astype(jnp.float32),
+    k_cache,
+    v_cache,
+  )
 
   visibility = ()
   if mask is not None:  # int8 [rows, S] (a Triton load of bool is not portable) and one past each row's last slot
@@ -347,11 +403,14 @@ def fused_attention(x, norm_weight, wqkv, wo, k_cache, v_cache, layer, positions
     live = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32)[None, :], 0), axis=1)  # [B]
     visibility = (mask.reshape(rows, s).astype(jnp.int8), live.astype(jnp.int32))
   attn = pl.pallas_call(
-      functools.partial(_attention_kernel, t=t, group=num_heads // hkv, dh=dh, s=s, block_s=blocks.block_s,
-                        masked=mask is not None),
-      out_shape=jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
-      grid=(b, num_heads),
-      interpret=interpret, compiler_params=params, name="fused_attention_core",
+    functools.partial(
+      _attention_kernel, t=t, group=num_heads // hkv, dh=dh, s=s, block_s=blocks.block_s, masked=mask is not None
+    ),
+    out_shape=jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
+    grid=(b, num_heads),
+    interpret=interpret,
+    compiler_params=params,
+    name="fused_attention_core",
   )(layer, pos, *visibility, q, k_cache, v_cache)
 
   out = project_residual(attn, wo[None], x2, jnp.zeros((1,), jnp.int32), blocks=blocks.out, interpret=interpret)

@@ -144,15 +144,19 @@ def _check_args(x, norm_weight, w_gate_up, w_down) -> str | None:
     return f"B*T = {rows} rows; the kernels take 1..{MAX_ROWS} (use mlp_block for more)"
   if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
     return f"x dtype {x.dtype} is not bfloat16, float16 or float32"
-  given = [(name, w) for name, w in (("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down))
-           if w is not None]
+  given = [
+    (name, w)
+    for name, w in (("norm_weight", norm_weight), ("w_gate_up", w_gate_up), ("w_down", w_down))
+    if w is not None
+  ]
   for name, w in given:
     if len(w.shape) not in ((1, 2) if name == "norm_weight" else (2, 3)):
       return f"{name} has shape {w.shape}: wrong rank"
-  lead = {w.shape[:len(w.shape) - (1 if name == "norm_weight" else 2)] for name, w in given}
+  lead = {w.shape[: len(w.shape) - (1 if name == "norm_weight" else 2)] for name, w in given}
   if len(lead) > 1 or any(len(l) > 1 for l in lead):
     return "weights must be all per-layer or all stacked on one leading [L] axis: " + ", ".join(
-        f"{name} {w.shape}" for name, w in given)
+      f"{name} {w.shape}" for name, w in given
+    )
   if norm_weight is not None and norm_weight.shape[-1] != d:
     return f"norm_weight must be [D={d}] ([L, D] stacked), got {norm_weight.shape}"
   if w_gate_up is not None and (w_gate_up.shape[-2] != d or w_gate_up.shape[-1] % 2):
@@ -239,11 +243,21 @@ def _gate_up_kernel(layer_ref, x_ref, nw_ref, w_ref, h_ref, *, rows, d, f, eps, 
   r = jnp.arange(MAX_ROWS)
   c = j * block_f + jnp.arange(block_f)
   row_ok, col_ok = r[:, None] < rows, c[None, :] < f  # [16, 1], [1, block_f]
-  g, u = normed_products(x_ref, nw_ref, w_ref, (layer,), (j * block_f, f + j * block_f), block_f, col_ok,
-                         rows=rows, d=d, eps=eps, block_k=block_k)
+  g, u = normed_products(
+    x_ref,
+    nw_ref,
+    w_ref,
+    (layer,),
+    (j * block_f, f + j * block_f),
+    block_f,
+    col_ok,
+    rows=rows,
+    d=d,
+    eps=eps,
+    block_k=block_k,
+  )
   h = g * lax.logistic(g) * u  # silu(gate) * up, in float32
-  plgpu.store(h_ref.at[pl.ds(0, MAX_ROWS), pl.ds(j * block_f, block_f)], h.astype(h_ref.dtype),
-              mask=row_ok & col_ok)
+  plgpu.store(h_ref.at[pl.ds(0, MAX_ROWS), pl.ds(j * block_f, block_f)], h.astype(h_ref.dtype), mask=row_ok & col_ok)
 
 
 def _down_kernel(layer_ref, h_ref, w_ref, x_ref, o_ref, *, rows, d, f, chunk, block_d, block_k, residual):
@@ -292,8 +306,17 @@ def _compiler_params(blocks, interpret: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "blocks"))
-def fused_mlp(x, norm_weight, w_gate_up, w_down, eps: float, layer=None, *, interpret: bool = False,
-              blocks: MlpBlocks = DEFAULT_BLOCKS):
+def fused_mlp(
+  x,
+  norm_weight,
+  w_gate_up,
+  w_down,
+  eps: float,
+  layer=None,
+  *,
+  interpret: bool = False,
+  blocks: MlpBlocks = DEFAULT_BLOCKS,
+):
   """x + (silu(gate) * up) @ w_down with [gate, up] = rms_norm(x, norm_weight, eps) @ w_gate_up.
 
   The same function as `transformer.mlp_block` (fused `w_gate_up` layout: gate is the first F
@@ -341,11 +364,14 @@ def fused_mlp(x, norm_weight, w_gate_up, w_down, eps: float, layer=None, *, inte
   params = _compiler_params(blocks, interpret)
 
   h = pl.pallas_call(
-      functools.partial(_gate_up_kernel, rows=rows, d=d, f=f, eps=float(eps), block_f=blocks.block_f,
-                        block_k=blocks.block_k1),
-      out_shape=jax.ShapeDtypeStruct((rows, f), x.dtype),  # x's dtype, like mlp_block's silu(gate) * up
-      grid=(pl.cdiv(f, blocks.block_f),),
-      interpret=interpret, compiler_params=params, name="fused_mlp_gate_up",
+    functools.partial(
+      _gate_up_kernel, rows=rows, d=d, f=f, eps=float(eps), block_f=blocks.block_f, block_k=blocks.block_k1
+    ),
+    out_shape=jax.ShapeDtypeStruct((rows, f), x.dtype),  # x's dtype, like mlp_block's silu(gate) * up
+    grid=(pl.cdiv(f, blocks.block_f),),
+    interpret=interpret,
+    compiler_params=params,
+    name="fused_mlp_gate_up",
   )(layer, x2, norm_weight, w_gate_up)
 
   return project_residual(h, w_down, x2, layer, blocks=blocks, interpret=interpret).reshape(b, t, d)
@@ -375,14 +401,18 @@ def project_residual(h, w, x2, layer, *, blocks: MlpBlocks = DEFAULT_BLOCKS, int
   params = _compiler_params(blocks, interpret)
   split, chunk = blocks._split(f), blocks._chunk(f)
   residual = split == 1
-  out_shape = (jax.ShapeDtypeStruct((rows, d), x2.dtype) if residual
-               else jax.ShapeDtypeStruct((split, rows, d), jnp.float32))
+  out_shape = (
+    jax.ShapeDtypeStruct((rows, d), x2.dtype) if residual else jax.ShapeDtypeStruct((split, rows, d), jnp.float32)
+  )
   out = pl.pallas_call(
-      functools.partial(_down_kernel, rows=rows, d=d, f=f, chunk=chunk, block_d=blocks.block_d,
-                        block_k=blocks.block_k2, residual=residual),
-      out_shape=out_shape,
-      grid=(pl.cdiv(d, blocks.block_d), split),
-      interpret=interpret, compiler_params=params, name="fused_mlp_down",
+    functools.partial(
+      _down_kernel, rows=rows, d=d, f=f, chunk=chunk, block_d=blocks.block_d, block_k=blocks.block_k2, residual=residual
+    ),
+    out_shape=out_shape,
+    grid=(pl.cdiv(d, blocks.block_d), split),
+    interpret=interpret,
+    compiler_params=params,
+    name="fused_mlp_down",
   )(layer, h, w, x2)
   if not residual:  # one XLA fusion: sum the partials, add the residual, round
     out = (jnp.sum(out, axis=0) + x2.astype(jnp.float32)).astype(x2.dtype)

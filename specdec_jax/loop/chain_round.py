@@ -37,8 +37,7 @@ def chain_round(s: LoopState, keys: RoundKeys, setup: RoundSetup) -> Verified:
   Example:
     >>> verified = chain_round(state, round_keys(row_keys, state.length, False), setup)  # doctest: +SKIP
   """
-  drafts = setup.kind.propose_chain(s.draft, s, keys.draft, setup.params, all_greedy=setup.all_greedy,
-                                    end=setup.end)
+  drafts = setup.kind.propose_chain(s.draft, s, keys.draft, setup.params, all_greedy=setup.all_greedy, end=setup.end)
   return verify_chain(s, drafts, keys, setup)
 
 
@@ -49,12 +48,25 @@ def verify_chain(s: LoopState, drafts: Drafts, keys: RoundKeys, setup: RoundSetu
   tokens = jnp.concatenate([last[:, None], drafts.tokens], axis=1)  # [B, K+1]: t, d1 .. dK
   positions = clamp_positions((s.length - 1)[:, None] + arange32(k + 1)[None, :], setup.end)
   if setup.kind.needs_features:
-    target_logits, features, target_cache = setup.target_apply(tokens, positions, s.target_cache,
-                                                                return_features=True)
+    target_logits, features, target_cache = setup.target_apply(tokens, positions, s.target_cache, return_features=True)
   else:
     (target_logits, target_cache), features = setup.target_apply(tokens, positions, s.target_cache), None
-  out = rejection_sample(draft_token_ids=drafts.tokens, target_logits=target_logits, params=setup.params,
-                         key=keys.verify, draft_probs=drafts.probs, all_greedy=setup.all_greedy,
-                         logprobs=setup.logprobs, method=setup.method, penalty_state=s.penalties)
-  return Verified(emitted=out.token_ids, num_emitted=out.num_emitted, logprobs=out.logprobs,
-                  target_cache=target_cache, draft_carry=drafts.carry, features=features)
+  out = rejection_sample(
+    draft_token_ids=drafts.tokens,
+    target_logits=target_logits,
+    params=setup.params,
+    key=keys.verify,
+    draft_probs=drafts.probs,
+    all_greedy=setup.all_greedy,
+    logprobs=setup.logprobs,
+    method=setup.method,
+    penalty_state=s.penalties,
+  )
+  return Verified(
+    emitted=out.token_ids,
+    num_emitted=out.num_emitted,
+    logprobs=out.logprobs,
+    target_cache=target_cache,
+    draft_carry=drafts.carry,
+    features=features,
+  )

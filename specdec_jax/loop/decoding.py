@@ -93,8 +93,10 @@ _INT32_MAX = np.iinfo(np.int32).max
 def _split(model, name: str, *, feature_drafter: bool = False) -> tuple[ModelDef, Any]:
   if feature_drafter:
     ok = all(hasattr(model, a) for a in ("init_cache", "fuse", "feature_layers")) and callable(model)
-    protocol = ("init_cache(batch_size, max_length), fuse(features), feature_layers and "
-                "__call__(tokens, hidden, positions, cache, *, logits_at) -> (logits, hidden, cache)")
+    protocol = (
+      "init_cache(batch_size, max_length), fuse(features), feature_layers and "
+      "__call__(tokens, hidden, positions, cache, *, logits_at) -> (logits, hidden, cache)"
+    )
   else:
     ok = hasattr(model, "init_cache") and callable(model)
     protocol = "init_cache(batch_size, max_length) and __call__(tokens, positions, cache) -> (logits, cache)"
@@ -105,8 +107,10 @@ def _split(model, name: str, *, feature_drafter: bool = False) -> tuple[ModelDef
 
 def _checked_logits(logits, tokens, name):
   if logits.ndim != 3 or logits.shape[:2] != tokens.shape:
-    raise ValueError(f"{name} must return logits [B, T, V] = ({tokens.shape[0]}, {tokens.shape[1]}, V) "
-                     f"for tokens {tokens.shape}, got {logits.shape}")
+    raise ValueError(
+      f"{name} must return logits [B, T, V] = ({tokens.shape[0]}, {tokens.shape[1]}, V) "
+      f"for tokens {tokens.shape}, got {logits.shape}"
+    )
   return logits
 
 
@@ -157,20 +161,24 @@ class _Inputs(NamedTuple):
   eos: tuple[int, ...]
 
 
-def _check_inputs(where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
-                  extra_slots=1):
+def _check_inputs(
+  where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy, extra_slots=1
+):
   prompt_tokens = jnp.asarray(prompt_tokens)
   prompt_lengths = jnp.asarray(prompt_lengths)
   if prompt_tokens.ndim != 2 or not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
-    raise ValueError(f"{where}: prompt_tokens must be an integer array [B, P], got {prompt_tokens.dtype} "
-                     f"{prompt_tokens.shape}")
+    raise ValueError(
+      f"{where}: prompt_tokens must be an integer array [B, P], got {prompt_tokens.dtype} {prompt_tokens.shape}"
+    )
   b, p = prompt_tokens.shape
   if p < 1 or b < 1:
-    raise ValueError(f"{where}: prompt_tokens must have B >= 1 rows and P >= 1 columns, got shape "
-                     f"{prompt_tokens.shape}")
+    raise ValueError(
+      f"{where}: prompt_tokens must have B >= 1 rows and P >= 1 columns, got shape {prompt_tokens.shape}"
+    )
   if prompt_lengths.shape != (b,) or not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
-    raise ValueError(f"{where}: prompt_lengths must be an integer array [B]=({b},), got {prompt_lengths.dtype} "
-                     f"{prompt_lengths.shape}")
+    raise ValueError(
+      f"{where}: prompt_lengths must be an integer array [B]=({b},), got {prompt_lengths.dtype} {prompt_lengths.shape}"
+    )
   if not isinstance(prompt_lengths, jax.core.Tracer):
     pl = np.asarray(prompt_lengths)
     if np.any((pl < 1) | (pl > p)):
@@ -180,8 +188,10 @@ def _check_inputs(where, prompt_tokens, prompt_lengths, params, key, max_new_tok
     raise ValueError(f"{where}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
   # Positions are int32: the whole buffer (prompt, new tokens, draft headroom) must fit.
   if p + int(max_new_tokens) + extra_slots > _INT32_MAX:
-    raise ValueError(f"{where}: max_new_tokens={max_new_tokens} is too large: P + max_new_tokens + "
-                     f"{extra_slots} must fit in int32 (< 2**31)")
+    raise ValueError(
+      f"{where}: max_new_tokens={max_new_tokens} is too large: P + max_new_tokens + "
+      f"{extra_slots} must fit in int32 (< 2**31)"
+    )
   if key is None and not all_greedy:
     raise ValueError(f"{where}: key is required unless all_greedy=True")
   if eos_token_id is None:
@@ -194,8 +204,9 @@ def _check_inputs(where, prompt_tokens, prompt_lengths, params, key, max_new_tok
     raise ValueError(f"{where}: eos_token_id must be None, an int or a tuple of ints, got {eos_token_id!r}")
   if any(not 0 <= e <= _INT32_MAX for e in eos):
     raise ValueError(f"{where}: eos_token_id must be token ids in [0, V) (int32), got {eos_token_id!r}")
-  return _Inputs(prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), int(max_new_tokens),
-                 tuple(int(e) for e in eos))
+  return _Inputs(
+    prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), int(max_new_tokens), tuple(int(e) for e in eos)
+  )
 
 
 def _check_context(where, models, p, max_new_tokens):
@@ -203,9 +214,11 @@ def _check_context(where, models, p, max_new_tokens):
   for name, model in models:
     limit = getattr(model, "max_length", None)
     if _is_int(limit) and p + max_new_tokens > limit:
-      raise ValueError(f"{where}: prompt_tokens width P={p} + max_new_tokens={max_new_tokens} = "
-                       f"{p + max_new_tokens} positions exceed {name}.max_length={limit} (the model's context); "
-                       f"lower max_new_tokens to at most {limit - p}")
+      raise ValueError(
+        f"{where}: prompt_tokens width P={p} + max_new_tokens={max_new_tokens} = "
+        f"{p + max_new_tokens} positions exceed {name}.max_length={limit} (the model's context); "
+        f"lower max_new_tokens to at most {limit - p}"
+      )
 
 
 def _check_bias_vocab(where, target, params, prompt_tokens):
@@ -224,14 +237,25 @@ def _check_bias_vocab(where, target, params, prompt_tokens):
     v = jax.eval_shape(lambda: target(one, one, target.init_cache(b, 2))[0]).shape[-1]
   check_bias_ids(params, int(v), where)
 
+
 # ----------------------------------------------------------------------------
 # generate
 # ----------------------------------------------------------------------------
 
 
-def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key, *, max_new_tokens: int,
-             eos_token_id=None, all_greedy: bool = False, logprobs: str | None = None,
-             no_filters: bool = False) -> GenerateOutput:
+def generate(
+  target,
+  prompt_tokens,
+  prompt_lengths,
+  params: SamplingParams,
+  key,
+  *,
+  max_new_tokens: int,
+  eos_token_id=None,
+  all_greedy: bool = False,
+  logprobs: str | None = None,
+  no_filters: bool = False,
+) -> GenerateOutput:
   """Plain autoregressive decoding: one target call per token, in one jitted loop.
 
   Many devices: under `with jax.set_mesh(mesh):` (mesh axes "data" and
@@ -289,15 +313,25 @@ def generate(target, prompt_tokens, prompt_lengths, params: SamplingParams, key,
   where = "generate"
   _check_logprobs(where, logprobs)
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
-      where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy)
+    where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy
+  )
   _check_context(where, [("target", target)], prompt_tokens.shape[1], max_new_tokens)
   _check_bias_vocab(where, target, params, prompt_tokens)
   if no_filters:
     params = params.promise_no_filters()  # static: every sampling call below reads it
   target_def, target_arrays = _split(target, "target")
-  return _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, None if all_greedy else key,
-                       target_def=target_def, max_new_tokens=max_new_tokens, eos=eos, all_greedy=bool(all_greedy),
-                       logprobs=logprobs)
+  return _generate_jit(
+    target_arrays,
+    prompt_tokens,
+    prompt_lengths,
+    params,
+    None if all_greedy else key,
+    target_def=target_def,
+    max_new_tokens=max_new_tokens,
+    eos=eos,
+    all_greedy=bool(all_greedy),
+    logprobs=logprobs,
+  )
 
 
 def _check_logprobs(where, logprobs):
@@ -306,31 +340,52 @@ def _check_logprobs(where, logprobs):
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy", "logprobs"))
-def _generate_jit(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
-                  all_greedy, logprobs):
+def _generate_jit(
+  target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos, all_greedy, logprobs
+):
   # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
-  program = functools.partial(_generate_program, target_def=target_def, max_new_tokens=max_new_tokens, eos=eos,
-                              all_greedy=all_greedy, logprobs=logprobs)
+  program = functools.partial(
+    _generate_program,
+    target_def=target_def,
+    max_new_tokens=max_new_tokens,
+    eos=eos,
+    all_greedy=all_greedy,
+    logprobs=logprobs,
+  )
   return auto_axes_if_explicit(program)(target_arrays, prompt_tokens, prompt_lengths, params, key)
 
 
-def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos,
-                      all_greedy, logprobs):
+def _generate_program(
+  target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos, all_greedy, logprobs
+):
   b, p = prompt_tokens.shape
   max_length = p + max_new_tokens + 1
   prompt_lengths = clip_lengths(prompt_lengths, p)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
-  start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
-                 eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=False, where="generate",
-                 logprobs=logprobs)
+  start = start_loop(
+    t_init,
+    t_apply,
+    prompt_tokens,
+    prompt_lengths,
+    params,
+    key,
+    max_new_tokens=max_new_tokens,
+    eos=eos,
+    max_length=max_length,
+    all_greedy=all_greedy,
+    with_features=False,
+    where="generate",
+    logprobs=logprobs,
+  )
   rows = arange32(b)
 
   def body(s: LoopState) -> LoopState:
     # Each row feeds its last token at its own position: rows advance independently.
     last = gather_rows(s.tokens, s.length - 1)
     logits, cache = t_apply(last[:, None], (s.length - 1)[:, None], s.target_cache)
-    token, _, token_lp = sample_next(logits[:, 0], params, position_keys(start.keys, s.length), all_greedy,
-                                 s.penalties, logprobs)
+    token, _, token_lp = sample_next(
+      logits[:, 0], params, position_keys(start.keys, s.length), all_greedy, s.penalties, logprobs
+    )
     live = ~s.done
     # Finished rows write nowhere (index max_length is dropped) and stay put.
     slot = jnp.where(live, s.length, max_length)
@@ -342,8 +397,9 @@ def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key,
     length = s.length + live
     done = s.done | (live & (is_eos(token, eos) | (length - prompt_lengths >= max_new_tokens)))
     stats = dataclasses.replace(s.stats, target_calls=s.stats.target_calls + live)
-    return dataclasses.replace(s, tokens=buf, length=length, done=done, target_cache=cache, stats=stats,
-                               logprobs=lp, penalties=penalties)
+    return dataclasses.replace(
+      s, tokens=buf, length=length, done=done, target_cache=cache, stats=stats, logprobs=lp, penalties=penalties
+    )
 
   return loop_outputs(run_loop(body, start.state), prompt_lengths, max_new_tokens)
 
@@ -353,11 +409,23 @@ def _generate_program(target_arrays, prompt_tokens, prompt_lengths, params, key,
 # ----------------------------------------------------------------------------
 
 
-def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: SamplingParams, key, *,
-                         max_new_tokens: int, num_speculative_tokens: int, eos_token_id=None,
-                         all_greedy: bool = False, logprobs: str | None = None,
-                         draft_tree: tuple[int, ...] | DraftTree | DynamicTree | None = None,
-                         verification: str = "token", no_filters: bool = False) -> GenerateOutput:
+def speculative_generate(
+  target,
+  draft,
+  prompt_tokens,
+  prompt_lengths,
+  params: SamplingParams,
+  key,
+  *,
+  max_new_tokens: int,
+  num_speculative_tokens: int,
+  eos_token_id=None,
+  all_greedy: bool = False,
+  logprobs: str | None = None,
+  draft_tree: tuple[int, ...] | DraftTree | DynamicTree | None = None,
+  verification: str = "token",
+  no_filters: bool = False,
+) -> GenerateOutput:
   """Speculative decoding: draft K tokens, verify them in one target call, repeat.
 
   Lossless: the tokens are distributed exactly as `generate(target, ...)`'s (and
@@ -453,14 +521,25 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
     raise ValueError(f"{where}: verification must be one of {METHODS}, got {verification!r}")
   tree = _check_tree(where, draft_tree, k, target, draft, verification)
   if tree is not None and isinstance(params, SamplingParams) and (params.has_penalties or params.has_logit_bias):
-    raise ValueError(f"{where}: draft_tree={draft_tree} with penalties or a logit bias in params is not supported "
-                     "yet (each node's context is its own root path); use a chain (draft_tree=None)")
+    raise ValueError(
+      f"{where}: draft_tree={draft_tree} with penalties or a logit bias in params is not supported "
+      "yet (each node's context is its own root path); use a chain (draft_tree=None)"
+    )
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
-      where, prompt_tokens, prompt_lengths, params, key, max_new_tokens, eos_token_id, all_greedy,
-      extra_slots=_slots_per_round(tree, k) + 1)
+    where,
+    prompt_tokens,
+    prompt_lengths,
+    params,
+    key,
+    max_new_tokens,
+    eos_token_id,
+    all_greedy,
+    extra_slots=_slots_per_round(tree, k) + 1,
+  )
   feature_draft = hasattr(draft, "fuse") and hasattr(draft, "feature_layers")
-  checked = [("target", target)] + ([] if feature_draft or isinstance(draft, PromptLookupDrafter) else
-                                    [("draft", draft)])
+  checked = [("target", target)] + (
+    [] if feature_draft or isinstance(draft, PromptLookupDrafter) else [("draft", draft)]
+  )
   _check_context(where, checked, prompt_tokens.shape[1], max_new_tokens)
   _check_bias_vocab(where, target, params, prompt_tokens)
   if no_filters:
@@ -472,14 +551,30 @@ def speculative_generate(target, draft, prompt_tokens, prompt_lengths, params: S
     if feature_draft:
       target_layers = getattr(getattr(target, "config", None), "feature_layers", None)
       if tuple(draft.feature_layers) != tuple(target_layers or ()):
-        raise ValueError(f"{where}: the drafter reads feature_layers {tuple(draft.feature_layers)}, but the "
-                         f"target's config.feature_layers are {target_layers}; build the target with the "
-                         f"drafter's feature_layers")
+        raise ValueError(
+          f"{where}: the drafter reads feature_layers {tuple(draft.feature_layers)}, but the "
+          f"target's config.feature_layers are {target_layers}; build the target with the "
+          f"drafter's feature_layers"
+        )
     draft_def, draft_arrays = _split(draft, "draft", feature_drafter=feature_draft)
-  return _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params,
-                          None if all_greedy else key, target_def=target_def, draft_def=draft_def,
-                          feature_draft=feature_draft, num_speculative_tokens=int(k), max_new_tokens=max_new_tokens,
-                          eos=eos, all_greedy=bool(all_greedy), logprobs=logprobs, tree=tree, method=verification)
+  return _speculative_jit(
+    target_arrays,
+    draft_arrays,
+    prompt_tokens,
+    prompt_lengths,
+    params,
+    None if all_greedy else key,
+    target_def=target_def,
+    draft_def=draft_def,
+    feature_draft=feature_draft,
+    num_speculative_tokens=int(k),
+    max_new_tokens=max_new_tokens,
+    eos=eos,
+    all_greedy=bool(all_greedy),
+    logprobs=logprobs,
+    tree=tree,
+    method=verification,
+  )
 
 
 def _slots_per_round(tree, k) -> int:
@@ -503,44 +598,108 @@ def _check_tree(where, draft_tree, k, target, draft, verification="token") -> Dr
     if tree.depth != k:
       raise ValueError(f"{where}: draft_tree={tree} must have depth num_speculative_tokens={k}")
     if isinstance(draft, PromptLookupDrafter):
-      raise ValueError(f"{where}: a DynamicTree is chosen by a model's or EAGLE drafter's confidence; prompt "
-                       "lookup has none (use a DraftTree (m, 1, ..., 1))")
+      raise ValueError(
+        f"{where}: a DynamicTree is chosen by a model's or EAGLE drafter's confidence; prompt "
+        "lookup has none (use a DraftTree (m, 1, ..., 1))"
+      )
   elif tree.depth != k:
-    raise ValueError(f"{where}: draft_tree must have num_speculative_tokens={k} entries (one branching factor "
-                     f"per depth), got {tree.branching!r}")
+    raise ValueError(
+      f"{where}: draft_tree must have num_speculative_tokens={k} entries (one branching factor "
+      f"per depth), got {tree.branching!r}"
+    )
   if tree.is_chain:
     return None
   if verification != "token":
-    raise ValueError(f"{where}: verification={verification!r} verifies chains; draft_tree={draft_tree} is verified "
-                     "by tree_rejection_sample (use verification='token' or a chain)")
+    raise ValueError(
+      f"{where}: verification={verification!r} verifies chains; draft_tree={draft_tree} is verified "
+      "by tree_rejection_sample (use verification='token' or a chain)"
+    )
   models = [("target", target)] + ([] if isinstance(draft, PromptLookupDrafter) else [("draft", draft)])
   for name, model in models:
     if not callable(getattr(model, "copy_cache_slots", None)):
-      raise ValueError(f"{where}: draft_tree={draft_tree} needs the tree extension of the model protocol, which the "
-                       f"{name} ({type(model).__name__}) lacks: __call__(..., cache_slots=, attention_mask=) and "
-                       f"copy_cache_slots(cache, src, dst) (see Transformer)")
+      raise ValueError(
+        f"{where}: draft_tree={draft_tree} needs the tree extension of the model protocol, which the "
+        f"{name} ({type(model).__name__}) lacks: __call__(..., cache_slots=, attention_mask=) and "
+        f"copy_cache_slots(cache, src, dst) (see Transformer)"
+      )
   if isinstance(draft, PromptLookupDrafter) and any(b != 1 for b in tree.branching[1:]):
-    raise ValueError(f"{where}: prompt lookup drafts trees (m, 1, ..., 1) only (m earlier matches, each followed "
-                     f"to depth K), got draft_tree={draft_tree}")
+    raise ValueError(
+      f"{where}: prompt lookup drafts trees (m, 1, ..., 1) only (m earlier matches, each followed "
+      f"to depth K), got draft_tree={draft_tree}"
+    )
   return tree
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "feature_draft", "num_speculative_tokens",
-                                             "max_new_tokens", "eos", "all_greedy", "logprobs", "tree", "method"))
-def _speculative_jit(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
-                     draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
-                     logprobs, tree, method="token"):
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "target_def",
+    "draft_def",
+    "feature_draft",
+    "num_speculative_tokens",
+    "max_new_tokens",
+    "eos",
+    "all_greedy",
+    "logprobs",
+    "tree",
+    "method",
+  ),
+)
+def _speculative_jit(
+  target_arrays,
+  draft_arrays,
+  prompt_tokens,
+  prompt_lengths,
+  params,
+  key,
+  *,
+  target_def,
+  draft_def,
+  feature_draft,
+  num_speculative_tokens,
+  max_new_tokens,
+  eos,
+  all_greedy,
+  logprobs,
+  tree,
+  method="token",
+):
   # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
-  program = functools.partial(_speculative_program, target_def=target_def, draft_def=draft_def,
-                              feature_draft=feature_draft, num_speculative_tokens=num_speculative_tokens,
-                              max_new_tokens=max_new_tokens, eos=eos, all_greedy=all_greedy, logprobs=logprobs,
-                              tree=tree, method=method)
+  program = functools.partial(
+    _speculative_program,
+    target_def=target_def,
+    draft_def=draft_def,
+    feature_draft=feature_draft,
+    num_speculative_tokens=num_speculative_tokens,
+    max_new_tokens=max_new_tokens,
+    eos=eos,
+    all_greedy=all_greedy,
+    logprobs=logprobs,
+    tree=tree,
+    method=method,
+  )
   return auto_axes_if_explicit(program)(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key)
 
 
-def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def,
-                         draft_def, feature_draft, num_speculative_tokens, max_new_tokens, eos, all_greedy,
-                         logprobs, tree, method="token"):
+def _speculative_program(
+  target_arrays,
+  draft_arrays,
+  prompt_tokens,
+  prompt_lengths,
+  params,
+  key,
+  *,
+  target_def,
+  draft_def,
+  feature_draft,
+  num_speculative_tokens,
+  max_new_tokens,
+  eos,
+  all_greedy,
+  logprobs,
+  tree,
+  method="token",
+):
   """The body of `speculative_generate`'s jit: models, start, rounds until every row ends, outputs.
 
   Args:
@@ -570,19 +729,43 @@ def _speculative_program(target_arrays, draft_arrays, prompt_tokens, prompt_leng
   # Models, as functions inside the program.
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
   kind = _draft_kind(draft_def, draft_arrays, feature_draft=feature_draft, b=b, k=k, tree=tree)
-  setup = RoundSetup(kind=kind, target_apply=t_apply, target_copy=None if tree is None else _copy_slots(
-      target_def, target_arrays), params=params, k=k, tree=tree, all_greedy=all_greedy, logprobs=logprobs,
-                     method=method, max_length=max_length, end=p + max_new_tokens)
+  setup = RoundSetup(
+    kind=kind,
+    target_apply=t_apply,
+    target_copy=None if tree is None else _copy_slots(target_def, target_arrays),
+    params=params,
+    k=k,
+    tree=tree,
+    all_greedy=all_greedy,
+    logprobs=logprobs,
+    method=method,
+    max_length=max_length,
+    end=p + max_new_tokens,
+  )
   propose_and_verify = chain_round if tree is None else tree_round
 
   # Start: the target's prefill and first token, then the draft kind's own start.
-  start = start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, max_new_tokens=max_new_tokens,
-                     eos=eos, max_length=max_length, all_greedy=all_greedy, with_features=kind.needs_features,
-                     where="speculative_generate", logprobs=logprobs)
+  start = start_loop(
+    t_init,
+    t_apply,
+    prompt_tokens,
+    prompt_lengths,
+    params,
+    key,
+    max_new_tokens=max_new_tokens,
+    eos=eos,
+    max_length=max_length,
+    all_greedy=all_greedy,
+    with_features=kind.needs_features,
+    where="speculative_generate",
+    logprobs=logprobs,
+  )
   zeros_k = jnp.zeros((k,), jnp.int32)
   state = dataclasses.replace(
-      start.state, draft=kind.start(start, prompt_tokens, max_length),
-      stats=dataclasses.replace(start.state.stats, accepted_per_position=zeros_k, reached_per_position=zeros_k))
+    start.state,
+    draft=kind.start(start, prompt_tokens, max_length),
+    stats=dataclasses.replace(start.state.stats, accepted_per_position=zeros_k, reached_per_position=zeros_k),
+  )
 
   def speculative_round(s: LoopState) -> LoopState:
     keys = round_keys(start.keys, s.length, all_greedy)
@@ -599,5 +782,8 @@ def _draft_kind(draft_def, draft_arrays, *, feature_draft, b, k, tree) -> DraftK
     return LookupDraft(draft_def, k)
   if feature_draft:
     return FeatureDraft(draft_def, draft_arrays, b, k)
-  return ModelDraft(*_model_fns(draft_def, draft_arrays, "draft", b), k,
-                    copy=None if tree is None else _copy_slots(draft_def, draft_arrays))
+  return ModelDraft(
+    *_model_fns(draft_def, draft_arrays, "draft", b),
+    k,
+    copy=None if tree is None else _copy_slots(draft_def, draft_arrays),
+  )

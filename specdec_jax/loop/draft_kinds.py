@@ -94,16 +94,37 @@ class DraftKind(Protocol):
   def start(self, start: Start, prompt_tokens: jax.Array, max_length: int) -> Any:
     """The carry after the target's prefill."""
 
-  def propose_chain(self, carry, state: LoopState, keys, params: SamplingParams, *, all_greedy: bool,
-                    end: int) -> Drafts:
+  def propose_chain(
+    self, carry, state: LoopState, keys, params: SamplingParams, *, all_greedy: bool, end: int
+  ) -> Drafts:
     """K drafts in a chain: tokens [B, K], probs [B, K, V] or None."""
 
-  def propose_tree(self, carry, state: LoopState, keys, params: SamplingParams, *, tree: DraftTree,
-                   all_greedy: bool, max_length: int, end: int) -> Drafts:
+  def propose_tree(
+    self,
+    carry,
+    state: LoopState,
+    keys,
+    params: SamplingParams,
+    *,
+    tree: DraftTree,
+    all_greedy: bool,
+    max_length: int,
+    end: int,
+  ) -> Drafts:
     """The N nodes of a static tree: tokens [B, N], probs [B, N+1, V] or None."""
 
-  def propose_dynamic(self, carry, state: LoopState, keys, params: SamplingParams, *, tree: DynamicTree,
-                      all_greedy: bool, max_length: int, end: int) -> DynamicDrafts:
+  def propose_dynamic(
+    self,
+    carry,
+    state: LoopState,
+    keys,
+    params: SamplingParams,
+    *,
+    tree: DynamicTree,
+    all_greedy: bool,
+    max_length: int,
+    end: int,
+  ) -> DynamicDrafts:
     """A tree chosen by the drafter's confidence; raises TypeError for a kind that has none."""
 
   def commit_tree(self, carry, src: jax.Array, dst: jax.Array) -> Any:
@@ -127,17 +148,21 @@ class LookupDraft:
   def propose_chain(self, carry, state: LoopState, keys, params, *, all_greedy, end) -> Drafts:
     return Drafts(self.drafter.propose(state.tokens, state.length, self.k), None, carry)
 
-  def propose_tree(self, carry, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length,
-                   end) -> Drafts:
+  def propose_tree(
+    self, carry, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length, end
+  ) -> Drafts:
     # A tree (m, 1, ..., 1): m branches, the continuations of m different earlier matches.
     branches = self.drafter.propose_branches(state.tokens, state.length, tree.depth, tree.branching[0])  # [B, m, K]
     b = branches.shape[0]
     return Drafts(jnp.swapaxes(branches, 1, 2).reshape(b, tree.num_nodes), None, carry)
 
-  def propose_dynamic(self, carry, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy, max_length,
-                      end) -> DynamicDrafts:
-    raise TypeError(f"speculative_generate: draft_tree={tree} is chosen by a drafter's confidence; prompt lookup "
-                    "has none (use a DraftTree (m, 1, ..., 1))")
+  def propose_dynamic(
+    self, carry, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy, max_length, end
+  ) -> DynamicDrafts:
+    raise TypeError(
+      f"speculative_generate: draft_tree={tree} is chosen by a drafter's confidence; prompt lookup "
+      "has none (use a DraftTree (m, 1, ..., 1))"
+    )
 
   def commit_tree(self, carry, src, dst):
     return carry
@@ -179,8 +204,9 @@ class ModelDraft:
 
     return draft_chain(self.k, cache, first, q_first, step, sample)
 
-  def propose_tree(self, cache, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length,
-                   end) -> Drafts:
+  def propose_tree(
+    self, cache, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length, end
+  ) -> Drafts:
     # Nodes are written at slot L + j (as in the target's verification) and
     # fed depth by depth; the leaves at depth K are never fed, like dK of a chain.
     length = state.length
@@ -196,8 +222,9 @@ class ModelDraft:
 
     return Drafts(*grow_tree(tree, logits[:, -1], level, cache, params, keys, all_greedy=all_greedy))
 
-  def propose_dynamic(self, cache, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy, max_length,
-                      end) -> DynamicDrafts:
+  def propose_dynamic(
+    self, cache, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy, max_length, end
+  ) -> DynamicDrafts:
     # The frontier of depth i sits at slots L + (i-1)*k + m (`dynamic_tree`), position L-1+i.
     length, k = state.length, tree.top_k
     logits, cache = self._first_call(cache, state, end)
@@ -256,12 +283,15 @@ class FeatureDraft:
     model = self._model()
     feats = start.prefill_features
     if feats.shape[-1] != model.config.feature_size:
-      raise ValueError(f"speculative_generate: the target's features have width {feats.shape[-1]}, the drafter "
-                       f"reads {model.config.feature_size}")
+      raise ValueError(
+        f"speculative_generate: the target's features have width {feats.shape[-1]}, the drafter "
+        f"reads {model.config.feature_size}"
+      )
     pos = jnp.broadcast_to(arange32(p), (b, p))
-    nxt = jnp.maximum(start.state.tokens[:, 1:p + 1], 0)
-    logits, _, cache = model(nxt, model.fuse(feats), pos, model.init_cache(self.b, max_length),
-                             logits_at=jnp.zeros((b,), jnp.int32))
+    nxt = jnp.maximum(start.state.tokens[:, 1 : p + 1], 0)
+    logits, _, cache = model(
+      nxt, model.fuse(feats), pos, model.init_cache(self.b, max_length), logits_at=jnp.zeros((b,), jnp.int32)
+    )
     check_vocab(logits.shape[-1], start.vocab_size)
     last = gather_rows(feats, start.state.length - 2)  # f at P_b - 1
     pending = jnp.zeros((b, self.k + 1, feats.shape[-1]), feats.dtype).at[:, 0].set(last)
@@ -276,8 +306,9 @@ class FeatureDraft:
     base = state.length - 1 - carry.fresh
     idx = base[:, None] + arange32(self.k + 1)[None, :]
     nxt = jnp.maximum(jnp.take_along_axis(state.tokens, idx + 1, axis=1), 0)
-    logits, hidden, cache = model(nxt, model.fuse(carry.features), clamp_positions(idx, end), carry.cache,
-                                  logits_at=carry.fresh - 1)
+    logits, hidden, cache = model(
+      nxt, model.fuse(carry.features), clamp_positions(idx, end), carry.cache, logits_at=carry.fresh - 1
+    )
     return CatchUp(logits[:, 0], gather_rows(hidden, carry.fresh - 1), cache)
 
   def propose_chain(self, carry: FeatureCarry, state: LoopState, keys, params, *, all_greedy, end) -> Drafts:
@@ -288,15 +319,17 @@ class FeatureDraft:
 
     def step(carried, token, i):  # d_i at position L-2+i, reading the hidden that drafted it
       cache, h = carried
-      logits, h, cache = self._model()(token[:, None], h[:, None], clamp_positions((length - 2 + i)[:, None], end),
-                                       cache)
+      logits, h, cache = self._model()(
+        token[:, None], h[:, None], clamp_positions((length - 2 + i)[:, None], end), cache
+      )
       return (cache, h[:, 0]), logits[:, 0]
 
     tokens, probs, (cache, _) = draft_chain(k, (cache, h), first, q_first, step, sample)
     return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
 
-  def propose_tree(self, carry: FeatureCarry, state: LoopState, keys, params, *, tree: DraftTree, all_greedy,
-                   max_length, end) -> Drafts:
+  def propose_tree(
+    self, carry: FeatureCarry, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length, end
+  ) -> Drafts:
     # The entries of depth-i nodes sit at position L-2+i and slot L-1+j (node j),
     # each reading its parent's hidden (the catch-up's for depth 1).
     length = state.length
@@ -312,12 +345,14 @@ class FeatureDraft:
       logits, hidden, cache = self._model()(tokens, hidden, pos, cache, cache_slots=slots, attention_mask=mask)
       return (cache, hidden), logits
 
-    tokens, probs, (cache, _) = grow_tree(tree, root_logits, level, (cache, h[:, None]), params, keys,
-                                          all_greedy=all_greedy)
+    tokens, probs, (cache, _) = grow_tree(
+      tree, root_logits, level, (cache, h[:, None]), params, keys, all_greedy=all_greedy
+    )
     return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
 
-  def propose_dynamic(self, carry: FeatureCarry, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy,
-                      max_length, end) -> DynamicDrafts:
+  def propose_dynamic(
+    self, carry: FeatureCarry, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy, max_length, end
+  ) -> DynamicDrafts:
     # As propose_tree, with the frontier of depth i at slots L-1 + (i-1)*k + m (`dynamic_tree`).
     length, k = state.length, tree.top_k
     root_logits, h, cache = self._catch_up(carry, state, end)
@@ -328,12 +363,14 @@ class FeatureDraft:
       pos = clamp_positions(jnp.broadcast_to((length - 2 + i)[:, None], tokens.shape), end)
       slots = (length - 1)[:, None] + (i - 1) * k + arange32(k)[None, :]
       mask = tree_attention_mask(length - 1, length - 1, rows, max_length)
-      logits, hidden, cache = self._model()(tokens, parent_h[rows_b, parent], pos, cache, cache_slots=slots,
-                                            attention_mask=mask)
+      logits, hidden, cache = self._model()(
+        tokens, parent_h[rows_b, parent], pos, cache, cache_slots=slots, attention_mask=mask
+      )
       return (cache, hidden), logits
 
-    tokens, parents, fed, probs, (cache, _) = grow_dynamic_tree(tree, root_logits, level, (cache, h[:, None]),
-                                                                params, keys, all_greedy=all_greedy)
+    tokens, parents, fed, probs, (cache, _) = grow_dynamic_tree(
+      tree, root_logits, level, (cache, h[:, None]), params, keys, all_greedy=all_greedy
+    )
     return DynamicDrafts(tokens, parents, fed, probs, dataclasses.replace(carry, cache=cache))
 
   def commit_tree(self, carry, src, dst):
@@ -358,8 +395,9 @@ def chain_sampler(state: LoopState, keys, params: SamplingParams, *, all_greedy:
     penalties = state.penalties
     if penalties is not None and earlier is not None:
       penalties = penalties.add_tokens(earlier, earlier >= 0)
-    token, log_probs = sample_tokens(logits, params, position_keys(keys, jnp.full((b,), i, jnp.int32)),
-                                     all_greedy=all_greedy, penalty_state=penalties)
+    token, log_probs = sample_tokens(
+      logits, params, position_keys(keys, jnp.full((b,), i, jnp.int32)), all_greedy=all_greedy, penalty_state=penalties
+    )
     return token, None if all_greedy else jnp.exp(log_probs)
 
   return sample
@@ -393,6 +431,6 @@ def draft_chain(k, carry, first, q_first, step, sample):
 def check_vocab(draft_v, target_v):
   """Refuses a draft whose vocabulary size differs from the target's (found when the prefill is traced)."""
   if draft_v != target_v:
-    raise ValueError(f"speculative_generate: draft and target must share the vocabulary, got draft V={draft_v} "
-                     f"and target V={target_v}")
-
+    raise ValueError(
+      f"speculative_generate: draft and target must share the vocabulary, got draft V={draft_v} and target V={target_v}"
+    )

@@ -139,8 +139,9 @@ def kept_tokens(s: LoopState, verified: Verified, prompt_lengths, *, eos, max_ne
   return jnp.where(~s.done, kept, 0).astype(jnp.int32)
 
 
-def commit(s: LoopState, verified: Verified, kept, setup: RoundSetup, prompt_lengths, *, eos,
-           max_new_tokens) -> LoopState:
+def commit(
+  s: LoopState, verified: Verified, kept, setup: RoundSetup, prompt_lengths, *, eos, max_new_tokens
+) -> LoopState:
   """Writes the kept tokens (and log-probabilities) into the buffer, advances L, ends rows, counts.
 
   The draft kind observes the round last (a feature drafter keeps the target's features).
@@ -157,10 +158,16 @@ def commit(s: LoopState, verified: Verified, kept, setup: RoundSetup, prompt_len
   done = s.done | (live & (hit_eos | (length - prompt_lengths >= max_new_tokens)))
   room = max_new_tokens - (s.length - prompt_lengths)
   penalties = None if s.penalties is None else s.penalties.add_tokens(verified.emitted, j < kept[:, None])
-  return LoopState(tokens=tokens, length=length, done=done, target_cache=verified.target_cache,
-                   draft=setup.kind.observe(verified.draft_carry, verified.features, kept),
-                   stats=count(s.stats, setup, live, kept, verified.num_emitted, room), logprobs=lp,
-                   penalties=penalties)
+  return LoopState(
+    tokens=tokens,
+    length=length,
+    done=done,
+    target_cache=verified.target_cache,
+    draft=setup.kind.observe(verified.draft_carry, verified.features, kept),
+    stats=count(s.stats, setup, live, kept, verified.num_emitted, room),
+    logprobs=lp,
+    penalties=penalties,
+  )
 
 
 def count(stats: DecodeStats, setup: RoundSetup, live, kept, num_emitted, room) -> DecodeStats:
@@ -177,9 +184,10 @@ def count(stats: DecodeStats, setup: RoundSetup, live, kept, num_emitted, room) 
   # the positions before the cut count (what came after could not be emitted).
   reached = live[:, None] & ((i < acc[:, None]) | ((i == acc[:, None]) & ~cut[:, None] & (i < room[:, None] - 1)))
   return DecodeStats(
-      target_calls=stats.target_calls + (kept > 0),
-      drafted=stats.drafted + setup.drafts_per_round * live,
-      accepted=stats.accepted + acc,
-      accepted_per_position=stats.accepted_per_position + jnp.sum(i < acc[:, None], axis=0, dtype=jnp.int32),
-      usable_drafted=stats.usable_drafted + jnp.where(live, usable, 0).astype(jnp.int32),
-      reached_per_position=stats.reached_per_position + jnp.sum(reached, axis=0, dtype=jnp.int32))
+    target_calls=stats.target_calls + (kept > 0),
+    drafted=stats.drafted + setup.drafts_per_round * live,
+    accepted=stats.accepted + acc,
+    accepted_per_position=stats.accepted_per_position + jnp.sum(i < acc[:, None], axis=0, dtype=jnp.int32),
+    usable_drafted=stats.usable_drafted + jnp.where(live, usable, 0).astype(jnp.int32),
+    reached_per_position=stats.reached_per_position + jnp.sum(reached, axis=0, dtype=jnp.int32),
+  )

@@ -223,8 +223,22 @@ def sample_next(logits, params, keys, all_greedy, penalties, logprobs) -> NextTo
   return NextToken(*out) if logprobs is not None else NextToken(*out, None)
 
 
-def start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, max_new_tokens, eos, max_length,
-           all_greedy, with_features, where, logprobs=None) -> Start:
+def start_loop(
+  t_init,
+  t_apply,
+  prompt_tokens,
+  prompt_lengths,
+  params,
+  key,
+  *,
+  max_new_tokens,
+  eos,
+  max_length,
+  all_greedy,
+  with_features,
+  where,
+  logprobs=None,
+) -> Start:
   """Keys, the target's prefill, the first new token, the token buffer.
 
   The prefill feeds the padded prompt at positions arange(P) and samples the
@@ -244,8 +258,9 @@ def start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, m
   penalties = None
   if params.has_penalties:  # the context's counts, kept by the loop (static: the params' structure)
     penalties = PenaltyState.from_prompt(prompt_tokens, prompt_lengths, logits.shape[-1])
-  first, _, first_lp = sample_next(first_logits, params, position_keys(keys, prompt_lengths), all_greedy,
-                                        penalties, logprobs)
+  first, _, first_lp = sample_next(
+    first_logits, params, position_keys(keys, prompt_lengths), all_greedy, penalties, logprobs
+  )
 
   slot = arange32(max_length)[None, :]
   padded = jnp.pad(prompt_tokens, ((0, 0), (0, max_length - p)))
@@ -257,18 +272,33 @@ def start_loop(t_init, t_apply, prompt_tokens, prompt_lengths, params, key, *, m
     lp_buf = jnp.where(slot == prompt_lengths[:, None], first_lp[:, None], 0.0).astype(jnp.float32)
   if penalties is not None:
     penalties = penalties.add_tokens(first[:, None])
-  state = LoopState(tokens=buf, length=prompt_lengths + 1, done=is_eos(first, eos) | (max_new_tokens <= 1),
-                    target_cache=cache, draft=None, logprobs=lp_buf, penalties=penalties,
-                    stats=DecodeStats(target_calls=jnp.ones((b,), jnp.int32), drafted=zeros, accepted=zeros,
-                                      accepted_per_position=jnp.zeros((0,), jnp.int32), usable_drafted=zeros,
-                                      reached_per_position=jnp.zeros((0,), jnp.int32)))
+  state = LoopState(
+    tokens=buf,
+    length=prompt_lengths + 1,
+    done=is_eos(first, eos) | (max_new_tokens <= 1),
+    target_cache=cache,
+    draft=None,
+    logprobs=lp_buf,
+    penalties=penalties,
+    stats=DecodeStats(
+      target_calls=jnp.ones((b,), jnp.int32),
+      drafted=zeros,
+      accepted=zeros,
+      accepted_per_position=jnp.zeros((0,), jnp.int32),
+      usable_drafted=zeros,
+      reached_per_position=jnp.zeros((0,), jnp.int32),
+    ),
+  )
   # Under a mesh, the row-major state lives split by rows over the data axis, as
   # the caches do (the models constrain those); a no-op without a mesh.
-  state = dataclasses.replace(state, tokens=constrain_rows(state.tokens), length=constrain_rows(state.length),
-                              done=constrain_rows(state.done),
-                              logprobs=None if lp_buf is None else constrain_rows(lp_buf))
-  return Start(state=state, keys=keys, vocab_size=logits.shape[-1],
-                prefill_features=out[1] if with_features else None)
+  state = dataclasses.replace(
+    state,
+    tokens=constrain_rows(state.tokens),
+    length=constrain_rows(state.length),
+    done=constrain_rows(state.done),
+    logprobs=None if lp_buf is None else constrain_rows(lp_buf),
+  )
+  return Start(state=state, keys=keys, vocab_size=logits.shape[-1], prefill_features=out[1] if with_features else None)
 
 
 def loop_outputs(state: LoopState, prompt_lengths, max_new_tokens):
@@ -288,7 +318,6 @@ def loop_outputs(state: LoopState, prompt_lengths, max_new_tokens):
 def run_loop(body, state: LoopState) -> LoopState:
   """`body` (one step or round, LoopState -> LoopState) until every row is done, in one `lax.while_loop`."""
   return jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
-
 
 
 def check_eos(eos, vocab_size, where):

@@ -83,12 +83,27 @@ def propose_tree(s: LoopState, keys: RoundKeys, setup: RoundSetup) -> TreeDrafts
   if isinstance(tree, DynamicTree):  # top-k children (no draft probabilities), or sampled ones verified with q
     drafts = setup.kind.propose_dynamic(s.draft, s, keys.draft, setup.params, tree=tree, **kw)
     ancestors, depths = tree_ancestors(drafts.parents, tree.depth)
-    return TreeDrafts(drafts.tokens, drafts.parents, depths, ancestors, drafts.fed, drafts.probs, drafts.carry,
-                      dict(max_depth=tree.depth, sibling_draws="without_replacement"))  # how a sampled tree draws
+    return TreeDrafts(
+      drafts.tokens,
+      drafts.parents,
+      depths,
+      ancestors,
+      drafts.fed,
+      drafts.probs,
+      drafts.carry,
+      dict(max_depth=tree.depth, sibling_draws="without_replacement"),
+    )  # how a sampled tree draws
   drafts = setup.kind.propose_tree(s.draft, s, keys.draft, setup.params, tree=tree, **kw)
-  return TreeDrafts(drafts.tokens, tree.parents, jnp.asarray(tree.depths)[None, :], tree.ancestors, None,
-                    drafts.probs, drafts.carry,
-                    dict(sibling_draws=tree.sibling_draws))  # as the drafter drew them (static_tree.child_tokens)
+  return TreeDrafts(
+    drafts.tokens,
+    tree.parents,
+    jnp.asarray(tree.depths)[None, :],
+    tree.ancestors,
+    None,
+    drafts.probs,
+    drafts.carry,
+    dict(sibling_draws=tree.sibling_draws),
+  )  # as the drafter drew them (static_tree.child_tokens)
 
 
 class TreeVerdict(NamedTuple):
@@ -114,13 +129,21 @@ def verify_tree(s: LoopState, drafts: TreeDrafts, keys: RoundKeys, setup: RoundS
   slots = (length - 1)[:, None] + arange32(n + 1)[None, :]
   kw = dict(cache_slots=slots, attention_mask=tree_attention_mask(length, length, rows, setup.max_length))
   if setup.kind.needs_features:
-    target_logits, features, target_cache = setup.target_apply(tokens, positions, s.target_cache,
-                                                                return_features=True, **kw)
+    target_logits, features, target_cache = setup.target_apply(
+      tokens, positions, s.target_cache, return_features=True, **kw
+    )
   else:
     (target_logits, target_cache), features = setup.target_apply(tokens, positions, s.target_cache, **kw), None
-  walk = tree_rejection_sample(draft_token_ids=drafts.tokens, parents=drafts.parents, target_logits=target_logits,
-                               params=setup.params, key=keys.verify, draft_probs=drafts.probs,
-                               all_greedy=setup.all_greedy, **drafts.verify_kw)
+  walk = tree_rejection_sample(
+    draft_token_ids=drafts.tokens,
+    parents=drafts.parents,
+    target_logits=target_logits,
+    params=setup.params,
+    key=keys.verify,
+    draft_probs=drafts.probs,
+    all_greedy=setup.all_greedy,
+    **drafts.verify_kw,
+  )
   return TreeVerdict(walk, target_logits, target_cache, features)
 
 
@@ -148,8 +171,14 @@ def commit_path(s: LoopState, drafts: TreeDrafts, verdict: TreeVerdict, setup: R
   if setup.logprobs is not None:
     path_logits = jnp.take_along_axis(verdict.target_logits, path[:, :, None], axis=1)  # [B, K+1, V]
     lp = path_logprobs(path_logits, walk.token_ids, setup.params, setup.logprobs, setup.all_greedy)
-  return Verified(emitted=walk.token_ids, num_emitted=walk.num_emitted, logprobs=lp, target_cache=target_cache,
-                  draft_carry=draft_carry, features=features)
+  return Verified(
+    emitted=walk.token_ids,
+    num_emitted=walk.num_emitted,
+    logprobs=lp,
+    target_cache=target_cache,
+    draft_carry=draft_carry,
+    features=features,
+  )
 
 
 def path_logprobs(logits, tokens, params, mode, all_greedy):
@@ -162,4 +191,3 @@ def path_logprobs(logits, tokens, params, mode, all_greedy):
     processed = jnp.take_along_axis(logp, jnp.clip(tokens, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
   lp = stats.requested_log_probs(logits, tokens, params, processed, mode, greedy)
   return jnp.where(tokens >= 0, lp, 0.0)
-

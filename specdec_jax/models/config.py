@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 _POSITIVE_INT_FIELDS = (
-    "vocab_size",
-    "num_layers",
-    "d_model",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "d_ff",
+  "vocab_size",
+  "num_layers",
+  "d_model",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "d_ff",
 )
 
 KERNELS = ("xla", "pallas", "pallas_interpret")
@@ -113,14 +113,11 @@ class TransformerConfig:
         raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}.")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
-          f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
-          f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention."
+        f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
+        f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention."
       )
     if self.head_dim % 2:
-      raise ValueError(
-          "TransformerConfig.head_dim must be even (RoPE rotates pairs of dims), "
-          f"got {self.head_dim}."
-      )
+      raise ValueError(f"TransformerConfig.head_dim must be even (RoPE rotates pairs of dims), got {self.head_dim}.")
     if not self.rope_theta > 0:
       raise ValueError(f"TransformerConfig.rope_theta must be > 0, got {self.rope_theta!r}.")
     if not self.rms_norm_eps >= 0:
@@ -134,11 +131,17 @@ class TransformerConfig:
     layers = self.feature_layers
     if isinstance(layers, list):
       layers = tuple(layers)
-    if (not isinstance(layers, tuple) or len(set(layers)) != len(layers) or any(
-        isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_layers
-        for i in layers)):
-      raise ValueError(f"TransformerConfig.feature_layers must be a tuple of distinct layer indices in "
-                       f"[0, num_layers={self.num_layers}), got {self.feature_layers!r}.")
+    if (
+      not isinstance(layers, tuple)
+      or len(set(layers)) != len(layers)
+      or any(
+        isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_layers for i in layers
+      )
+    ):
+      raise ValueError(
+        f"TransformerConfig.feature_layers must be a tuple of distinct layer indices in "
+        f"[0, num_layers={self.num_layers}), got {self.feature_layers!r}."
+      )
     object.__setattr__(self, "feature_layers", tuple(int(i) for i in layers))
     m = self.max_length
     if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m <= 0):
@@ -166,13 +169,13 @@ class TransformerConfig:
       8
     """
     fields = dict(
-        vocab_size=vocab_size,
-        num_layers=2,
-        d_model=32,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        d_ff=64,
+      vocab_size=vocab_size,
+      num_layers=2,
+      d_model=32,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=8,
+      d_ff=64,
     )
     fields.update(overrides)
     return cls(**fields)

@@ -78,12 +78,19 @@ from specdec_jax.models.transformer import (
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))
 
 
-def _layout(params: Mapping[str, jax.Array], c: TransformerConfig, *, fuse_attention: bool = True,
-            fuse_mlp: bool = True) -> dict[str, jax.Array]:
+def _layout(
+  params: Mapping[str, jax.Array], c: TransformerConfig, *, fuse_attention: bool = True, fuse_mlp: bool = True
+) -> dict[str, jax.Array]:
   """A block's (or a stack's) projections fused (q|k|v, gate|up: one matmul each, as the drafter holds them)
   or separate (as the weights file stores them, and where `sharding.shard` splits them)."""
-  return relayout(params, q_width=c.num_heads * c.head_dim, kv_width=c.num_kv_heads * c.head_dim, d_ff=c.d_ff,
-                  fuse_attention=fuse_attention, fuse_mlp=fuse_mlp)
+  return relayout(
+    params,
+    q_width=c.num_heads * c.head_dim,
+    kv_width=c.num_kv_heads * c.head_dim,
+    d_ff=c.d_ff,
+    fuse_attention=fuse_attention,
+    fuse_mlp=fuse_mlp,
+  )
 
 
 def _separate(params: Mapping[str, jax.Array], c: TransformerConfig) -> dict[str, jax.Array]:
@@ -128,10 +135,16 @@ class EagleConfig:
     if self.layers.feature_layers:
       raise ValueError("EagleConfig.layers.feature_layers must be empty (the drafter has no features of its own).")
     layers = tuple(self.feature_layers) if isinstance(self.feature_layers, list) else self.feature_layers
-    if (not isinstance(layers, tuple) or not layers or len(set(layers)) != len(layers)
-        or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0 for i in layers)):
-      raise ValueError(f"EagleConfig.feature_layers must be a non-empty tuple of distinct block indices >= 0, "
-                       f"got {self.feature_layers!r}.")
+    if (
+      not isinstance(layers, tuple)
+      or not layers
+      or len(set(layers)) != len(layers)
+      or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0 for i in layers)
+    ):
+      raise ValueError(
+        f"EagleConfig.feature_layers must be a non-empty tuple of distinct block indices >= 0, "
+        f"got {self.feature_layers!r}."
+      )
     object.__setattr__(self, "feature_layers", tuple(int(i) for i in layers))
     v, vd = self.layers.vocab_size, self.draft_vocab_size
     if isinstance(vd, bool) or not isinstance(vd, (int, np.integer)) or not 0 <= vd <= v:
@@ -155,17 +168,34 @@ def eagle_weight_shapes(config: EagleConfig) -> dict[str, tuple[int, ...]]:
   d, f = c.d_model, c.d_ff
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   shapes = {
-      "fc": (config.feature_size, d),
-      "first.input_norm": (d,), "first.hidden_norm": (d,),
-      "first.wq": (2 * d, q), "first.wk": (2 * d, kv), "first.wv": (2 * d, kv), "first.wo": (q, d),
-      "first.mlp_norm": (d,), "first.w_gate": (d, f), "first.w_up": (d, f), "first.w_down": (f, d),
-      "final_norm": (d,),
+    "fc": (config.feature_size, d),
+    "first.input_norm": (d,),
+    "first.hidden_norm": (d,),
+    "first.wq": (2 * d, q),
+    "first.wk": (2 * d, kv),
+    "first.wv": (2 * d, kv),
+    "first.wo": (q, d),
+    "first.mlp_norm": (d,),
+    "first.w_gate": (d, f),
+    "first.w_up": (d, f),
+    "first.w_down": (f, d),
+    "final_norm": (d,),
   }
   n = c.num_layers - 1
   if n:
-    shapes.update({"rest.attn_norm": (n, d), "rest.wq": (n, d, q), "rest.wk": (n, d, kv), "rest.wv": (n, d, kv),
-                   "rest.wo": (n, q, d), "rest.mlp_norm": (n, d), "rest.w_gate": (n, d, f),
-                   "rest.w_up": (n, d, f), "rest.w_down": (n, f, d)})
+    shapes.update(
+      {
+        "rest.attn_norm": (n, d),
+        "rest.wq": (n, d, q),
+        "rest.wk": (n, d, kv),
+        "rest.wv": (n, d, kv),
+        "rest.wo": (n, q, d),
+        "rest.mlp_norm": (n, d),
+        "rest.w_gate": (n, d, f),
+        "rest.w_up": (n, d, f),
+        "rest.w_down": (n, f, d),
+      }
+    )
   if config.draft_vocab_size:
     shapes["draft_vocab"] = (config.draft_vocab_size,)
   return shapes
@@ -222,8 +252,9 @@ class EagleDrafter(nnx.Module):
     self.config = config
     c = config.layers
     shapes = eagle_weight_shapes(config)
-    weights = random_weights(tuple((k, v) for k, v in shapes.items() if k != "draft_vocab"), c.num_layers, c.dtype,
-                             rngs.params())
+    weights = random_weights(
+      tuple((k, v) for k, v in shapes.items() if k != "draft_vocab"), c.num_layers, c.dtype, rngs.params()
+    )
     self._set_blocks(weights)
     self.final_norm = nnx.Param(weights["final_norm"])
     v, vd = c.vocab_size, config.draft_vocab_size
@@ -238,8 +269,7 @@ class EagleDrafter(nnx.Module):
   # --- construction ----------------------------------------------------------
 
   @classmethod
-  def for_target(cls, target: Transformer, *, num_layers: int = 1, draft_vocab=None,
-                 rngs: nnx.Rngs) -> EagleDrafter:
+  def for_target(cls, target: Transformer, *, num_layers: int = 1, draft_vocab=None, rngs: nnx.Rngs) -> EagleDrafter:
     """An untrained drafter for `target`: its widths, embedding, output head and feature layers.
 
     Args:
@@ -261,17 +291,30 @@ class EagleDrafter(nnx.Module):
     """
     tc = target.config
     if not tc.feature_layers:
-      raise ValueError("target.config.feature_layers is empty: build the target with "
-                       "TransformerConfig(feature_layers=(...)) so it can return features.")
+      raise ValueError(
+        "target.config.feature_layers is empty: build the target with "
+        "TransformerConfig(feature_layers=(...)) so it can return features."
+      )
     vocab = None
     if draft_vocab is not None:
       vocab = np.asarray(draft_vocab)
-      if (vocab.ndim != 1 or vocab.size == 0 or not np.issubdtype(vocab.dtype, np.integer)
-          or vocab.min() < 0 or vocab.max() >= tc.vocab_size or np.unique(vocab).size != vocab.size):
-        raise ValueError(f"draft_vocab must be distinct token ids in [0, V={tc.vocab_size}), one axis, "
-                         f"got {vocab.dtype} {vocab.shape}.")
-    config = EagleConfig(layers=tc.replace(num_layers=num_layers, feature_layers=()),
-                         feature_layers=tc.feature_layers, draft_vocab_size=0 if vocab is None else vocab.size)
+      if (
+        vocab.ndim != 1
+        or vocab.size == 0
+        or not np.issubdtype(vocab.dtype, np.integer)
+        or vocab.min() < 0
+        or vocab.max() >= tc.vocab_size
+        or np.unique(vocab).size != vocab.size
+      ):
+        raise ValueError(
+          f"draft_vocab must be distinct token ids in [0, V={tc.vocab_size}), one axis, "
+          f"got {vocab.dtype} {vocab.shape}."
+        )
+    config = EagleConfig(
+      layers=tc.replace(num_layers=num_layers, feature_layers=()),
+      feature_layers=tc.feature_layers,
+      draft_vocab_size=0 if vocab is None else vocab.size,
+    )
     drafter = cls(config, rngs=rngs)
     head = target.embed[...] if tc.tie_embeddings else target.lm_head[...].T  # [V, D]
     drafter.set_target_weights(target.embed[...], head, vocab)
@@ -286,8 +329,9 @@ class EagleDrafter(nnx.Module):
     embed = jnp.asarray(embed, c.dtype)
     head_rows = jnp.asarray(head_rows, c.dtype)
     if embed.shape != (c.vocab_size, c.d_model) or head_rows.shape != (c.vocab_size, c.d_model):
-      raise ValueError(f"embed and head_rows must be [V, D] = {(c.vocab_size, c.d_model)}, "
-                       f"got {embed.shape} and {head_rows.shape}.")
+      raise ValueError(
+        f"embed and head_rows must be [V, D] = {(c.vocab_size, c.d_model)}, got {embed.shape} and {head_rows.shape}."
+      )
     self.embed = TargetWeight(embed)
     if self.config.draft_vocab_size:
       if draft_vocab is None:
@@ -363,8 +407,9 @@ class EagleDrafter(nnx.Module):
     """
     config, c = self.config, self.config.layers
     m = sharding.model_axis_size(mesh)
-    part = Partitioning.for_shapes(model_size=m, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, d_ff=c.d_ff,
-                                   vocab_size=c.vocab_size)
+    part = Partitioning.for_shapes(
+      model_size=m, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, d_ff=c.d_ff, vocab_size=c.vocab_size
+    )
     part = dataclasses.replace(part, vocab=part.vocab and self.head[...].shape[0] % m == 0)
     placement = (mesh, part, 0)
     layout = {"fuse_attention": not part.heads, "fuse_mlp": not part.mlp}
@@ -413,20 +458,21 @@ class EagleDrafter(nnx.Module):
     """Target features [B, T, F] -> the drafter's hidden input [B, T, D]."""
     f = self.config.feature_size
     if features.ndim != 3 or features.shape[-1] != f:
-      raise ValueError(f"features must be [B, T, F] with F = {f} (feature_layers {self.feature_layers} x D), "
-                       f"got {features.shape}.")
+      raise ValueError(
+        f"features must be [B, T, F] with F = {f} (feature_layers {self.feature_layers} x D), got {features.shape}."
+      )
     return features.astype(self.config.layers.dtype) @ self.fc[...]
 
   def __call__(
-      self,
-      tokens: jax.Array,  # int32 [B, T]: the token after each entry's hidden
-      hidden: jax.Array,  # [B, T, D]: fuse(target features) or the drafter's own previous hidden
-      positions: jax.Array,  # int32 [B, T]
-      cache: KVCache,
-      *,
-      logits_at: jax.Array | None = None,  # int32 [B]: only this entry's logits
-      cache_slots: jax.Array | None = None,  # int32 [B, T]
-      attention_mask: jax.Array | None = None,  # bool [B, T, S]
+    self,
+    tokens: jax.Array,  # int32 [B, T]: the token after each entry's hidden
+    hidden: jax.Array,  # [B, T, D]: fuse(target features) or the drafter's own previous hidden
+    positions: jax.Array,  # int32 [B, T]
+    cache: KVCache,
+    *,
+    logits_at: jax.Array | None = None,  # int32 [B]: only this entry's logits
+    cache_slots: jax.Array | None = None,  # int32 [B, T]
+    attention_mask: jax.Array | None = None,  # bool [B, T, S]
   ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Runs entries (hidden_p, token_{p+1}) at their positions; writes their keys/values.
 
@@ -475,8 +521,9 @@ class EagleDrafter(nnx.Module):
     if cache.k.shape != expected or cache.k.dtype != c.dtype:
       raise ValueError(f"cache.k must be {c.dtype} {expected} (from init_cache), got {cache.k.dtype} {cache.k.shape}.")
     check_tree_args(tokens, cache_slots, attention_mask, cache.max_length)
-    ctx = AttentionContext.create(positions, cache.max_length, c, cache_slots=cache_slots,
-                                  attention_mask=attention_mask)
+    ctx = AttentionContext.create(
+      positions, cache.max_length, c, cache_slots=cache_slots, attention_mask=attention_mask
+    )
     emb = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)
     if self.partitioning is not None:
       emb = sharding.constrain_rows(emb)  # whole on the model axis, as in Transformer
@@ -487,14 +534,16 @@ class EagleDrafter(nnx.Module):
     kernels = block_kernels(c, self.partitioning, x, first_as_plain, cache.k, prefix)
     if kernels is not None:
       interpret, tree = kernels == "pallas_interpret", tree_kernel_args(ctx, cache_slots, attention_mask)
-      x, k_cache, v_cache = pallas_block(c, x, first_as_plain, cache.k, cache.v, 0, positions, ctx,
-                                         interpret=interpret, prefix=prefix, **tree)
+      x, k_cache, v_cache = pallas_block(
+        c, x, first_as_plain, cache.k, cache.v, 0, positions, ctx, interpret=interpret, prefix=prefix, **tree
+      )
       rest = self.rest.values() if c.num_layers > 1 else {}
       # Unrolled: the kernels take one block's weights. Slicing the stacked rest is free for the shipped head
       # (one such block: a bitcast) but a weight copy per call for each block beyond it.
       for i in range(1, c.num_layers):
-        x, k_cache, v_cache = pallas_block(c, x, {n: w[i - 1] for n, w in rest.items()}, k_cache, v_cache, i,
-                                           positions, ctx, interpret=interpret, **tree)
+        x, k_cache, v_cache = pallas_block(
+          c, x, {n: w[i - 1] for n, w in rest.items()}, k_cache, v_cache, i, positions, ctx, interpret=interpret, **tree
+        )
     else:
       x, k_cache, v_cache = self._xla_blocks(x, emb, p, cache, ctx)
     out = x if logits_at is None else jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
@@ -507,16 +556,18 @@ class EagleDrafter(nnx.Module):
   def _xla_blocks(self, x, emb, p, cache: KVCache, ctx: AttentionContext):
     """The blocks as XLA ops: the first on concat(norm(emb), norm(x)), the rest under `lax.scan`."""
     c = self.config.layers
-    attn_in = jnp.concatenate([rms_norm(emb, p["input_norm"], c.rms_norm_eps),
-                               rms_norm(x, p["hidden_norm"], c.rms_norm_eps)], axis=-1)
+    attn_in = jnp.concatenate(
+      [rms_norm(emb, p["input_norm"], c.rms_norm_eps), rms_norm(x, p["hidden_norm"], c.rms_norm_eps)], axis=-1
+    )
     x, k_cache, v_cache = decoder_block(c, x, attn_in, p, cache.k, cache.v, 0, ctx)
     if c.num_layers > 1:
 
       def block(carry, layer):
         x, k_cache, v_cache = carry
         p, i = layer
-        x, k_cache, v_cache = decoder_block(c, x, rms_norm(x, p["attn_norm"], c.rms_norm_eps), p, k_cache,
-                                            v_cache, i, ctx)
+        x, k_cache, v_cache = decoder_block(
+          c, x, rms_norm(x, p["attn_norm"], c.rms_norm_eps), p, k_cache, v_cache, i, ctx
+        )
         return (x, k_cache, v_cache), None
 
       ids = jnp.arange(1, c.num_layers, dtype=jnp.int32)
@@ -526,8 +577,12 @@ class EagleDrafter(nnx.Module):
   def head_logits(self, x: jax.Array) -> jax.Array:
     """Final norm and head on hiddens [..., D] -> float32 logits over the draft vocabulary [..., Vd or V]."""
     c = self.config.layers
-    return jnp.einsum("...d,vd->...v", rms_norm(x, self.final_norm[...], c.rms_norm_eps), self.head[...],
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+      "...d,vd->...v",
+      rms_norm(x, self.final_norm[...], c.rms_norm_eps),
+      self.head[...],
+      preferred_element_type=jnp.float32,
+    )
 
   def full_logits(self, logits: jax.Array) -> jax.Array:
     """Draft-vocabulary logits [..., Vd] -> [..., V] with -inf for tokens outside it (identity without one)."""
@@ -591,7 +646,7 @@ def _unrolled_block(c: TransformerConfig, x, attn_in, p, kv: list, j: int, cos, 
   k = _apply_rope(k, cos, sin)
   kv.append((k, v))
   rep = h // hkv
-  scale = dh ** -0.5
+  scale = dh**-0.5
 
   def heads(a):  # [B, T, Hkv, Dh] -> [B, T, H, Dh] in float32
     return jnp.repeat(a.astype(jnp.float32), rep, axis=2)

@@ -78,8 +78,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 # Re-exported: the axis names and constraints belong to every layer, the models included.
 from specdec_jax.mesh import AXIS_NAMES, DATA_AXIS, MODEL_AXIS, axis_size, constrain, constrain_rows, make_mesh
 
-__all__ = ["AXIS_NAMES", "DATA_AXIS", "MODEL_AXIS", "Partitioning", "axis_size", "check_mesh", "constrain",
-           "constrain_rows", "make_mesh", "shard"]
+__all__ = [
+  "AXIS_NAMES",
+  "DATA_AXIS",
+  "MODEL_AXIS",
+  "Partitioning",
+  "axis_size",
+  "check_mesh",
+  "constrain",
+  "constrain_rows",
+  "make_mesh",
+  "shard",
+]
 
 
 @jax.tree_util.register_static
@@ -104,22 +114,36 @@ class Partitioning:
   vocab: bool
 
   @classmethod
-  def for_shapes(cls, *, model_size: int, num_heads: int, num_kv_heads: int, d_ff: int, vocab_size: int
-                 ) -> Partitioning:
+  def for_shapes(
+    cls, *, model_size: int, num_heads: int, num_kv_heads: int, d_ff: int, vocab_size: int
+  ) -> Partitioning:
     """The module docstring's rules: split a part over m devices only where it divides evenly."""
     m = model_size
     split = m > 1
-    return cls(model_size=m, heads=split and num_heads % m == 0 and num_kv_heads % m == 0,
-               mlp=split and d_ff % m == 0, vocab=split and vocab_size % m == 0)
+    return cls(
+      model_size=m,
+      heads=split and num_heads % m == 0 and num_kv_heads % m == 0,
+      mlp=split and d_ff % m == 0,
+      vocab=split and vocab_size % m == 0,
+    )
 
   def param_spec(self, name: str) -> tuple[str | None, ...]:
     """The spec of a per-layer or top-level parameter by name (without a leading layer axis)."""
     h = MODEL_AXIS if self.heads else None
     f = MODEL_AXIS if self.mlp else None
     v = MODEL_AXIS if self.vocab else None
-    specs = {"embed": (v, None), "head": (v, None), "lm_head": (None, v),
-             "wq": (None, h), "wk": (None, h), "wv": (None, h), "wo": (h, None),
-             "w_gate": (None, f), "w_up": (None, f), "w_down": (f, None)}
+    specs = {
+      "embed": (v, None),
+      "head": (v, None),
+      "lm_head": (None, v),
+      "wq": (None, h),
+      "wk": (None, h),
+      "wv": (None, h),
+      "wo": (h, None),
+      "w_gate": (None, f),
+      "w_up": (None, f),
+      "w_down": (f, None),
+    }
     return specs.get(name, ())  # () = replicated (norms, fused projections, fc, draft ids)
 
   def cache_spec(self) -> tuple[str | None, ...]:
@@ -135,12 +159,15 @@ def check_mesh(mesh, where: str = "shard") -> None:
   """Raises ValueError unless `mesh` is a concrete `jax.sharding.Mesh` whose axes are among ("data", "model")."""
   if not isinstance(mesh, jax.sharding.Mesh):
     raise ValueError(  # noqa: TRY004 (the project's contract: bad arguments are ValueErrors)
-        f"{where}: mesh must be a jax.sharding.Mesh (e.g. specdec_jax.models.make_mesh(data=2, model=4)), "
-        f"got {type(mesh).__name__}.")
+      f"{where}: mesh must be a jax.sharding.Mesh (e.g. specdec_jax.models.make_mesh(data=2, model=4)), "
+      f"got {type(mesh).__name__}."
+    )
   unknown = [a for a in mesh.axis_names if a not in AXIS_NAMES]
   if unknown:
-    raise ValueError(f"{where}: mesh axis names must be among {AXIS_NAMES} (batch rows over 'data', tensor "
-                     f"parallelism over 'model'), got {tuple(mesh.axis_names)}.")
+    raise ValueError(
+      f"{where}: mesh axis names must be among {AXIS_NAMES} (batch rows over 'data', tensor "
+      f"parallelism over 'model'), got {tuple(mesh.axis_names)}."
+    )
 
 
 def model_axis_size(mesh) -> int:
@@ -202,14 +229,17 @@ def shard(model, mesh: jax.sharding.Mesh):
   check_mesh(mesh)
   shard_fn = getattr(type(model), "_shard", None)
   if shard_fn is None:
-    raise ValueError(f"shard: model must be a specdec_jax.models Transformer or EagleDrafter, got "
-                     f"{type(model).__name__} (shard your own model's arrays with jax.device_put and "
-                     f"NamedSharding; the loops accept any sharded model).")
+    raise ValueError(
+      f"shard: model must be a specdec_jax.models Transformer or EagleDrafter, got "
+      f"{type(model).__name__} (shard your own model's arrays with jax.device_put and "
+      f"NamedSharding; the loops accept any sharded model)."
+    )
   return shard_fn(model, mesh)
 
 
-def relayout(params: Mapping[str, jax.Array], *, q_width: int, kv_width: int, d_ff: int, fuse_attention: bool,
-             fuse_mlp: bool) -> dict[str, jax.Array]:
+def relayout(
+  params: Mapping[str, jax.Array], *, q_width: int, kv_width: int, d_ff: int, fuse_attention: bool, fuse_mlp: bool
+) -> dict[str, jax.Array]:
   """One block's (or a stack's) projections fused or separate, as asked (columns on the last axis).
 
   Fused: "wqkv" = q|k|v and "w_gate_up" = gate|up; separate: "wq", "wk", "wv",
@@ -220,7 +250,7 @@ def relayout(params: Mapping[str, jax.Array], *, q_width: int, kv_width: int, d_
   out = dict(params)
   if "wqkv" in out and not fuse_attention:
     wqkv = out.pop("wqkv")
-    out.update(wq=wqkv[..., :q_width], wk=wqkv[..., q_width:q_width + kv_width], wv=wqkv[..., q_width + kv_width:])
+    out.update(wq=wqkv[..., :q_width], wk=wqkv[..., q_width : q_width + kv_width], wv=wqkv[..., q_width + kv_width :])
   elif "wqkv" not in out and fuse_attention:
     out["wqkv"] = jnp.concatenate([out.pop("wq"), out.pop("wk"), out.pop("wv")], axis=-1)
   if "w_gate_up" in out and not fuse_mlp:

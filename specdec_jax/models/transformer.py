@@ -76,8 +76,14 @@ def fuse_projections(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 
 def split_projections(fused: Mapping[str, np.ndarray], config: TransformerConfig) -> dict[str, np.ndarray]:
   """The inverse of `fuse_projections` (exact: slicing); projections already separate pass through."""
-  return relayout(fused, q_width=config.num_heads * config.head_dim, kv_width=config.num_kv_heads * config.head_dim,
-                  d_ff=config.d_ff, fuse_attention=False, fuse_mlp=False)
+  return relayout(
+    fused,
+    q_width=config.num_heads * config.head_dim,
+    kv_width=config.num_kv_heads * config.head_dim,
+    d_ff=config.d_ff,
+    fuse_attention=False,
+    fuse_mlp=False,
+  )
 
 
 @flax.struct.dataclass
@@ -131,17 +137,17 @@ def weight_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
   L, D, F, V = config.num_layers, config.d_model, config.d_ff, config.vocab_size
   q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
   shapes = {
-      "embed": (V, D),
-      "layers.attn_norm": (L, D),
-      "layers.wq": (L, D, q),
-      "layers.wk": (L, D, kv),
-      "layers.wv": (L, D, kv),
-      "layers.wo": (L, q, D),
-      "layers.mlp_norm": (L, D),
-      "layers.w_gate": (L, D, F),
-      "layers.w_up": (L, D, F),
-      "layers.w_down": (L, F, D),
-      "final_norm": (D,),
+    "embed": (V, D),
+    "layers.attn_norm": (L, D),
+    "layers.wq": (L, D, q),
+    "layers.wk": (L, D, kv),
+    "layers.wv": (L, D, kv),
+    "layers.wo": (L, q, D),
+    "layers.mlp_norm": (L, D),
+    "layers.w_gate": (L, D, F),
+    "layers.w_up": (L, D, F),
+    "layers.w_down": (L, F, D),
+    "final_norm": (D,),
   }
   if not config.tie_embeddings:
     shapes["lm_head"] = (D, V)
@@ -154,8 +160,9 @@ def _random_weights(config: TransformerConfig, key: jax.Array) -> dict[str, jax.
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def random_weights(shapes: tuple[tuple[str, tuple[int, ...]], ...], num_layers: int, dtype, key: jax.Array
-                   ) -> dict[str, jax.Array]:
+def random_weights(
+  shapes: tuple[tuple[str, tuple[int, ...]], ...], num_layers: int, dtype, key: jax.Array
+) -> dict[str, jax.Array]:
   """Initial weights for the named shapes, in one compiled program (the transformer's and the EAGLE drafter's).
 
   (Drawn op by op, eagerly, each shape would compile on its own: seconds even
@@ -311,9 +318,7 @@ class Transformer(nnx.Module):
   # --- weights interface (shared with the GGUF loader) ----------------------
 
   @classmethod
-  def from_weights(
-      cls, config: TransformerConfig, weights: Mapping[str, np.ndarray]
-  ) -> Transformer:
+  def from_weights(cls, config: TransformerConfig, weights: Mapping[str, np.ndarray]) -> Transformer:
     """Builds a model from named arrays, without a random initialisation.
 
     Args:
@@ -350,10 +355,13 @@ class Transformer(nnx.Module):
 
     # Build the structure abstractly (no random numbers), then fill it in.
     graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
-    values = {name: jnp.asarray(weights[name], dtype=config.dtype) for name in expected
-              if not name.startswith("layers.")}
-    values["layers"] = _LayerStack.pure_dict(fuse_projections(
-        {name: jnp.asarray(weights[f"layers.{name}"], dtype=config.dtype) for name in _LAYER_PARAMS}), config)
+    values = {
+      name: jnp.asarray(weights[name], dtype=config.dtype) for name in expected if not name.startswith("layers.")
+    }
+    values["layers"] = _LayerStack.pure_dict(
+      fuse_projections({name: jnp.asarray(weights[f"layers.{name}"], dtype=config.dtype) for name in _LAYER_PARAMS}),
+      config,
+    )
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
 
@@ -366,8 +374,11 @@ class Transformer(nnx.Module):
     Example:
       >>> model.to_weights()["layers.wq"].shape  # (L, D, H*Dh)  # doctest: +SKIP
     """
-    out = {name: np.asarray(getattr(self, name)[...]) for name in weight_shapes(self.config)
-           if not name.startswith("layers.")}
+    out = {
+      name: np.asarray(getattr(self, name)[...])
+      for name in weight_shapes(self.config)
+      if not name.startswith("layers.")
+    }
     fused = {name: np.asarray(w) for name, w in self.layers.stacked(self.config).items()}
     out.update({f"layers.{name}": w for name, w in split_projections(fused, self.config).items()})
     return out
@@ -377,12 +388,22 @@ class Transformer(nnx.Module):
   def _shard(self, mesh: jax.sharding.Mesh) -> Transformer:
     """`sharding.shard` for a transformer: the parameters placed on `mesh` (a new model; self is unchanged)."""
     c = self.config
-    part = Partitioning.for_shapes(model_size=sharding.model_axis_size(mesh), num_heads=c.num_heads,
-                                   num_kv_heads=c.num_kv_heads, d_ff=c.d_ff, vocab_size=c.vocab_size)
+    part = Partitioning.for_shapes(
+      model_size=sharding.model_axis_size(mesh),
+      num_heads=c.num_heads,
+      num_kv_heads=c.num_kv_heads,
+      d_ff=c.d_ff,
+      vocab_size=c.vocab_size,
+    )
     placement = (mesh, part, 0)
     # A projection split over devices is held as separate matrices (the sharding module explains why).
-    layout = {"q_width": c.num_heads * c.head_dim, "kv_width": c.num_kv_heads * c.head_dim, "d_ff": c.d_ff,
-              "fuse_attention": not part.heads, "fuse_mlp": not part.mlp}
+    layout = {
+      "q_width": c.num_heads * c.head_dim,
+      "kv_width": c.num_kv_heads * c.head_dim,
+      "d_ff": c.d_ff,
+      "fuse_attention": not part.heads,
+      "fuse_mlp": not part.mlp,
+    }
     if c.scan_layers:
       layers = relayout(self.layers.stacked(c), **layout)
     else:
@@ -424,14 +445,14 @@ class Transformer(nnx.Module):
     return self.config.max_length
 
   def __call__(
-      self,
-      tokens: jax.Array,  # int32 [B, T]
-      positions: jax.Array,  # int32 [B, T]
-      cache: KVCache,  # k, v: [L, B, Hkv, S, Dh]
-      *,
-      return_features: bool = False,
-      cache_slots: jax.Array | None = None,  # int32 [B, T]
-      attention_mask: jax.Array | None = None,  # bool [B, T, S]
+    self,
+    tokens: jax.Array,  # int32 [B, T]
+    positions: jax.Array,  # int32 [B, T]
+    cache: KVCache,  # k, v: [L, B, Hkv, S, Dh]
+    *,
+    return_features: bool = False,
+    cache_slots: jax.Array | None = None,  # int32 [B, T]
+    attention_mask: jax.Array | None = None,  # bool [B, T, S]
   ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, jax.Array, KVCache]:
     """Writes the tokens' keys/values at their positions and returns their logits.
 
@@ -499,8 +520,9 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)  # [B, T, D]
     if self.partitioning is not None:
       x = sharding.constrain_rows(x)
-    ctx = AttentionContext.create(positions, cache.max_length, c, cache_slots=cache_slots,
-                                  attention_mask=attention_mask)
+    ctx = AttentionContext.create(
+      positions, cache.max_length, c, cache_slots=cache_slots, attention_mask=attention_mask
+    )
 
     kernels = self._block_kernels(x, cache)
     tree = tree_kernel_args(ctx, cache_slots, attention_mask)
@@ -509,8 +531,9 @@ class Transformer(nnx.Module):
       x, k_cache, v_cache = carry
       p, i = layer  # this layer's parameters, its index
       if kernels is not None:
-        x, k_cache, v_cache = pallas_block(c, x, p, k_cache, v_cache, i, positions, ctx,
-                                           interpret=kernels == "pallas_interpret", **tree)
+        x, k_cache, v_cache = pallas_block(
+          c, x, p, k_cache, v_cache, i, positions, ctx, interpret=kernels == "pallas_interpret", **tree
+        )
       else:
         attn_in = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
         x, k_cache, v_cache = decoder_block(c, x, attn_in, p, k_cache, v_cache, i, ctx)
@@ -569,21 +592,15 @@ class Transformer(nnx.Module):
         raise ValueError(f"{name} must be an integer array [B, T], got dtype {jnp.result_type(a)}.")
     if jnp.shape(positions) != jnp.shape(tokens):
       raise ValueError(
-          f"positions must have the shape of tokens [B, T] = {jnp.shape(tokens)}, "
-          f"got {jnp.shape(positions)}."
+        f"positions must have the shape of tokens [B, T] = {jnp.shape(tokens)}, got {jnp.shape(positions)}."
       )
     B = jnp.shape(tokens)[0]
     expected = (c.num_layers, B, c.num_kv_heads, cache.max_length, c.head_dim)
     for name, a in (("cache.k", cache.k), ("cache.v", cache.v)):
       if jnp.shape(a) != expected:
-        raise ValueError(
-            f"{name} must have shape [L, B, Hkv, S, Dh] = {expected} (B from tokens), "
-            f"got {jnp.shape(a)}."
-        )
+        raise ValueError(f"{name} must have shape [L, B, Hkv, S, Dh] = {expected} (B from tokens), got {jnp.shape(a)}.")
       if jnp.result_type(a) != c.dtype:
-        raise ValueError(
-            f"{name} must have dtype {c.dtype} (config.dtype), got {jnp.result_type(a)}."
-        )
+        raise ValueError(f"{name} must have dtype {c.dtype} (config.dtype), got {jnp.result_type(a)}.")
 
 
 def constrain_cache(part: Partitioning | None, cache: KVCache) -> KVCache:
@@ -600,14 +617,20 @@ def constrain_cache(part: Partitioning | None, cache: KVCache) -> KVCache:
 def check_tree_args(tokens, cache_slots, attention_mask, max_length: int) -> None:
   """Trace-time checks of `cache_slots` [B, T] and `attention_mask` [B, T, S] (None passes)."""
   b, t = jnp.shape(tokens)
-  if cache_slots is not None and (jnp.shape(cache_slots) != (b, t) or
-                                  not jnp.issubdtype(jnp.result_type(cache_slots), jnp.integer)):
-    raise ValueError(f"cache_slots must be an integer array [B, T] = {(b, t)}, got "
-                     f"{jnp.result_type(cache_slots)} {jnp.shape(cache_slots)}.")
-  if attention_mask is not None and (jnp.shape(attention_mask) != (b, t, max_length) or
-                                     jnp.result_type(attention_mask) != jnp.bool_):
-    raise ValueError(f"attention_mask must be a bool array [B, T, S] = {(b, t, max_length)} (S = the cache's "
-                     f"max_length), got {jnp.result_type(attention_mask)} {jnp.shape(attention_mask)}.")
+  if cache_slots is not None and (
+    jnp.shape(cache_slots) != (b, t) or not jnp.issubdtype(jnp.result_type(cache_slots), jnp.integer)
+  ):
+    raise ValueError(
+      f"cache_slots must be an integer array [B, T] = {(b, t)}, got "
+      f"{jnp.result_type(cache_slots)} {jnp.shape(cache_slots)}."
+    )
+  if attention_mask is not None and (
+    jnp.shape(attention_mask) != (b, t, max_length) or jnp.result_type(attention_mask) != jnp.bool_
+  ):
+    raise ValueError(
+      f"attention_mask must be a bool array [B, T, S] = {(b, t, max_length)} (S = the cache's "
+      f"max_length), got {jnp.result_type(attention_mask)} {jnp.shape(attention_mask)}."
+    )
 
 
 def copy_kv_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
@@ -629,8 +652,9 @@ def copy_kv_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
   """
   b, s = cache.batch_size, cache.max_length
   if jnp.shape(src) != jnp.shape(dst) or jnp.ndim(src) != 2 or jnp.shape(src)[0] != b:
-    raise ValueError(f"src and dst must be int arrays of one shape [B={b}, M], got {jnp.shape(src)} and "
-                     f"{jnp.shape(dst)}.")
+    raise ValueError(
+      f"src and dst must be int arrays of one shape [B={b}, M], got {jnp.shape(src)} and {jnp.shape(dst)}."
+    )
   rows = jnp.arange(b, dtype=jnp.int32)[:, None]
   src = jnp.clip(src.astype(jnp.int32), 0, s - 1)
   dst = dst.astype(jnp.int32)
@@ -657,8 +681,15 @@ class AttentionContext:
   rows: jax.Array  # int32 [B, 1]
 
   @classmethod
-  def create(cls, positions: jax.Array, max_length: int, config: TransformerConfig, *,
-             cache_slots: jax.Array | None = None, attention_mask: jax.Array | None = None) -> AttentionContext:
+  def create(
+    cls,
+    positions: jax.Array,
+    max_length: int,
+    config: TransformerConfig,
+    *,
+    cache_slots: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+  ) -> AttentionContext:
     """The context of one call; `cache_slots` / `attention_mask` as in `Transformer.__call__` (None: positions)."""
     b, _ = positions.shape
     s = max_length
@@ -671,8 +702,13 @@ class AttentionContext:
     # Out-of-range slots become slot S, which mode="drop" discards. Needed for
     # negative ones too: JAX indexing wraps -1 to S-1 even in drop mode.
     slots = jnp.where((slots >= 0) & (slots < s), slots, s)
-    return cls(cos=cos, sin=sin, mask=mask[:, None, :, :], slots=slots.astype(jnp.int32),
-               rows=jnp.arange(b, dtype=jnp.int32)[:, None])
+    return cls(
+      cos=cos,
+      sin=sin,
+      mask=mask[:, None, :, :],
+      slots=slots.astype(jnp.int32),
+      rows=jnp.arange(b, dtype=jnp.int32)[:, None],
+    )
 
 
 def decoder_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx: AttentionContext):
@@ -702,11 +738,16 @@ def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None
   """
   if c.kernels == "xla" or partitioning is not None:
     return None
-  if c.kernels == "pallas" and (jax.default_backend() != "gpu" or
-                                c.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))):
+  if c.kernels == "pallas" and (
+    jax.default_backend() != "gpu" or c.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  ):
     return None
-  if attention.check_args(x, p["wqkv"], p["wo"], k_cache, c.num_heads, c.num_kv_heads,
-                                 None if prefix is None else prefix[0]) is not None:
+  if (
+    attention.check_args(
+      x, p["wqkv"], p["wo"], k_cache, c.num_heads, c.num_kv_heads, None if prefix is None else prefix[0]
+    )
+    is not None
+  ):
     return None
   if mlp._check_args(x, p["mlp_norm"], p["w_gate_up"], p["w_down"]) is not None:
     return None
@@ -715,12 +756,29 @@ def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None
 
 def tree_kernel_args(ctx: AttentionContext, cache_slots, attention_mask) -> dict:
   """`pallas_block`'s slots and mask for a call given these tree arguments (None for those not given)."""
-  return {"slots": None if cache_slots is None else ctx.slots,
-          "mask": None if attention_mask is None else ctx.mask[:, 0]}
+  return {
+    "slots": None if cache_slots is None else ctx.slots,
+    "mask": None if attention_mask is None else ctx.mask[:, 0],
+  }
 
 
-def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx: AttentionContext, *,
-                 interpret: bool, attn_blocks=None, mlp_blocks=None, prefix=None, slots=None, mask=None):
+def pallas_block(
+  c: TransformerConfig,
+  x,
+  p,
+  k_cache,
+  v_cache,
+  i,
+  positions,
+  ctx: AttentionContext,
+  *,
+  interpret: bool,
+  attn_blocks=None,
+  mlp_blocks=None,
+  prefix=None,
+  slots=None,
+  mask=None,
+):
   """`decoder_block` of a plain (fused-projection) block as Pallas kernels: a call of <= 16 rows.
 
   `block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the tile sizes
@@ -737,12 +795,34 @@ def pallas_block(c: TransformerConfig, x, p, k_cache, v_cache, i, positions, ctx
   """
   half = c.head_dim // 2
   x, k_cache, v_cache = attention.fused_attention(
-      x, p["attn_norm"], p["wqkv"], p["wo"], k_cache, v_cache, i, positions, ctx.cos[:, :, 0, :half],
-      ctx.sin[:, :, 0, :half], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, eps=c.rms_norm_eps,
-      interpret=interpret, blocks=attn_blocks or attention.DEFAULT_BLOCKS, prefix=prefix,
-      slots=slots, mask=mask)
-  x = mlp.fused_mlp(x, p["mlp_norm"], p["w_gate_up"], p["w_down"], c.rms_norm_eps, interpret=interpret,
-                           blocks=mlp_blocks or mlp.BEST_BLOCKS)
+    x,
+    p["attn_norm"],
+    p["wqkv"],
+    p["wo"],
+    k_cache,
+    v_cache,
+    i,
+    positions,
+    ctx.cos[:, :, 0, :half],
+    ctx.sin[:, :, 0, :half],
+    num_heads=c.num_heads,
+    num_kv_heads=c.num_kv_heads,
+    eps=c.rms_norm_eps,
+    interpret=interpret,
+    blocks=attn_blocks or attention.DEFAULT_BLOCKS,
+    prefix=prefix,
+    slots=slots,
+    mask=mask,
+  )
+  x = mlp.fused_mlp(
+    x,
+    p["mlp_norm"],
+    p["w_gate_up"],
+    p["w_down"],
+    c.rms_norm_eps,
+    interpret=interpret,
+    blocks=mlp_blocks or mlp.BEST_BLOCKS,
+  )
   return x, k_cache, v_cache
 
 
@@ -753,11 +833,14 @@ def project_qkv(c: TransformerConfig, attn_in, p):
   qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   if "wqkv" in p:  # one matmul
     qkv = attn_in @ p["wqkv"]
-    q, k, v = qkv[..., :qd], qkv[..., qd:qd + kvd], qkv[..., qd + kvd:]
+    q, k, v = qkv[..., :qd], qkv[..., qd : qd + kvd], qkv[..., qd + kvd :]
   else:
     q, k, v = attn_in @ p["wq"], attn_in @ p["wk"], attn_in @ p["wv"]
-  return (q.reshape(b, t, c.num_heads, c.head_dim), k.reshape(b, t, c.num_kv_heads, c.head_dim),
-          v.reshape(b, t, c.num_kv_heads, c.head_dim))
+  return (
+    q.reshape(b, t, c.num_heads, c.head_dim),
+    k.reshape(b, t, c.num_kv_heads, c.head_dim),
+    v.reshape(b, t, c.num_kv_heads, c.head_dim),
+  )
 
 
 def attention_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx: AttentionContext):
@@ -792,7 +875,7 @@ def mlp_block(c: TransformerConfig, x, p):
   h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
   if "w_gate_up" in p:  # one matmul
     gate_up = h @ p["w_gate_up"]
-    gate, up = gate_up[..., :c.d_ff], gate_up[..., c.d_ff:]
+    gate, up = gate_up[..., : c.d_ff], gate_up[..., c.d_ff :]
   else:
     gate, up = h @ p["w_gate"], h @ p["w_up"]
   return x + (jax.nn.silu(gate) * up) @ p["w_down"]

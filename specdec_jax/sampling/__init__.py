@@ -63,5 +63,12 @@ from specdec_jax.sampling.params import GREEDY_TEMPERATURE, SamplingParams, row_
 from specdec_jax.sampling.penalties import PenaltyState, apply_penalties
 from specdec_jax.sampling.sample import process_logits, sample_tokens
 
-__all__ = ["GREEDY_TEMPERATURE", "PenaltyState", "SamplingParams", "apply_penalties", "process_logits", "row_keys",
-           "sample_tokens"]
+__all__ = [
+  "GREEDY_TEMPERATURE",
+  "PenaltyState",
+  "SamplingParams",
+  "apply_penalties",
+  "process_logits",
+  "row_keys",
+  "sample_tokens",
+]

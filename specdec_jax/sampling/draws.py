@@ -66,8 +66,9 @@ def categorical_with_empty(key: jax.Array, log_w: jax.Array, shards=None):
   chunk_logw = jnp.where(s > 0, m + jnp.log(s), -jnp.inf)  # [B, n]
   if shards is not None:
     chunk_logw = shards.gather(chunk_logw)
-  tok = draw_from_chunks(key, chunk_logw, lambda ch: jnp.take_along_axis(chunks, ch[:, None, None], axis=1)[:, 0],
-                         shards)
+  tok = draw_from_chunks(
+    key, chunk_logw, lambda ch: jnp.take_along_axis(chunks, ch[:, None, None], axis=1)[:, 0], shards
+  )
   return tok, jnp.all(chunk_logw == -jnp.inf, axis=-1)
 
 
@@ -105,8 +106,12 @@ def categorical_with_fallback(key: jax.Array, log_w: jax.Array, fallback_log_w: 
   main_mass, fallback_mass = chunk_log_mass(main), chunk_log_mass(fallback)
   empty = jnp.all(main_mass == -jnp.inf, axis=-1)
   pick = lambda chunks, ch: jnp.take_along_axis(chunks, ch[:, None, None], axis=1)[:, 0]
-  return draw_from_chunks(key, jnp.where(empty[:, None], fallback_mass, main_mass),
-                          lambda ch: jnp.where(empty[:, None], pick(fallback, ch), pick(main, ch)), shards)
+  return draw_from_chunks(
+    key,
+    jnp.where(empty[:, None], fallback_mass, main_mass),
+    lambda ch: jnp.where(empty[:, None], pick(fallback, ch), pick(main, ch)),
+    shards,
+  )
 
 
 def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weights, shards=None) -> jax.Array:
@@ -153,8 +158,15 @@ def draw_from_chunks(key: jax.Array, chunk_log_mass: jax.Array, chunk_log_weight
   return (chunk * inside.shape[-1] + pos).astype(jnp.int32)
 
 
-def draw_from_chunks_excluding(key: jax.Array, chunk_log_probs: jax.Array, chunk_log_weights, exclude: jax.Array,
-                               exclude_prob: jax.Array, chunk: int, shards=None) -> jax.Array:
+def draw_from_chunks_excluding(
+  key: jax.Array,
+  chunk_log_probs: jax.Array,
+  chunk_log_weights,
+  exclude: jax.Array,
+  exclude_prob: jax.Array,
+  chunk: int,
+  shards=None,
+) -> jax.Array:
   """`draw_from_chunks` from a distribution with one token per row taken out: p - onehot(d), clipped at 0.
 
   This is the residual of a rejected draft that came without probabilities

@@ -88,8 +88,18 @@ class SamplingParams:
     return cls.create(np.zeros((n,), np.float32))
 
   @classmethod
-  def create(cls, temperature, top_k=None, top_p=None, *, min_p=None, repetition_penalty=None,
-             frequency_penalty=None, presence_penalty=None, logit_bias=None) -> "SamplingParams":
+  def create(
+    cls,
+    temperature,
+    top_k=None,
+    top_p=None,
+    *,
+    min_p=None,
+    repetition_penalty=None,
+    frequency_penalty=None,
+    presence_penalty=None,
+    logit_bias=None,
+  ) -> "SamplingParams":
     """Builds parameters from scalars or sequences, broadcast to one batch.
 
     Concrete values are validated; traced values (inside `jit`) only by dtype.
@@ -139,12 +149,17 @@ class SamplingParams:
       shape = jnp.broadcast_shapes(temperature.shape, top_k.shape, top_p.shape)
     except ValueError as e:
       raise ValueError(
-          "SamplingParams.create: temperature, top_k and top_p must broadcast to one batch size, got shapes "
-          f"{temperature.shape}, {top_k.shape}, {top_p.shape}") from e
+        "SamplingParams.create: temperature, top_k and top_p must broadcast to one batch size, got shapes "
+        f"{temperature.shape}, {top_k.shape}, {top_p.shape}"
+      ) from e
     # The options join the batch one at a time, so a size error names the option.
     options = {}
-    for name, value in (("min_p", min_p), ("repetition_penalty", repetition_penalty),
-                        ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+    for name, value in (
+      ("min_p", min_p),
+      ("repetition_penalty", repetition_penalty),
+      ("frequency_penalty", frequency_penalty),
+      ("presence_penalty", presence_penalty),
+    ):
       if value is None:
         continue
       arr = _param_array(name, value, integer=False)
@@ -171,10 +186,10 @@ class SamplingParams:
     _check_option_values(options)
     batched = {name: jnp.broadcast_to(a, shape + a.shape[1:]) for name, a in options.items()}
     return cls(
-        temperature=jnp.broadcast_to(temperature, shape),
-        top_k=jnp.broadcast_to(top_k, shape),
-        top_p=jnp.broadcast_to(top_p, shape),
-        **batched,
+      temperature=jnp.broadcast_to(temperature, shape),
+      top_k=jnp.broadcast_to(top_k, shape),
+      top_p=jnp.broadcast_to(top_p, shape),
+      **batched,
     )
 
   @property
@@ -202,8 +217,15 @@ class SamplingParams:
     return self.logit_bias_ids is not None or self.logit_bias_values is not None
 
 
-def check_promises(where: str, params: SamplingParams, vocab_size: int, *, all_greedy: bool = False,
-                   all_random: bool = False, no_filters: bool = False) -> None:
+def check_promises(
+  where: str,
+  params: SamplingParams,
+  vocab_size: int,
+  *,
+  all_greedy: bool = False,
+  all_random: bool = False,
+  no_filters: bool = False,
+) -> None:
   """Concrete params that contradict the no-filters promise raise; traced ones are the caller's promise (unchecked).
 
   all_greedy and all_random are checked only against each other: DESIGN.md
@@ -231,16 +253,21 @@ def check_promises(where: str, params: SamplingParams, vocab_size: int, *, all_g
   random_rows = np.asarray(params.temperature) >= GREEDY_TEMPERATURE
   if all_random:
     random_rows = np.ones_like(random_rows)
-  fields = (("top_k", params.top_k, lambda a: (a > 0) & (a < vocab_size)), ("top_p", params.top_p, lambda a: a < 1.0),
-            ("min_p", params.min_p, lambda a: a > 0))
+  fields = (
+    ("top_k", params.top_k, lambda a: (a > 0) & (a < vocab_size)),
+    ("top_p", params.top_p, lambda a: a < 1.0),
+    ("min_p", params.min_p, lambda a: a > 0),
+  )
   for name, value, on in fields:
     if value is None or not _is_concrete(value):
       continue
     a = np.asarray(value)
     bad = on(a) & random_rows
     if np.any(bad):
-      raise ValueError(f"{where}: no_filters=True promises no row uses top-k, top-p or min-p, but {name} is "
-                       f"{a[bad][:8].tolist()} at rows {np.flatnonzero(bad)[:8].tolist()}")
+      raise ValueError(
+        f"{where}: no_filters=True promises no row uses top-k, top-p or min-p, but {name} is "
+        f"{a[bad][:8].tolist()} at rows {np.flatnonzero(bad)[:8].tolist()}"
+      )
 
 
 def static_int(value, name: str, *, minimum: int) -> int:
@@ -262,17 +289,19 @@ def _join_batch(shape: tuple, other: tuple, name: str) -> tuple:
   try:
     return jnp.broadcast_shapes(shape, other)
   except ValueError as e:
-    raise ValueError(f"SamplingParams.create: {name} must broadcast to the batch size of the other arguments, got "
-                     f"shape {other} against {shape}") from e
+    raise ValueError(
+      f"SamplingParams.create: {name} must broadcast to the batch size of the other arguments, got "
+      f"shape {other} against {shape}"
+    ) from e
 
 
 def _check_option_values(options: dict) -> None:
   """Range checks of `create`'s concrete options (traced ones pass: their values are not known)."""
   rules = {
-      "min_p": (lambda a: (a >= 0) & (a <= 1), "must be in [0, 1] (0 = off)"),
-      "repetition_penalty": (lambda a: (a > 0) & np.isfinite(a), "must be > 0 and finite (1 = off)"),
-      "frequency_penalty": (np.isfinite, "must be finite as a float32 (0 = off)"),
-      "presence_penalty": (np.isfinite, "must be finite as a float32 (0 = off)"),
+    "min_p": (lambda a: (a >= 0) & (a <= 1), "must be in [0, 1] (0 = off)"),
+    "repetition_penalty": (lambda a: (a > 0) & np.isfinite(a), "must be > 0 and finite (1 = off)"),
+    "frequency_penalty": (np.isfinite, "must be finite as a float32 (0 = off)"),
+    "presence_penalty": (np.isfinite, "must be finite as a float32 (0 = off)"),
   }
   for name, (ok, want) in rules.items():
     if name in options and _is_concrete(options[name]):
@@ -292,8 +321,9 @@ def _logit_bias_arrays(logit_bias):
   elif isinstance(logit_bias, (list, tuple)) and all(isinstance(r, Mapping) for r in logit_bias):
     rows = list(logit_bias)
   else:
-    raise ValueError(f"{where} must be a mapping {{token_id: bias}} or a sequence of B such mappings, got "
-                     f"{logit_bias!r}")
+    raise ValueError(
+      f"{where} must be a mapping {{token_id: bias}} or a sequence of B such mappings, got {logit_bias!r}"
+    )
   m = max((len(r) for r in rows), default=0)
   ids = np.full((len(rows), m), -1, np.int32)
   values = np.zeros((len(rows), m), np.float32)
@@ -302,8 +332,10 @@ def _logit_bias_arrays(logit_bias):
       try:
         tid_a, bias_a = np.asarray(tid), np.asarray(bias)
       except (TypeError, ValueError, jax.errors.TracerArrayConversionError) as e:
-        raise ValueError(f"{where} must hold concrete numbers (under jit, build logit_bias_ids and "
-                         f"logit_bias_values directly), got {tid!r}: {bias!r}") from e
+        raise ValueError(
+          f"{where} must hold concrete numbers (under jit, build logit_bias_ids and "
+          f"logit_bias_values directly), got {tid!r}: {bias!r}"
+        ) from e
       if tid_a.ndim != 0 or tid_a.dtype.kind not in "iu":
         raise ValueError(f"{where}: token ids must be integers >= 0, got {tid!r}")
       if int(tid_a) < 0 or int(tid_a) > np.iinfo(np.int32).max:
@@ -336,8 +368,9 @@ def _param_array(name: str, value, *, integer: bool) -> jax.Array:
   except (ValueError, TypeError) as e:  # ragged sequences and the like
     raise ValueError(f"{where}: {name} must be a scalar or a 1-D sequence [B] of {want}, got {value!r}") from e
   if arr.dtype.kind not in "iuf":
-    raise ValueError(f"{where}: {name} must be a scalar or a 1-D sequence [B] of {want}, got {value!r} "
-                     f"(dtype {arr.dtype})")
+    raise ValueError(
+      f"{where}: {name} must be a scalar or a 1-D sequence [B] of {want}, got {value!r} (dtype {arr.dtype})"
+    )
   if not integer:
     with np.errstate(over="ignore", invalid="ignore"):
       return jnp.asarray(arr.astype(np.float32))
@@ -377,11 +410,14 @@ def check_params(params: SamplingParams, batch_size: int, where: str) -> None:
     raise ValueError(f"{where}: params.logit_bias_ids and params.logit_bias_values must both be arrays or both None")
   if ids is not None:
     if len(jnp.shape(ids)) != 2 or jnp.shape(ids)[0] != batch_size:
-      raise ValueError(f"{where}: params.logit_bias_ids must have shape [B, M] with B={batch_size}, got "
-                       f"{jnp.shape(ids)}")
+      raise ValueError(
+        f"{where}: params.logit_bias_ids must have shape [B, M] with B={batch_size}, got {jnp.shape(ids)}"
+      )
     if jnp.shape(values) != jnp.shape(ids):
-      raise ValueError(f"{where}: params.logit_bias_values must have the shape of params.logit_bias_ids "
-                       f"{jnp.shape(ids)}, got {jnp.shape(values)}")
+      raise ValueError(
+        f"{where}: params.logit_bias_values must have the shape of params.logit_bias_ids "
+        f"{jnp.shape(ids)}, got {jnp.shape(values)}"
+      )
     _check_kind(ids, "params.logit_bias_ids", "integer", jnp.integer, where)
     _check_kind(values, "params.logit_bias_values", "float", jnp.floating, where)
 
@@ -391,8 +427,10 @@ _FLOAT_OPTIONS = ("min_p", "repetition_penalty", "frequency_penalty", "presence_
 
 def _check_kind(value, name: str, kind: str, dtype, where: str) -> None:
   if not jnp.issubdtype(jnp.result_type(value), dtype):
-    raise ValueError(f"{where}: {name} must be a{'n' if kind == 'integer' else ''} {kind} array, got dtype "
-                     f"{jnp.result_type(value)} (SamplingParams.create converts)")
+    raise ValueError(
+      f"{where}: {name} must be a{'n' if kind == 'integer' else ''} {kind} array, got dtype "
+      f"{jnp.result_type(value)} (SamplingParams.create converts)"
+    )
 
 
 def check_bias_ids(params: SamplingParams, vocab_size: int, where: str) -> None:
@@ -417,8 +455,10 @@ def check_bias_ids(params: SamplingParams, vocab_size: int, where: str) -> None:
   ids = np.asarray(ids)
   bad = ids >= vocab_size
   if bool(np.any(bad)):
-    raise ValueError(f"{where}: logit_bias holds token ids >= the vocabulary size V={vocab_size}: "
-                     f"{sorted(set(ids[bad].tolist()))[:8]} (under jit they would be ignored)")
+    raise ValueError(
+      f"{where}: logit_bias holds token ids >= the vocabulary size V={vocab_size}: "
+      f"{sorted(set(ids[bad].tolist()))[:8]} (under jit they would be ignored)"
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -451,8 +491,9 @@ def row_keys(key, batch_size: int, where: str = "key") -> jax.Array:
     typed = jax.random.wrap_key_data(key)
   else:
     raise ValueError(
-        f"{where} must be a typed PRNG key (jax.random.key) or a raw uint32[2] key, "
-        f"or a batch of B of either; got dtype {key.dtype}, shape {key.shape}")
+      f"{where} must be a typed PRNG key (jax.random.key) or a raw uint32[2] key, "
+      f"or a batch of B of either; got dtype {key.dtype}, shape {key.shape}"
+    )
   if typed.ndim == 0:  # int32 row ids also under jax_enable_x64, so keys do not change with it
     return jax.vmap(lambda b: jax.random.fold_in(typed, b))(jnp.arange(batch_size, dtype=jnp.int32))
   if typed.shape == (batch_size,):
@@ -483,11 +524,15 @@ def check_logits_values(logits: jax.Array, used: jax.Array | None, where: str) -
   if used is not None:
     has_nan, empty = has_nan & used, empty & used
   if bool(jnp.any(has_nan)):
-    raise ValueError(f"{where} holds NaN at positions {np.argwhere(np.asarray(has_nan))[:8].tolist()}; under jit "
-                     "a NaN logit counts as -inf")
+    raise ValueError(
+      f"{where} holds NaN at positions {np.argwhere(np.asarray(has_nan))[:8].tolist()}; under jit "
+      "a NaN logit counts as -inf"
+    )
   if bool(jnp.any(empty)):
-    raise ValueError(f"{where} has no value above -inf (every token masked) at positions "
-                     f"{np.argwhere(np.asarray(empty))[:8].tolist()}; under jit token 0 would be emitted there")
+    raise ValueError(
+      f"{where} has no value above -inf (every token masked) at positions "
+      f"{np.argwhere(np.asarray(empty))[:8].tolist()}; under jit token 0 would be emitted there"
+    )
 
 
 def check_probs_values(probs: jax.Array, used, where: str, positions: str) -> None:
@@ -503,8 +548,10 @@ def check_probs_values(probs: jax.Array, used, where: str, positions: str) -> No
     return
   bad = np.asarray(jnp.any(~jnp.isfinite(probs) | (probs < 0), axis=-1) & used)
   if bool(np.any(bad)):
-    raise ValueError(f"{where} must be finite and >= 0 {positions}; got NaN, +-inf or negative entries at "
-                     f"{np.argwhere(bad)[:8].tolist()}; under jit they would count as 0")
+    raise ValueError(
+      f"{where} must be finite and >= 0 {positions}; got NaN, +-inf or negative entries at "
+      f"{np.argwhere(bad)[:8].tolist()}; under jit they would count as 0"
+    )
 
 
 def valid_probs(probs: jax.Array) -> jax.Array:

@@ -64,8 +64,10 @@ class PenaltyState:
     v = static_int(vocab_size, "PenaltyState.from_prompt: vocab_size", minimum=1)
     tokens = jnp.asarray(prompt_tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"PenaltyState.from_prompt: prompt_tokens must be an integer [B, P] array, got "
-                       f"{tokens.dtype}{list(tokens.shape)}")
+      raise ValueError(
+        f"PenaltyState.from_prompt: prompt_tokens must be an integer [B, P] array, got "
+        f"{tokens.dtype}{list(tokens.shape)}"
+      )
     b, p = tokens.shape
     lengths = jnp.asarray(prompt_lengths)
     if lengths.shape != (b,):
@@ -73,8 +75,10 @@ class PenaltyState:
     if _is_concrete(lengths):
       bad = (np.asarray(lengths) < 0) | (np.asarray(lengths) > p)
       if np.any(bad):
-        raise ValueError(f"PenaltyState.from_prompt: prompt_lengths must be in [0, P={p}], got "
-                         f"{np.asarray(lengths)[bad][:8].tolist()} at rows {np.flatnonzero(bad)[:8].tolist()}")
+        raise ValueError(
+          f"PenaltyState.from_prompt: prompt_lengths must be in [0, P={p}], got "
+          f"{np.asarray(lengths)[bad][:8].tolist()} at rows {np.flatnonzero(bad)[:8].tolist()}"
+        )
     used = jnp.arange(p, dtype=jnp.int32)[None, :] < lengths[:, None]
     rows, idx = _scatter_index(tokens, used, v)
     mask = jnp.zeros((b, v), jnp.bool_).at[rows, idx].set(True, mode="drop")
@@ -100,12 +104,15 @@ class PenaltyState:
       tokens = tokens[:, None]
       valid = None if valid is None else jnp.asarray(valid)[:, None]
     if tokens.ndim != 2 or tokens.shape[0] != b or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"PenaltyState.add_tokens: tokens must be an integer [B]=({b},) or [B, T] array, got "
-                       f"{tokens.dtype}{list(tokens.shape)}")
+      raise ValueError(
+        f"PenaltyState.add_tokens: tokens must be an integer [B]=({b},) or [B, T] array, got "
+        f"{tokens.dtype}{list(tokens.shape)}"
+      )
     valid = jnp.ones(tokens.shape, jnp.bool_) if valid is None else jnp.asarray(valid)
     if valid.shape != tokens.shape:
-      raise ValueError(f"PenaltyState.add_tokens: valid must have the shape of tokens {tokens.shape}, got "
-                       f"{valid.shape}")
+      raise ValueError(
+        f"PenaltyState.add_tokens: valid must have the shape of tokens {tokens.shape}, got {valid.shape}"
+      )
     rows, idx = _scatter_index(tokens, valid.astype(jnp.bool_), v)
     return dataclasses.replace(self, output_counts=self.output_counts.at[rows, idx].add(1, mode="drop"))
 
@@ -130,8 +137,9 @@ def _saturate(y, finite_inputs):
   return jnp.where(finite_inputs, jnp.clip(y, -_F32_MAX, _F32_MAX), y)
 
 
-def apply_penalties(logits: jax.Array, params: SamplingParams, state: PenaltyState | None = None,
-                    draft_tokens: jax.Array | None = None) -> jax.Array:
+def apply_penalties(
+  logits: jax.Array, params: SamplingParams, state: PenaltyState | None = None, draft_tokens: jax.Array | None = None
+) -> jax.Array:
   """Steps 1-3 of the processing order: logit bias, repetition penalty, frequency and presence penalties.
 
   For position i of a speculative round, the context is the prompt, the tokens
@@ -179,19 +187,26 @@ def _check_penalty_args(shape, params, state, draft_tokens, where):
   check_params(params, b, where)
   if draft_tokens is not None:
     if len(shape) != 3 or jnp.shape(draft_tokens) != (b, shape[1] - 1):
-      raise ValueError(f"{where}: draft_tokens must be [B, K] for logits [B, K+1, V]; got {jnp.shape(draft_tokens)} "
-                       f"for logits {shape}")
+      raise ValueError(
+        f"{where}: draft_tokens must be [B, K] for logits [B, K+1, V]; got {jnp.shape(draft_tokens)} for logits {shape}"
+      )
     if not jnp.issubdtype(jnp.result_type(draft_tokens), jnp.integer):
       raise ValueError(f"{where}: draft_tokens must be an integer array, got {jnp.result_type(draft_tokens)}")
   if params.has_penalties:
     if state is None:
-      raise ValueError(f"{where}: params carry penalties (repetition/frequency/presence_penalty), so a "
-                       "PenaltyState (state) is needed")
+      raise ValueError(
+        f"{where}: params carry penalties (repetition/frequency/presence_penalty), so a PenaltyState (state) is needed"
+      )
     _check_state(state, b, v, where, "state")
 
 
-def penalized_view(logits: jax.Array, params: SamplingParams, state: PenaltyState | None = None,
-                   draft_tokens: jax.Array | None = None, vocab_offset: jax.Array | None = None) -> LogitsView:
+def penalized_view(
+  logits: jax.Array,
+  params: SamplingParams,
+  state: PenaltyState | None = None,
+  draft_tokens: jax.Array | None = None,
+  vocab_offset: jax.Array | None = None,
+) -> LogitsView:
   """`apply_penalties` as a `LogitsView`: each reader applies steps 1-3 itself, fused into its read.
 
   Same arguments (checked here, at trace time) and values as `apply_penalties`.
@@ -222,14 +237,13 @@ def _penalize(logits, params, state, draft_tokens, offset=0):
     # it fuses into the reader instead of writing a [B, V] array.
     vocab = jax.lax.broadcasted_iota(jnp.int32, (1, v), 1) + offset
     ids, vals = params.logit_bias_ids.astype(jnp.int32), params.logit_bias_values.astype(jnp.float32)
-    bias = sum(jnp.where(ids[:, j:j + 1] == vocab, vals[:, j:j + 1], np.float32(0)) for j in range(m))
+    bias = sum(jnp.where(ids[:, j : j + 1] == vocab, vals[:, j : j + 1], np.float32(0)) for j in range(m))
     bias = bias.reshape((b,) + (1,) * (x.ndim - 2) + (v,))
     x = _saturate(x + bias, jnp.isfinite(x) & jnp.isfinite(bias))
   elif m > 0:
     # One [B, V] scatter of the M slots (repeated ids add up), broadcast over positions.
     rows, idx = _scatter_index(params.logit_bias_ids - offset, jnp.ones(params.logit_bias_ids.shape, jnp.bool_), v)
-    bias = jnp.zeros((b, v), jnp.float32).at[rows, idx].add(params.logit_bias_values.astype(jnp.float32),
-                                                            mode="drop")
+    bias = jnp.zeros((b, v), jnp.float32).at[rows, idx].add(params.logit_bias_values.astype(jnp.float32), mode="drop")
     bias = bias.reshape((b,) + (1,) * (x.ndim - 2) + (v,))
     x = _saturate(x + bias, jnp.isfinite(x) & jnp.isfinite(bias))
   if not params.has_penalties:
@@ -279,8 +293,9 @@ def _modifies_logits(params: SamplingParams, vocab_size: int) -> jax.Array | Non
   return on
 
 
-def penalty_params(params: SamplingParams, penalty_state: PenaltyState | None, batch_size: int, vocab_size: int,
-                   where: str) -> SamplingParams:
+def penalty_params(
+  params: SamplingParams, penalty_state: PenaltyState | None, batch_size: int, vocab_size: int, where: str
+) -> SamplingParams:
   """A sampler's checks of its options against V and its penalty state; returns the params to sample with.
 
   Raises (eagerly, for concrete values) on logit-bias ids >= V, and on penalties
@@ -335,5 +350,7 @@ def _check_neutral_penalties(params: SamplingParams, where: str) -> None:
     if not _is_concrete(value):
       raise ValueError(f"{where}: params.{name} is set (traced), so penalty_state (a PenaltyState) is needed")
     if bool(np.any(np.asarray(value) != neutral)):
-      raise ValueError(f"{where}: params.{name} = {np.asarray(value)} needs penalty_state (a PenaltyState of the "
-                       "rows' prompts and generated tokens)")
+      raise ValueError(
+        f"{where}: params.{name} = {np.asarray(value)} needs penalty_state (a PenaltyState of the "
+        "rows' prompts and generated tokens)"
+      )

@@ -49,6 +49,7 @@ def values(logits):
   """The logits' values: an array as it is, a `LogitsView` transformed here (inside this read)."""
   return logits.fn(logits.raw, *logits.args) if isinstance(logits, LogitsView) else logits
 
+
 # ----------------------------------------------------------------------------
 # One-pass reductions over the vocabulary
 # ----------------------------------------------------------------------------
@@ -231,8 +232,9 @@ class ShiftedChunkStats(NamedTuple):
   chunk_log_mass: jax.Array  # f32 [B, ..., n]
 
 
-def shifted_chunk_stats(logits: jax.Array, temperature: jax.Array, *, chunk: int, with_argmax: bool = False,
-                        shards=None) -> ShiftedChunkStats:
+def shifted_chunk_stats(
+  logits: jax.Array, temperature: jax.Array, *, chunk: int, with_argmax: bool = False, shards=None
+) -> ShiftedChunkStats:
   """(shift, lse, argmax or None, chunk log-masses) of softmax(logits / T), overflow-safe in one pass, no branch.
 
   `chunk_stats` reduces `logits / T`, which overflows for a temperature near 0

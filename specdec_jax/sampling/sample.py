@@ -76,8 +76,16 @@ def process_logits(logits: jax.Array, params: SamplingParams, penalty_state: Pen
   return log_probs_from_stats(x, params, position_stats(x, params))
 
 
-def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy: bool = False,
-                  no_filters: bool = False, penalty_state: PenaltyState | None = None, logprobs: str | None = None):
+def sample_tokens(
+  logits: jax.Array,
+  params: SamplingParams,
+  key,
+  *,
+  all_greedy: bool = False,
+  no_filters: bool = False,
+  penalty_state: PenaltyState | None = None,
+  logprobs: str | None = None,
+):
   """Plain sampling of one token per row, plus the distribution it came from.
 
   When params carry a logit bias or penalties, each row's logits first go
@@ -147,9 +155,9 @@ def sample_tokens(logits: jax.Array, params: SamplingParams, key, *, all_greedy:
   rows, split = row_spec(shards, 1), row_spec(shards, 2, vocab_last=True)
   out_specs = (rows, split) + ((rows,) if logprobs else ())
   program = functools.partial(body, shards=shards)
-  return sharded_call(program, (split, rows, P() if keys is None else rows,
-                                        P() if penalty_state is None else split), out_specs)(
-      logits, steps, keys, penalty_state)
+  return sharded_call(
+    program, (split, rows, P() if keys is None else rows, P() if penalty_state is None else split), out_specs
+  )(logits, steps, keys, penalty_state)
 
 
 def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs, shards):
@@ -162,18 +170,21 @@ def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs,
     x = penalized_view(logits, params, penalty_state, vocab_offset=None if shards is None else offset)
   greedy_tok, best = greedy_argmax(x, shards)
   # float32 constants: weakly typed Python floats would make it float64 under jax_enable_x64.
-  one_hot = jnp.where(jax.nn.one_hot(greedy_tok - offset, v_here, dtype=jnp.bool_) & (best > -jnp.inf)[:, None],
-                      np.float32(0), np.float32(-np.inf))
+  one_hot = jnp.where(
+    jax.nn.one_hot(greedy_tok - offset, v_here, dtype=jnp.bool_) & (best > -jnp.inf)[:, None],
+    np.float32(0),
+    np.float32(-np.inf),
+  )
   if all_greedy:
     if logprobs is None:
       return greedy_tok, one_hot
     every = jnp.ones((b,), jnp.bool_)
-    lp = requested_log_probs(logits if logprobs == "raw" else x, greedy_tok, params, jnp.zeros((b,), jnp.float32),
-                             logprobs, every, shards)
+    lp = requested_log_probs(
+      logits if logprobs == "raw" else x, greedy_tok, params, jnp.zeros((b,), jnp.float32), logprobs, every, shards
+    )
     return greedy_tok, one_hot, lp
   # Greedy rows' filters are ignored: their distribution is the one-hot below.
-  logp = log_probs_from_stats(x, params, position_stats(x, params, greedy=params.is_greedy, chunks=True,
-                                                        shards=shards))
+  logp = log_probs_from_stats(x, params, position_stats(x, params, greedy=params.is_greedy, chunks=True, shards=shards))
   # A row of all -inf draws index 0 (every Gumbel-perturbed weight is -inf), as greedy does.
   tok = categorical_with_empty(keys, logp, shards)[0]
   greedy = params.is_greedy
@@ -183,4 +194,3 @@ def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs,
   processed = take_vocab(logp, tokens[:, None], shards)[:, 0]
   lp = requested_log_probs(logits if logprobs == "raw" else x, tokens, params, processed, logprobs, greedy, shards)
   return tokens, dist, lp
-

@@ -122,8 +122,9 @@ class StatsPlan:
     return self.passes != (NO_FILTERS_PASS,)
 
 
-def stats_plan(params: SamplingParams, vocab_size: int, *, greedy_rows: bool, argmax: bool, chunks: bool,
-               sharded: bool = False) -> StatsPlan:
+def stats_plan(
+  params: SamplingParams, vocab_size: int, *, greedy_rows: bool, argmax: bool, chunks: bool, sharded: bool = False
+) -> StatsPlan:
   """The `StatsPlan` of `position_stats(logits, params, greedy=..., argmax=argmax, chunks=chunks, shards=...)`.
 
   Args:
@@ -205,8 +206,9 @@ def _one_pass_with_argmax(raw, params: SamplingParams, plan: StatsPlan, greedy, 
   t = params.temperature
   if not plan.argmax:
     return _one_pass(raw, t, plan, False, shards)
-  return _if_any_row_greedy(greedy, shards, lambda r: _one_pass(r, t, plan, True, shards),
-                            lambda r: _one_pass(r, t, plan, False, shards), raw)
+  return _if_any_row_greedy(
+    greedy, shards, lambda r: _one_pass(r, t, plan, True, shards), lambda r: _one_pass(r, t, plan, False, shards), raw
+  )
 
 
 def _plain_pass(raw, *, params: SamplingParams, plan: StatsPlan, greedy, shards) -> PassStats:
@@ -234,8 +236,7 @@ def _filtered_pass(raw, *, params: SamplingParams, plan: StatsPlan, greedy, shar
   lead = raw.shape[:-1]
   v = raw.shape[-1] if shards is None else shards.vocab
   n_ch = v // chunk_size(v) if plan.chunked else 1
-  thr, lse = threshold_and_lse(raw, params.temperature, params.top_k, params.top_p, min_p=params.min_p,
-                               shards=shards)
+  thr, lse = threshold_and_lse(raw, params.temperature, params.top_k, params.top_p, min_p=params.min_p, shards=shards)
   no_argmax = jnp.zeros(lead, jnp.int32)
   am = no_argmax
   if plan.argmax:
@@ -254,16 +255,28 @@ def _no_filters_stats(logits, params: SamplingParams, plan: StatsPlan, shards) -
   """
   lead = logits.shape[:-1]
   c = chunk_size(logits.shape[-1] if shards is None else shards.vocab)
-  shift, lse, am, chunk_logw = shifted_chunk_stats(logits, params.temperature,
-                                                   chunk=c if plan.chunked else logits.shape[-1],
-                                                   with_argmax=plan.argmax, shards=shards)
-  return PositionStats(shift=shift, thr=jnp.full(lead, -jnp.inf, jnp.float32), lse=lse,
-                       argmax=am if plan.argmax else jnp.zeros(lead, jnp.int32), redone=jnp.zeros(lead, jnp.bool_),
-                       chunk_log_mass=chunk_logw if plan.chunk_masses else None)
+  shift, lse, am, chunk_logw = shifted_chunk_stats(
+    logits, params.temperature, chunk=c if plan.chunked else logits.shape[-1], with_argmax=plan.argmax, shards=shards
+  )
+  return PositionStats(
+    shift=shift,
+    thr=jnp.full(lead, -jnp.inf, jnp.float32),
+    lse=lse,
+    argmax=am if plan.argmax else jnp.zeros(lead, jnp.int32),
+    redone=jnp.zeros(lead, jnp.bool_),
+    chunk_log_mass=chunk_logw if plan.chunk_masses else None,
+  )
 
 
-def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Array | None = None,
-                   argmax: bool = False, chunks: bool = False, shards=None) -> PositionStats:
+def position_stats(
+  logits: jax.Array,
+  params: SamplingParams,
+  *,
+  greedy: jax.Array | None = None,
+  argmax: bool = False,
+  chunks: bool = False,
+  shards=None,
+) -> PositionStats:
   """Threshold, normaliser, argmax and chunk masses of every position, in one read of the logits.
 
   Which passes the program holds is static (`stats_plan`; the pass names are
@@ -301,8 +314,7 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
     >>> logp = jnp.where(scale_logits(logits, params.temperature, stats.shift) >= stats.thr[:, None], ...)
   """
   b, v = logits.shape[0], (logits.shape[-1] if shards is None else shards.vocab)
-  plan = stats_plan(params, v, greedy_rows=greedy is not None, argmax=argmax, chunks=chunks,
-                    sharded=shards is not None)
+  plan = stats_plan(params, v, greedy_rows=greedy is not None, argmax=argmax, chunks=chunks, sharded=shards is not None)
   if plan.passes == (NO_FILTERS_PASS,):
     return _no_filters_stats(logits, params, plan, shards)
   greedy = jnp.zeros((b,), jnp.bool_) if greedy is None else greedy
@@ -311,8 +323,9 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
   min_p = None if params.min_p is None else jnp.where(filters_on, params.min_p, 0.0)
   # Scaling happens inside each pass (reductions, gathers) so it fuses there:
   # a scaled copy passed into lax.cond would be materialised, tripling the traffic.
-  passes = [functools.partial(_PASSES[name], params=params, plan=plan, greedy=greedy, shards=shards)
-            for name in plan.passes]
+  passes = [
+    functools.partial(_PASSES[name], params=params, plan=plan, greedy=greedy, shards=shards) for name in plan.passes
+  ]
   if len(passes) == 2:
     thr, lse, am, chunk_logw = _if_any_row_filters(filters_on, shards, passes[1], passes[0], logits)
   else:
@@ -320,11 +333,19 @@ def position_stats(logits: jax.Array, params: SamplingParams, *, greedy: jax.Arr
   # Rows whose one-pass lse is not finite are redone on logits shifted by their max;
   # only they get a nonzero shift, so the other rows' values stay as computed.
   redone = ~jnp.isfinite(lse)
-  shift, thr, lse = shift_non_finite_rows(logits, params.temperature, jnp.where(filters_on, params.top_k, 0),
-                                          jnp.where(filters_on, params.top_p, 1.0), thr, lse, min_p=min_p,
-                                          shards=shards)
-  return PositionStats(shift=shift, thr=thr, lse=lse, argmax=am, redone=redone,
-                       chunk_log_mass=chunk_logw if plan.chunk_masses else None)
+  shift, thr, lse = shift_non_finite_rows(
+    logits,
+    params.temperature,
+    jnp.where(filters_on, params.top_k, 0),
+    jnp.where(filters_on, params.top_p, 1.0),
+    thr,
+    lse,
+    min_p=min_p,
+    shards=shards,
+  )
+  return PositionStats(
+    shift=shift, thr=thr, lse=lse, argmax=am, redone=redone, chunk_log_mass=chunk_logw if plan.chunk_masses else None
+  )
 
 
 def log_probs_from_stats(logits: jax.Array, params: SamplingParams, stats: PositionStats) -> jax.Array:
@@ -371,12 +392,21 @@ def log_softmax_stats(logits: jax.Array, shards=None) -> ShiftedStats:
   else:
     lse = chunk_stats(scale_logits(logits, t), shards=shards)[1]
   thr = jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32)
-  return shift_non_finite_rows(logits, t, jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32), thr, lse,
-                               shards=shards)
+  return shift_non_finite_rows(
+    logits, t, jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32), thr, lse, shards=shards
+  )
 
 
-def token_log_probs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, shift: jax.Array, thr: jax.Array,
-                    lse: jax.Array, *, shards=None) -> jax.Array:
+def token_log_probs(
+  logits: jax.Array,
+  tokens: jax.Array,
+  temperature: jax.Array,
+  shift: jax.Array,
+  thr: jax.Array,
+  lse: jax.Array,
+  *,
+  shards=None,
+) -> jax.Array:
   """log p(token) under the distribution that (shift, thr, lse) describe, reading one logit per token.
 
   Args:
@@ -405,8 +435,15 @@ def _if_any_row_needs_log_softmax(needs, shards, log_softmax, zeros):
   return jax.lax.cond(any_rows(needs, shards), log_softmax, zeros)
 
 
-def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingParams, processed: jax.Array,
-                        mode: str, greedy: jax.Array, shards=None) -> jax.Array:
+def requested_log_probs(
+  logits: jax.Array,
+  tokens: jax.Array,
+  params: SamplingParams,
+  processed: jax.Array,
+  mode: str,
+  greedy: jax.Array,
+  shards=None,
+) -> jax.Array:
   """The log-probabilities `mode` asks for ("raw" or "processed"), given the sampled distribution's.
 
   `processed` holds log p(token) under the distribution each row samples from
@@ -443,7 +480,9 @@ def requested_log_probs(logits: jax.Array, tokens: jax.Array, params: SamplingPa
       own = own & ~modified
   ones = jnp.ones((b,), jnp.float32)
   other = _if_any_row_needs_log_softmax(
-      ~own, shards, lambda: token_log_probs(logits, tokens, ones, *log_softmax_stats(logits, shards), shards=shards),
-      lambda: jnp.zeros(tokens.shape, jnp.float32))
+    ~own,
+    shards,
+    lambda: token_log_probs(logits, tokens, ones, *log_softmax_stats(logits, shards), shards=shards),
+    lambda: jnp.zeros(tokens.shape, jnp.float32),
+  )
   return jnp.where(_bcast(own, processed), processed, other)
-

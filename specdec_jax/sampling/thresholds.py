@@ -27,9 +27,17 @@ class ShiftedStats(NamedTuple):
   lse: jax.Array  # f32 [B, ...]: log-normaliser of the kept set (-inf: no logit above -inf)
 
 
-def shift_non_finite_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                          thr: jax.Array, lse: jax.Array, *, min_p: jax.Array | None = None,
-                          shards=None) -> ShiftedStats:
+def shift_non_finite_rows(
+  logits: jax.Array,
+  temperature: jax.Array,
+  top_k: jax.Array,
+  top_p: jax.Array,
+  thr: jax.Array,
+  lse: jax.Array,
+  *,
+  min_p: jax.Array | None = None,
+  shards=None,
+) -> ShiftedStats:
   """Redoes (thr, lse) of the rows whose log-normaliser `lse` is not finite.
 
   The one-pass reductions compute `logits / T`, which overflows for a small
@@ -103,8 +111,9 @@ def filter_active(params: SamplingParams, vocab_size: int, *, greedy: jax.Array 
   return on & ~(params.is_greedy if greedy is None else greedy)
 
 
-def sorted_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
-                     min_p: jax.Array | None = None) -> jax.Array:
+def sorted_threshold(
+  scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, *, min_p: jax.Array | None = None
+) -> jax.Array:
   """Top-k/top-p(/min-p) threshold by a full descending sort of the vocabulary.
 
   The reference method: exact, but a sort of [B, ..., V] costs tens of passes
@@ -222,8 +231,7 @@ def _merge_top(a, b):
   return tuple(out)
 
 
-def group_top(x: jax.Array, group_size: int | None = None, per_group: int = _PER_GROUP, *,
-              with_sumexp: bool = False):
+def group_top(x: jax.Array, group_size: int | None = None, per_group: int = _PER_GROUP, *, with_sumexp: bool = False):
   """The `per_group` largest values of every `group_size` block of the last axis.
 
   One fused variadic reduction (a single read of x): each element enters as the
@@ -265,8 +273,14 @@ def group_top(x: jax.Array, group_size: int | None = None, per_group: int = _PER
   return (tops, out[-1]) if with_sumexp else tops
 
 
-def top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                          *, group_size: int | None = None, min_p: jax.Array | None = None) -> jax.Array:
+def top_k_top_p_threshold(
+  scaled: jax.Array,
+  top_k: jax.Array,
+  top_p: jax.Array,
+  *,
+  group_size: int | None = None,
+  min_p: jax.Array | None = None,
+) -> jax.Array:
   """Per-row-and-position threshold on scaled logits: keep iff x >= threshold.
 
   The top-k threshold is the k-th largest value; the top-p threshold is the value
@@ -348,8 +362,12 @@ def _redo_rows(ok, results, operand, redo_some, redo_all, shards=None):
   num_bad = jnp.sum(~ok)
   if shards is not None and shards.row_axes:
     num_bad = jax.lax.psum(num_bad, shards.row_axes)
-  return jax.lax.switch(jnp.where(num_bad == 0, 0, jnp.where(num_bad <= n_fix, 1, 2)),
-                        [lambda res, op: res, some, lambda res, op: tuple(redo_all(op))], results, operand)
+  return jax.lax.switch(
+    jnp.where(num_bad == 0, 0, jnp.where(num_bad <= n_fix, 1, 2)),
+    [lambda res, op: res, some, lambda res, op: tuple(redo_all(op))],
+    results,
+    operand,
+  )
 
 
 def _row_index(logits, m):
@@ -361,9 +379,16 @@ def _row_index(logits, m):
 def _rows_from_candidates(idx, cand, floor, *, row_of, top_k, top_p, v, total, m, min_p, gather=lambda a: a):
   """`_threshold_from_candidates` of the flat rows idx of cand [B, ..., C] (gathered across devices by `gather`)."""
   r = row_of(idx)
-  return _threshold_from_candidates(gather(cand.reshape(-1, cand.shape[-1])[idx]), floor.reshape(-1)[idx],
-                                    top_k=top_k[r], top_p=top_p[r], v=v, total=total.reshape(-1)[idx],
-                                    m=m.reshape(-1)[idx], min_p=None if min_p is None else min_p[r])
+  return _threshold_from_candidates(
+    gather(cand.reshape(-1, cand.shape[-1])[idx]),
+    floor.reshape(-1)[idx],
+    top_k=top_k[r],
+    top_p=top_p[r],
+    v=v,
+    total=total.reshape(-1)[idx],
+    m=m.reshape(-1)[idx],
+    min_p=None if min_p is None else min_p[r],
+  )
 
 
 def _scaled(raw, temperature):
@@ -377,8 +402,16 @@ def _scaled_rows(raw, idx, temperature, row_of):
   return sub if temperature is None else scale_logits(sub, temperature[row_of(idx)])
 
 
-def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: jax.Array, top_p: jax.Array,
-                      *, group_size: int | None = None, min_p: jax.Array | None = None, shards=None):
+def threshold_and_lse(
+  logits: jax.Array,
+  temperature: jax.Array | None,
+  top_k: jax.Array,
+  top_p: jax.Array,
+  *,
+  group_size: int | None = None,
+  min_p: jax.Array | None = None,
+  shards=None,
+):
   """Top-k/top-p(/min-p) threshold and the log-normaliser of the kept set, sort-free.
 
   Like `top_k_top_p_threshold`, but on raw logits with the temperature applied
@@ -426,8 +459,9 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   # of the same pass. (A separate (max, sum of exps) pass run only when some row
   # needs it measured faster alone but not inside the sampler; bench/RESULTS.md.)
   total = jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0), axis=-1)
-  from_candidates = functools.partial(_threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m,
-                                      min_p=min_p)
+  from_candidates = functools.partial(
+    _threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m, min_p=min_p
+  )
   if _NARROW_GROUP and flat.shape[-1] > 2 * _NARROW_GROUP:
     # Fewer candidates to sort first: only the 8 largest of every 128 (32 groups'
     # top-4s) can be kept when the threshold clears the 8th largest of each such
@@ -439,11 +473,13 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
     narrow_floor = jnp.maximum(floor, jnp.max(tops2[..., -1], axis=-1))
     thr, lse, exact = from_candidates(tops2.reshape(tops2.shape[:-2] + (-1,)), narrow_floor)
 
-    rows_from_all_candidates = functools.partial(_rows_from_candidates, floor=floor, row_of=row_of, top_k=top_k,
-                                                 top_p=top_p, v=v, total=total, m=m, min_p=min_p)
+    rows_from_all_candidates = functools.partial(
+      _rows_from_candidates, floor=floor, row_of=row_of, top_k=top_k, top_p=top_p, v=v, total=total, m=m, min_p=min_p
+    )
     # Rows the narrowed candidates cannot vouch for: from all 4G candidates (no new read of the logits).
-    thr, lse, exact = _redo_rows(exact, (thr, lse, exact), flat, rows_from_all_candidates,
-                                 lambda f: from_candidates(f, floor))
+    thr, lse, exact = _redo_rows(
+      exact, (thr, lse, exact), flat, rows_from_all_candidates, lambda f: from_candidates(f, floor)
+    )
   else:
     thr, lse, exact = from_candidates(flat, floor)
 
@@ -452,11 +488,13 @@ def threshold_and_lse(logits: jax.Array, temperature: jax.Array | None, top_k: j
   # The logits are the operand (raw, or a view), never a closure over a scaled copy.
   def sort_rows(idx, raw):
     r = row_of(idx)
-    return _sorted_threshold_and_lse(_scaled_rows(raw, idx, temperature, row_of), top_k[r], top_p[r],
-                                     min_p=None if min_p is None else min_p[r])
+    return _sorted_threshold_and_lse(
+      _scaled_rows(raw, idx, temperature, row_of), top_k[r], top_p[r], min_p=None if min_p is None else min_p[r]
+    )
 
-  return _redo_rows(exact, (thr, lse), logits, sort_rows,
-                    lambda raw: _sorted_threshold_and_lse(scale(raw), top_k, top_p, min_p=min_p))
+  return _redo_rows(
+    exact, (thr, lse), logits, sort_rows, lambda raw: _sorted_threshold_and_lse(scale(raw), top_k, top_p, min_p=min_p)
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -487,37 +525,58 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   flat = tops.reshape(tops.shape[:-2] + (-1,))  # [..., 4 G_l]
   m = shards.max(jnp.max(tops[..., 0], axis=-1))
   floor = shards.max(jnp.max(tops[..., -1], axis=-1))  # tokens outside the candidates are <= this
-  total = shards.sum(jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0),
-                             axis=-1))
+  total = shards.sum(
+    jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0), axis=-1)
+  )
   row_of = _row_index(logits, m)
-  from_candidates = functools.partial(_threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m,
-                                      min_p=min_p)
+  from_candidates = functools.partial(
+    _threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m, min_p=min_p
+  )
   # Two rounds of candidates, both narrowed on the device before the gather so that no
   # gather grows with the vocabulary: the 8, then the 32, largest of every 128.
   narrowed = []
   for per_group in (_NARROW_PER_GROUP, 4 * _NARROW_PER_GROUP):
     if flat.shape[-1] > _NARROW_GROUP:
       tops2 = group_top(flat, _NARROW_GROUP, per_group)
-      narrowed.append((tops2.reshape(tops2.shape[:-2] + (-1,)),
-                       jnp.maximum(floor, shards.max(jnp.max(tops2[..., -1], axis=-1)))))
+      narrowed.append(
+        (tops2.reshape(tops2.shape[:-2] + (-1,)), jnp.maximum(floor, shards.max(jnp.max(tops2[..., -1], axis=-1))))
+      )
     else:
       narrowed.append((flat, floor))
   (cand, cand_floor), (wide, wide_floor) = narrowed
   thr, lse, exact = from_candidates(shards.gather(cand), cand_floor)
 
-  rows_from_wide_candidates = functools.partial(_rows_from_candidates, floor=wide_floor, row_of=row_of, top_k=top_k,
-                                                top_p=top_p, v=v, total=total, m=m, min_p=min_p, gather=shards.gather)
+  rows_from_wide_candidates = functools.partial(
+    _rows_from_candidates,
+    floor=wide_floor,
+    row_of=row_of,
+    top_k=top_k,
+    top_p=top_p,
+    v=v,
+    total=total,
+    m=m,
+    min_p=min_p,
+    gather=shards.gather,
+  )
   if wide is not cand:
-    thr, lse, exact = _redo_rows(exact, (thr, lse, exact), wide, rows_from_wide_candidates,
-                                 lambda f: from_candidates(shards.gather(f), wide_floor), shards)
+    thr, lse, exact = _redo_rows(
+      exact,
+      (thr, lse, exact),
+      wide,
+      rows_from_wide_candidates,
+      lambda f: from_candidates(shards.gather(f), wide_floor),
+      shards,
+    )
 
   def bisect_rows(idx, raw):
     r = row_of(idx)
-    return _bisect_threshold_and_lse(_scaled_rows(raw, idx, temperature, row_of), top_k[r], top_p[r],
-                                     None if min_p is None else min_p[r], shards)
+    return _bisect_threshold_and_lse(
+      _scaled_rows(raw, idx, temperature, row_of), top_k[r], top_p[r], None if min_p is None else min_p[r], shards
+    )
 
-  return _redo_rows(exact, (thr, lse), logits, bisect_rows,
-                    lambda raw: _bisect_batch(scale(raw), top_k, top_p, min_p, shards), shards)
+  return _redo_rows(
+    exact, (thr, lse), logits, bisect_rows, lambda raw: _bisect_batch(scale(raw), top_k, top_p, min_p, shards), shards
+  )
 
 
 def _bisect_batch(scaled, top_k, top_p, min_p, shards):
@@ -525,8 +584,9 @@ def _bisect_batch(scaled, top_k, top_p, min_p, shards):
   lead = scaled.shape[:-1]
   per = int(np.prod(lead[1:], dtype=np.int64))
   rows = lambda a: None if a is None else jnp.repeat(a, per)
-  thr, lse = _bisect_threshold_and_lse(scaled.reshape(-1, scaled.shape[-1]), rows(top_k), rows(top_p), rows(min_p),
-                                       shards)
+  thr, lse = _bisect_threshold_and_lse(
+    scaled.reshape(-1, scaled.shape[-1]), rows(top_k), rows(top_p), rows(min_p), shards
+  )
   return thr.reshape(lead), lse.reshape(lead)
 
 
@@ -576,10 +636,11 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
   k_on = (top_k > 0) & (top_k < v)
   p_on = top_p < 1.0
   count_at_least = lambda t: shards.sum(jnp.sum((u >= t[:, None]).astype(jnp.int32), axis=-1))
-  kth = jax.lax.cond(shards.any(k_on),
-                     lambda: jnp.where(k_on, _from_ordered(_largest_key(count_at_least, lambda n: n >= top_k,
-                                                                        m.shape)), -jnp.inf),
-                     lambda: jnp.full(m.shape, -jnp.inf, jnp.float32))
+  kth = jax.lax.cond(
+    shards.any(k_on),
+    lambda: jnp.where(k_on, _from_ordered(_largest_key(count_at_least, lambda n: n >= top_k, m.shape)), -jnp.inf),
+    lambda: jnp.full(m.shape, -jnp.inf, jnp.float32),
+  )
   in_top_k = x >= kth[:, None]
   row_mass = shards.sum(jnp.sum(e, axis=-1))
   z = jnp.where(k_on, shards.sum(jnp.sum(jnp.where(in_top_k, e, 0.0), axis=-1)), row_mass)

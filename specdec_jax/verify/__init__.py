@@ -14,5 +14,10 @@ They read logits through `specdec_jax.sampling` and know nothing of models or ca
 from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID, RejectionOutput, rejection_sample
 from specdec_jax.verify.tree import TreeRejectionOutput, tree_rejection_sample
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "RejectionOutput", "TreeRejectionOutput", "rejection_sample",
-           "tree_rejection_sample"]
+__all__ = [
+  "PLACEHOLDER_TOKEN_ID",
+  "RejectionOutput",
+  "TreeRejectionOutput",
+  "rejection_sample",
+  "tree_rejection_sample",
+]

@@ -92,18 +92,18 @@ class RejectionOutput:
 
 
 def rejection_sample(
-    draft_token_ids,  # int32 [B, K]
-    target_logits,  # float [B, K+1, V]
-    params: SamplingParams,  # batch B
-    key=None,  # one key, or [B] keys (typed or raw uint32)
-    draft_probs=None,  # float [B, K, V] or None (n-gram drafts)
-    num_draft_tokens=None,  # int32 [B] in [0, K]; None = K
-    all_greedy: bool = False,
-    all_random: bool = False,
-    logprobs: str | None = None,
-    method: str = "token",
-    penalty_state: penalties.PenaltyState | None = None,
-    no_filters: bool = False,
+  draft_token_ids,  # int32 [B, K]
+  target_logits,  # float [B, K+1, V]
+  params: SamplingParams,  # batch B
+  key=None,  # one key, or [B] keys (typed or raw uint32)
+  draft_probs=None,  # float [B, K, V] or None (n-gram drafts)
+  num_draft_tokens=None,  # int32 [B] in [0, K]; None = K
+  all_greedy: bool = False,
+  all_random: bool = False,
+  logprobs: str | None = None,
+  method: str = "token",
+  penalty_state: penalties.PenaltyState | None = None,
+  no_filters: bool = False,
 ) -> RejectionOutput:
   """Verifies draft tokens against the target, losslessly.
 
@@ -214,11 +214,21 @@ def rejection_sample(
   if method not in METHODS:
     raise ValueError(f"rejection_sample: method must be one of {METHODS}, got {method!r}")
   where = "rejection_sample"
-  b, k1, v = check_verifier_args(where, draft_token_ids, target_logits, params, draft_probs, num_draft_tokens,
-                                 axis="K", probs_rows=0, count_name="num_draft_tokens")
+  b, k1, v = check_verifier_args(
+    where,
+    draft_token_ids,
+    target_logits,
+    params,
+    draft_probs,
+    num_draft_tokens,
+    axis="K",
+    probs_rows=0,
+    count_name="num_draft_tokens",
+  )
   k = k1 - 1
-  check_promises(where, params, v, all_greedy=all_greedy, all_random=all_random,
-                 no_filters=no_filters or params.no_filters)
+  check_promises(
+    where, params, v, all_greedy=all_greedy, all_random=all_random, no_filters=no_filters or params.no_filters
+  )
   params = penalties.penalty_params(params, penalty_state, b, v, where)
   if num_draft_tokens is None:
     num_draft_tokens = jnp.full((b,), k, jnp.int32)
@@ -237,14 +247,29 @@ def rejection_sample(
   # with Explicit axes made Auto (XLA moves the data).
   if no_filters:
     params = params.promise_no_filters()  # static, in the params' structure (`_general` reads it)
-  plan = chain_plan(params, vocab=v, local_vocab=v if shards is None else shards.local,
-                    draft_probs=draft_probs is not None, all_greedy=all_greedy, all_random=all_random,
-                    logprobs=logprobs, method=method, sharded=shards is not None)
+  plan = chain_plan(
+    params,
+    vocab=v,
+    local_vocab=v if shards is None else shards.local,
+    draft_probs=draft_probs is not None,
+    all_greedy=all_greedy,
+    all_random=all_random,
+    logprobs=logprobs,
+    method=method,
+    sharded=shards is not None,
+  )
   program = functools.partial(_rejection_sample, plan=plan, shards=shards)
   if shards is None:
     program = auto_axes_if_explicit(program)
-  return program(draft_token_ids.astype(jnp.int32), target_logits, params, keys, draft_probs,
-                 num_draft_tokens.astype(jnp.int32), penalty_state)
+  return program(
+    draft_token_ids.astype(jnp.int32),
+    target_logits,
+    params,
+    keys,
+    draft_probs,
+    num_draft_tokens.astype(jnp.int32),
+    penalty_state,
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -259,8 +284,11 @@ def _emit(draft, num_accepted, final_token):
   padded = jnp.concatenate([draft, jnp.zeros((b, 1), jnp.int32)], axis=1)
   na = num_accepted[:, None]
   ids = jnp.where(pos < na, padded, jnp.where(pos == na, final_token[:, None], PLACEHOLDER_TOKEN_ID))
-  return RejectionOutput(token_ids=ids.astype(jnp.int32), num_accepted=num_accepted.astype(jnp.int32),
-                         num_emitted=(num_accepted + 1).astype(jnp.int32))
+  return RejectionOutput(
+    token_ids=ids.astype(jnp.int32),
+    num_accepted=num_accepted.astype(jnp.int32),
+    num_emitted=(num_accepted + 1).astype(jnp.int32),
+  )
 
 
 def _num_accepted(accept):
@@ -291,8 +319,11 @@ def _score_drafts(draft, logits, params, stats: PositionStats, draft_probs, shar
   k, v = draft.shape[1], (logits.shape[-1] if shards is None else shards.vocab)
   valid = (draft >= 0) & (draft < v)
   ids = jnp.where(valid, draft, 0)
-  x_d = reductions.scale_logits(vocab_parallel.take_vocab(reductions.values(logits)[:, :k], ids[..., None], shards),
-                              params.temperature, stats.shift[:, :k])[..., 0]
+  x_d = reductions.scale_logits(
+    vocab_parallel.take_vocab(reductions.values(logits)[:, :k], ids[..., None], shards),
+    params.temperature,
+    stats.shift[:, :k],
+  )[..., 0]
   log_p = jnp.where((x_d >= stats.thr[:, :k]) & (stats.lse[:, :k] > -jnp.inf), x_d - stats.lse[:, :k], -jnp.inf)
   if draft_probs is None:
     log_q = jnp.zeros_like(log_p)
@@ -317,17 +348,24 @@ class _StopRow(NamedTuple):
 def _stop_row(draft, stats: PositionStats, s, n) -> _StopRow:
   at_s = lambda a: jnp.take_along_axis(a, s[:, None], axis=1)  # [B, K+1] -> [B, 1]
   s_draft = jnp.minimum(s, max(draft.shape[1] - 1, 0))
-  return _StopRow(s=s, thr=at_s(stats.thr), lse=at_s(stats.lse), shift=at_s(stats.shift)[:, 0],
-                  rejected=(s < n)[:, None], draft_at=s_draft,
-                  draft=jnp.take_along_axis(draft, s_draft[:, None], axis=1))
+  return _StopRow(
+    s=s,
+    thr=at_s(stats.thr),
+    lse=at_s(stats.lse),
+    shift=at_s(stats.shift)[:, 0],
+    rejected=(s < n)[:, None],
+    draft_at=s_draft,
+    draft=jnp.take_along_axis(draft, s_draft[:, None], axis=1),
+  )
 
 
 def _stop_log_weights(residual: bool, logits, params, draft_probs, stop: _StopRow, log_w, shards):
   """[B, V] log-weights at the stopping position, built from the inputs (fusible): p, or the residual."""
   k = logits.shape[1] - 1
   token_ids = jnp.arange(logits.shape[-1])[None, :] + (0 if shards is None else shards.offset())
-  row = reductions.scale_logits(jnp.take_along_axis(reductions.values(logits), stop.s[:, None, None], axis=1)[:, 0],
-                                params.temperature, stop.shift)
+  row = reductions.scale_logits(
+    jnp.take_along_axis(reductions.values(logits), stop.s[:, None, None], axis=1)[:, 0], params.temperature, stop.shift
+  )
   logp_row = jnp.where((row >= stop.thr) & (stop.lse > -jnp.inf), row - stop.lse, -jnp.inf)
   if not residual or k == 0:
     return logp_row
@@ -355,8 +393,11 @@ def _row_draw(key, weights, plan: SamplerPlan, shards):
   tok, empty = draws.categorical_with_empty(key, weights(True), shards)
   # A residual with no mass falls back to p. The check comes from the draw's own chunk masses.
   return _if_any_residual_empty(
-      empty, shards, lambda: jnp.where(empty, draws.categorical_with_empty(key, weights(False), shards)[0], tok),
-      lambda: tok)
+    empty,
+    shards,
+    lambda: jnp.where(empty, draws.categorical_with_empty(key, weights(False), shards)[0], tok),
+    lambda: tok,
+  )
 
 
 def _chunk_draw(key, logits, params, stats: PositionStats, scores: _DraftScores, stop: _StopRow, shards):
@@ -374,8 +415,9 @@ def _chunk_draw(key, logits, params, stats: PositionStats, scores: _DraftScores,
 
   def chunk_log_weights(ch):  # [B] -> [B, c]: the chosen chunk of the stopping row, under p
     row = jnp.take_along_axis(reductions.values(logits), stop.s[:, None, None], axis=1).reshape(b, n_ch, c)
-    return reductions.scale_logits(jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature,
-                                   stop.shift)
+    return reductions.scale_logits(
+      jnp.take_along_axis(row, ch[:, None, None], axis=1)[:, 0], params.temperature, stop.shift
+    )
 
   return draws.draw_from_chunks_excluding(key, log_pc, chunk_log_weights, exclude, p_d, c, shards)
 
@@ -390,8 +432,21 @@ def _if_any_stop_row_redone(redone, shards, some_redone, none_redone):
   return jax.lax.cond(vocab_parallel.any_rows(redone, shards), some_redone, none_redone)
 
 
-def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_probs, s, n, log_w, any_filtered,
-                plan: SamplerPlan, shards=None):
+def _draw_final(
+  key,
+  draft,
+  logits,
+  params,
+  stats,
+  scores: _DraftScores,
+  draft_probs,
+  s,
+  n,
+  log_w,
+  any_filtered,
+  plan: SamplerPlan,
+  shards=None,
+):
   """The recovered or bonus token of every row, drawn at its stopping position s [B] (random rows' rule).
 
   `plan.draw` says how (see `verify.plan`): the chunk draw (nothing filtered,
@@ -401,16 +456,18 @@ def _draw_final(key, draft, logits, params, stats, scores: _DraftScores, draft_p
   from p. Under `shards` every draw reads only this device's slice (`sampling.draws`).
   """
   stop = _stop_row(draft, stats, s, n)
-  weights = functools.partial(_stop_log_weights, logits=logits, params=params, draft_probs=draft_probs, stop=stop,
-                              log_w=log_w, shards=shards)
+  weights = functools.partial(
+    _stop_log_weights, logits=logits, params=params, draft_probs=draft_probs, stop=stop, log_w=log_w, shards=shards
+  )
   row_draw = lambda: _row_draw(key, weights, plan, shards)
   chunk_draw = lambda: _chunk_draw(key, logits, params, stats, scores, stop, shards)
   if plan.draw == CHUNK_DRAW:
     tok = chunk_draw()  # no filters and no redone rows (`params.no_filters`: see `position_stats`)
   elif plan.draw == CHUNK_OR_ROW_DRAW:
     redone_s = jnp.take_along_axis(stats.redone, s[:, None], axis=1)[:, 0]
-    mixed_draw = lambda: _if_any_stop_row_redone(redone_s, shards, lambda: jnp.where(redone_s, row_draw(),
-                                                                                      chunk_draw()), chunk_draw)
+    mixed_draw = lambda: _if_any_stop_row_redone(
+      redone_s, shards, lambda: jnp.where(redone_s, row_draw(), chunk_draw()), chunk_draw
+    )
     tok = _if_any_row_filtered(any_filtered, row_draw, mixed_draw)
   else:
     tok = row_draw()
@@ -424,8 +481,9 @@ def _general(draft, logits, params, keys, draft_probs, n, live, plan: SamplerPla
   k = k1 - 1
   greedy = params.is_greedy if plan.argmax else jnp.zeros((b,), bool)
   # 1. Every position's processed distribution: threshold, normaliser, argmax, chunk masses.
-  stats = position_stats(logits, params, greedy=greedy if plan.argmax else None, argmax=plan.argmax, chunks=True,
-                         shards=shards)
+  stats = position_stats(
+    logits, params, greedy=greedy if plan.argmax else None, argmax=plan.argmax, chunks=True, shards=shards
+  )
   # Read only by the chunk-or-row draw (under the no-filters promise no row filters, statically).
   any_filtered = None
   if plan.draw == CHUNK_OR_ROW_DRAW:
@@ -447,36 +505,47 @@ def _general(draft, logits, params, keys, draft_probs, n, live, plan: SamplerPla
     h = block.stop_probs(jnp.exp(log_w), r, n)
     num_accepted = jnp.where(greedy, _num_accepted(accept_greedy & usable), block.num_accepted(h, u))
   # 4. One token from a full distribution, at the stopping position only.
-  final_random = _draw_final(k_final, draft, logits, params, stats, scores, draft_probs, num_accepted, n, log_w,
-                             any_filtered, plan, shards)
+  final_random = _draw_final(
+    k_final, draft, logits, params, stats, scores, draft_probs, num_accepted, n, log_w, any_filtered, plan, shards
+  )
   final = jnp.where(greedy, jnp.take_along_axis(stats.argmax, num_accepted[:, None], axis=1)[:, 0], final_random)
   return _emit(draft, num_accepted, final), dataclasses.replace(stats, chunk_log_mass=None)
 
 
-def _with_logprobs(out: RejectionOutput, raw_logits, logits, params, stats, mode: str, greedy,
-                   shards=None) -> RejectionOutput:
+def _with_logprobs(
+  out: RejectionOutput, raw_logits, logits, params, stats, mode: str, greedy, shards=None
+) -> RejectionOutput:
   """Adds the emitted tokens' log-probabilities (see `rejection_sample`'s `logprobs`); greedy: bool[B].
 
   raw_logits are the caller's; logits those the sampler used (after bias and penalties, if any).
   """
   processed = stats.token_log_probs(logits, out.token_ids, params.temperature, shards)
-  lp = requested_log_probs(raw_logits if mode == "raw" else logits, out.token_ids, params, processed, mode,
-                                    greedy, shards)
+  lp = requested_log_probs(
+    raw_logits if mode == "raw" else logits, out.token_ids, params, processed, mode, greedy, shards
+  )
   emitted = jnp.arange(logits.shape[1])[None, :] < out.num_emitted[:, None]
   return dataclasses.replace(out, logprobs=jnp.where(emitted, lp, 0.0))
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "shards"))
-def _rejection_sample(draft, logits, params, keys, draft_probs, n, penalty_state=None, *, plan: SamplerPlan,
-                      shards=None):
+def _rejection_sample(
+  draft, logits, params, keys, draft_probs, n, penalty_state=None, *, plan: SamplerPlan, shards=None
+):
   program = functools.partial(_program, plan=plan, shards=shards)
   if shards is None:
     return program(draft, logits, params, keys, draft_probs, n, penalty_state)
   # Each device runs the program on its rows and its slice of the vocabulary.
   rows = lambda a, ndim=1: P() if a is None else vocab_parallel.row_spec(shards, ndim)
   vocab = lambda a, ndim: P() if a is None else vocab_parallel.row_spec(shards, ndim, vocab_last=True)
-  in_specs = (rows(draft), vocab(logits, 3), rows(params), rows(keys), vocab(draft_probs, 3), rows(n),
-              vocab(penalty_state, 2))
+  in_specs = (
+    rows(draft),
+    vocab(logits, 3),
+    rows(params),
+    rows(keys),
+    vocab(draft_probs, 3),
+    rows(n),
+    vocab(penalty_state, 2),
+  )
   sharded = vocab_parallel.sharded_call(program, in_specs, rows(draft))
   return sharded(draft, logits, params, keys, draft_probs, n, penalty_state)
 
@@ -492,24 +561,28 @@ def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, plan
   if plan.penalties:
     # Steps 1-3 of every position, position i counting drafts 0 .. i-1: a view, so that
     # every read of the logits applies them itself (fused) instead of reading a copy.
-    logits = penalties.penalized_view(logits, params, penalty_state, draft,
-                                      vocab_offset=None if shards is None else shards.offset())
+    logits = penalties.penalized_view(
+      logits, params, penalty_state, draft, vocab_offset=None if shards is None else shards.offset()
+    )
   b, k1 = logits.shape[:2]
   k = k1 - 1
   n = jnp.clip(n, 0, k)
   live = jnp.arange(k)[None, :] < n[:, None]
   zeros = jnp.zeros((b, k1), jnp.float32)
-  no_stats = PositionStats(shift=zeros, thr=zeros, lse=zeros, argmax=jnp.zeros((b, k1), jnp.int32),
-                           redone=jnp.zeros((b, k1), jnp.bool_))  # greedy rows need none
-  general = functools.partial(_general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live, plan=plan,
-                              shards=shards)
+  no_stats = PositionStats(
+    shift=zeros, thr=zeros, lse=zeros, argmax=jnp.zeros((b, k1), jnp.int32), redone=jnp.zeros((b, k1), jnp.bool_)
+  )  # greedy rows need none
+  general = functools.partial(
+    _general, params=params, keys=keys, draft_probs=draft_probs, n=n, live=live, plan=plan, shards=shards
+  )
   if plan.verifier == GREEDY_VERIFIER:
     out, stats = _greedy(draft, logits, live, shards), no_stats
   elif plan.verifier == GENERAL_VERIFIER:
     out, stats = general(draft, logits)
   else:
-    out, stats = _if_all_rows_greedy(params, shards, lambda d, x: (_greedy(d, x, live, shards), no_stats), general,
-                                     draft, logits)
+    out, stats = _if_all_rows_greedy(
+      params, shards, lambda d, x: (_greedy(d, x, live, shards), no_stats), general, draft, logits
+    )
   if plan.logprobs is None:
     return out
   # The static promises decide which rows count as greedy, as they do for the tokens.

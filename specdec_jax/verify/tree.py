@@ -83,17 +83,17 @@ class TreeRejectionOutput:
 
 
 def tree_rejection_sample(
-    draft_token_ids,  # int32 [B, N], nodes in topological order
-    parents,  # int32 [N] (static tree) or [B, N]; -1 = child of the root
-    target_logits,  # float [B, N+1, V]
-    params: SamplingParams,  # batch B
-    key=None,  # one key, or [B] keys (typed or raw uint32)
-    draft_probs=None,  # float [B, N+1, V] or None (deterministic drafts)
-    num_nodes=None,  # int32 [B] in [0, N]; None = N
-    all_greedy: bool = False,
-    sibling_draws: str = "iid",
-    max_depth: int | None = None,
-    no_filters: bool = False,
+  draft_token_ids,  # int32 [B, N], nodes in topological order
+  parents,  # int32 [N] (static tree) or [B, N]; -1 = child of the root
+  target_logits,  # float [B, N+1, V]
+  params: SamplingParams,  # batch B
+  key=None,  # one key, or [B] keys (typed or raw uint32)
+  draft_probs=None,  # float [B, N+1, V] or None (deterministic drafts)
+  num_nodes=None,  # int32 [B] in [0, N]; None = N
+  all_greedy: bool = False,
+  sibling_draws: str = "iid",
+  max_depth: int | None = None,
+  no_filters: bool = False,
 ) -> TreeRejectionOutput:
   """Verifies a tree of draft tokens against the target, losslessly.
 
@@ -166,11 +166,14 @@ def tree_rejection_sample(
   check_promises(_WHERE, params, v, all_greedy=all_greedy, no_filters=no_filters or params.no_filters)
   if params.has_penalties or params.has_logit_bias:
     # Each node's context is its own root path: not built yet. Refuse rather than ignore them.
-    raise ValueError(f"{_WHERE}: params carry repetition/frequency/presence penalties or a logit bias, which trees "
-                     "of drafts do not support yet (rejection_sample does); use a chain (draft_tree=None)")
+    raise ValueError(
+      f"{_WHERE}: params carry repetition/frequency/presence penalties or a logit bias, which trees "
+      "of drafts do not support yet (rejection_sample does); use a chain (draft_tree=None)"
+    )
   parents, depth, max_children = _tree_structure(parents, b, n)
-  if max_depth is not None and (not isinstance(max_depth, (int, np.integer)) or isinstance(max_depth, bool)
-                                or max_depth < 1):
+  if max_depth is not None and (
+    not isinstance(max_depth, (int, np.integer)) or isinstance(max_depth, bool) or max_depth < 1
+  ):
     raise ValueError(f"{_WHERE}: max_depth must be None or a static int >= 1, got {max_depth!r}")
   if num_nodes is None:
     num_nodes = jnp.full((b,), n, jnp.int32)
@@ -189,9 +192,19 @@ def tree_rejection_sample(
     keys = row_keys(key, b, f"{_WHERE}: key")
   if no_filters:
     params = params.promise_no_filters()
-  return _tree_rejection_sample(draft.astype(jnp.int32), parents.astype(jnp.int32), logits, params, keys,
-                                draft_probs, num_nodes.astype(jnp.int32), depth=depth, max_children=max_children,
-                                all_greedy=all_greedy, without_replacement=sibling_draws == "without_replacement")
+  return _tree_rejection_sample(
+    draft.astype(jnp.int32),
+    parents.astype(jnp.int32),
+    logits,
+    params,
+    keys,
+    draft_probs,
+    num_nodes.astype(jnp.int32),
+    depth=depth,
+    max_children=max_children,
+    all_greedy=all_greedy,
+    without_replacement=sibling_draws == "without_replacement",
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -207,8 +220,9 @@ class _TreeSizes(NamedTuple):
 
 def _check_args(draft, logits, params, draft_probs, num_nodes) -> _TreeSizes:
   """Shapes and dtypes (trace time)."""
-  shape = check_verifier_args(_WHERE, draft, logits, params, draft_probs, num_nodes, axis="N", probs_rows=1,
-                              count_name="num_nodes")
+  shape = check_verifier_args(
+    _WHERE, draft, logits, params, draft_probs, num_nodes, axis="N", probs_rows=1, count_name="num_nodes"
+  )
   return _TreeSizes(shape.batch, shape.rows - 1, shape.vocab)
 
 
@@ -242,11 +256,14 @@ def _tree_structure(parents, b, n) -> _TreeStructure:
   p = np.asarray(parents).astype(np.int64)
   bad = (p < -1) | (p >= np.arange(n))
   if np.any(bad):
-    raise ValueError(f"{_WHERE}: parents[j] must be in [-1, j) (nodes in topological order, -1 = the root); "
-                     f"got parents[{np.flatnonzero(bad)[:8].tolist()}] = {p[bad][:8].tolist()}")
+    raise ValueError(
+      f"{_WHERE}: parents[j] must be in [-1, j) (nodes in topological order, -1 = the root); "
+      f"got parents[{np.flatnonzero(bad)[:8].tolist()}] = {p[bad][:8].tolist()}"
+    )
   max_children = int(np.bincount(p + 1, minlength=1).max()) if n else 0
-  return _TreeStructure(jnp.broadcast_to(jnp.asarray(p, jnp.int32), (b, n)), int(_depths(p).max(initial=0)),
-                        max_children)
+  return _TreeStructure(
+    jnp.broadcast_to(jnp.asarray(p, jnp.int32), (b, n)), int(_depths(p).max(initial=0)), max_children
+  )
 
 
 def _check_max_depth(parents, num_nodes, max_depth):
@@ -283,8 +300,10 @@ def _check_values(draft, parents, num_nodes, logits, draft_probs, iid):
   p = np.asarray(parents)
   bad = live & ((p < -1) | (p >= np.arange(n)[None, :]))
   if np.any(bad):
-    raise ValueError(f"{_WHERE}: parents[b, j] must be in [-1, j) at existing nodes; got {p[bad][:8].tolist()} at "
-                     f"[b, j] = {np.argwhere(bad)[:8].tolist()}")
+    raise ValueError(
+      f"{_WHERE}: parents[b, j] must be in [-1, j) at existing nodes; got {p[bad][:8].tolist()} at "
+      f"[b, j] = {np.argwhere(bad)[:8].tolist()}"
+    )
   d = np.asarray(draft)
   bad = live & ((d < 0) | (d >= v))
   if np.any(bad):
@@ -431,8 +450,14 @@ def _recursive_rejection_step(logp, q, draft, children, key, max_children, witho
       removed_mass = removed_mass + jnp.where(drop, q_own, 0.0)
     return _SlotCarry(c + 1, r, jnp.where(accept, j, chosen), rejected_any | reject, removed, removed_mass)
 
-  init = _SlotCarry(jnp.int32(0), p, jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool),
-                    jnp.full((b, max(max_children, 1)), -1, jnp.int32), jnp.zeros((b,), jnp.float32))
+  init = _SlotCarry(
+    jnp.int32(0),
+    p,
+    jnp.full((b,), -1, jnp.int32),
+    jnp.zeros((b,), bool),
+    jnp.full((b, max(max_children, 1)), -1, jnp.int32),
+    jnp.zeros((b,), jnp.float32),
+  )
   final = jax.lax.while_loop(cond, body, init) if n and max_children else init
   r, chosen, rejected_any = final.residual, final.chosen, final.rejected_any
   # The bonus (no child rejected) draws from logp itself, not from log(exp(logp)).
@@ -464,8 +489,20 @@ def _loop(cond, body, init, max_iters: int, unroll: bool):
   return init
 
 
-def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, max_children, greedy_only,
-          without_replacement=False):
+def _walk(
+  draft,
+  parents,
+  logits,
+  params,
+  keys,
+  draft_probs,
+  exists,
+  *,
+  depth,
+  max_children,
+  greedy_only,
+  without_replacement=False,
+):
   """Walks every row from the root, one depth per iteration; returns TreeRejectionOutput."""
   b, n = draft.shape
   unroll = greedy_only and depth + 1 <= _UNROLL_LIMIT and b <= _UNROLL_MAX_BATCH
@@ -505,29 +542,62 @@ def _walk(draft, parents, logits, params, keys, draft_probs, exists, *, depth, m
       accepted = accepted.at[:, d].set(jnp.where(moved, st.child, accepted[:, d]))
     return _WalkState(s.depth + 1, jnp.where(moved, st.child, s.node), s.done | ~moved, token_ids, accepted)
 
-  init = _WalkState(jnp.int32(0), jnp.full((b,), -1, jnp.int32), jnp.zeros((b,), bool),
-                    jnp.full((b, depth + 1), PLACEHOLDER_TOKEN_ID, jnp.int32),
-                    jnp.full((b, depth), PLACEHOLDER_TOKEN_ID, jnp.int32))
+  init = _WalkState(
+    jnp.int32(0),
+    jnp.full((b,), -1, jnp.int32),
+    jnp.zeros((b,), bool),
+    jnp.full((b, depth + 1), PLACEHOLDER_TOKEN_ID, jnp.int32),
+    jnp.full((b, depth), PLACEHOLDER_TOKEN_ID, jnp.int32),
+  )
   final = _loop(lambda s: (s.depth <= depth) & ~jnp.all(s.done), body, init, depth + 1, unroll)
   num_accepted = jnp.sum(final.accepted_nodes >= 0, axis=1, dtype=jnp.int32)
-  return TreeRejectionOutput(token_ids=final.token_ids, accepted_nodes=final.accepted_nodes,
-                             num_accepted=num_accepted, num_emitted=num_accepted + 1)
+  return TreeRejectionOutput(
+    token_ids=final.token_ids,
+    accepted_nodes=final.accepted_nodes,
+    num_accepted=num_accepted,
+    num_emitted=num_accepted + 1,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("depth", "max_children", "all_greedy", "without_replacement"))
-def _tree_rejection_sample(draft, parents, logits, params, keys, draft_probs, num_nodes, *, depth, max_children,
-                           all_greedy, without_replacement=False):
+def _tree_rejection_sample(
+  draft,
+  parents,
+  logits,
+  params,
+  keys,
+  draft_probs,
+  num_nodes,
+  *,
+  depth,
+  max_children,
+  all_greedy,
+  without_replacement=False,
+):
   b, n = draft.shape
   node_ids = jnp.arange(n, dtype=jnp.int32)[None, :]
   # Under jit a node past num_nodes, or with a parent outside [-1, j), does not exist.
   exists = (node_ids < jnp.clip(num_nodes, 0, n)[:, None]) & (parents >= -1) & (parents < node_ids)
-  walk = functools.partial(_walk, parents=parents, params=params, keys=keys, draft_probs=draft_probs,
-                           exists=exists, depth=depth, max_children=max_children,
-                           without_replacement=without_replacement)
+  walk = functools.partial(
+    _walk,
+    parents=parents,
+    params=params,
+    keys=keys,
+    draft_probs=draft_probs,
+    exists=exists,
+    depth=depth,
+    max_children=max_children,
+    without_replacement=without_replacement,
+  )
   if all_greedy:
     return walk(draft, logits=logits, greedy_only=True)
-  return _if_all_rows_greedy(params, lambda d, x: walk(d, logits=x, greedy_only=True),
-                             lambda d, x: walk(d, logits=x, greedy_only=False), draft, logits)
+  return _if_all_rows_greedy(
+    params,
+    lambda d, x: walk(d, logits=x, greedy_only=True),
+    lambda d, x: walk(d, logits=x, greedy_only=False),
+    draft,
+    logits,
+  )
 
 
 def _if_all_rows_greedy(params, greedy_walk, walk, *operands):

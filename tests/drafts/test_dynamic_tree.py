@@ -1,14 +1,14 @@
 """Trees chosen at run time by the drafter's confidence (`DynamicTree`, EAGLE-2 style).
 
-  - the growth: the chosen nodes are exactly the N best-scoring candidates of a
-    NumPy re-implementation of the expansion, in topological order, with their
-    ancestors; the drafter is fed each frontier with the right masks;
-  - `tree_ancestors` and `tree_rejection_sample(max_depth=)` on per-row trees;
-  - the loop: greedy with a dynamic tree equals `generate` (model and EAGLE
-    drafters; ragged prompts, EOS inside rounds), sampled runs are lossless
-    (chi-square of the first tokens' joint law; a planted verifier that accepts
-    the first child fails), bad trees refused; the mixed-batch and
-    no-recompilation test is shared with static trees in tests/loop/test_tree_round.py.
+- the growth: the chosen nodes are exactly the N best-scoring candidates of a
+  NumPy re-implementation of the expansion, in topological order, with their
+  ancestors; the drafter is fed each frontier with the right masks;
+- `tree_ancestors` and `tree_rejection_sample(max_depth=)` on per-row trees;
+- the loop: greedy with a dynamic tree equals `generate` (model and EAGLE
+  drafters; ragged prompts, EOS inside rounds), sampled runs are lossless
+  (chi-square of the first tokens' joint law; a planted verifier that accepts
+  the first child fails), bad trees refused; the mixed-batch and
+  no-recompilation test is shared with static trees in tests/loop/test_tree_round.py.
 """
 
 import jax
@@ -56,7 +56,7 @@ def _reference_growth(tree, root_logits, level_logits):
         cands.append((cands[f][0] + lq[t], int(t), f, i + 1))
     layer = list(range(start, len(cands)))
     frontier = sorted(layer, key=lambda c: -cands[c][0])[:k]
-  chosen = sorted(sorted(range(len(cands)), key=lambda c: -cands[c][0])[:tree.num_nodes])
+  chosen = sorted(sorted(range(len(cands)), key=lambda c: -cands[c][0])[: tree.num_nodes])
   node_of = {c: j for j, c in enumerate(chosen)}
   return ([cands[c][1] for c in chosen], [node_of[cands[c][2]] if cands[c][2] >= 0 else -1 for c in chosen])
 
@@ -223,25 +223,39 @@ def test_max_depth_sets_the_walk_of_per_row_parents():
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("drafter,tree", [("model", DynamicTree(3, 2, 6)), ("eagle", DynamicTree(3, 3, 7)),
-                                          pytest.param("eagle", DynamicTree(2, 2, 2), marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "drafter,tree",
+  [
+    ("model", DynamicTree(3, 2, 6)),
+    ("eagle", DynamicTree(3, 3, 7)),
+    pytest.param("eagle", DynamicTree(2, 2, 2), marks=pytest.mark.slow),
+  ],
+)
 def test_greedy_dynamic_tree_equals_generate(tree_models, drafter, tree):
   """Ragged prompts, EOS inside rounds, max_new_tokens cutting a round: the tokens of plain greedy."""
   target, draft, untrained, trained = tree_models
   prompts, lengths, params, kw, plain = greedy_case(target)
   drafts = {"model": [draft], "eagle": [untrained, trained]}[drafter]
   for d in drafts:
-    out = speculative_generate(target, d, prompts, lengths, params, None, num_speculative_tokens=tree.depth,
-                               draft_tree=tree, **kw)
+    out = speculative_generate(
+      target, d, prompts, lengths, params, None, num_speculative_tokens=tree.depth, draft_tree=tree, **kw
+    )
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.lengths, plain.lengths)
     check_output(out, 15, tree.depth, eos=(kw["eos_token_id"],))
     st = jax.tree.map(np.asarray, out.stats)
     np.testing.assert_array_equal(st.drafted, tree.num_nodes * (st.target_calls - 1))
   if drafter == "eagle":  # the distilled drafter's tree is accepted more often than the untrained one's
-    accepted = [int(np.sum(speculative_generate(target, d, prompts, lengths, params, None, draft_tree=tree,
-                                                num_speculative_tokens=tree.depth, **kw).stats.accepted))
-                for d in (untrained, trained)]
+    accepted = [
+      int(
+        np.sum(
+          speculative_generate(
+            target, d, prompts, lengths, params, None, draft_tree=tree, num_speculative_tokens=tree.depth, **kw
+          ).stats.accepted
+        )
+      )
+      for d in (untrained, trained)
+    ]
     assert accepted[1] > accepted[0], accepted
 
 
@@ -254,8 +268,9 @@ def test_a_target_drafting_for_itself_has_every_reached_position_accepted():
   tree = DynamicTree(3, 2, DynamicTree(3, 2, 1).num_candidates)
   params = SamplingParams.greedy(8)
   kw = dict(max_new_tokens=40, all_greedy=True)
-  out = speculative_generate(target, target, prompts, lengths, params, None, num_speculative_tokens=3,
-                             draft_tree=tree, **kw)
+  out = speculative_generate(
+    target, target, prompts, lengths, params, None, num_speculative_tokens=3, draft_tree=tree, **kw
+  )
   np.testing.assert_array_equal(out.tokens, generate(target, prompts, lengths, params, None, **kw).tokens)
   st = jax.tree.map(np.asarray, out.stats)
   assert st.reached_per_position.sum() > 200
@@ -280,8 +295,18 @@ def test_bad_dynamic_trees_are_refused(tree_models):
     speculative_generate(target, draft, *args, draft_tree=DynamicTree(2, 2, 9), **kw)
 
 
-def _accept_first_children(draft_token_ids, parents, target_logits, params, key=None, draft_probs=None,
-                           num_nodes=None, all_greedy=False, max_depth=None, **_):
+def _accept_first_children(
+  draft_token_ids,
+  parents,
+  target_logits,
+  params,
+  key=None,
+  draft_probs=None,
+  num_nodes=None,
+  all_greedy=False,
+  max_depth=None,
+  **_,
+):
   """A planted bug for per-row trees: accepts node 0, then each accepted node's first child, then a bonus."""
   b, n = draft_token_ids.shape
   node = jnp.full((b,), -1, jnp.int32)
@@ -293,8 +318,9 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
     node = jnp.where(child >= 0, child, node)
   path = jnp.stack(path, axis=1)  # [B, D]; -1 once a leaf is reached
   accepted = jnp.sum(path >= 0, axis=1, dtype=jnp.int32)
-  bonus, _ = sample_tokens(jnp.take_along_axis(target_logits, (node + 1)[:, None, None], axis=1)[:, 0], params,
-                           key, all_greedy=all_greedy)
+  bonus, _ = sample_tokens(
+    jnp.take_along_axis(target_logits, (node + 1)[:, None, None], axis=1)[:, 0], params, key, all_greedy=all_greedy
+  )
   toks = jnp.where(path >= 0, jnp.take_along_axis(draft_token_ids, jnp.maximum(path, 0), axis=1), -1)
   toks = jnp.concatenate([toks, jnp.full((b, 1), -1, jnp.int32)], axis=1)
   toks = toks.at[jnp.arange(b), accepted].set(bonus)
@@ -303,11 +329,15 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
 
 # CI runs the sampled tree's loop (the same per-row plumbing, verified with q); the sampler's own tests
 # (tests/verify/test_tree.py) check deterministic children ("guesses") in CI.
-@pytest.mark.parametrize("drafter,tree", [pytest.param("eagle", DynamicTree(2, 3, 5), marks=pytest.mark.slow),
-                                          pytest.param("model", DynamicTree(2, 3, 5), marks=pytest.mark.slow),
-                                          ("eagle", DynamicTree(2, 2, 6, sampled=True)),
-                                          pytest.param("model", DynamicTree(2, 2, 6, sampled=True),
-                                                       marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "drafter,tree",
+  [
+    pytest.param("eagle", DynamicTree(2, 3, 5), marks=pytest.mark.slow),
+    pytest.param("model", DynamicTree(2, 3, 5), marks=pytest.mark.slow),
+    ("eagle", DynamicTree(2, 2, 6, sampled=True)),
+    pytest.param("model", DynamicTree(2, 2, 6, sampled=True), marks=pytest.mark.slow),
+  ],
+)
 def test_sampled_dynamic_tree_is_lossless(monkeypatch, drafter, tree):
   """The first 3 tokens of N rows follow the target's exact joint with a dynamic tree (T=0.8, top-k 6).
 
@@ -321,12 +351,26 @@ def test_sampled_dynamic_tree_is_lossless(monkeypatch, drafter, tree):
   target, draft, prompts, lengths, params, joint = sampled_tree_case(drafter)
 
   def run():
-    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(8), max_new_tokens=3,
-                               num_speculative_tokens=2, draft_tree=tree)
+    out = speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      params,
+      jax.random.key(8),
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      draft_tree=tree,
+    )
     return out, np.asarray(out.tokens)
 
-  out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} {tree}, first 3 tokens",
-                                   planted=(tree_round, "tree_rejection_sample", _accept_first_children))
+  out = assert_first_tokens_follow(
+    run,
+    joint,
+    monkeypatch,
+    f"{drafter} {tree}, first 3 tokens",
+    planted=(tree_round, "tree_rejection_sample", _accept_first_children),
+  )
   check_output(out, 3, 2)
   n = tree.num_nodes
   assert 0.05 < float(out.stats.usable_acceptance_rate) * n < n - 0.5  # nodes are accepted and rejected

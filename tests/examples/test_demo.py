@@ -27,6 +27,7 @@ def demo():
 def _forbid(name):
   def loader(*args, **kwargs):
     raise AssertionError(f"{name} was called before the flags were checked")
+
   return loader
 
 
@@ -50,7 +51,9 @@ def _error_line(capsys, demo, argv):
   return lines[0]
 
 
-@pytest.mark.parametrize("argv, flag", [
+@pytest.mark.parametrize(
+  "argv, flag",
+  [
     (["--temperature", "-1"], "--temperature"),
     (["--temperature", "nan"], "--temperature"),
     (["--top-p", "0"], "--top-p"),
@@ -65,7 +68,8 @@ def _error_line(capsys, demo, argv):
     (["--max-tokens", "9000"], "--max-tokens"),
     (["--drafter", "tree"], "--drafter"),
     (["--max-tokens", "many"], "--max-tokens"),
-])
+  ],
+)
 def test_bad_flag_is_one_line_before_loading(no_loading, capsys, argv, flag):
   line = _error_line(capsys, no_loading, argv)
   assert flag in line
@@ -97,7 +101,9 @@ def test_drafter_choice(demo):
   assert demo.parse_args(ap, []).drafter == demo.DEFAULT_DRAFTERS
   assert demo.parse_args(ap, ["--drafter", "all"]).drafter == ("eagle", "model", "lookup")
   assert demo.parse_args(ap, ["--drafter", "lookup", "--drafter", "model", "--drafter", "lookup"]).drafter == (
-      "lookup", "model")
+    "lookup",
+    "model",
+  )
 
 
 @jax.tree_util.register_dataclass
@@ -138,8 +144,7 @@ def test_acceptance_is_summed_over_runs_then_formatted(demo):
   assert "acceptance by draft position [0.50 1.00 0.50 0.00]" in line
   assert "usable drafts accepted 0.42" in line
   # A position no round reached shows as "-", not as 0.
-  c = dataclasses.replace(a, reached_per_position=np.array([3, 2, 0, 0]),
-                          accepted_per_position=np.array([2, 1, 0, 0]))
+  c = dataclasses.replace(a, reached_per_position=np.array([3, 2, 0, 0]), accepted_per_position=np.array([2, 1, 0, 0]))
   assert "[0.67 0.50   -    - ]" in demo.format_acceptance(c)
 
 
@@ -152,7 +157,7 @@ class _FakeOut:
 
 def test_rates_are_medians_over_repeats_and_speedups_use_medians(demo, capsys):
   runs = {
-      "plain generate": [(_FakeOut(np.array([10])), [1.0, 2.0, 5.0]), (_FakeOut(np.array([30])), [1.0, 1.0, 1.0])],
+    "plain generate": [(_FakeOut(np.array([10])), [1.0, 2.0, 5.0]), (_FakeOut(np.array([30])), [1.0, 1.0, 1.0])],
   }
   n, rs = demo.rates(runs["plain generate"], [0, 1])
   assert n == 40 and rs == [20.0, 40 / 3, 40 / 6]
@@ -176,13 +181,16 @@ def test_one_prompt_has_no_all_prompts_block(demo, monkeypatch, capsys):
   assert "JAX platform" in printed and "CPU cores" in printed
 
 
-@pytest.mark.parametrize("plain, drafter, word", [
-    ([10.0, 11.0, 12.0], [13.0, 14.0, 15.0], "faster than plain decoding"),   # 13 / 12 > 1
-    ([10.0, 11.0, 12.0], [7.0, 8.0, 9.9], "slower than plain decoding"),      # 9.9 / 10 < 1
+@pytest.mark.parametrize(
+  "plain, drafter, word",
+  [
+    ([10.0, 11.0, 12.0], [13.0, 14.0, 15.0], "faster than plain decoding"),  # 13 / 12 > 1
+    ([10.0, 11.0, 12.0], [7.0, 8.0, 9.9], "slower than plain decoding"),  # 9.9 / 10 < 1
     ([10.0, 11.0, 12.0], [11.5, 13.0, 14.0], "within this machine's run-to-run noise"),  # 11.5 / 12 < 1 < 14 / 10
     ([10.0, 10.0], [10.0, 10.0], "within this machine's run-to-run noise"),  # exactly 1 is not faster
-    ([10.0], [20.0], "no verdict"),                                          # one repeat: no noise measured
-])
+    ([10.0], [20.0], "no verdict"),  # one repeat: no noise measured
+  ],
+)
 def test_speed_verdict_rule(demo, plain, drafter, word):
   verdict = demo.speed_verdict(plain, drafter)
   assert verdict.startswith(word), verdict
@@ -198,8 +206,11 @@ def _fake_main(demo, monkeypatch, argv, drafter_seconds):
   monkeypatch.setattr(demo, "load_smollm2", lambda dtype, kernels: (object(), None))
   monkeypatch.setattr(demo, "load_drafters", lambda names, dtype, kernels: {"prompt lookup": object()})
   monkeypatch.setattr(demo, "measure_costs", lambda target, drafters, k, s: (0.01, 1.5, {}))
-  monkeypatch.setattr(demo, "run_all", lambda methods, *a: {
-      m: [(out, [1.0, 1.1, 0.9] if m == "plain generate" else drafter_seconds)] for m in methods})
+  monkeypatch.setattr(
+    demo,
+    "run_all",
+    lambda methods, *a: {m: [(out, [1.0, 1.1, 0.9] if m == "plain generate" else drafter_seconds)] for m in methods},
+  )
   monkeypatch.setattr(demo, "decoded_text", lambda *a: "some text")
   demo.main(["--prompt", "Hi", "--drafter", "lookup", "-k", "2", *argv])
 
@@ -249,9 +260,11 @@ def test_run_all_round_robin_and_compiles_first(demo):
 
 def test_explain_predicts_speedup_from_measured_costs(demo):
   stats = _FakeStats(np.array([4]), np.array([8]), np.array([16]), np.array([4, 2, 1, 1]), np.array([4, 4, 2, 1]))
-  runs = {"plain generate": [(_FakeOut(np.array([12])), [1.0, 1.0, 1.0])],
-          "draft model": [(_FakeOut(np.array([12]), stats=stats), [0.5, 0.4, 0.6])],
-          "prompt lookup": [(_FakeOut(np.array([12]), stats=stats), [1.0, 1.0, 1.0])]}
+  runs = {
+    "plain generate": [(_FakeOut(np.array([12])), [1.0, 1.0, 1.0])],
+    "draft model": [(_FakeOut(np.array([12]), stats=stats), [0.5, 0.4, 0.6])],
+    "prompt lookup": [(_FakeOut(np.array([12]), stats=stats), [1.0, 1.0, 1.0])],
+  }
   text = "\n".join(demo.explain(0.05, 1.2, {"draft model": 0.2}, 4, runs, ["chat"]))
   assert "one target step 50.0 ms" in text and "costs 1.20 steps" in text
   # mean accepted length (8 + 4) / 4 = 3; round: 1.2 + 4 x 0.2 = 2.0 steps; measured: median rate 24 vs 12.
@@ -264,6 +277,7 @@ def test_explain_predicts_speedup_from_measured_costs(demo):
 def test_costs_on_smollm2(demo):
   """Smoke test: the measurement runs on SmolLM2 and its draft (timings are too load-dependent to assert ratios)."""
   import jax.numpy as jnp
+
   target, _ = demo.load_smollm2(jnp.float32)
   drafters = {"draft model": demo.load_smollm2_draft(jnp.float32), "prompt lookup": demo.PromptLookupDrafter()}
   step_s, verify_cost, draft_cost = demo.measure_costs(target, drafters, 4, 64, repeats=3, calls=2)
@@ -274,4 +288,5 @@ def test_costs_on_smollm2(demo):
 def test_max_context_is_smollm2s(demo):
   """The demo's context limit (needed before the weights load) is the one the GGUF declares."""
   from specdec_jax.models.loaders.smollm2 import smollm2_config
+
   assert demo.MAX_CONTEXT == smollm2_config().max_length

@@ -77,6 +77,7 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
   import sys
 
   from safetensors.numpy import load_file
+
   sys.path.insert(0, str(EXAMPLES))  # train_eagle imports train_draft's prompt lists
   try:
     train = _load("train_eagle")
@@ -100,6 +101,7 @@ def test_train_eagle_init_continues_from_a_given_head(tmp_path):
   import sys
 
   from safetensors.numpy import load_file
+
   sys.path.insert(0, str(EXAMPLES))
   try:
     train = _load("train_eagle")
@@ -108,13 +110,16 @@ def test_train_eagle_init_continues_from_a_given_head(tmp_path):
   common = ["--quick", "--data-cache", str(tmp_path / "data.npz")]
   first = str(tmp_path / "a.safetensors")
   train.main(common + ["--steps", "2", "--out", first])
-  train.main(common + ["--steps", "2", "--lr", "0", "--init", first, "--num-layers", "1",
-                       "--out", str(tmp_path / "same.safetensors")])
+  train.main(
+    common
+    + ["--steps", "2", "--lr", "0", "--init", first, "--num-layers", "1", "--out", str(tmp_path / "same.safetensors")]
+  )
   train.main(common + ["--steps", "2", "--init", first, "--top1-weight", "1", "--out", str(tmp_path / "b.safetensors")])
   a, same, b = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "same", "b"))
   assert set(same) == set(a)  # the head's own blocks and draft vocabulary, not --num-layers 1
   assert all(np.array_equal(same[k], a[k]) for k in a)
   import json
+
   meta = json.load(open(tmp_path / "same.json"))
   # The --init head is measured on the held-out split before training; at lr 0 nothing changes.
   assert meta["init_held_out"] is not None and meta["init_held_out"] == meta["held_out"]
@@ -142,8 +147,25 @@ def test_eagle_draft_bench_variants_compute_the_same_head(tmp_path):
   outs = [h(tokens, hidden, pos, h.init_cache(1, 8))[:2] for h in heads.values()]
   for got, want in zip(outs[0], outs[1]):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  report = eagle_draft.main(["--out", str(tmp_path), "--ks", "2", "--modes", "greedy", "--variants", "xla",
-                             "--draft-vocab", "512", "--target-ms", "2", "--repeats", "1", "--no-plot"])
+  report = eagle_draft.main(
+    [
+      "--out",
+      str(tmp_path),
+      "--ks",
+      "2",
+      "--modes",
+      "greedy",
+      "--variants",
+      "xla",
+      "--draft-vocab",
+      "512",
+      "--target-ms",
+      "2",
+      "--repeats",
+      "1",
+      "--no-plot",
+    ]
+  )
   assert [(r["variant"], r["mode"], r["K"]) for r in report["rows"]] == [("xla", "greedy", 2)]
   assert report["rows"][0]["us"] > 0 and (tmp_path / "eagle_draft.json").is_file()
   with pytest.raises(SystemExit):
@@ -155,12 +177,35 @@ def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_p
   """bench/step_profile.py --tiny on the CPU: its variants' forward equals the Transformer's, every row is there."""
   step_profile = _bench("step_profile")
 
-  report = step_profile.main(["--tiny", "--out", str(tmp_path), "--target-ms", "2", "--repeats", "1",
-                              "--batch-sizes", "1,2", "--variants", "before,after,after-attn", "--no-plot"])
+  report = step_profile.main(
+    [
+      "--tiny",
+      "--out",
+      str(tmp_path),
+      "--target-ms",
+      "2",
+      "--repeats",
+      "1",
+      "--batch-sizes",
+      "1,2",
+      "--variants",
+      "before,after,after-attn",
+      "--no-plot",
+    ]
+  )
   assert report["forward_check_max_abs_diff"] == {"after": 0.0, "scan+fused": 0.0}  # float32 CPU: bit-equal
   got = {(r["B"], r["T"], r["variant"]) for r in report["rows"]}
-  assert got == {(1, 1, "before"), (1, 1, "after"), (1, 1, "after-attn"), (2, 1, "before"), (2, 1, "after"),
-                 (1, 5, "before"), (1, 5, "after"), (2, 5, "before"), (2, 5, "after")}
+  assert got == {
+    (1, 1, "before"),
+    (1, 1, "after"),
+    (1, 1, "after-attn"),
+    (2, 1, "before"),
+    (2, 1, "after"),
+    (1, 5, "before"),
+    (1, 5, "after"),
+    (2, 5, "before"),
+    (2, 5, "after"),
+  }
   assert all(r["us"] > 0 for r in report["rows"])
   assert (tmp_path / "step_profile.json").is_file()  # (the PNG needs matplotlib, a bench extra CI lacks)
   with pytest.raises(SystemExit):  # a bad flag is refused before any model is built

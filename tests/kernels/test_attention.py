@@ -50,9 +50,11 @@ SMALL = AttentionBlocks(block_s=16)
 def _inputs(seed, b, t, dtype):
   k = jax.random.split(jax.random.key(seed), 6)
   d, dh, n = CFG.d_model, CFG.head_dim, (CFG.num_heads + 2 * CFG.num_kv_heads) * CFG.head_dim
-  p = {"attn_norm": 1 + 0.1 * jax.random.normal(k[0], (d,)),
-       "wqkv": jax.random.normal(k[1], (d, n)) / np.sqrt(d),
-       "wo": jax.random.normal(k[2], (CFG.num_heads * dh, d)) / np.sqrt(CFG.num_heads * dh)}
+  p = {
+    "attn_norm": 1 + 0.1 * jax.random.normal(k[0], (d,)),
+    "wqkv": jax.random.normal(k[1], (d, n)) / np.sqrt(d),
+    "wo": jax.random.normal(k[2], (CFG.num_heads * dh, d)) / np.sqrt(CFG.num_heads * dh),
+  }
   x = 2 * jax.random.normal(k[3], (b, t, d))
   shape = (CFG.num_layers, b, CFG.num_kv_heads, S, dh)
   kc, vc = jax.random.normal(k[4], shape), jax.random.normal(k[5], shape)
@@ -71,9 +73,23 @@ def _reference(p, x, kc, vc, layer, pos, dtype):
 def _fused(p, x, kc, vc, layer, pos, blocks=SMALL):
   ctx = AttentionContext.create(pos, S, CFG)
   half = CFG.head_dim // 2
-  return fused_attention(x, p["attn_norm"], p["wqkv"], p["wo"], kc, vc, layer, pos, ctx.cos[:, :, 0, :half],
-                         ctx.sin[:, :, 0, :half], num_heads=CFG.num_heads, num_kv_heads=CFG.num_kv_heads,
-                         eps=CFG.rms_norm_eps, interpret=True, blocks=blocks)
+  return fused_attention(
+    x,
+    p["attn_norm"],
+    p["wqkv"],
+    p["wo"],
+    kc,
+    vc,
+    layer,
+    pos,
+    ctx.cos[:, :, 0, :half],
+    ctx.sin[:, :, 0, :half],
+    num_heads=CFG.num_heads,
+    num_kv_heads=CFG.num_kv_heads,
+    eps=CFG.rms_norm_eps,
+    interpret=True,
+    blocks=blocks,
+  )
 
 
 def _close(got, want, truth_scale, bound):
@@ -82,9 +98,9 @@ def _close(got, want, truth_scale, bound):
 
 
 POSITIONS = {
-    (1, 1): [[17]],
-    (1, 5): [[20, 21, 22, 23, 24]],
-    (2, 3): [[5, 6, 7], [30, 31, 45]],  # 45 >= S: that key is dropped and its query sees every slot
+  (1, 1): [[17]],
+  (1, 5): [[20, 21, 22, 23, 24]],
+  (2, 3): [[5, 6, 7], [30, 31, 45]],  # 45 >= S: that key is dropped and its query sees every slot
 }
 
 
@@ -126,8 +142,11 @@ def test_every_tiling_gives_the_same_result():
   p, x, kc, vc = _inputs(7, 1, 5, jnp.float32)
   pos = jnp.asarray([[3, 4, 5, 6, 7]], jnp.int32)
   want = _fused(p, x, kc, vc, 0, pos)
-  for blocks in (AttentionBlocks(), AttentionBlocks(block_h=32, block_k=128, block_s=64),
-                 AttentionBlocks(block_h=64, block_k=16, block_s=16)):
+  for blocks in (
+    AttentionBlocks(),
+    AttentionBlocks(block_h=32, block_k=128, block_s=64),
+    AttentionBlocks(block_h=64, block_k=16, block_s=16),
+  ):
     got = _fused(p, x, kc, vc, 0, pos, blocks)
     for g, w in zip(got, want):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
@@ -188,8 +207,9 @@ def test_model_calls_agree_and_only_calls_of_few_rows_take_the_kernels(models):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   lowered = {n: call.lower(m, tokens, pos, m.init_cache(2, S)).as_text() for n, m in (("xla", xla), ("p", pallas))}
   assert lowered["xla"] == lowered["p"]  # 40 rows: XLA's blocks
-  small = {n: call.lower(m, tokens[:, :1], pos[:, :1], m.init_cache(2, S)).as_text()
-           for n, m in (("xla", xla), ("p", pallas))}
+  small = {
+    n: call.lower(m, tokens[:, :1], pos[:, :1], m.init_cache(2, S)).as_text() for n, m in (("xla", xla), ("p", pallas))
+  }
   assert small["xla"] != small["p"]  # 2 rows: the kernels
 
 
@@ -218,8 +238,9 @@ def test_eagle_head_calls_agree_with_the_kernels(eagle_heads):
   tree = jax.jit(lambda m, t, h, p, c, s, a: m(t, h, p, c, cache_slots=s, attention_mask=a))
   sib_pos = jnp.broadcast_to(pos[:, 3:] + 2, (2, 2))
   sib_slots = pos[:, 3:] + jnp.asarray([[2, 3]], jnp.int32)
-  sib_mask = (jnp.arange(S)[None, None, :] <= pos[:, 3:, None] + 1) | (jnp.arange(S)[None, None, :] ==
-                                                                         sib_slots[:, :, None])
+  sib_mask = (jnp.arange(S)[None, None, :] <= pos[:, 3:, None] + 1) | (
+    jnp.arange(S)[None, None, :] == sib_slots[:, :, None]
+  )
   outs = {}
   for name, m in (("xla", xla), ("pallas", pallas)):
     logits, h, cache = call(m, tokens, hidden, pos, m.init_cache(2, S), jnp.asarray([3, 1], jnp.int32))
@@ -229,8 +250,10 @@ def test_eagle_head_calls_agree_with_the_kernels(eagle_heads):
   assert np.isinf(np.asarray(outs["pallas"][0])[..., 1::2]).all()  # outside the draft vocabulary
   for got, want in zip(jax.tree.leaves(outs["pallas"]), jax.tree.leaves(outs["xla"])):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  texts = {n: step.lower(m, tokens[:, :1], hidden[:, :1], pos[:, :1], m.init_cache(2, S)).as_text()
-           for n, m in (("xla", xla), ("p", pallas))}
+  texts = {
+    n: step.lower(m, tokens[:, :1], hidden[:, :1], pos[:, :1], m.init_cache(2, S)).as_text()
+    for n, m in (("xla", xla), ("p", pallas))
+  }
   assert texts["xla"] != texts["p"]  # 2 rows: the kernels
   wide = jnp.zeros((2, 10), jnp.int32), jnp.zeros((2, 10, CFG.d_model)), jnp.zeros((2, 10), jnp.int32)
   texts = [step.lower(m, *wide, m.init_cache(2, S)).as_text() for m in eagle_heads]
@@ -246,12 +269,23 @@ def test_greedy_speculative_decoding_with_the_kernels_equals_generate(models):
   lengths = jnp.asarray([4, 6], jnp.int32)
   params = SamplingParams.greedy(2)
   plain = generate(xla, prompts, lengths, params, None, max_new_tokens=8, all_greedy=True)
-  spec = speculative_generate(pallas, pallas, prompts, lengths, params, None, max_new_tokens=8,
-                              num_speculative_tokens=3, all_greedy=True)
+  spec = speculative_generate(
+    pallas, pallas, prompts, lengths, params, None, max_new_tokens=8, num_speculative_tokens=3, all_greedy=True
+  )
   np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
   # A tree of drafts (4 nodes + the root, 2 rows: 10 rows): verification and the draft's levels take the kernels too.
-  tree = speculative_generate(pallas, pallas, prompts, lengths, params, None, max_new_tokens=8,
-                              num_speculative_tokens=2, all_greedy=True, draft_tree=(2, 1))
+  tree = speculative_generate(
+    pallas,
+    pallas,
+    prompts,
+    lengths,
+    params,
+    None,
+    max_new_tokens=8,
+    num_speculative_tokens=2,
+    all_greedy=True,
+    draft_tree=(2, 1),
+  )
   np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(plain.tokens))
 
 
@@ -260,20 +294,39 @@ def test_triton_lowering(bt):
   """The kernels lower to Triton IR for a CUDA target (what the GPU compiles); no GPU needed for this step."""
   s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
   b, t = bt
-  args = [s((b, t, 576), bf), s((576,), bf), s((576, 960), bf), s((576, 576), bf), s((30, b, 3, 320, 64), bf),
-          s((30, b, 3, 320, 64), bf), s((), jnp.int32), s((b, t), jnp.int32), s((b, t, 32), jnp.float32),
-          s((b, t, 32), jnp.float32)]
-  fn = jax.jit(lambda x, n, a, o, kc, vc, l, p, c, sn: fused_attention(x, n, a, o, kc, vc, l, p, c, sn, num_heads=9,
-                                                                       num_kv_heads=3, eps=1e-5))
+  args = [
+    s((b, t, 576), bf),
+    s((576,), bf),
+    s((576, 960), bf),
+    s((576, 576), bf),
+    s((30, b, 3, 320, 64), bf),
+    s((30, b, 3, 320, 64), bf),
+    s((), jnp.int32),
+    s((b, t), jnp.int32),
+    s((b, t, 32), jnp.float32),
+    s((b, t, 32), jnp.float32),
+  ]
+  fn = jax.jit(
+    lambda x, n, a, o, kc, vc, l, p, c, sn: fused_attention(
+      x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5
+    )
+  )
   text = cuda_module_text(fn, args)
   for name in ("fused_attention_qkv", "fused_attention_core", "fused_mlp_down"):
     assert name in text, f"expected the {name} kernel as a Triton custom call"
   if bt == (1, 5):  # the q|k|v kernel with a prefix (the EAGLE head's first block: wqkv [2D, ...])
-    with_prefix = jax.jit(lambda x, n, a, o, kc, vc, l, p, c, sn, e: fused_attention(
-        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, prefix=(e, n)))
-    assert "fused_attention_qkv" in cuda_module_text(with_prefix, [*args[:2], s((2 * 576, 960), bf), *args[3:],
-                                                                   s((b, t, 576), bf)])
+    with_prefix = jax.jit(
+      lambda x, n, a, o, kc, vc, l, p, c, sn, e: fused_attention(
+        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, prefix=(e, n)
+      )
+    )
+    assert "fused_attention_qkv" in cuda_module_text(
+      with_prefix, [*args[:2], s((2 * 576, 960), bf), *args[3:], s((b, t, 576), bf)]
+    )
     # a tree call: given write slots and a [B, T, S] mask
-    with_mask = jax.jit(lambda x, n, a, o, kc, vc, l, p, c, sn, m: fused_attention(
-        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, slots=p, mask=m))
+    with_mask = jax.jit(
+      lambda x, n, a, o, kc, vc, l, p, c, sn, m: fused_attention(
+        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, slots=p, mask=m
+      )
+    )
     assert "fused_attention_core" in cuda_module_text(with_mask, [*args, s((b, t, 320), jnp.bool_)])

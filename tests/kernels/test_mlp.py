@@ -53,9 +53,11 @@ def _params(seed, d, f, dtype, layers=None):
   """x-independent MLP parameters with O(1) activations; stacked on a leading axis when `layers`."""
   lead = () if layers is None else (layers,)
   k = jax.random.split(jax.random.key(seed), 3)
-  return {"mlp_norm": (1 + 0.1 * jax.random.normal(k[0], lead + (d,))).astype(dtype),
-          "w_gate_up": (jax.random.normal(k[1], lead + (d, 2 * f)) / np.sqrt(d)).astype(dtype),
-          "w_down": (jax.random.normal(k[2], lead + (f, d)) / np.sqrt(f)).astype(dtype)}
+  return {
+    "mlp_norm": (1 + 0.1 * jax.random.normal(k[0], lead + (d,))).astype(dtype),
+    "w_gate_up": (jax.random.normal(k[1], lead + (d, 2 * f)) / np.sqrt(d)).astype(dtype),
+    "w_down": (jax.random.normal(k[2], lead + (f, d)) / np.sqrt(f)).astype(dtype),
+  }
 
 
 def _x(seed, b, t, d, dtype):
@@ -64,8 +66,17 @@ def _x(seed, b, t, d, dtype):
 
 def _reference(x, p, dtype):
   d, f = x.shape[-1], p["w_down"].shape[-2]
-  cfg = TransformerConfig(vocab_size=8, num_layers=1, d_model=d, num_heads=1, num_kv_heads=1, head_dim=d, d_ff=f,
-                          rms_norm_eps=EPS, dtype=dtype)
+  cfg = TransformerConfig(
+    vocab_size=8,
+    num_layers=1,
+    d_model=d,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=d,
+    d_ff=f,
+    rms_norm_eps=EPS,
+    dtype=dtype,
+  )
   return np.asarray(mlp_block(cfg, x.astype(dtype), {k: v.astype(dtype) for k, v in p.items()}), np.float32)
 
 
@@ -110,8 +121,9 @@ def test_stacked_layers_pick_the_layer_inside_the_kernel():
   layers = 3
   p = _params(2, *ODD, jnp.bfloat16, layers=layers)
   x = _x(2, 1, 5, ODD[0], jnp.bfloat16)
-  run = jax.jit(lambda x, l: fused_mlp(x, p["mlp_norm"], p["w_gate_up"], p["w_down"], EPS, l, interpret=True,
-                                       blocks=SMALL_TILES))
+  run = jax.jit(
+    lambda x, l: fused_mlp(x, p["mlp_norm"], p["w_gate_up"], p["w_down"], EPS, l, interpret=True, blocks=SMALL_TILES)
+  )
   for layer, want in [(0, 0), (2, 2), (1, 1), (7, 2), (-3, 0)]:
     one = {k: v[want] for k, v in p.items()}
     expect = fused_mlp(x, one["mlp_norm"], one["w_gate_up"], one["w_down"], EPS, interpret=True, blocks=SMALL_TILES)
@@ -145,24 +157,35 @@ def test_supported():
   assert _check_args(good[0], None, *good[1:]) is None
   assert _check_args(s((2, 9, 576), jnp.bfloat16), None, *good[1:]) is not None
   assert _check_args(good[0], None, s((576, 3072), jnp.float32), good[2]) is not None
-  assert _check_args(good[0], s((30, 576), jnp.bfloat16), s((30, 576, 3072), jnp.bfloat16),
-                     s((30, 1536, 576), jnp.bfloat16)) is None
+  assert (
+    _check_args(good[0], s((30, 576), jnp.bfloat16), s((30, 576, 3072), jnp.bfloat16), s((30, 1536, 576), jnp.bfloat16))
+    is None
+  )
   assert _check_args(good[0], s((576,), jnp.bfloat16), s((30, 576, 3072), jnp.bfloat16), None) is not None
   assert fused_mlp_supported(good[0], *good[1:]) == (jax.default_backend() == "gpu")
 
 
 @pytest.mark.parametrize("stacked", [False, pytest.param(True, marks=_SLOW)])
-@pytest.mark.parametrize("blocks", [MlpBlocks(), pytest.param(NO_SPLIT, marks=_SLOW),
-                                    pytest.param(MlpBlocks(block_f=32, block_k1=256, block_k2=64, split_k=8),
-                                                 marks=_SLOW)],
-                         ids=["default", "no_split", "split8"])
+@pytest.mark.parametrize(
+  "blocks",
+  [
+    MlpBlocks(),
+    pytest.param(NO_SPLIT, marks=_SLOW),
+    pytest.param(MlpBlocks(block_f=32, block_k1=256, block_k2=64, split_k=8), marks=_SLOW),
+  ],
+  ids=["default", "no_split", "split8"],
+)
 def test_triton_lowering(blocks, stacked):
   """The kernels lower to Triton IR for a CUDA target (what the GPU compiles); no GPU needed for this step."""
   d, f = SMOL
   s = jax.ShapeDtypeStruct
   lead = (30,) if stacked else ()
-  args = [s((1, 5, d), jnp.bfloat16), s(lead + (d,), jnp.bfloat16), s(lead + (d, 2 * f), jnp.bfloat16),
-          s(lead + (f, d), jnp.bfloat16)] + ([s((), jnp.int32)] if stacked else [])
+  args = [
+    s((1, 5, d), jnp.bfloat16),
+    s(lead + (d,), jnp.bfloat16),
+    s(lead + (d, 2 * f), jnp.bfloat16),
+    s(lead + (f, d), jnp.bfloat16),
+  ] + ([s((), jnp.int32)] if stacked else [])
   fn = jax.jit(lambda x, n, a, b, *l: fused_mlp(x, n, a, b, EPS, *l, blocks=blocks))
   text = cuda_module_text(fn, args)
   assert text.count("xla.gpu.triton") >= 2, "expected the two Pallas kernels as Triton custom calls"

@@ -7,7 +7,6 @@ Three kinds of model go through the loops, one per way a model rides through jit
   - `specdec_jax.models.Transformer`: a Flax NNX module, split and merged.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,8 +38,7 @@ def greedy_setup():
   target, draft = TinyLM.create(0, V), TinyLM.create(1, V)
   prompts, lengths = make_prompts(0, V, LENGTHS, P)
   params = SamplingParams.greedy(len(LENGTHS))
-  plain = generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, eos_token_id=EOS,
-                   all_greedy=True)
+  plain = generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, eos_token_id=EOS, all_greedy=True)
   plain_lengths = np.asarray(plain.lengths)
   assert plain_lengths[0] == MAX_NEW and plain_lengths[1:].max() < MAX_NEW  # EOS does cut rows short
   return target, draft, prompts, lengths, params, plain
@@ -52,8 +50,18 @@ def test_greedy_speculative_equals_generate(greedy_setup, k, drafter):
   target, draft, prompts, lengths, params, plain = greedy_setup
   if drafter == "lookup":
     draft = PromptLookupDrafter(ngram_size=(3, 1))
-  out = speculative_generate(target, draft, prompts, lengths, params, None, max_new_tokens=MAX_NEW,
-                             num_speculative_tokens=k, eos_token_id=EOS, all_greedy=True)
+  out = speculative_generate(
+    target,
+    draft,
+    prompts,
+    lengths,
+    params,
+    None,
+    max_new_tokens=MAX_NEW,
+    num_speculative_tokens=k,
+    eos_token_id=EOS,
+    all_greedy=True,
+  )
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.lengths, plain.lengths)
   check_output(out, MAX_NEW, k, eos=EOS)
@@ -73,8 +81,11 @@ def _sampled_inputs(seed):
   r = np.random.default_rng(seed)
   prompts, lengths = make_prompts(seed, V, r.integers(1, P + 1, SAMPLED_B), P)
   greedy = r.uniform(size=SAMPLED_B) < 0.3
-  params = SamplingParams.create(np.where(greedy, 0.0, r.uniform(0.3, 1.5, SAMPLED_B)),
-                                 top_k=r.integers(0, 9, SAMPLED_B), top_p=r.uniform(0.5, 1.0, SAMPLED_B))
+  params = SamplingParams.create(
+    np.where(greedy, 0.0, r.uniform(0.3, 1.5, SAMPLED_B)),
+    top_k=r.integers(0, 9, SAMPLED_B),
+    top_p=r.uniform(0.5, 1.0, SAMPLED_B),
+  )
   return prompts, lengths, params, jax.random.split(jax.random.key(seed), SAMPLED_B)
 
 
@@ -91,8 +102,17 @@ def test_identical_draft_is_always_accepted():
   k, b, max_new = 3, 8, 17
   model = TinyLM.create(2, V)
   prompts, lengths = make_prompts(1, V, [7, 1, 2, 3, 4, 5, 6, 7], P)
-  out = speculative_generate(model, model, prompts, lengths, SamplingParams.greedy(b), None,
-                             max_new_tokens=max_new, num_speculative_tokens=k, all_greedy=True)
+  out = speculative_generate(
+    model,
+    model,
+    prompts,
+    lengths,
+    SamplingParams.greedy(b),
+    None,
+    max_new_tokens=max_new,
+    num_speculative_tokens=k,
+    all_greedy=True,
+  )
   assert float(out.stats.acceptance_rate) == 1.0
   np.testing.assert_array_equal(out.stats.target_calls, 5)
   np.testing.assert_array_equal(out.stats.accepted_per_position, [4 * b] * k)
@@ -128,13 +148,15 @@ def test_bigram_model_not_a_pytree_runs_through_both_loops():
   plain = generate(model, prompts, lengths, params, None, max_new_tokens=6, all_greedy=True)
   np.testing.assert_array_equal(plain.tokens, expected)
   for draft in (model, PromptLookupDrafter(1)):
-    out = speculative_generate(model, draft, prompts, lengths, params, None, max_new_tokens=6,
-                               num_speculative_tokens=2, all_greedy=True)
+    out = speculative_generate(
+      model, draft, prompts, lengths, params, None, max_new_tokens=6, num_speculative_tokens=2, all_greedy=True
+    )
     np.testing.assert_array_equal(out.tokens, expected)
     check_output(out, 6, 2)
   # max_new_tokens=1: the prefill's token only, the loop runs no round.
-  one = speculative_generate(model, model, prompts, lengths, params, None, max_new_tokens=1,
-                             num_speculative_tokens=2, all_greedy=True)
+  one = speculative_generate(
+    model, model, prompts, lengths, params, None, max_new_tokens=1, num_speculative_tokens=2, all_greedy=True
+  )
   np.testing.assert_array_equal(one.tokens, expected[:, :1])
   np.testing.assert_array_equal(one.stats.drafted, 0)
 
@@ -142,8 +164,9 @@ def test_bigram_model_not_a_pytree_runs_through_both_loops():
 def test_no_recompilation_for_new_prompts_params_keys_and_weights():
   def call(seed):
     prompts, lengths, params, keys = _sampled_inputs(seed)
-    out = speculative_generate(TinyLM.create(seed, V), TinyLM.create(seed + 100, V), prompts, lengths, params,
-                               keys, **SAMPLED)
+    out = speculative_generate(
+      TinyLM.create(seed, V), TinyLM.create(seed + 100, V), prompts, lengths, params, keys, **SAMPLED
+    )
     check_output(out, SAMPLED["max_new_tokens"], SAMPLED["num_speculative_tokens"], eos=SAMPLED["eos_token_id"])
     return out
 
@@ -162,8 +185,15 @@ def test_no_recompilation_for_new_prompts_params_keys_and_weights():
 def test_generate_does_not_recompile_for_new_prompts_params_keys_and_weights():
   def call(seed):
     prompts, lengths, params, keys = _sampled_inputs(seed)
-    out = generate(TinyLM.create(seed, V), prompts, lengths, params, keys,
-                   max_new_tokens=SAMPLED["max_new_tokens"], eos_token_id=SAMPLED["eos_token_id"])
+    out = generate(
+      TinyLM.create(seed, V),
+      prompts,
+      lengths,
+      params,
+      keys,
+      max_new_tokens=SAMPLED["max_new_tokens"],
+      eos_token_id=SAMPLED["eos_token_id"],
+    )
     check_output(out, SAMPLED["max_new_tokens"], 0, eos=SAMPLED["eos_token_id"])
 
   call(0)
@@ -175,11 +205,23 @@ def test_generate_does_not_recompile_for_new_prompts_params_keys_and_weights():
 
 def test_int_eos_equals_one_element_tuple(greedy_setup):
   target, draft, prompts, lengths, params, _ = greedy_setup
-  for loop in (lambda eos: generate(target, prompts, lengths, params, None, max_new_tokens=MAX_NEW,
-                                    eos_token_id=eos, all_greedy=True),
-               lambda eos: speculative_generate(target, draft, prompts, lengths, params, None,
-                                                max_new_tokens=MAX_NEW, num_speculative_tokens=3,
-                                                eos_token_id=eos, all_greedy=True)):
+  for loop in (
+    lambda eos: generate(
+      target, prompts, lengths, params, None, max_new_tokens=MAX_NEW, eos_token_id=eos, all_greedy=True
+    ),
+    lambda eos: speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      params,
+      None,
+      max_new_tokens=MAX_NEW,
+      num_speculative_tokens=3,
+      eos_token_id=eos,
+      all_greedy=True,
+    ),
+  ):
     as_int, as_tuple = loop(EOS[0]), loop((EOS[0],))
     np.testing.assert_array_equal(as_int.tokens, as_tuple.tokens)
     assert np.asarray(as_int.lengths).min() < MAX_NEW  # the int EOS did end some rows
@@ -195,8 +237,11 @@ def test_all_greedy_loop_program_has_no_exponential_or_random_bits():
   params = SamplingParams.greedy(len(LENGTHS))
 
   def program(**flags):
-    fn = lambda p, n, key: speculative_generate(target, draft, p, n, params, key, max_new_tokens=MAX_NEW,
-                                                num_speculative_tokens=3, **flags).tokens
+    fn = lambda p, n, key: (
+      speculative_generate(
+        target, draft, p, n, params, key, max_new_tokens=MAX_NEW, num_speculative_tokens=3, **flags
+      ).tokens
+    )
     return jax.jit(fn).lower(prompts, lengths, jax.random.key(0)).compile().as_text()
 
   greedy = program(all_greedy=True)
@@ -232,8 +277,10 @@ def test_nnx_transformer_greedy_and_no_recompile_for_new_weights():
   def make(seed):
     # Larger weights than the default init, so logits are far from ties.
     r = np.random.default_rng(seed)
-    weights = {name: r.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1.0)
-               for name, shape in models.weight_shapes(config).items()}
+    weights = {
+      name: r.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1.0)
+      for name, shape in models.weight_shapes(config).items()
+    }
     for name in weights:
       if name.endswith("norm"):
         weights[name] = np.ones_like(weights[name])
@@ -262,10 +309,15 @@ def test_nnx_transformer_greedy_and_no_recompile_for_new_weights():
 
 
 def test_prompt_lookup_proposals():
-  tokens = jnp.array([[1, 2, 3, 9, 1, 2, 3, 0, 0],  # "1 2 3" seen before: propose what followed
-                      [5, 6, 5, 6, 5, 6, 0, 0, 0],  # periodic: continues the period
-                      [1, 2, 3, 4, 5, 6, 7, 8, 0],  # no repeat: repeat the last token
-                      [4, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)  # length 1
+  tokens = jnp.array(
+    [
+      [1, 2, 3, 9, 1, 2, 3, 0, 0],  # "1 2 3" seen before: propose what followed
+      [5, 6, 5, 6, 5, 6, 0, 0, 0],  # periodic: continues the period
+      [1, 2, 3, 4, 5, 6, 7, 8, 0],  # no repeat: repeat the last token
+      [4, 0, 0, 0, 0, 0, 0, 0, 0],
+    ],
+    jnp.int32,
+  )  # length 1
   lengths = jnp.array([7, 6, 8, 1], jnp.int32)
   propose = jax.jit(PromptLookupDrafter(ngram_size=(3, 2)).propose, static_argnums=2)
   got = propose(tokens, lengths, 4)
@@ -304,9 +356,16 @@ def test_argument_errors_name_the_argument():
 
 
 def test_outputs_are_pytrees():
-  out = GenerateOutput(tokens=jnp.zeros((1, 2), jnp.int32), lengths=jnp.ones((1,), jnp.int32),
-                       stats=DecodeStats(*(jnp.ones((1,), jnp.int32),) * 3, jnp.zeros((0,), jnp.int32),
-                                         jnp.ones((1,), jnp.int32), jnp.zeros((0,), jnp.int32)))
+  out = GenerateOutput(
+    tokens=jnp.zeros((1, 2), jnp.int32),
+    lengths=jnp.ones((1,), jnp.int32),
+    stats=DecodeStats(
+      *(jnp.ones((1,), jnp.int32),) * 3,
+      jnp.zeros((0,), jnp.int32),
+      jnp.ones((1,), jnp.int32),
+      jnp.zeros((0,), jnp.int32),
+    ),
+  )
   assert len(jax.tree.leaves(out)) == 8
   assert isinstance(jax.tree.map(lambda x: x, out), GenerateOutput)
 
@@ -314,6 +373,7 @@ def test_outputs_are_pytrees():
 # ----------------------------------------------------------------------------
 # Sampled: lossless end to end (chi-square on the joint of the first 3 tokens)
 # ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("verification", ["token", pytest.param("block", marks=pytest.mark.slow)])
 def test_sampled_speculative_is_lossless(monkeypatch, verification):
@@ -335,8 +395,17 @@ def test_sampled_speculative_is_lossless(monkeypatch, verification):
   np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
 
   def run():
-    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(42), max_new_tokens=3,
-                               num_speculative_tokens=2, verification=verification)
+    out = speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      params,
+      jax.random.key(42),
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      verification=verification,
+    )
     return out, np.asarray(out.tokens)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"speculative_generate({verification}), first 3 tokens")
@@ -348,11 +417,32 @@ def test_verification_is_checked():
   target = TinyLM.create(10, SMALL_V)
   prompts, lengths = jnp.ones((1, 3), jnp.int32), jnp.array([3])
   with pytest.raises(ValueError, match="verification must be one of"):
-    speculative_generate(target, target, prompts, lengths, SamplingParams.greedy(1), None, max_new_tokens=2,
-                         num_speculative_tokens=2, all_greedy=True, verification="tokens")
+    speculative_generate(
+      target,
+      target,
+      prompts,
+      lengths,
+      SamplingParams.greedy(1),
+      None,
+      max_new_tokens=2,
+      num_speculative_tokens=2,
+      all_greedy=True,
+      verification="tokens",
+    )
   with pytest.raises(ValueError, match="verifies chains"):
-    speculative_generate(target, target, prompts, lengths, SamplingParams.greedy(1), None, max_new_tokens=2,
-                         num_speculative_tokens=2, all_greedy=True, verification="block", draft_tree=(2, 1))
+    speculative_generate(
+      target,
+      target,
+      prompts,
+      lengths,
+      SamplingParams.greedy(1),
+      None,
+      max_new_tokens=2,
+      num_speculative_tokens=2,
+      all_greedy=True,
+      verification="block",
+      draft_tree=(2, 1),
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -366,12 +456,22 @@ def test_loops_run_under_x64_with_the_same_tokens(greedy_setup):
   sampled_prompts, sampled_lengths, params, keys = _sampled_inputs(3)
 
   def run():
-    greedy = speculative_generate(target, draft, prompts, lengths, SamplingParams.greedy(len(LENGTHS)), None,
-                                  max_new_tokens=MAX_NEW, num_speculative_tokens=3, eos_token_id=EOS,
-                                  all_greedy=True)
+    greedy = speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      SamplingParams.greedy(len(LENGTHS)),
+      None,
+      max_new_tokens=MAX_NEW,
+      num_speculative_tokens=3,
+      eos_token_id=EOS,
+      all_greedy=True,
+    )
     sampled = speculative_generate(target, draft, sampled_prompts, sampled_lengths, params, keys, **SAMPLED)
-    lookup = speculative_generate(target, PromptLookupDrafter(2), sampled_prompts, sampled_lengths, params, keys,
-                                  **SAMPLED)
+    lookup = speculative_generate(
+      target, PromptLookupDrafter(2), sampled_prompts, sampled_lengths, params, keys, **SAMPLED
+    )
     plain = generate(target, sampled_prompts, sampled_lengths, params, keys, max_new_tokens=9)
     return [jax.tree.map(np.asarray, o) for o in (greedy, sampled, lookup, plain)]
 
@@ -401,8 +501,9 @@ def test_generation_past_the_model_context_is_refused():
   with pytest.raises(ValueError, match=r"max_new_tokens=13 .* target\.max_length=20"):
     generate(model, prompts, lengths, params, None, max_new_tokens=13, all_greedy=True)
   with pytest.raises(ValueError, match=r"draft\.max_length=20"):
-    speculative_generate(base, model, prompts, lengths, params, None, max_new_tokens=13, num_speculative_tokens=2,
-                         all_greedy=True)
+    speculative_generate(
+      base, model, prompts, lengths, params, None, max_new_tokens=13, num_speculative_tokens=2, all_greedy=True
+    )
   out = generate(model, prompts, lengths, params, None, max_new_tokens=12, all_greedy=True)  # P + 12 = 20 fits
   assert out.tokens.shape == (2, 12)
 
@@ -413,14 +514,16 @@ def test_int32_limits_name_the_argument(greedy_setup):
   with pytest.raises(ValueError, match="max_new_tokens"):
     generate(target, prompts, lengths, params, None, max_new_tokens=2**31 - 1, **kw)
   with pytest.raises(ValueError, match="max_new_tokens"):
-    speculative_generate(target, draft, prompts, lengths, params, None, max_new_tokens=2**31 - 10,
-                         num_speculative_tokens=4, **kw)
+    speculative_generate(
+      target, draft, prompts, lengths, params, None, max_new_tokens=2**31 - 10, num_speculative_tokens=4, **kw
+    )
   for eos in (2**31, -1, (3, 2**40)):
     with pytest.raises(ValueError, match="eos_token_id"):
       generate(target, prompts, lengths, params, None, max_new_tokens=4, eos_token_id=eos, **kw)
   with pytest.raises(ValueError, match=r"eos_token_id must be token ids in \[0, V=32\)"):  # known once traced
-    speculative_generate(target, draft, prompts, lengths, params, None, max_new_tokens=4, num_speculative_tokens=2,
-                         eos_token_id=V, **kw)
+    speculative_generate(
+      target, draft, prompts, lengths, params, None, max_new_tokens=4, num_speculative_tokens=2, eos_token_id=V, **kw
+    )
 
 
 def test_prompt_lengths_out_of_range_under_jit_are_clipped(greedy_setup):
@@ -429,9 +532,10 @@ def test_prompt_lengths_out_of_range_under_jit_are_clipped(greedy_setup):
   kw = dict(max_new_tokens=6, all_greedy=True)
   bad = jnp.array([0, P + 3, -2, 4], jnp.int32)
   clipped = jnp.clip(bad, 1, P)
-  for loop in (lambda pl: generate(target, prompts, pl, params, None, **kw),
-               lambda pl: speculative_generate(target, draft, prompts, pl, params, None, num_speculative_tokens=2,
-                                               **kw)):
+  for loop in (
+    lambda pl: generate(target, prompts, pl, params, None, **kw),
+    lambda pl: speculative_generate(target, draft, prompts, pl, params, None, num_speculative_tokens=2, **kw),
+  ):
     got = jax.jit(loop)(bad)
     want = loop(clipped)
     np.testing.assert_array_equal(got.tokens, want.tokens)
@@ -442,8 +546,17 @@ def test_short_runs_do_not_undercount_acceptance():
   """An identical draft at max_new_tokens=12: every usable draft is accepted, at every position."""
   model = TinyLM.create(2, V)
   prompts, lengths = make_prompts(4, V, [7, 1, 2, 3], P)
-  out = speculative_generate(model, model, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=12,
-                             num_speculative_tokens=4, all_greedy=True)
+  out = speculative_generate(
+    model,
+    model,
+    prompts,
+    lengths,
+    SamplingParams.greedy(4),
+    None,
+    max_new_tokens=12,
+    num_speculative_tokens=4,
+    all_greedy=True,
+  )
   check_output(out, 12, 4)
   st = out.stats
   assert float(st.acceptance_rate) < 1.0  # drafts past the limit count as proposed

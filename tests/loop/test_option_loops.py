@@ -41,12 +41,12 @@ V, P, MAX_NEW, K = 32, 7, 16, 3
 LENGTHS = [7, 3, 1, 5, 4]
 # One row per kind of option; rows 1-4 have padding (valid ids: see _padded_prompts).
 GREEDY_ROWS = [
-    dict(frequency_penalty=0.7, presence_penalty=0.9),  # generated tokens only: the full prompt is not counted
-    dict(repetition_penalty=1.8),  # prompt and generated tokens
-    dict(repetition_penalty=1.3, frequency_penalty=-0.3, presence_penalty=1.2, bias={5: 2.0, 12: -1.5}),
-    dict(repetition_penalty=1.5, presence_penalty=1.5, bias={9: 1.0}),
-    # Rewards repetition, so prompt lookup's drafts get accepted and rounds count them.
-    dict(frequency_penalty=-0.4, presence_penalty=0.2),
+  dict(frequency_penalty=0.7, presence_penalty=0.9),  # generated tokens only: the full prompt is not counted
+  dict(repetition_penalty=1.8),  # prompt and generated tokens
+  dict(repetition_penalty=1.3, frequency_penalty=-0.3, presence_penalty=1.2, bias={5: 2.0, 12: -1.5}),
+  dict(repetition_penalty=1.5, presence_penalty=1.5, bias={9: 1.0}),
+  # Rewards repetition, so prompt lookup's drafts get accepted and rounds count them.
+  dict(frequency_penalty=-0.4, presence_penalty=0.2),
 ]
 _OPTION_NAMES = ("repetition_penalty", "frequency_penalty", "presence_penalty", "bias")
 
@@ -88,10 +88,10 @@ def _true_context(padded_prompt, length, generated):
 
 # Plausible wrong loops: each changes the tokens of some row, so the exact check would catch it.
 WRONG_CONTEXTS = {
-    "frequency/presence count the prompt": lambda pp, n, g: (list(pp[:n]), list(pp[:n]) + list(g)),
-    "repetition ignores the prompt": lambda pp, n, g: ([], list(g)),
-    "the prompt's padding counted": lambda pp, n, g: (list(pp), list(g)),
-    "generated tokens never counted": lambda pp, n, g: (list(pp[:n]), []),
+  "frequency/presence count the prompt": lambda pp, n, g: (list(pp[:n]), list(pp[:n]) + list(g)),
+  "repetition ignores the prompt": lambda pp, n, g: ([], list(g)),
+  "the prompt's padding counted": lambda pp, n, g: (list(pp), list(g)),
+  "generated tokens never counted": lambda pp, n, g: (list(pp[:n]), []),
 }
 
 
@@ -109,12 +109,12 @@ def _reference_greedy(model, prompts, lengths, context=_true_context):
   margin = np.inf
   for b, row in enumerate(GREEDY_ROWS):
     options = {name: row[name] for name in _OPTION_NAMES if name in row}
-    seq = list(prompts[b, :lengths[b]])
+    seq = list(prompts[b, : lengths[b]])
     generated = []
     for j in range(MAX_NEW):
       # Padding after the sequence is never seen by its last position (causal attention).
       padded = np.zeros(total, np.int32)
-      padded[:len(seq)] = seq
+      padded[: len(seq)] = seq
       logits = np.asarray(_full_forward(model, jnp.asarray(padded))[len(seq) - 1], np.float64)
       prompt_ctx, gen_ctx = context(prompts[b], lengths[b], generated)
       x = ref.penalized_logits(logits, prompt_tokens=prompt_ctx, generated_tokens=gen_ctx, **options)
@@ -145,15 +145,21 @@ def _eos_and_tokens():
   for row in cut:
     hits = np.flatnonzero(np.isin(row, eos))
     if hits.size:
-      row[hits[0] + 1:] = -1
+      row[hits[0] + 1 :] = -1
   return eos, cut
 
 
 def _drafts_forgotten(draft_token_ids, target_logits, params, key=None, *, penalty_state=None, **kwargs):
   """Planted verifier: every position of a round sees only the state before the round (drafts not counted)."""
   x = apply_penalties(target_logits, params, penalty_state)
-  plain = dataclasses.replace(params, repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
-                              logit_bias_ids=None, logit_bias_values=None)
+  plain = dataclasses.replace(
+    params,
+    repetition_penalty=None,
+    frequency_penalty=None,
+    presence_penalty=None,
+    logit_bias_ids=None,
+    logit_bias_values=None,
+  )
   return rejection_sample(draft_token_ids, x, plain, key, **kwargs)
 
 
@@ -186,13 +192,15 @@ def test_greedy_generate_with_penalties_equals_the_numpy_loop():
     assert not np.array_equal(wrong, want), f"{label}: gives the same tokens, so the check cannot see it"
   # With EOS: the same tokens, cut after the first EOS.
   eos, cut = _eos_and_tokens()
-  out = generate(target, prompts, lengths, _greedy_params(), None, max_new_tokens=MAX_NEW, eos_token_id=eos,
-                 all_greedy=True)
+  out = generate(
+    target, prompts, lengths, _greedy_params(), None, max_new_tokens=MAX_NEW, eos_token_id=eos, all_greedy=True
+  )
   np.testing.assert_array_equal(np.asarray(out.tokens), cut)
   assert np.sum(cut < 0) >= 10  # rows did end early
   # And the options do something: without them every row changes.
-  plain = generate(target, prompts, lengths, SamplingParams.greedy(len(LENGTHS)), None, max_new_tokens=MAX_NEW,
-                   all_greedy=True)
+  plain = generate(
+    target, prompts, lengths, SamplingParams.greedy(len(LENGTHS)), None, max_new_tokens=MAX_NEW, all_greedy=True
+  )
   assert np.all(np.any(np.asarray(plain.tokens) != want, axis=1))
 
 
@@ -207,8 +215,18 @@ def test_greedy_speculative_with_penalties_equals_generate(drafter, monkeypatch)
   eos, want = _eos_and_tokens()  # == generate's tokens (previous test)
 
   def run():
-    return speculative_generate(target, draft, prompts, lengths, params, None, max_new_tokens=MAX_NEW,
-                                num_speculative_tokens=K, eos_token_id=eos, all_greedy=True)
+    return speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      params,
+      None,
+      max_new_tokens=MAX_NEW,
+      num_speculative_tokens=K,
+      eos_token_id=eos,
+      all_greedy=True,
+    )
 
   out = run()
   np.testing.assert_array_equal(np.asarray(out.tokens), want)
@@ -228,10 +246,13 @@ def test_greedy_loop_logprobs_with_penalties(mode):
   prompts, lengths = _padded_prompts()
   params = _greedy_params()
   common = dict(max_new_tokens=MAX_NEW, all_greedy=True, logprobs=mode)
-  outs = [generate(target, prompts, lengths, params, None, **common),
-          speculative_generate(target, draft, prompts, lengths, params, None, num_speculative_tokens=K, **common),
-          speculative_generate(target, PromptLookupDrafter((3, 1)), prompts, lengths, params, None,
-                               num_speculative_tokens=K, **common)]
+  outs = [
+    generate(target, prompts, lengths, params, None, **common),
+    speculative_generate(target, draft, prompts, lengths, params, None, num_speculative_tokens=K, **common),
+    speculative_generate(
+      target, PromptLookupDrafter((3, 1)), prompts, lengths, params, None, num_speculative_tokens=K, **common
+    ),
+  ]
   tokens, raw, processed, _ = _reference()
   want = raw if mode == "raw" else processed
   # The two modes differ here by more than the tolerance, so a swapped mode fails.
@@ -244,8 +265,9 @@ def test_greedy_loop_logprobs_with_penalties(mode):
 
 
 # A mixed batch: rows 1 and 4 greedy, the others random with their filters.
-SAMPLED_ROWS = [dict(r, temperature=t, top_k=k) for r, t, k in zip(GREEDY_ROWS, [1.0, 0.0, 1.2, 0.7, 0.0],
-                                                                      [0, 0, 8, 5, 0])]
+SAMPLED_ROWS = [
+  dict(r, temperature=t, top_k=k) for r, t, k in zip(GREEDY_ROWS, [1.0, 0.0, 1.2, 0.7, 0.0], [0, 0, 8, 5, 0])
+]
 
 
 @pytest.mark.parametrize("mode", [pytest.param("raw", marks=pytest.mark.slow), "processed"])  # CI: "processed"
@@ -257,9 +279,12 @@ def test_mixed_batch_loop_logprobs_with_penalties_are_the_targets(mode):
   prompts, lengths = _padded_prompts()
   params = dataclasses.replace(rows_params(SAMPLED_ROWS), min_p=None)
   key = jax.random.key(3)
-  outs = [generate(target, prompts, lengths, params, key, max_new_tokens=MAX_NEW, logprobs=mode),
-          speculative_generate(target, draft, prompts, lengths, params, key, max_new_tokens=MAX_NEW,
-                               num_speculative_tokens=K, logprobs=mode)]
+  outs = [
+    generate(target, prompts, lengths, params, key, max_new_tokens=MAX_NEW, logprobs=mode),
+    speculative_generate(
+      target, draft, prompts, lengths, params, key, max_new_tokens=MAX_NEW, num_speculative_tokens=K, logprobs=mode
+    ),
+  ]
   assert int(outs[1].stats.accepted_per_position[1]) >= 3  # tokens emitted after accepted drafts of their round
   greedy = np.array([row["temperature"] == 0.0 for row in SAMPLED_ROWS])
   for out in outs:
@@ -267,9 +292,9 @@ def test_mixed_batch_loop_logprobs_with_penalties_are_the_targets(mode):
     np.testing.assert_array_equal(tokens[greedy], _reference()[0][greedy])
     want = np.zeros(tokens.shape)
     for b, row in enumerate(SAMPLED_ROWS):
-      prompt = list(np.asarray(prompts)[b, :int(lengths[b])])
+      prompt = list(np.asarray(prompts)[b, : int(lengths[b])])
       seq = np.zeros(P + MAX_NEW, np.int32)  # one shape for every row: one compile; the tail is never attended to
-      seq[:len(prompt) + MAX_NEW] = prompt + list(tokens[b])
+      seq[: len(prompt) + MAX_NEW] = prompt + list(tokens[b])
       logits = np.asarray(_full_forward(target, jnp.asarray(seq)), np.float64)
       options = {name: row[name] for name in _OPTION_NAMES + ("temperature", "top_k") if name in row}
       for j in range(MAX_NEW):
@@ -306,8 +331,9 @@ def _exact_joint_with_penalties(target, options=SAMPLED_OPTIONS):
   logits = continuation_logits(target, PROMPT).astype(np.float64).reshape(v, v, 3, v)  # [x1, x2, position, V]
 
   def law(row, generated):
-    return np.exp(ref.processed_log_probs(row, temperature=1.0, prompt_tokens=PROMPT, generated_tokens=generated,
-                                          **options))
+    return np.exp(
+      ref.processed_log_probs(row, temperature=1.0, prompt_tokens=PROMPT, generated_tokens=generated, **options)
+    )
 
   joint = np.zeros((v, v, v))
   p1 = law(logits[0, 0, 0], [])
@@ -342,12 +368,26 @@ def test_sampled_speculative_with_penalties_is_lossless(drafter, verification, m
   assert 0.5 * np.abs(joint - _exact_joint_with_penalties(target, {})).sum() > 0.1
 
   def run():
-    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(42), max_new_tokens=3,
-                               num_speculative_tokens=2, verification=verification)
+    out = speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      params,
+      jax.random.key(42),
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      verification=verification,
+    )
     return out, np.asarray(out.tokens)
 
-  out = assert_first_tokens_follow(run, joint, monkeypatch, f"speculative_generate({drafter}, {verification}), "
-                                   "penalties", planted=(chain_round, "rejection_sample", _drafts_forgotten))
+  out = assert_first_tokens_follow(
+    run,
+    joint,
+    monkeypatch,
+    f"speculative_generate({drafter}, {verification}), penalties",
+    planted=(chain_round, "rejection_sample", _drafts_forgotten),
+  )
   check_output(out, 3, 2)
   # x2 was an accepted draft in many rows: those rows' x3 came from a position with a draft in its context.
   assert int(out.stats.accepted_per_position[0]) >= 500, out.stats.accepted_per_position
@@ -361,7 +401,7 @@ def test_sampled_generate_with_penalties_follows_the_joint():
   params = dataclasses.replace(rows_params([dict(SAMPLED_OPTIONS, temperature=1.0)] * N_ROWS), min_p=None)
   out = generate(target, prompts, lengths, params, jax.random.key(7), max_new_tokens=3)
   joint = _exact_joint_with_penalties(target)
-  weights = np.array([SMALL_V ** 2, SMALL_V, 1])
+  weights = np.array([SMALL_V**2, SMALL_V, 1])
   assert_gof(chisquare_gof(np.asarray(out.tokens) @ weights, joint, label="generate, penalties"))
   # The same samples reject the law without the options (a loop that dropped them).
   assert chisquare_gof(np.asarray(out.tokens) @ weights, _exact_joint_with_penalties(target, {})).pvalue < ALPHA
@@ -375,8 +415,9 @@ def test_loops_reject_logit_bias_ids_outside_the_vocabulary():
   with pytest.raises(ValueError, match="generate: logit_bias holds token ids >= the vocabulary size"):
     generate(target, prompts, lengths, bad, None, max_new_tokens=3, all_greedy=True)
   with pytest.raises(ValueError, match="speculative_generate: logit_bias holds token ids >= the vocabulary size"):
-    speculative_generate(target, target, prompts, lengths, bad, None, max_new_tokens=3, num_speculative_tokens=2,
-                         all_greedy=True)
+    speculative_generate(
+      target, target, prompts, lengths, bad, None, max_new_tokens=3, num_speculative_tokens=2, all_greedy=True
+    )
   ok = SamplingParams.create([0.0, 0.0], logit_bias={SMALL_V - 1: 50.0})  # the last id is in range: accepted
   out = generate(target, prompts, lengths, ok, None, max_new_tokens=3, all_greedy=True)
   assert np.all(np.asarray(out.tokens) == SMALL_V - 1)  # and a large bias on it decides every token

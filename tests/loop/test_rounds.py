@@ -83,11 +83,22 @@ def models():
 
 
 # max_new_tokens=2: one round, which starts with room for one token; every draft past it is beyond the end.
-@pytest.mark.parametrize("drafter,tree,max_new", [
-    ("model", None, 2), ("lookup", None, 2), ("eagle", None, 2),
-    ("model", (2, 1, 1), 2), ("lookup", DraftTree((2, 1, 1)), 2), ("eagle", (2, 1, 1), 2),
-    ("model", DynamicTree(K, 2, 4), 2), ("eagle", DynamicTree(K, 2, 4), 2),
-    ("model", None, 9), ("eagle", None, 9), ("eagle", DynamicTree(K, 2, 4), 9)])
+@pytest.mark.parametrize(
+  "drafter,tree,max_new",
+  [
+    ("model", None, 2),
+    ("lookup", None, 2),
+    ("eagle", None, 2),
+    ("model", (2, 1, 1), 2),
+    ("lookup", DraftTree((2, 1, 1)), 2),
+    ("eagle", (2, 1, 1), 2),
+    ("model", DynamicTree(K, 2, 4), 2),
+    ("eagle", DynamicTree(K, 2, 4), 2),
+    ("model", None, 9),
+    ("eagle", None, 9),
+    ("eagle", DynamicTree(K, 2, 4), 9),
+  ],
+)
 def test_no_model_is_called_past_the_context_it_declares(models, drafter, tree, max_new):
   target, drafters = models
   end = P + max_new  # the context each model declares: just enough for the request
@@ -100,8 +111,18 @@ def test_no_model_is_called_past_the_context_it_declares(models, drafter, tree, 
   lengths = jnp.array([P, 3], jnp.int32)  # the full-width row reaches the last positions
   params = SamplingParams.greedy(2)
   _LARGEST.clear()
-  out = speculative_generate(logged_target, draft, prompts, lengths, params, None, max_new_tokens=max_new,
-                             num_speculative_tokens=K, all_greedy=True, draft_tree=tree)
+  out = speculative_generate(
+    logged_target,
+    draft,
+    prompts,
+    lengths,
+    params,
+    None,
+    max_new_tokens=max_new,
+    num_speculative_tokens=K,
+    all_greedy=True,
+    draft_tree=tree,
+  )
   jax.effects_barrier()
   assert _LARGEST["target"] < end, f"the target was called at position {_LARGEST['target']} >= {end}"
   if drafter != "lookup":
@@ -114,13 +135,21 @@ def test_no_model_is_called_past_the_context_it_declares(models, drafter, tree, 
 
 def test_every_draft_kind_follows_the_protocol():
   for kind in (ModelDraft, LookupDraft, FeatureDraft):
-    for name in ("needs_features", "start", "propose_chain", "propose_tree", "propose_dynamic", "commit_tree",
-                 "observe"):
+    for name in (
+      "needs_features",
+      "start",
+      "propose_chain",
+      "propose_tree",
+      "propose_dynamic",
+      "commit_tree",
+      "observe",
+    ):
       assert hasattr(kind, name), f"{kind.__name__} lacks {name} of DraftKind"
   assert issubclass(DraftKind, object) and DraftKind.__name__ == "DraftKind"
 
 
 def test_prompt_lookup_refuses_a_dynamic_tree_at_trace_time():
   with pytest.raises(TypeError, match="prompt lookup has none"):
-    LookupDraft(PromptLookupDrafter(2), K).propose_dynamic(None, None, None, None, tree=DynamicTree(K, 2, 4),
-                                                          all_greedy=True, max_length=32, end=P + 2)
+    LookupDraft(PromptLookupDrafter(2), K).propose_dynamic(
+      None, None, None, None, tree=DynamicTree(K, 2, 4), all_greedy=True, max_length=32, end=P + 2
+    )

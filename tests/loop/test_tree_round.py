@@ -72,9 +72,10 @@ def test_child_tokens_top_k_for_greedy_rows_and_iid_draws_for_random_rows():
   toks, q = child_tokens(many, k, params, keys, all_greedy=False, without_replacement=False)
   toks = np.asarray(toks)
   assert np.all(toks[0] == np.tile([1, 3, 2, 0], n))
-  q_hot = q_true[::-1] ** 2 / np.sum(q_true ** 2)
+  q_hot = q_true[::-1] ** 2 / np.sum(q_true**2)
   np.testing.assert_allclose(np.asarray(q)[1, 0], q_hot, rtol=1e-5)
   from scipy.stats import chisquare
+
   counts = np.bincount(toks[1], minlength=4)
   assert chisquare(counts, n * k * q_hot).pvalue > 1e-3
   # The same draws are far from the untempered q (the check has the power to see a wrong temperature).
@@ -96,6 +97,7 @@ def test_child_tokens_without_replacement_are_distinct_sequential_draws():
   np.testing.assert_allclose(np.asarray(q)[0, 0], q_true, rtol=1e-5)  # q is the node's own distribution
   assert np.all((toks[:, 0] != toks[:, 1]) & (toks[:, 0] != toks[:, 2]) & (toks[:, 1] != toks[:, 2]))
   from scipy.stats import chisquare
+
   law = np.array([[0.0 if a == b else q_true[a] * q_true[b] / (1 - q_true[a]) for b in range(4)] for a in range(4)])
   pairs = np.bincount(toks[:, 0] * 4 + toks[:, 1], minlength=16)
   seen = law.ravel() > 0
@@ -158,8 +160,9 @@ def test_transformer_tree_call_equals_plain_calls_on_each_root_path(scan_layers)
     cols = [0] + [a + 1 for a in path]  # columns of `tokens`: the root, then the path's nodes
     seq = jnp.concatenate([context, tokens[:, cols]], axis=1)
     t = seq.shape[1]
-    ref, ref_feats, _ = target(seq, jnp.broadcast_to(jnp.arange(t), (b, t)), target.init_cache(b, s),
-                               return_features=True)
+    ref, ref_feats, _ = target(
+      seq, jnp.broadcast_to(jnp.arange(t), (b, t)), target.init_cache(b, s), return_features=True
+    )
     for d, a in enumerate(path, start=c):  # node a's plain logits are at position c - 1 + depth
       np.testing.assert_allclose(logits[:, a + 1], ref[:, d], rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(feats[:, a + 1], ref_feats[:, d], rtol=1e-5, atol=1e-5)
@@ -177,9 +180,9 @@ def test_copy_cache_slots_leaves_the_cache_of_a_chain_call_on_the_accepted_path(
   dst = jnp.where(jnp.arange(3)[None, :] < n_acc[:, None], c + jnp.arange(3)[None, :], s)
   moved = target.copy_cache_slots(tree_cache, src, dst)
   for r in range(b):
-    path = tokens[r:r + 1, [0] + [int(a) + 1 for a in accepted[r, :n_acc[r]]]]
+    path = tokens[r : r + 1, [0] + [int(a) + 1 for a in accepted[r, : n_acc[r]]]]
     t = path.shape[1]
-    _, chain = target(path, (c - 1) + jnp.arange(t)[None, :], jax.tree.map(lambda x: x[:, r:r + 1], cache))
+    _, chain = target(path, (c - 1) + jnp.arange(t)[None, :], jax.tree.map(lambda x: x[:, r : r + 1], cache))
     end = c - 1 + t
     np.testing.assert_allclose(moved.k[:, r, :, :end], chain.k[:, 0, :, :end], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(moved.v[:, r, :, :end], chain.v[:, 0, :, :end], rtol=1e-6, atol=1e-6)
@@ -208,14 +211,15 @@ def test_eagle_tree_levels_equal_chain_steps_on_each_root_path():
     hid = jnp.repeat(parent_h, tree.branching[i - 1], axis=1)
     mask = tree_attention_mask(L - 1, L - 1, tree.ancestors[lv], s)
     slots = jnp.broadcast_to((c - 1) + jnp.arange(tree.num_nodes)[lv], toks.shape)
-    logits, parent_h, tree_cache = call(drafter, toks, hid, jnp.full(toks.shape, c - 2 + i), tree_cache,
-                                           cache_slots=slots, attention_mask=mask)
+    logits, parent_h, tree_cache = call(
+      drafter, toks, hid, jnp.full(toks.shape, c - 2 + i), tree_cache, cache_slots=slots, attention_mask=mask
+    )
     for m, j in enumerate(range(lv.start, lv.stop)):
       tree_logits[j] = logits[:, m]
   for j in range(tree.level(tree.depth).start, tree.num_nodes):  # every node lies on a leaf's root path
     h, chain_cache = h0, cache
     for d, a in enumerate(_path(tree, j), start=1):
-      logits, h, chain_cache = call(drafter, nodes[:, a:a + 1], h, jnp.full((b, 1), c - 2 + d), chain_cache)
+      logits, h, chain_cache = call(drafter, nodes[:, a : a + 1], h, jnp.full((b, 1), c - 2 + d), chain_cache)
       np.testing.assert_allclose(tree_logits[a], logits[:, 0], rtol=1e-5, atol=1e-5)
 
 
@@ -235,6 +239,7 @@ def test_tree_arguments_are_checked():
 # In the loop
 # ----------------------------------------------------------------------------
 
+
 def _check_tree_output(out, plain, tree, eos):
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.lengths, plain.lengths)
@@ -243,9 +248,16 @@ def _check_tree_output(out, plain, tree, eos):
   np.testing.assert_array_equal(st.drafted, tree.num_nodes * (st.target_calls - 1))  # N nodes per round
 
 
-@pytest.mark.parametrize("drafter,branching", [
-    ("model", (2, 2, 1)), pytest.param("model", (1, 3), marks=pytest.mark.slow), ("eagle", (2, 2, 1)),
-    pytest.param("eagle", (3, 1, 2), marks=pytest.mark.slow), ("lookup", (3, 1, 1))])
+@pytest.mark.parametrize(
+  "drafter,branching",
+  [
+    ("model", (2, 2, 1)),
+    pytest.param("model", (1, 3), marks=pytest.mark.slow),
+    ("eagle", (2, 2, 1)),
+    pytest.param("eagle", (3, 1, 2), marks=pytest.mark.slow),
+    ("lookup", (3, 1, 1)),
+  ],
+)
 def test_greedy_tree_equals_generate(tree_models, drafter, branching):
   """Ragged prompts, EOS inside rounds, max_new_tokens cutting a round: the tokens of plain greedy."""
   target, draft, untrained, trained = tree_models
@@ -253,8 +265,9 @@ def test_greedy_tree_equals_generate(tree_models, drafter, branching):
   tree = DraftTree(branching)
   drafts = {"model": [draft], "eagle": [untrained, trained], "lookup": [PromptLookupDrafter((2, 1))]}[drafter]
   for d in drafts:
-    out = speculative_generate(target, d, prompts, lengths, params, None, num_speculative_tokens=tree.depth,
-                               draft_tree=branching, **kw)
+    out = speculative_generate(
+      target, d, prompts, lengths, params, None, num_speculative_tokens=tree.depth, draft_tree=branching, **kw
+    )
     _check_tree_output(out, plain, tree, kw["eos_token_id"])
   if drafter == "eagle":
     # The untrained drafter's first children are mostly wrong; its other children are right more often, so
@@ -265,8 +278,11 @@ def test_greedy_tree_equals_generate(tree_models, drafter, branching):
     assert int(np.sum(tree_out.stats.accepted)) > int(np.sum(chain.stats.accepted))
 
 
-@pytest.mark.parametrize("tree", [(2, 2), DynamicTree(2, 2, 4), DynamicTree(2, 2, 6, sampled=True)],
-                         ids=["static", "dynamic", "dynamic-sampled"])
+@pytest.mark.parametrize(
+  "tree",
+  [(2, 2), DynamicTree(2, 2, 4), DynamicTree(2, 2, 6, sampled=True)],
+  ids=["static", "dynamic", "dynamic-sampled"],
+)
 def test_mixed_batch_tree_and_no_recompilation(tree_models, tree):
   """Greedy rows of a mixed batch equal plain greedy; new prompts, keys and parameters reuse the program."""
   target, _, _, trained = tree_models
@@ -274,8 +290,9 @@ def test_mixed_batch_tree_and_no_recompilation(tree_models, tree):
 
   def call(seed, temps):
     prompts, lengths = make_prompts(seed, V, LENGTHS, 4)
-    out = speculative_generate(target, trained, prompts, lengths, SamplingParams.create(temps),
-                               jax.random.key(seed), **kw)
+    out = speculative_generate(
+      target, trained, prompts, lengths, SamplingParams.create(temps), jax.random.key(seed), **kw
+    )
     check_output(out, 10, 2)
     return out, prompts, lengths
 
@@ -294,8 +311,19 @@ def test_greedy_logprobs_with_a_tree_equal_those_of_generate(tree_models, mode):
   prompts, lengths = make_prompts(3, V, LENGTHS, 4)
   params = SamplingParams.greedy(4)
   plain = generate(target, prompts, lengths, params, None, max_new_tokens=12, all_greedy=True, logprobs=mode)
-  out = speculative_generate(target, trained, prompts, lengths, params, None, max_new_tokens=12,
-                             num_speculative_tokens=3, draft_tree=(2, 2, 1), all_greedy=True, logprobs=mode)
+  out = speculative_generate(
+    target,
+    trained,
+    prompts,
+    lengths,
+    params,
+    None,
+    max_new_tokens=12,
+    num_speculative_tokens=3,
+    draft_tree=(2, 2, 1),
+    all_greedy=True,
+    logprobs=mode,
+  )
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_allclose(out.logprobs, plain.logprobs, rtol=1e-5, atol=1e-5)
 
@@ -306,19 +334,30 @@ def test_logprobs_with_a_tree_are_those_of_the_processed_law(tree_models):
   target, _, _, trained = tree_models
   prompts, lengths = make_prompts(3, V, LENGTHS, 4)
   params = SamplingParams.create([0.7, 0.7, 1.0, 0.0], top_k=[4, 0, 0, 0])
-  out = speculative_generate(target, trained, prompts, lengths, params, jax.random.key(0), max_new_tokens=12,
-                             num_speculative_tokens=3, draft_tree=(2, 2, 1), logprobs="processed")
+  out = speculative_generate(
+    target,
+    trained,
+    prompts,
+    lengths,
+    params,
+    jax.random.key(0),
+    max_new_tokens=12,
+    num_speculative_tokens=3,
+    draft_tree=(2, 2, 1),
+    logprobs="processed",
+  )
   tokens = np.asarray(out.tokens)
   width = prompts.shape[1] + 12
   seqs = np.zeros((4, width), np.int32)
   for r in range(4):  # each row's prompt, then its tokens, right-padded: one teacher-forced call
     p = int(lengths[r])
-    seqs[r, :p + 12] = np.concatenate([np.asarray(prompts)[r, :p], tokens[r]])
-  all_logits, _ = target(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(width), (4, width)),
-                         target.init_cache(4, width))
+    seqs[r, : p + 12] = np.concatenate([np.asarray(prompts)[r, :p], tokens[r]])
+  all_logits, _ = target(
+    jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(width), (4, width)), target.init_cache(4, width)
+  )
   for r in range(4):
     p = int(lengths[r])
-    x = np.asarray(all_logits[r, p - 1:p - 1 + 12], np.float64)
+    x = np.asarray(all_logits[r, p - 1 : p - 1 + 12], np.float64)
     t = float(params.temperature[r]) or 1.0
     x = x / t
     if int(params.top_k[r]):
@@ -349,8 +388,17 @@ def test_bad_trees_are_refused(tree_models):
   assert out.tokens.shape == (4, 4)
 
 
-def _accept_first_children(draft_token_ids, parents, target_logits, params, key=None, draft_probs=None,
-                           num_nodes=None, all_greedy=False, sibling_draws="iid"):
+def _accept_first_children(
+  draft_token_ids,
+  parents,
+  target_logits,
+  params,
+  key=None,
+  draft_probs=None,
+  num_nodes=None,
+  all_greedy=False,
+  sibling_draws="iid",
+):
   """A planted bug: always accepts the first child at every depth, then a target-sampled bonus."""
   tree_parents = np.asarray(parents)
   b, n = draft_token_ids.shape
@@ -362,9 +410,11 @@ def _accept_first_children(draft_token_ids, parents, target_logits, params, key=
   bonus, _ = sample_tokens(target_logits[:, last + 1], params, key, all_greedy=all_greedy)
   d = len(path)
   return TreeRejectionOutput(
-      token_ids=jnp.concatenate([draft_token_ids[:, path], bonus[:, None]], axis=1),
-      accepted_nodes=jnp.broadcast_to(jnp.asarray(path, jnp.int32), (b, d)),
-      num_accepted=jnp.full((b,), d, jnp.int32), num_emitted=jnp.full((b,), d + 1, jnp.int32))
+    token_ids=jnp.concatenate([draft_token_ids[:, path], bonus[:, None]], axis=1),
+    accepted_nodes=jnp.broadcast_to(jnp.asarray(path, jnp.int32), (b, d)),
+    num_accepted=jnp.full((b,), d, jnp.int32),
+    num_emitted=jnp.full((b,), d + 1, jnp.int32),
+  )
 
 
 @pytest.mark.slow  # CI runs the dynamic tree's (tests/drafts/test_dynamic_tree.py) and the sampler's own (tests/verify/test_tree.py)
@@ -382,12 +432,26 @@ def test_sampled_tree_is_lossless(monkeypatch, drafter):
   target, draft, prompts, lengths, params, joint = sampled_tree_case(drafter)
 
   def run():
-    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(8), max_new_tokens=3,
-                               num_speculative_tokens=2, draft_tree=(3, 2))
+    out = speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      params,
+      jax.random.key(8),
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      draft_tree=(3, 2),
+    )
     return out, np.asarray(out.tokens)
 
-  out = assert_first_tokens_follow(run, joint, monkeypatch, f"{drafter} tree (3, 2), first 3 tokens",
-                                   planted=(tree_round, "tree_rejection_sample", _accept_first_children))
+  out = assert_first_tokens_follow(
+    run,
+    joint,
+    monkeypatch,
+    f"{drafter} tree (3, 2), first 3 tokens",
+    planted=(tree_round, "tree_rejection_sample", _accept_first_children),
+  )
   check_output(out, 3, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) * 3 < 2.5  # nodes are accepted and rejected
 
@@ -404,9 +468,23 @@ def test_sampled_lookup_tree_is_lossless(monkeypatch):
   joint = exact_joint(target, prompt)
 
   def run():
-    out = speculative_generate(target, PromptLookupDrafter(1), prompts, lengths, params, jax.random.key(9),
-                               max_new_tokens=3, num_speculative_tokens=2, draft_tree=(3, 1))
+    out = speculative_generate(
+      target,
+      PromptLookupDrafter(1),
+      prompts,
+      lengths,
+      params,
+      jax.random.key(9),
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      draft_tree=(3, 1),
+    )
     return out, np.asarray(out.tokens)
 
-  assert_first_tokens_follow(run, joint, monkeypatch, "lookup tree (3, 1), first 3 tokens",
-                             planted=(tree_round, "tree_rejection_sample", _accept_first_children))
+  assert_first_tokens_follow(
+    run,
+    joint,
+    monkeypatch,
+    "lookup tree (3, 1), first 3 tokens",
+    planted=(tree_round, "tree_rejection_sample", _accept_first_children),
+  )

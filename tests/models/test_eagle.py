@@ -51,12 +51,14 @@ def test_unrolled_training_equals_cached_drafting(num_layers, draft_vocab):
 
   # Catch-up on entries 0..base from target features, then steps from the drafter's own hiddens.
   cache = drafter.init_cache(b, 32)
-  logits, hidden, cache = drafter(tokens[:, 1:base + 2], drafter.fuse(feats[:, :base + 1]), pos[:, :base + 1], cache)
+  logits, hidden, cache = drafter(
+    tokens[:, 1 : base + 2], drafter.fuse(feats[:, : base + 1]), pos[:, : base + 1], cache
+  )
   np.testing.assert_allclose(sub(logits[:, base]), unrolled[0][:, base], rtol=1e-5, atol=1e-5)
-  h = hidden[:, base:base + 1]
+  h = hidden[:, base : base + 1]
   for j in range(1, depth):
     p = base + j
-    logits, h, cache = drafter(tokens[:, p + 1:p + 2], h, jnp.full((b, 1), p), cache)
+    logits, h, cache = drafter(tokens[:, p + 1 : p + 2], h, jnp.full((b, 1), p), cache)
     np.testing.assert_allclose(sub(logits[:, 0]), unrolled[j][:, p], rtol=1e-5, atol=1e-5)
 
 
@@ -105,8 +107,7 @@ def test_bad_configurations_raise():
     EagleConfig(layers=TransformerConfig.tiny(V, num_layers=1), feature_layers=(0,), draft_vocab_size=V + 1)
   with pytest.raises(ValueError, match="return_features"):
     target = unit_target(CONFIG.replace(feature_layers=()))
-    target(jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), target.init_cache(1, 4),
-           return_features=True)
+    target(jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), target.init_cache(1, 4), return_features=True)
 
 
 # ----------------------------------------------------------------------------
@@ -192,12 +193,11 @@ def test_sampled_speculative_with_feature_drafter_is_lossless(monkeypatch):
   joint = exact_joint(target, prompt)
 
   def run():
-    out = speculative_generate(target, drafter, prompts, lengths, params, jax.random.key(7), max_new_tokens=4,
-                               num_speculative_tokens=2)
+    out = speculative_generate(
+      target, drafter, prompts, lengths, params, jax.random.key(7), max_new_tokens=4, num_speculative_tokens=2
+    )
     return out, np.asarray(out.tokens)[:, :3]
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, "EAGLE speculative_generate, first 3 tokens")
   check_output(out, 4, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) < 0.95  # drafts are accepted and rejected
-
-

@@ -48,8 +48,8 @@ def _hide(monkeypatch, module: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype, expected",
-    [(jnp.float32, jnp.float32), ("bfloat16", jnp.bfloat16), (np.float16, jnp.float16), (jnp.bfloat16, jnp.bfloat16)],
+  "dtype, expected",
+  [(jnp.float32, jnp.float32), ("bfloat16", jnp.bfloat16), (np.float16, jnp.float16), (jnp.bfloat16, jnp.bfloat16)],
 )
 def test_model_dtype_accepts_float32_bfloat16_float16(dtype, expected):
   assert smollm2._model_dtype(dtype) == jnp.dtype(expected)
@@ -83,20 +83,30 @@ def _tiny_model() -> Transformer:
 
 
 @pytest.mark.parametrize(
-    "module, call",
-    [
-        ("safetensors", lambda tmp: smollm2.load_smollm2_draft()),
-        ("safetensors", lambda tmp: smollm2.load_smollm2_draft(path=smollm2.DRAFT_WEIGHTS_PATH)),
-        ("safetensors", lambda tmp: smollm2.save_draft(_tiny_model(), str(tmp / "d.safetensors"),
-                                                       share_target_embedding=False)),
-        ("gguf", lambda tmp: smollm2.load_smollm2()),
-        ("tokenizers", lambda tmp: smollm2.load_smollm2()),
-        ("tokenizers", lambda tmp: smollm2.smollm2_tokenizer()),
-        ("gguf", lambda tmp: gguf.read_gguf_llama(str(tmp / "any.gguf"))),
-        ("jinja2", lambda tmp: gguf.render_chat_template("{{ messages }}", [])),
-    ],
-    ids=["draft", "draft_path", "save_draft", "target_gguf", "target_tokenizers", "tokenizer", "read_gguf",
-         "chat_template"],
+  "module, call",
+  [
+    ("safetensors", lambda tmp: smollm2.load_smollm2_draft()),
+    ("safetensors", lambda tmp: smollm2.load_smollm2_draft(path=smollm2.DRAFT_WEIGHTS_PATH)),
+    (
+      "safetensors",
+      lambda tmp: smollm2.save_draft(_tiny_model(), str(tmp / "d.safetensors"), share_target_embedding=False),
+    ),
+    ("gguf", lambda tmp: smollm2.load_smollm2()),
+    ("tokenizers", lambda tmp: smollm2.load_smollm2()),
+    ("tokenizers", lambda tmp: smollm2.smollm2_tokenizer()),
+    ("gguf", lambda tmp: gguf.read_gguf_llama(str(tmp / "any.gguf"))),
+    ("jinja2", lambda tmp: gguf.render_chat_template("{{ messages }}", [])),
+  ],
+  ids=[
+    "draft",
+    "draft_path",
+    "save_draft",
+    "target_gguf",
+    "target_tokenizers",
+    "tokenizer",
+    "read_gguf",
+    "chat_template",
+  ],
 )
 def test_missing_optional_package_names_it_and_the_install_command(monkeypatch, tmp_path, module, call):
   _hide(monkeypatch, module)
@@ -179,17 +189,18 @@ def _config_with(**changes) -> str:
 
 
 @pytest.mark.parametrize(
-    "config",
-    [
-        pytest.param(_shipped_config_text()[:40], id="truncated"),
-        pytest.param("", id="empty"),
-        pytest.param('["not", "an", "object"]', id="list"),
-        pytest.param('{"format": "specdec_jax.draft.v1"}', id="no_config"),
-        pytest.param(_config_with(config={"vocab_size": 49152}), id="fields_missing"),
-        pytest.param(_config_with(config={**json.loads(_shipped_config_text())["config"], "head_dim": 63}),
-                     id="odd_head_dim"),
-        pytest.param(_config_with(share_target_embedding="yes"), id="share_not_bool"),
-    ],
+  "config",
+  [
+    pytest.param(_shipped_config_text()[:40], id="truncated"),
+    pytest.param("", id="empty"),
+    pytest.param('["not", "an", "object"]', id="list"),
+    pytest.param('{"format": "specdec_jax.draft.v1"}', id="no_config"),
+    pytest.param(_config_with(config={"vocab_size": 49152}), id="fields_missing"),
+    pytest.param(
+      _config_with(config={**json.loads(_shipped_config_text())["config"], "head_dim": 63}), id="odd_head_dim"
+    ),
+    pytest.param(_config_with(share_target_embedding="yes"), id="share_not_bool"),
+  ],
 )
 def test_damaged_draft_config_names_the_file(tmp_path, config):
   path = _draft_copy(tmp_path, config=config)

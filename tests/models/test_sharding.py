@@ -29,15 +29,26 @@ from tests.support.eight_devices import check_result
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EIGHT_DEVICE_WORKER = "models"  # tests/support/mesh_worker.py, run by tests/conftest.py's session fixtures
 
-LOOP_RUNS = ("generate greedy", "generate sampled", "speculative greedy, draft model",
-             "speculative greedy, prompt lookup", "speculative greedy, EAGLE", "speculative sampled, draft model")
+LOOP_RUNS = (
+  "generate greedy",
+  "generate sampled",
+  "speculative greedy, draft model",
+  "speculative greedy, prompt lookup",
+  "speculative greedy, EAGLE",
+  "speculative sampled, draft model",
+)
 FAST_RUNS = ("generate sampled", "speculative greedy, EAGLE", "speculative sampled, draft model")
 # CI runs the worker's fast part (every logits check, one loop of each kind on 2x4); `-m slow` adds the
 # other loops on 2x4 and the fast ones on a 1x8 mesh with Explicit axes (about 30 s more on 2 cores).
-CHECKS = ([f"logits {d}x{m}" for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))] + ["logits 2x4 scan_layers"]
-          + [f"loops 2x4: {run}" for run in FAST_RUNS] + ["1x1 mesh compiles today's program"])
-MORE_CHECKS = ([f"loops 2x4 more: {run}" for run in LOOP_RUNS if run not in FAST_RUNS]
-               + [f"loops 1x8 Explicit: {run}" for run in FAST_RUNS])
+CHECKS = (
+  [f"logits {d}x{m}" for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))]
+  + ["logits 2x4 scan_layers"]
+  + [f"loops 2x4: {run}" for run in FAST_RUNS]
+  + ["1x1 mesh compiles today's program"]
+)
+MORE_CHECKS = [f"loops 2x4 more: {run}" for run in LOOP_RUNS if run not in FAST_RUNS] + [
+  f"loops 1x8 Explicit: {run}" for run in FAST_RUNS
+]
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +81,15 @@ def test_worker_runs_no_unlisted_check(worker_results):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("m, expected", [
+@pytest.mark.parametrize(
+  "m, expected",
+  [
     (1, (False, False, False)),
     (2, (False, True, True)),  # SmolLM2: 9 query / 3 KV heads never divide by 2, 4, 8
     (4, (False, True, True)),
     (8, (False, True, True)),
-])
+  ],
+)
 def test_smollm2_splits_mlp_and_vocabulary_but_not_its_heads(m, expected):
   part = Partitioning.for_shapes(model_size=m, num_heads=9, num_kv_heads=3, d_ff=1536, vocab_size=49152)
   assert (part.heads, part.mlp, part.vocab) == expected
@@ -91,8 +105,10 @@ def test_heads_split_only_when_query_and_kv_heads_divide():
 
 def test_relayout_splits_and_fuses_exactly():
   rng = np.random.default_rng(0)
-  fused = {name: rng.normal(size=shape).astype(np.float32)
-           for name, shape in (("wqkv", (2, 8, 6 + 2 * 3)), ("w_gate_up", (2, 8, 2 * 5)), ("wo", (2, 6, 8)))}
+  fused = {
+    name: rng.normal(size=shape).astype(np.float32)
+    for name, shape in (("wqkv", (2, 8, 6 + 2 * 3)), ("w_gate_up", (2, 8, 2 * 5)), ("wo", (2, 6, 8)))
+  }
   kw = {"q_width": 6, "kv_width": 3, "d_ff": 5}
   separate = relayout(fused, fuse_attention=False, fuse_mlp=False, **kw)
   assert set(separate) == {"wq", "wk", "wv", "wo", "w_gate", "w_up"}
@@ -122,10 +138,13 @@ def test_one_device_mesh_keeps_the_layout_and_the_logits():
   np.testing.assert_array_equal(logits, expected)
 
 
-@pytest.mark.parametrize("mesh, match", [
+@pytest.mark.parametrize(
+  "mesh, match",
+  [
     ("not a mesh", "mesh must be a jax.sharding.Mesh"),
     (lambda: jax.make_mesh((1, 1), ("batch", "tp")), r"axis names must be among \('data', 'model'\)"),
-])
+  ],
+)
 def test_shard_rejects_a_bad_mesh(mesh, match):
   from flax import nnx
 
@@ -141,11 +160,14 @@ def test_shard_rejects_a_model_it_does_not_know():
     shard(object(), make_mesh(1, 1))
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"data": 0}, "data must be a positive int"),
     ({"model": 2.0}, "model must be a positive int"),
     ({"data": 4, "model": 4}, "needs 16 devices.*xla_force_host_platform_device_count"),
-])
+  ],
+)
 def test_make_mesh_rejects_bad_sizes(kwargs, match):
   with pytest.raises(ValueError, match=match):
     make_mesh(**kwargs)
@@ -164,14 +186,17 @@ def demo():
   return module
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--data", "2", "--model", "4"], "8 devices, but JAX sees 1.*xla_force_host_platform_device_count"),
     (["--model", "0"], "--model must be >= 1"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--temperature", "-1"], "--temperature"),
     (["--prompt", " "], "--prompt must not be empty"),
     (["--drafter", "tree"], "--drafter"),
-])
+  ],
+)
 def test_demo_bad_flag_is_one_line_before_loading(demo, monkeypatch, capsys, argv, message):
   def forbidden(*args, **kwargs):
     raise AssertionError("loaded before the flags were checked")
@@ -184,4 +209,3 @@ def test_demo_bad_flag_is_one_line_before_loading(demo, monkeypatch, capsys, arg
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("sharded_decode.py: error: "), err
   assert re.search(message, err[0]), err[0]
-

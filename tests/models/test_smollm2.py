@@ -229,21 +229,21 @@ def test_chat_template_default_system_prompt():
 
 
 @pytest.mark.parametrize(
-    "messages, add_generation_prompt",
-    [
-        ([{"role": "user", "content": "Hi"}], True),
-        ([{"role": "user", "content": "Hi"}], False),
-        ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi\nthere"}], True),
-        (
-            [
-                {"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "4"},
-                {"role": "user", "content": "and 3+3?"},
-            ],
-            True,
-        ),
-        ([], True),
-    ],
+  "messages, add_generation_prompt",
+  [
+    ([{"role": "user", "content": "Hi"}], True),
+    ([{"role": "user", "content": "Hi"}], False),
+    ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi\nthere"}], True),
+    (
+      [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+      ],
+      True,
+    ),
+    ([], True),
+  ],
 )
 def test_chat_template_matches_stored_jinja(messages, add_generation_prompt):
   pytest.importorskip("jinja2")
@@ -306,15 +306,17 @@ def _right_padded(tokenizer, texts):
   lengths = np.array([len(x) for x in ids], np.int32)
   prompts = np.zeros((len(ids), lengths.max()), np.int32)
   for row, x in enumerate(ids):
-    prompts[row, :len(x)] = x
+    prompts[row, : len(x)] = x
   return ids, prompts, lengths
 
 
 # Slow-marked here (CI budget): CI checks the EAGLE head's greedy equality on four other prompts in
 # test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts, and prompt lookup's on tiny models in
 # tests/loop/test_decoding.py.
-@pytest.mark.parametrize("drafter", [pytest.param(name, marks=pytest.mark.slow)
-                                     for name in ("shipped_draft", "prompt_lookup", "shipped_eagle")])
+@pytest.mark.parametrize(
+  "drafter",
+  [pytest.param(name, marks=pytest.mark.slow) for name in ("shipped_draft", "prompt_lookup", "shipped_eagle")],
+)
 def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafter):
   # The shipped draft (loaded from its default path) and prompt lookup, on a
   # chat prompt and a code prompt of different lengths in one batch: float32
@@ -323,17 +325,20 @@ def test_greedy_speculative_equals_plain_greedy_on_smollm2(smollm2_model, drafte
   from specdec_jax import SamplingParams, generate, speculative_generate
   from specdec_jax.drafts.lookup import PromptLookupDrafter
 
-
   model, tokenizer = smollm2_model
-  draft = {"shipped_draft": smollm2.load_smollm2_draft, "shipped_eagle": smollm2.load_smollm2_eagle,
-           "prompt_lookup": lambda: PromptLookupDrafter((3, 2))}[drafter]()
+  draft = {
+    "shipped_draft": smollm2.load_smollm2_draft,
+    "shipped_eagle": smollm2.load_smollm2_eagle,
+    "prompt_lookup": lambda: PromptLookupDrafter((3, 2)),
+  }[drafter]()
   texts = [smollm2.chat_prompt("Name three primary colours."), "def fibonacci(n):\n    if n < 2:\n        return n\n"]
   ids, prompts, lengths = _right_padded(tokenizer, texts)
   params = SamplingParams.greedy(len(ids))
   common = dict(max_new_tokens=20, eos_token_id=smollm2.SMOLLM2_EOS_IDS, all_greedy=True)
   plain = generate(model, prompts, lengths, params, jax.random.key(0), **common)
-  spec = speculative_generate(model, draft, prompts, lengths, params, jax.random.key(0),
-                              num_speculative_tokens=4, **common)
+  spec = speculative_generate(
+    model, draft, prompts, lengths, params, jax.random.key(0), num_speculative_tokens=4, **common
+  )
   np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
   np.testing.assert_array_equal(np.asarray(spec.lengths), np.asarray(plain.lengths))
   if drafter != "prompt_lookup":  # the draft is real: some of its tokens are accepted
@@ -354,16 +359,26 @@ def test_shipped_eagle_head_mean_accepted_length_on_held_out_prompts(smollm2_mod
   """
   from specdec_jax import SamplingParams, generate, speculative_generate
 
-
   model, tokenizer = smollm2_model
-  questions = ["Why do leaves change colour in autumn?", "Give me four ideas for a rainy weekend at home.",
-               "How do I read a CSV file in Python?"]
+  questions = [
+    "Why do leaves change colour in autumn?",
+    "Give me four ideas for a rainy weekend at home.",
+    "How do I read a CSV file in Python?",
+  ]
   texts = [smollm2.chat_prompt(q) for q in questions]
   texts.append("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n")
   _, prompts, lengths = _right_padded(tokenizer, texts)
   common = dict(max_new_tokens=48, eos_token_id=smollm2.SMOLLM2_EOS_IDS, all_greedy=True)
-  out = speculative_generate(model, smollm2.load_smollm2_eagle(), prompts, lengths, SamplingParams.greedy(4), None,
-                             num_speculative_tokens=4, **common)
+  out = speculative_generate(
+    model,
+    smollm2.load_smollm2_eagle(),
+    prompts,
+    lengths,
+    SamplingParams.greedy(4),
+    None,
+    num_speculative_tokens=4,
+    **common,
+  )
   assert float(out.stats.mean_accepted_length) > 2.0, out.stats
   assert np.all(np.asarray(out.stats.acceptance_per_position) > 0.45), out.stats
   plain = generate(model, prompts, lengths, SamplingParams.greedy(4), None, **common)
@@ -405,25 +420,29 @@ def test_bf16_greedy_speculative_differs_from_plain_only_at_near_ties():
   # <= 2 bf16 ulps of the top logit: 0.25 at the logits of about 28 seen here).
   from specdec_jax import SamplingParams, generate, speculative_generate
 
-
   target, tokenizer = smollm2.load_smollm2(jnp.bfloat16)
   draft = smollm2.load_smollm2_draft(jnp.bfloat16)
-  texts = [smollm2.chat_prompt("Explain why the sky is blue in two sentences."), "import json\n\ndef load(path):\n",
-           smollm2.chat_prompt("List three uses of copper.")]
+  texts = [
+    smollm2.chat_prompt("Explain why the sky is blue in two sentences."),
+    "import json\n\ndef load(path):\n",
+    smollm2.chat_prompt("List three uses of copper."),
+  ]
   ids, prompts, lengths = _right_padded(tokenizer, texts)
   common = dict(max_new_tokens=32, eos_token_id=smollm2.SMOLLM2_EOS_IDS, all_greedy=True)
   params = SamplingParams.greedy(len(ids))
   plain = np.asarray(generate(target, prompts, lengths, params, None, **common).tokens)
-  spec = np.asarray(speculative_generate(target, draft, prompts, lengths, params, None, num_speculative_tokens=4,
-                                         **common).tokens)
+  spec = np.asarray(
+    speculative_generate(target, draft, prompts, lengths, params, None, num_speculative_tokens=4, **common).tokens
+  )
   for row in range(len(ids)):
     diff = np.nonzero(plain[row] != spec[row])[0]
     if len(diff) == 0:
       continue
     j = diff[0]
     seq = jnp.asarray(np.concatenate([ids[row], plain[row, :j]]), jnp.int32)[None]
-    logits = np.asarray(target(seq, jnp.arange(seq.shape[1])[None], target.init_cache(1, seq.shape[1]))[0],
-                        np.float32)[0, -1]
+    logits = np.asarray(target(seq, jnp.arange(seq.shape[1])[None], target.init_cache(1, seq.shape[1]))[0], np.float32)[
+      0, -1
+    ]
     top2 = np.sort(logits)[-2:]
     ulp = np.spacing(np.float32(abs(top2[1]))) * 2.0**16  # bf16 keeps 16 fewer mantissa bits than f32
     assert top2[1] - top2[0] <= 2 * ulp, f"row {row} differs at {j}, where the top-2 gap is {top2[1] - top2[0]}"

@@ -136,7 +136,8 @@ def test_features_are_the_hidden_states_of_a_forward_without_cache():
   positions = _arange_positions(BATCH, PROMPT)
   graphdef, state = nnx.split(model)
   logits, features, _ = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s)(t, p, c, return_features=True))(
-      state, jnp.asarray(tokens), positions, model.init_cache(BATCH, MAX_LENGTH))
+    state, jnp.asarray(tokens), positions, model.init_cache(BATCH, MAX_LENGTH)
+  )
   assert features.shape == (BATCH, PROMPT, 2 * config.d_model) == (BATCH, PROMPT, config.feature_size)
   plain_logits, _ = _jit(model)(jnp.asarray(tokens), positions, model.init_cache(BATCH, MAX_LENGTH))
   np.testing.assert_array_equal(logits, plain_logits)
@@ -234,8 +235,8 @@ def test_query_never_sees_later_slots():
   later = later[None, :, None, :, None]  # [1, B, 1, S, 1]
   noise = 100 * np.random.default_rng(11).standard_normal(cache.k.shape).astype(np.float32)
   scrambled = KVCache(
-      k=jnp.asarray(np.where(later, noise, cache.k)),
-      v=jnp.asarray(np.where(later, -noise, cache.v)),
+    k=jnp.asarray(np.where(later, noise, cache.k)),
+    v=jnp.asarray(np.where(later, -noise, cache.v)),
   )
 
   query_tokens = jnp.array([[5], [9], [1]], jnp.int32)
@@ -311,19 +312,19 @@ def test_from_weights_rejects_bad_keys_and_shapes():
 
 
 @pytest.mark.parametrize(
-    "field, value",
-    [
-        ("vocab_size", 0),
-        ("num_layers", -1),
-        ("d_model", 2.0),
-        ("num_heads", True),
-        ("num_kv_heads", 3),  # 4 % 3 != 0
-        ("head_dim", 7),  # odd: RoPE needs pairs
-        ("d_ff", 0),
-        ("rope_theta", 0.0),
-        ("rms_norm_eps", -1e-6),
-        ("dtype", jnp.int32),
-    ],
+  "field, value",
+  [
+    ("vocab_size", 0),
+    ("num_layers", -1),
+    ("d_model", 2.0),
+    ("num_heads", True),
+    ("num_kv_heads", 3),  # 4 % 3 != 0
+    ("head_dim", 7),  # odd: RoPE needs pairs
+    ("d_ff", 0),
+    ("rope_theta", 0.0),
+    ("rms_norm_eps", -1e-6),
+    ("dtype", jnp.int32),
+  ],
 )
 def test_config_rejects_bad_fields(field, value):
   match = "num_heads" if field == "num_kv_heads" else field
@@ -349,12 +350,12 @@ def test_call_rejects_bad_shapes_at_trace_time():
   assert new_cache.k.shape == (2, 2, 2, 8, 8)  # [L, B, Hkv, S, Dh]
 
   cases = [
-      ("tokens", jax.ShapeDtypeStruct((3,), jnp.int32), ok_tokens, cache),
-      ("positions", ok_tokens, jax.ShapeDtypeStruct((2, 3, 1), jnp.int32), cache),
-      ("positions", ok_tokens, jax.ShapeDtypeStruct((2, 4), jnp.int32), cache),
-      ("tokens", jax.ShapeDtypeStruct((2, 3), jnp.float32), ok_tokens, cache),
-      ("cache.k", jax.ShapeDtypeStruct((3, 3), jnp.int32), ok_tokens.update(shape=(3, 3)), cache),
-      ("cache", ok_tokens, ok_tokens, (cache.k, cache.v)),
+    ("tokens", jax.ShapeDtypeStruct((3,), jnp.int32), ok_tokens, cache),
+    ("positions", ok_tokens, jax.ShapeDtypeStruct((2, 3, 1), jnp.int32), cache),
+    ("positions", ok_tokens, jax.ShapeDtypeStruct((2, 4), jnp.int32), cache),
+    ("tokens", jax.ShapeDtypeStruct((2, 3), jnp.float32), ok_tokens, cache),
+    ("cache.k", jax.ShapeDtypeStruct((3, 3), jnp.int32), ok_tokens.update(shape=(3, 3)), cache),
+    ("cache", ok_tokens, ok_tokens, (cache.k, cache.v)),
   ]
   for name, tokens, positions, c in cases:
     with pytest.raises(ValueError, match=name):
@@ -394,8 +395,11 @@ def test_unrolled_and_scanned_layers_agree():
   for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   graphdef, state = nnx.split(unrolled)
-  text = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s)(t, p, c)).lower(
-      state, tokens, positions, unrolled.init_cache(2, 6)).as_text()
+  text = (
+    jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s)(t, p, c))
+    .lower(state, tokens, positions, unrolled.init_cache(2, 6))
+    .as_text()
+  )
   assert "stablehlo.while" not in text  # straight-line: no per-layer loop iterations at run time
 
 
@@ -413,5 +417,5 @@ def test_fused_projections_round_trip_through_the_weights_interface():
   for cfg in (TINY, TINY.replace(scan_layers=True)):
     fused = {n: np.asarray(a) for n, a in Transformer.from_weights(cfg, w).layers.stacked(cfg).items()}
     assert fused["wqkv"].shape == (TINY.num_layers, TINY.d_model, q + 2 * kv)
-    np.testing.assert_array_equal(fused["wqkv"][..., q:q + kv], w["layers.wk"])  # k sits between q and v
-    np.testing.assert_array_equal(fused["w_gate_up"][..., TINY.d_ff:], w["layers.w_up"])
+    np.testing.assert_array_equal(fused["wqkv"][..., q : q + kv], w["layers.wk"])  # k sits between q and v
+    np.testing.assert_array_equal(fused["w_gate_up"][..., TINY.d_ff :], w["layers.w_up"])

@@ -47,7 +47,7 @@ def _hard_rows(v=4096, seed=0):
   x[2, [5, 9, 3000]] = np.inf  # three +inf tokens, two of them in one chunk
   x[3] = -np.inf  # nothing above -inf
   x[4, 7] = np.nan  # a masked token
-  x[5, :v // 2] = -np.inf  # half the vocabulary masked
+  x[5, : v // 2] = -np.inf  # half the vocabulary masked
   return x, t
 
 
@@ -72,8 +72,11 @@ def test_shifted_chunk_stats_match_float64_log_softmax(whole_rows):
   assert shift[2] == np.inf and shift[3] == 0 and np.all(np.isfinite(np.delete(shift, 2)))  # +inf row; empty row
   np.testing.assert_array_equal(np.asarray(am), np.asarray(greedy_argmax(jnp.asarray(x))[0]))
   # The chunk masses add up to the normaliser, in the same shifted frame.
-  np.testing.assert_allclose(np.asarray(jax.nn.logsumexp(chunk_logw, axis=-1))[[0, 1, 2, 4, 5, 6]],
-                             np.asarray(lse)[[0, 1, 2, 4, 5, 6]], rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(jax.nn.logsumexp(chunk_logw, axis=-1))[[0, 1, 2, 4, 5, 6]],
+    np.asarray(lse)[[0, 1, 2, 4, 5, 6]],
+    rtol=1e-6,
+  )
 
 
 def test_shifted_chunk_stats_shift_is_the_row_max_and_plus_inf_counts():
@@ -143,8 +146,9 @@ def test_sample_tokens_no_filters_follows_the_law_and_keeps_the_rules():
   t = np.array([0.8, 1e-4, 1.0, 0.0], np.float32)
   params = SamplingParams.create(t, top_k=[0, 0, 0, 3])  # the greedy row's top_k is ignored anyway
   keys = jax.random.split(jax.random.key(3), n)
-  draw = jax.jit(jax.vmap(lambda kk: sample_tokens(jnp.asarray(rows), params, jax.random.split(kk, 4),
-                                                  no_filters=True)[0]))
+  draw = jax.jit(
+    jax.vmap(lambda kk: sample_tokens(jnp.asarray(rows), params, jax.random.split(kk, 4), no_filters=True)[0])
+  )
   tokens = np.asarray(draw(keys))  # [n, 4]
   results = []
   for i in (0, 2):  # row 1 has one outcome (checked below)
@@ -154,8 +158,9 @@ def test_sample_tokens_no_filters_follows_the_law_and_keeps_the_rules():
   assert set(tokens[:, 1].tolist()) == {3}  # T near 0: the argmax, no overflow
   assert set(tokens[:, 2].tolist()) <= {0, 3, 6}  # +inf tokens only
   np.testing.assert_array_equal(tokens[:, 3], 3)  # greedy
-  wrong = stats.chisquare_gof(tokens[:, 0], np.exp(ref.processed_log_probs(rows[0], temperature=1.0)),
-                              label="temperature ignored")
+  wrong = stats.chisquare_gof(
+    tokens[:, 0], np.exp(ref.processed_log_probs(rows[0], temperature=1.0)), label="temperature ignored"
+  )
   assert wrong.pvalue < stats.ALPHA, wrong
 
 
@@ -194,10 +199,14 @@ def test_rejection_sample_no_filters_every_position_chisquare(with_probs):
   else:  # n-gram guesses: the likeliest token at each position, one-hot q
     drafts = np.tile(np.argmax(p[:k], axis=-1), (n, 1))
     q = np.eye(v)[drafts[0]]
-  out = rejection_sample(jnp.asarray(drafts, jnp.int32), jnp.broadcast_to(jnp.asarray(logits), (n, k + 1, v)),
-                         SamplingParams.create(np.full(n, t, np.float32)), jax.random.split(jax.random.key(8), n),
-                         draft_probs=jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, k, v)) if with_probs else None,
-                         no_filters=True)
+  out = rejection_sample(
+    jnp.asarray(drafts, jnp.int32),
+    jnp.broadcast_to(jnp.asarray(logits), (n, k + 1, v)),
+    SamplingParams.create(np.full(n, t, np.float32)),
+    jax.random.split(jax.random.key(8), n),
+    draft_probs=jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, k, v)) if with_probs else None,
+    no_filters=True,
+  )
   tokens, acc = np.asarray(out.token_ids), np.asarray(out.num_accepted)
 
   def check(residual, label):
@@ -218,11 +227,16 @@ def test_categorical_with_fallback_draws_from_the_fallback_only_where_empty():
   with np.errstate(divide="ignore"):  # log 0 = -inf: impossible tokens
     main = np.log(np.array([[0, 1, 0, 3, 0, 0, 0, 0], [0] * 8], np.float32))
     fallback = np.log(np.array([[1] * 8, [0, 0, 0, 0, 0, 2, 2, 0]], np.float32))
-  draw = jax.jit(jax.vmap(lambda kk: categorical_with_fallback(jax.random.split(kk, 2), jnp.asarray(main),
-                                                                jnp.asarray(fallback))))
+  draw = jax.jit(
+    jax.vmap(lambda kk: categorical_with_fallback(jax.random.split(kk, 2), jnp.asarray(main), jnp.asarray(fallback)))
+  )
   tokens = np.asarray(draw(jax.random.split(jax.random.key(1), n)))
-  stats.assert_gof([stats.chisquare_gof(tokens[:, 0], np.array([0, 1, 0, 3, 0, 0, 0, 0]) / 4, label="main"),
-                    stats.chisquare_gof(tokens[:, 1], np.array([0, 0, 0, 0, 0, 1, 1, 0]) / 2, label="fallback")])
+  stats.assert_gof(
+    [
+      stats.chisquare_gof(tokens[:, 0], np.array([0, 1, 0, 3, 0, 0, 0, 0]) / 4, label="main"),
+      stats.chisquare_gof(tokens[:, 1], np.array([0, 0, 0, 0, 0, 1, 1, 0]) / 2, label="fallback"),
+    ]
+  )
   mixed = 0.8 * np.array([0, 1, 0, 3, 0, 0, 0, 0]) / 4 + 0.2 / 8  # planted: 20% of row 0 from its fallback
   wrong = stats.chisquare_gof(tokens[:, 0], mixed, label="planted: fallback mixed in")
   assert wrong.pvalue < stats.ALPHA, wrong
@@ -235,15 +249,25 @@ def test_speculative_generate_no_filters_is_lossless(monkeypatch):
   prompt = np.array([1, 5, 2, 7])
   probs = stats.reference_probs(continuation_logits(target, prompt), 0.8)
   v = SMALL_V
-  joint = (probs[0, 0][:, None, None] * probs[:, 1].reshape(v, v, v)[:, 0][:, :, None]
-           * probs[:, 2].reshape(v, v, v)).reshape(-1)
+  joint = (
+    probs[0, 0][:, None, None] * probs[:, 1].reshape(v, v, v)[:, 0][:, :, None] * probs[:, 2].reshape(v, v, v)
+  ).reshape(-1)
   prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
   lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
   params = SamplingParams.create(jnp.full((N_ROWS,), 0.8))
 
   def run():
-    out = speculative_generate(target, draft, prompts, lengths, params, jax.random.key(42), max_new_tokens=3,
-                               num_speculative_tokens=2, no_filters=True)
+    out = speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      params,
+      jax.random.key(42),
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      no_filters=True,
+    )
     return out, np.asarray(out.tokens)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, "speculative_generate(no_filters=True), first 3 tokens")
@@ -266,8 +290,13 @@ def test_tree_rejection_sample_with_the_promise_has_fewer_branches():
   from specdec_jax import tree_rejection_sample
 
   b, n, v = 2, 3, 512
-  args = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n + 1, v)), SamplingParams.create([1.0, 0.5]),
-          jax.random.split(jax.random.key(0), b), jnp.full((b, n + 1, v), 1.0 / v))
+  args = (
+    jnp.zeros((b, n), jnp.int32),
+    jnp.zeros((b, n + 1, v)),
+    SamplingParams.create([1.0, 0.5]),
+    jax.random.split(jax.random.key(0), b),
+    jnp.full((b, n + 1, v), 1.0 / v),
+  )
   tr = lambda d, lg, p, kk, q, **kw: tree_rejection_sample(d, np.array([-1, -1, 0]), lg, p, kk, draft_probs=q, **kw)
   promised, default = _ops(functools.partial(tr, no_filters=True), *args), _ops(tr, *args)
   assert len(promised.conditionals(promised.reachable())) < len(default.conditionals(default.reachable()))
@@ -280,11 +309,13 @@ def test_loops_with_no_filters_keep_greedy_rows_exact(tree_models):
   params = SamplingParams.create([0.0, 1.0, 0.0])
   plain = generate(target, prompts, lengths, SamplingParams.greedy(3), None, max_new_tokens=6, all_greedy=True)
   kw = dict(max_new_tokens=6, no_filters=True)
-  for out in (generate(target, prompts, lengths, params, jax.random.key(0), **kw),
-              speculative_generate(target, draft, prompts, lengths, params, jax.random.key(0),
-                                   num_speculative_tokens=3, **kw),
-              speculative_generate(target, eagle, prompts, lengths, params, jax.random.key(0),
-                                   num_speculative_tokens=2, draft_tree=(2, 2), **kw)):
+  for out in (
+    generate(target, prompts, lengths, params, jax.random.key(0), **kw),
+    speculative_generate(target, draft, prompts, lengths, params, jax.random.key(0), num_speculative_tokens=3, **kw),
+    speculative_generate(
+      target, eagle, prompts, lengths, params, jax.random.key(0), num_speculative_tokens=2, draft_tree=(2, 2), **kw
+    ),
+  ):
     np.testing.assert_array_equal(np.asarray(out.tokens)[[0, 2]], np.asarray(plain.tokens)[[0, 2]])
     assert np.all(np.asarray(out.lengths) == 6)
 

@@ -37,8 +37,16 @@ _F32_MAX = float(np.finfo(np.float32).max)
 # ----------------------------------------------------------------------------
 
 
-_REF_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-             "bias")
+_REF_KEYS = (
+  "temperature",
+  "top_k",
+  "top_p",
+  "min_p",
+  "repetition_penalty",
+  "frequency_penalty",
+  "presence_penalty",
+  "bias",
+)
 
 
 def _ref_options(row):
@@ -49,11 +57,15 @@ def _ref_options(row):
 
 def _ref_penalized(logits, row, drafts=()):
   o = _ref_options(row)
-  return ref.penalized_logits(logits, repetition_penalty=o.get("repetition_penalty", 1.0),
-                              frequency_penalty=o.get("frequency_penalty", 0.0),
-                              presence_penalty=o.get("presence_penalty", 0.0), bias=o.get("bias"),
-                              prompt_tokens=o["prompt_tokens"],
-                              generated_tokens=list(o["generated_tokens"]) + list(drafts))
+  return ref.penalized_logits(
+    logits,
+    repetition_penalty=o.get("repetition_penalty", 1.0),
+    frequency_penalty=o.get("frequency_penalty", 0.0),
+    presence_penalty=o.get("presence_penalty", 0.0),
+    bias=o.get("bias"),
+    prompt_tokens=o["prompt_tokens"],
+    generated_tokens=list(o["generated_tokens"]) + list(drafts),
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -66,8 +78,14 @@ def test_create_without_options_has_the_three_field_structure():
   direct = SamplingParams(temperature=jnp.full((1,), 0.5), top_k=jnp.zeros((1,), jnp.int32), top_p=jnp.ones((1,)))
   assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(direct)
   assert len(jax.tree_util.tree_leaves(params)) == 3
-  for name in ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias_ids",
-               "logit_bias_values"):
+  for name in (
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias_ids",
+    "logit_bias_values",
+  ):
     assert getattr(params, name) is None, name
   assert not (params.has_min_p or params.has_penalties or params.has_logit_bias)
   # A present option is a new leaf: programs with options compile separately.
@@ -78,9 +96,14 @@ def test_create_without_options_has_the_three_field_structure():
 
 
 def test_create_broadcasts_options_and_pads_logit_bias():
-  params = SamplingParams.create([0.0, 1.0, 0.5], min_p=0.1, repetition_penalty=[1.0, 1.2, 1.5],
-                                 frequency_penalty=-0.5, presence_penalty=np.float32(0.25),
-                                 logit_bias=[{3: 1.0, 7: -2}, {}, {np.int64(5): np.float32(0.5)}])
+  params = SamplingParams.create(
+    [0.0, 1.0, 0.5],
+    min_p=0.1,
+    repetition_penalty=[1.0, 1.2, 1.5],
+    frequency_penalty=-0.5,
+    presence_penalty=np.float32(0.25),
+    logit_bias=[{3: 1.0, 7: -2}, {}, {np.int64(5): np.float32(0.5)}],
+  )
   for name in ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
     value = getattr(params, name)
     assert value.shape == (3,) and value.dtype == jnp.float32, name
@@ -98,21 +121,32 @@ def test_create_broadcasts_options_and_pads_logit_bias():
 
 
 _BAD_CREATE = [
-    ("min_p", dict(min_p=-0.1)), ("min_p", dict(min_p=1.5)), ("min_p", dict(min_p=[0.1, np.nan])),
-    ("min_p", dict(min_p="0.1")),
-    ("repetition_penalty", dict(repetition_penalty=0.0)), ("repetition_penalty", dict(repetition_penalty=-1.0)),
-    ("repetition_penalty", dict(repetition_penalty=np.inf)), ("repetition_penalty", dict(repetition_penalty=np.nan)),
-    ("repetition_penalty", dict(repetition_penalty=1e39)),
-    ("frequency_penalty", dict(frequency_penalty=np.inf)), ("frequency_penalty", dict(frequency_penalty=np.nan)),
-    ("presence_penalty", dict(presence_penalty=-np.inf)), ("presence_penalty", dict(presence_penalty=[True])),
-    ("logit_bias", dict(logit_bias={1: np.inf})), ("logit_bias", dict(logit_bias={1: np.nan})),
-    ("logit_bias", dict(logit_bias={1: 1e39})), ("logit_bias", dict(logit_bias={-2: 1.0})),
-    ("logit_bias", dict(logit_bias={1.5: 1.0})), ("logit_bias", dict(logit_bias={"a": 1.0})),
-    ("logit_bias", dict(logit_bias={True: 1.0})), ("logit_bias", dict(logit_bias={1: "x"})),
-    ("logit_bias", dict(logit_bias={2**31: 1.0})), ("logit_bias", dict(logit_bias=5)),
-    ("logit_bias", dict(logit_bias=[{1: 1.0}, 3])),
-    ("logit_bias", dict(temperature=[1.0, 1.0], logit_bias=[{1: 1.0}] * 3)),  # batch sizes disagree
-    ("min_p", dict(temperature=[1.0, 1.0], min_p=[0.1, 0.2, 0.3])),
+  ("min_p", dict(min_p=-0.1)),
+  ("min_p", dict(min_p=1.5)),
+  ("min_p", dict(min_p=[0.1, np.nan])),
+  ("min_p", dict(min_p="0.1")),
+  ("repetition_penalty", dict(repetition_penalty=0.0)),
+  ("repetition_penalty", dict(repetition_penalty=-1.0)),
+  ("repetition_penalty", dict(repetition_penalty=np.inf)),
+  ("repetition_penalty", dict(repetition_penalty=np.nan)),
+  ("repetition_penalty", dict(repetition_penalty=1e39)),
+  ("frequency_penalty", dict(frequency_penalty=np.inf)),
+  ("frequency_penalty", dict(frequency_penalty=np.nan)),
+  ("presence_penalty", dict(presence_penalty=-np.inf)),
+  ("presence_penalty", dict(presence_penalty=[True])),
+  ("logit_bias", dict(logit_bias={1: np.inf})),
+  ("logit_bias", dict(logit_bias={1: np.nan})),
+  ("logit_bias", dict(logit_bias={1: 1e39})),
+  ("logit_bias", dict(logit_bias={-2: 1.0})),
+  ("logit_bias", dict(logit_bias={1.5: 1.0})),
+  ("logit_bias", dict(logit_bias={"a": 1.0})),
+  ("logit_bias", dict(logit_bias={True: 1.0})),
+  ("logit_bias", dict(logit_bias={1: "x"})),
+  ("logit_bias", dict(logit_bias={2**31: 1.0})),
+  ("logit_bias", dict(logit_bias=5)),
+  ("logit_bias", dict(logit_bias=[{1: 1.0}, 3])),
+  ("logit_bias", dict(temperature=[1.0, 1.0], logit_bias=[{1: 1.0}] * 3)),  # batch sizes disagree
+  ("min_p", dict(temperature=[1.0, 1.0], min_p=[0.1, 0.2, 0.3])),
 ]
 
 
@@ -124,21 +158,32 @@ def test_create_rejects_bad_options(name, kwargs):
 
 
 def test_create_accepts_boundary_options_and_traced_values():
-  SamplingParams.create(1.0, min_p=[0.0, 1.0], repetition_penalty=[1e-3, 100.0], frequency_penalty=-2.0,
-                        presence_penalty=2.0, logit_bias={0: -100.0, 2**31 - 1: 100})
+  SamplingParams.create(
+    1.0,
+    min_p=[0.0, 1.0],
+    repetition_penalty=[1e-3, 100.0],
+    frequency_penalty=-2.0,
+    presence_penalty=2.0,
+    logit_bias={0: -100.0, 2**31 - 1: 100},
+  )
   params = jax.jit(lambda t, m, r: SamplingParams.create(t, min_p=m, repetition_penalty=r))(
-      jnp.ones(2), jnp.zeros(2), jnp.ones(2))
+    jnp.ones(2), jnp.zeros(2), jnp.ones(2)
+  )
   assert params.min_p.dtype == jnp.float32 and params.repetition_penalty.shape == (2,)
 
 
 _DIRECT_BAD = [
-    ("params.min_p must be", dict(min_p=jnp.zeros(2, jnp.int32))),
-    ("params.repetition_penalty must have shape", dict(repetition_penalty=jnp.ones(3))),
-    ("logit_bias_ids and params.logit_bias_values", dict(logit_bias_ids=jnp.zeros((2, 1), jnp.int32))),
-    ("params.logit_bias_ids must be an integer", dict(logit_bias_ids=jnp.zeros((2, 1)),
-                                                      logit_bias_values=jnp.zeros((2, 1)))),
-    ("params.logit_bias_values must have the shape", dict(logit_bias_ids=jnp.zeros((2, 1), jnp.int32),
-                                                          logit_bias_values=jnp.zeros((2, 2)))),
+  ("params.min_p must be", dict(min_p=jnp.zeros(2, jnp.int32))),
+  ("params.repetition_penalty must have shape", dict(repetition_penalty=jnp.ones(3))),
+  ("logit_bias_ids and params.logit_bias_values", dict(logit_bias_ids=jnp.zeros((2, 1), jnp.int32))),
+  (
+    "params.logit_bias_ids must be an integer",
+    dict(logit_bias_ids=jnp.zeros((2, 1)), logit_bias_values=jnp.zeros((2, 1))),
+  ),
+  (
+    "params.logit_bias_values must have the shape",
+    dict(logit_bias_ids=jnp.zeros((2, 1), jnp.int32), logit_bias_values=jnp.zeros((2, 2))),
+  ),
 ]
 
 
@@ -185,13 +230,19 @@ def test_penalty_state_from_prompt_and_add_tokens():
 # ----------------------------------------------------------------------------
 
 _PEN_ROWS = [
-    dict(repetition_penalty=1.5, prompt=[0, 3], generated=[3, 5, 5]),
-    dict(frequency_penalty=0.4, presence_penalty=0.7, prompt=[1, 2], generated=[2, 6, 6, 6]),
-    dict(bias={0: 2.0, 4: -3.5, 7: 0.25}, repetition_penalty=0.8, prompt=[4], generated=[0]),
-    dict(repetition_penalty=1.3, frequency_penalty=-0.2, presence_penalty=0.5, bias={2: 1.0}, prompt=[2, 7],
-         generated=[1, 1, 7]),
-    dict(),  # neutral row: comes back bit for bit
-    dict(presence_penalty=1.0, prompt=[0, 1, 2, 3, 4, 5, 6, 7]),  # prompt only: no presence penalty
+  dict(repetition_penalty=1.5, prompt=[0, 3], generated=[3, 5, 5]),
+  dict(frequency_penalty=0.4, presence_penalty=0.7, prompt=[1, 2], generated=[2, 6, 6, 6]),
+  dict(bias={0: 2.0, 4: -3.5, 7: 0.25}, repetition_penalty=0.8, prompt=[4], generated=[0]),
+  dict(
+    repetition_penalty=1.3,
+    frequency_penalty=-0.2,
+    presence_penalty=0.5,
+    bias={2: 1.0},
+    prompt=[2, 7],
+    generated=[1, 1, 7],
+  ),
+  dict(),  # neutral row: comes back bit for bit
+  dict(presence_penalty=1.0, prompt=[0, 1, 2, 3, 4, 5, 6, 7]),  # prompt only: no presence penalty
 ]
 
 
@@ -213,15 +264,21 @@ def test_apply_penalties_round_counts_earlier_drafts():
   rng = np.random.default_rng(1)
   logits = rng.normal(0, 2.0, (len(_PEN_ROWS), k + 1, v)).astype(np.float32)
   # A repeated draft, a -1 placeholder, an id >= V, drafts already in the prompt.
-  drafts = np.array([[5, 5, 5, 2], [6, -1, 2, 6], [0, 4, 4, 9], [7, 1, -1, 1], [3, 3, 3, 3], [1, 1, 8, 0]],
-                    np.int32)
+  drafts = np.array([[5, 5, 5, 2], [6, -1, 2, 6], [0, 4, 4, 9], [7, 1, -1, 1], [3, 3, 3, 3], [1, 1, 8, 0]], np.int32)
   params, state = rows_params(_PEN_ROWS), rows_state(_PEN_ROWS, v)
   out = np.asarray(_apply(jnp.asarray(logits), params, state, jnp.asarray(drafts)))
   for b, row in enumerate(_PEN_ROWS):
     o = _ref_options(row)
-    want = ref.round_penalized_logits(logits[b], drafts[b], generated_tokens=o.pop("generated_tokens"),
-                                      **{n: o[n] for n in ("repetition_penalty", "frequency_penalty",
-                                                           "presence_penalty", "bias", "prompt_tokens") if n in o})
+    want = ref.round_penalized_logits(
+      logits[b],
+      drafts[b],
+      generated_tokens=o.pop("generated_tokens"),
+      **{
+        n: o[n]
+        for n in ("repetition_penalty", "frequency_penalty", "presence_penalty", "bias", "prompt_tokens")
+        if n in o
+      },
+    )
     np.testing.assert_allclose(out[b], want, rtol=1e-6, atol=1e-6, err_msg=f"row {b}")
   np.testing.assert_array_equal(out[4], logits[4])
   # Without drafts, every position sees only the state.
@@ -242,9 +299,11 @@ def test_apply_penalties_bias_alone_needs_no_state():
 def test_apply_penalties_keeps_the_non_finite_rules():
   big = 3.0e38
   logits = np.array([[np.nan, np.inf, -np.inf, big, -big, 1.0, -1.0, 0.0]] * 3, np.float32)
-  rows = [dict(repetition_penalty=0.5, prompt=list(range(8))),  # x / 0.5 of 3e38 overflows; -inf * 0.5
-          dict(repetition_penalty=2.0, frequency_penalty=1e38, presence_penalty=1e38, generated=list(range(8)) * 3),
-          dict(bias={0: 1.0, 1: -1e38, 2: 1e38, 3: 1e38, 4: -1e38})]
+  rows = [
+    dict(repetition_penalty=0.5, prompt=list(range(8))),  # x / 0.5 of 3e38 overflows; -inf * 0.5
+    dict(repetition_penalty=2.0, frequency_penalty=1e38, presence_penalty=1e38, generated=list(range(8)) * 3),
+    dict(bias={0: 1.0, 1: -1e38, 2: 1e38, 3: 1e38, 4: -1e38}),
+  ]
   out = np.asarray(_apply(jnp.asarray(logits), rows_params(rows), rows_state(rows, 8)))
   assert np.all(np.isnan(out[:, 0])), out[:, 0]  # NaN stays NaN (a masked token)
   np.testing.assert_array_equal(out[:, 1], np.inf)  # +inf stays "this token"
@@ -261,17 +320,17 @@ def test_apply_penalties_keeps_the_non_finite_rules():
 
 # (logits, row options, argmax without the options, argmax with them)
 _GREEDY_TABLE = [
-    ([2.0, 1.5, 0.0, -1.0], dict(repetition_penalty=2.0, prompt=[0]), 0, 1),  # 2 / 2 = 1 < 1.5
-    ([-1.0, -1.5, -3.0, -4.0], dict(repetition_penalty=2.0, generated=[0]), 0, 1),  # -1 * 2 = -2 < -1.5
-    ([2.0, 1.0, 0.0, 0.0], dict(repetition_penalty=2.0, prompt=[0]), 0, 0),  # tie 1.0, 1.0: first index
-    ([1.0, 0.5, 0.0, 0.0], dict(frequency_penalty=0.3, generated=[0, 0]), 0, 1),  # 1 - 0.6 = 0.4
-    ([1.0, 0.5, 0.0, 0.0], dict(frequency_penalty=0.3, generated=[0]), 0, 0),  # 1 - 0.3 = 0.7
-    ([1.0, 0.5, 0.9, 0.0], dict(presence_penalty=0.6, generated=[0, 0, 0]), 0, 2),  # once, not per count
-    ([1.0, 0.5, 0.9, 0.0], dict(presence_penalty=5.0, frequency_penalty=5.0, prompt=[0]), 0, 0),  # prompt: not counted
-    ([1.0, 0.5, 0.0, 0.0], dict(bias={2: 1.5}), 0, 2),
-    ([1.0, 1.0, 0.0, 0.0], dict(bias={0: -1e-3}), 0, 1),
-    ([0.0, 0.0, 0.0, 0.0], dict(bias={3: 1e-6, 2: 1e-6}), 0, 2),
-    ([3.0, 2.0, 0.0, 0.0], dict(bias={0: 1.0}, repetition_penalty=2.0, presence_penalty=0.6, generated=[0]), 0, 1),
+  ([2.0, 1.5, 0.0, -1.0], dict(repetition_penalty=2.0, prompt=[0]), 0, 1),  # 2 / 2 = 1 < 1.5
+  ([-1.0, -1.5, -3.0, -4.0], dict(repetition_penalty=2.0, generated=[0]), 0, 1),  # -1 * 2 = -2 < -1.5
+  ([2.0, 1.0, 0.0, 0.0], dict(repetition_penalty=2.0, prompt=[0]), 0, 0),  # tie 1.0, 1.0: first index
+  ([1.0, 0.5, 0.0, 0.0], dict(frequency_penalty=0.3, generated=[0, 0]), 0, 1),  # 1 - 0.6 = 0.4
+  ([1.0, 0.5, 0.0, 0.0], dict(frequency_penalty=0.3, generated=[0]), 0, 0),  # 1 - 0.3 = 0.7
+  ([1.0, 0.5, 0.9, 0.0], dict(presence_penalty=0.6, generated=[0, 0, 0]), 0, 2),  # once, not per count
+  ([1.0, 0.5, 0.9, 0.0], dict(presence_penalty=5.0, frequency_penalty=5.0, prompt=[0]), 0, 0),  # prompt: not counted
+  ([1.0, 0.5, 0.0, 0.0], dict(bias={2: 1.5}), 0, 2),
+  ([1.0, 1.0, 0.0, 0.0], dict(bias={0: -1e-3}), 0, 1),
+  ([0.0, 0.0, 0.0, 0.0], dict(bias={3: 1e-6, 2: 1e-6}), 0, 2),
+  ([3.0, 2.0, 0.0, 0.0], dict(bias={0: 1.0}, repetition_penalty=2.0, presence_penalty=0.6, generated=[0]), 0, 1),
 ]
 
 
@@ -297,8 +356,9 @@ def test_greedy_table_penalties_and_bias_change_the_argmax(all_greedy):
 def test_all_greedy_program_with_penalties_has_no_exponential_or_random_bits():
   logits, params, state = _greedy_batch()
   fn = jax.jit(functools.partial(sample_tokens, all_greedy=True))
-  prog = stats.HloProgram(fn.lower(jnp.asarray(logits), params, jax.random.key(0), penalty_state=state)
-                          .compile().as_text())
+  prog = stats.HloProgram(
+    fn.lower(jnp.asarray(logits), params, jax.random.key(0), penalty_state=state).compile().as_text()
+  )
   ops = prog.opcodes()
   assert "exponential" not in ops and "sort" not in ops, ops
   assert not ops & stats.RANDOM_OPCODES, ops & stats.RANDOM_OPCODES
@@ -311,18 +371,22 @@ def test_all_greedy_program_with_penalties_has_no_exponential_or_random_bits():
 # ----------------------------------------------------------------------------
 
 _V = 10
-_LOGITS = np.array([
+_LOGITS = np.array(
+  [
     [2.0, 1.4, 0.9, 0.5, 0.1, -0.3, -0.8, -1.5, -2.5, -np.inf],
     [1.0, 0.6, 0.3, 1.2, -0.5, 0.8, 0.0, -1.0, 0.4, -0.2],
-], np.float32)
+  ],
+  np.float32,
+)
 
 
 def _wrong_min_p_before_temperature(logits, row):
   # Bug: min-p's cut taken on the unscaled probabilities (before the temperature).
   x = _ref_penalized(logits, row)
   cut = x >= np.max(x) + np.log(np.float32(row["min_p"]))
-  p = ref.filtered_probs(np.where(cut, x, -np.inf), temperature=row["temperature"], top_k=row.get("top_k", 0),
-                         top_p=row.get("top_p", 1.0))
+  p = ref.filtered_probs(
+    np.where(cut, x, -np.inf), temperature=row["temperature"], top_k=row.get("top_k", 0), top_p=row.get("top_p", 1.0)
+  )
   return p
 
 
@@ -338,6 +402,7 @@ def _wrong_with(**changes):
   # Bug: the reference with some options replaced (e.g. the prompt counted as generated tokens).
   def wrong(logits, row):
     return np.exp(ref.processed_log_probs(logits, **_ref_options(dict(row, **changes))))
+
   return wrong
 
 
@@ -362,26 +427,53 @@ def _wrong_bias_after_temperature(logits, row):
 
 # (label, logits row, options, wrong variant): every group is a block of rows of one batch.
 _GROUPS = [
-    ("min_p, T=1.6", 0, dict(temperature=1.6, min_p=0.2), _wrong_min_p_before_temperature),
-    ("min_p + top_k, T=0.7", 1, dict(temperature=0.7, top_k=6, min_p=0.15), _wrong_min_p_absolute),
-    ("repetition + top_p", 1, dict(temperature=1.0, top_p=0.95, repetition_penalty=2.0, prompt=[3, 4, 9],
-                                   generated=[7, 0]), _wrong_rep_divides_negatives),
-    ("frequency + top_k", 0, dict(temperature=0.8, top_k=7, frequency_penalty=0.5, prompt=[2, 2, 4],
-                                  generated=[0, 0, 0, 1]), _wrong_with(generated=[0, 0, 0, 1, 2, 2, 4])),
-    ("presence", 1, dict(temperature=1.2, presence_penalty=1.0, prompt=[0, 3, 5], generated=[8, 8]),
-     _wrong_with(generated=[8, 8, 0, 3, 5])),
-    ("bias + top_p, T=2", 0, dict(temperature=2.0, top_p=0.8, bias={5: 3.0, 0: -2.0}), _wrong_bias_after_temperature),
-    ("all options", 1, dict(temperature=0.9, top_k=8, top_p=0.95, min_p=0.1, repetition_penalty=1.3,
-                            frequency_penalty=0.3, presence_penalty=0.4, bias={7: 1.5, 3: -0.5}, prompt=[0, 1],
-                            generated=[3, 3, 5]), _wrong_with(presence_penalty=0.0)),
+  ("min_p, T=1.6", 0, dict(temperature=1.6, min_p=0.2), _wrong_min_p_before_temperature),
+  ("min_p + top_k, T=0.7", 1, dict(temperature=0.7, top_k=6, min_p=0.15), _wrong_min_p_absolute),
+  (
+    "repetition + top_p",
+    1,
+    dict(temperature=1.0, top_p=0.95, repetition_penalty=2.0, prompt=[3, 4, 9], generated=[7, 0]),
+    _wrong_rep_divides_negatives,
+  ),
+  (
+    "frequency + top_k",
+    0,
+    dict(temperature=0.8, top_k=7, frequency_penalty=0.5, prompt=[2, 2, 4], generated=[0, 0, 0, 1]),
+    _wrong_with(generated=[0, 0, 0, 1, 2, 2, 4]),
+  ),
+  (
+    "presence",
+    1,
+    dict(temperature=1.2, presence_penalty=1.0, prompt=[0, 3, 5], generated=[8, 8]),
+    _wrong_with(generated=[8, 8, 0, 3, 5]),
+  ),
+  ("bias + top_p, T=2", 0, dict(temperature=2.0, top_p=0.8, bias={5: 3.0, 0: -2.0}), _wrong_bias_after_temperature),
+  (
+    "all options",
+    1,
+    dict(
+      temperature=0.9,
+      top_k=8,
+      top_p=0.95,
+      min_p=0.1,
+      repetition_penalty=1.3,
+      frequency_penalty=0.3,
+      presence_penalty=0.4,
+      bias={7: 1.5, 3: -0.5},
+      prompt=[0, 1],
+      generated=[3, 3, 5],
+    ),
+    _wrong_with(presence_penalty=0.0),
+  ),
 ]
 
 
 def _sample_groups(n, seed):
   rows = [opts for _, _, opts, _ in _GROUPS for _ in range(n)]
   logits = np.repeat(_LOGITS[[g for _, g, _, _ in _GROUPS]], n, axis=0)
-  tokens, logp = _sample(jnp.asarray(logits), rows_params(rows), jax.random.key(seed),
-                         penalty_state=rows_state(rows, _V))
+  tokens, logp = _sample(
+    jnp.asarray(logits), rows_params(rows), jax.random.key(seed), penalty_state=rows_state(rows, _V)
+  )
   return np.asarray(tokens).reshape(len(_GROUPS), n), np.asarray(logp).reshape(len(_GROUPS), n, _V)
 
 
@@ -429,14 +521,22 @@ def _threshold_rows(kind, b, v, rng):
 @pytest.mark.parametrize("num_flat", [3, 70])  # a few sorted rows; more than the 64 sorted one by one
 def test_threshold_and_lse_min_p_candidates_and_fallback_equal_sorted(num_flat):
   v, rng = 4096, np.random.default_rng(num_flat)
-  grid = [(t, k, p, m) for t in (1.0, 0.6) for k, p in ((0, 1.0), (20, 1.0), (0, 0.9), (30, 0.8))
-          for m in (0.0, 0.01, 0.2, 1.0)]
+  grid = [
+    (t, k, p, m)
+    for t in (1.0, 0.6)
+    for k, p in ((0, 1.0), (20, 1.0), (0, 0.9), (30, 0.8))
+    for m in (0.0, 0.01, 0.2, 1.0)
+  ]
   peaked = _threshold_rows("peaked", len(grid), v, rng)
   flat = _threshold_rows("flat", num_flat, v, rng)
   x = np.concatenate([peaked, flat])
   t, k, p, m = (np.array(c) for c in zip(*grid))
-  flat_params = [rng.choice([1.0, 0.7], num_flat), np.zeros(num_flat, int), np.ones(num_flat),
-                 rng.choice([0.3, 0.6], num_flat)]
+  flat_params = [
+    rng.choice([1.0, 0.7], num_flat),
+    np.zeros(num_flat, int),
+    np.ones(num_flat),
+    rng.choice([0.3, 0.6], num_flat),
+  ]
   t, k, p, m = (np.concatenate([a, f]) for a, f in zip((t, k, p, m), flat_params))
   t, k, p, m = jnp.float32(t), jnp.int32(k), jnp.float32(p), jnp.float32(m)
   thr, lse = jax.jit(functools.partial(threshold_and_lse, min_p=m))(jnp.asarray(x), t, k, p)
@@ -448,8 +548,8 @@ def test_threshold_and_lse_min_p_candidates_and_fallback_equal_sorted(num_flat):
   # Which path each row took: the candidates are exact iff the threshold is above every group's 4th largest.
   floor = np.asarray(thresholds.group_top(scaled)[..., -1].max(axis=-1))
   thr = np.asarray(thr)
-  assert np.all(thr[:len(grid)][np.asarray(m[:len(grid)]) > 0] > floor[:len(grid)][np.asarray(m[:len(grid)]) > 0])
-  assert np.all(thr[len(grid):] <= floor[len(grid):]), "the flat rows must need the sorted fallback"
+  assert np.all(thr[: len(grid)][np.asarray(m[: len(grid)]) > 0] > floor[: len(grid)][np.asarray(m[: len(grid)]) > 0])
+  assert np.all(thr[len(grid) :] <= floor[len(grid) :]), "the flat rows must need the sorted fallback"
   # And the kept sets are the float64 reference's.
   for r in list(range(0, len(grid), 5)) + [len(grid), len(x) - 1]:
     want = ref.filtered_probs(x[r], temperature=float(t[r]), top_k=int(k[r]), top_p=float(p[r]), min_p=float(m[r]))
@@ -458,12 +558,21 @@ def test_threshold_and_lse_min_p_candidates_and_fallback_equal_sorted(num_flat):
 
 def test_process_logits_min_p_matches_reference():
   rng = np.random.default_rng(5)
-  rows = [dict(temperature=t, top_k=k, top_p=p, min_p=m) for t in (0.5, 1.0, 2.0) for k in (0, 3)
-          for p in (1.0, 0.8) for m in (0.0, 0.05, 0.3, 1.0)]
+  rows = [
+    dict(temperature=t, top_k=k, top_p=p, min_p=m)
+    for t in (0.5, 1.0, 2.0)
+    for k in (0, 3)
+    for p in (1.0, 0.8)
+    for m in (0.0, 0.05, 0.3, 1.0)
+  ]
   logits = rng.normal(0, 2.0, (len(rows), 9)).astype(np.float32)
   logits[0, 3] = -np.inf
-  params = SamplingParams.create([r["temperature"] for r in rows], top_k=[r["top_k"] for r in rows],
-                                 top_p=[r["top_p"] for r in rows], min_p=[r["min_p"] for r in rows])
+  params = SamplingParams.create(
+    [r["temperature"] for r in rows],
+    top_k=[r["top_k"] for r in rows],
+    top_p=[r["top_p"] for r in rows],
+    min_p=[r["min_p"] for r in rows],
+  )
   logp = np.asarray(jax.jit(process_logits)(jnp.asarray(logits), params))
   for b, row in enumerate(rows):
     want = ref.filtered_probs(logits[b], **row)
@@ -472,10 +581,15 @@ def test_process_logits_min_p_matches_reference():
 
 
 def test_process_logits_min_p_keeps_the_non_finite_rules():
-  logits = np.array([[np.inf, 1.0, np.inf, np.nan, 0.0],  # +inf tokens share the mass; NaN masked
-                     [3.0e38, 3.2e38, -3e38, 1.0, np.nan],  # x / T overflows: the shifted recomputation
-                     [-np.inf, -np.inf, np.nan, -np.inf, -np.inf],  # nothing to keep
-                     [0.0, np.log(0.5), np.log(0.25), -np.inf, np.log(0.2)]], np.float32)
+  logits = np.array(
+    [
+      [np.inf, 1.0, np.inf, np.nan, 0.0],  # +inf tokens share the mass; NaN masked
+      [3.0e38, 3.2e38, -3e38, 1.0, np.nan],  # x / T overflows: the shifted recomputation
+      [-np.inf, -np.inf, np.nan, -np.inf, -np.inf],  # nothing to keep
+      [0.0, np.log(0.5), np.log(0.25), -np.inf, np.log(0.2)],
+    ],
+    np.float32,
+  )
   params = SamplingParams.create([1.0, 0.1, 1.0, 1.0], min_p=[0.5, 0.1, 0.5, 0.25])
   probs = np.exp(np.asarray(jax.jit(process_logits)(jnp.asarray(logits), params)))
   np.testing.assert_array_equal(probs[0], [0.5, 0, 0.5, 0, 0])
@@ -508,12 +622,14 @@ def test_process_logits_and_sample_tokens_without_options_are_bit_identical():
   logits = jnp.asarray(rng.normal(0, 2.0, (b, v)).astype(np.float32))
   base = dict(temperature=[0.0, 1.0, 0.7, 1.3] * 2, top_k=[0, 0, 4, 0] * 2, top_p=[1.0, 1.0, 1.0, 0.8] * 2)
   plain = SamplingParams.create(**base)
-  neutral = SamplingParams.create(**base, min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0,
-                                  presence_penalty=0.0, logit_bias={3: 0.0})
+  neutral = SamplingParams.create(
+    **base, min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, logit_bias={3: 0.0}
+  )
   state = PenaltyState.from_prompt(jnp.asarray(rng.integers(0, v, (b, 5)), jnp.int32), jnp.full((b,), 5), v)
   state = state.add_tokens(jnp.asarray(rng.integers(0, v, (b, 4)), jnp.int32))
-  np.testing.assert_array_equal(jax.jit(process_logits)(logits, plain),
-                                jax.jit(process_logits)(logits, neutral, state))  # traced penalties need the state
+  np.testing.assert_array_equal(
+    jax.jit(process_logits)(logits, plain), jax.jit(process_logits)(logits, neutral, state)
+  )  # traced penalties need the state
   for seed in range(3):
     key = jax.random.key(seed)
     want = _sample(logits, plain, key)
@@ -549,8 +665,12 @@ def test_sample_tokens_penalties_need_a_state():
   with pytest.raises(ValueError, match="penalty_state"):  # traced values cannot be checked: a state is needed
     jax.jit(sample_tokens)(logits, SamplingParams.create([1.0, 1.0], frequency_penalty=0.0), jax.random.key(0))
   # Concrete neutral penalties need no state.
-  tok, _ = sample_tokens(logits, SamplingParams.create([0.0, 0.0], repetition_penalty=1.0, frequency_penalty=0.0),
-                         jax.random.key(0), all_greedy=True)
+  tok, _ = sample_tokens(
+    logits,
+    SamplingParams.create([0.0, 0.0], repetition_penalty=1.0, frequency_penalty=0.0),
+    jax.random.key(0),
+    all_greedy=True,
+  )
   np.testing.assert_array_equal(tok, [0, 0])
 
 
@@ -571,8 +691,12 @@ def test_sample_tokens_rejects_bad_logprobs_mode_and_state_shape():
     sample_tokens(jnp.zeros((2, 8)), SamplingParams.greedy(2), jax.random.key(0), logprobs="log")
   state = PenaltyState.from_prompt(jnp.zeros((2, 3), jnp.int32), jnp.ones(2, jnp.int32), 7)
   with pytest.raises(ValueError, match="state.prompt_mask"):
-    sample_tokens(jnp.zeros((2, 8)), SamplingParams.create(1.0, repetition_penalty=[1.2, 1.2]), jax.random.key(0),
-                  penalty_state=state)
+    sample_tokens(
+      jnp.zeros((2, 8)),
+      SamplingParams.create(1.0, repetition_penalty=[1.2, 1.2]),
+      jax.random.key(0),
+      penalty_state=state,
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -580,12 +704,12 @@ def test_sample_tokens_rejects_bad_logprobs_mode_and_state_shape():
 # ----------------------------------------------------------------------------
 
 _LP_ROWS = [
-    dict(temperature=0.0, repetition_penalty=1.5, prompt=[0, 1], bias={4: 1.0}),
-    dict(temperature=1.0),  # nothing modified: "raw" reads the sampled distribution
-    dict(temperature=1.0, bias={2: 2.0}),
-    dict(temperature=0.7, top_k=5, min_p=0.1, presence_penalty=0.5, generated=[3, 3]),
-    dict(temperature=1.3, top_p=0.8, frequency_penalty=0.4, repetition_penalty=1.2, prompt=[5], generated=[6, 6, 7]),
-    dict(temperature=0.0, frequency_penalty=2.0, generated=[9, 9]),
+  dict(temperature=0.0, repetition_penalty=1.5, prompt=[0, 1], bias={4: 1.0}),
+  dict(temperature=1.0),  # nothing modified: "raw" reads the sampled distribution
+  dict(temperature=1.0, bias={2: 2.0}),
+  dict(temperature=0.7, top_k=5, min_p=0.1, presence_penalty=0.5, generated=[3, 3]),
+  dict(temperature=1.3, top_p=0.8, frequency_penalty=0.4, repetition_penalty=1.2, prompt=[5], generated=[6, 6, 7]),
+  dict(temperature=0.0, frequency_penalty=2.0, generated=[9, 9]),
 ]
 
 
@@ -612,8 +736,9 @@ def test_sample_tokens_logprobs_match_float64_references(mode):
   assert tokens[5] != 9
   # all_greedy: the greedy rows' values, from the same references.
   greedy_rows = [dict(r, temperature=0.0) for r in _LP_ROWS]
-  tokens, _, lp = _sample(jnp.asarray(logits), rows_params(greedy_rows), None, all_greedy=True,
-                          penalty_state=state, logprobs=mode)
+  tokens, _, lp = _sample(
+    jnp.asarray(logits), rows_params(greedy_rows), None, all_greedy=True, penalty_state=state, logprobs=mode
+  )
   for b, row in enumerate(greedy_rows):
     x = logits[b] if mode == "raw" else _ref_penalized(logits[b], row)
     assert tokens[b] == ref.greedy_token(_ref_penalized(logits[b], row))
@@ -669,21 +794,48 @@ _RQ_NGRAM = (0.9 * np.eye(_RV)[_PEAKS[:_RK]] + 0.1 / _RV).astype(np.float32)
 
 # (label, options): one block of rows each in one batch. Greedy rows are checked exactly.
 _PENALTY_GROUPS = [
-    ("presence + frequency", dict(temperature=1.0, frequency_penalty=0.6, presence_penalty=0.8, prompt=[4],
-                                  generated=[0])),
-    ("repetition + bias + top_k", dict(temperature=0.8, top_k=5, repetition_penalty=1.8, bias={1: 1.0, 6: -2.0},
-                                       prompt=[0, 3], generated=[3])),
-    ("all + top_p", dict(temperature=1.2, top_p=0.9, repetition_penalty=1.3, frequency_penalty=-0.3,
-                         presence_penalty=1.2, bias={4: 0.7}, prompt=[5], generated=[7, 7])),
+  (
+    "presence + frequency",
+    dict(temperature=1.0, frequency_penalty=0.6, presence_penalty=0.8, prompt=[4], generated=[0]),
+  ),
+  (
+    "repetition + bias + top_k",
+    dict(temperature=0.8, top_k=5, repetition_penalty=1.8, bias={1: 1.0, 6: -2.0}, prompt=[0, 3], generated=[3]),
+  ),
+  (
+    "all + top_p",
+    dict(
+      temperature=1.2,
+      top_p=0.9,
+      repetition_penalty=1.3,
+      frequency_penalty=-0.3,
+      presence_penalty=1.2,
+      bias={4: 0.7},
+      prompt=[5],
+      generated=[7, 7],
+    ),
+  ),
 ]
 _MIN_P_GROUPS = [
-    ("min_p", dict(temperature=1.0, min_p=0.1)),
-    ("min_p + top_k", dict(temperature=0.7, top_k=6, min_p=0.05)),
-    ("min_p + top_p + penalties", dict(temperature=1.0, top_p=0.9, min_p=0.15, repetition_penalty=1.4,
-                                       presence_penalty=0.7, bias={3: 0.5}, prompt=[0], generated=[3])),
+  ("min_p", dict(temperature=1.0, min_p=0.1)),
+  ("min_p + top_k", dict(temperature=0.7, top_k=6, min_p=0.05)),
+  (
+    "min_p + top_p + penalties",
+    dict(
+      temperature=1.0,
+      top_p=0.9,
+      min_p=0.15,
+      repetition_penalty=1.4,
+      presence_penalty=0.7,
+      bias={3: 0.5},
+      prompt=[0],
+      generated=[3],
+    ),
+  ),
 ]
-_GREEDY_ROW = dict(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, bias={3: 0.6}, prompt=[1],
-                   min_p=0.5)  # min_p is ignored by greedy rows
+_GREEDY_ROW = dict(
+  temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, bias={3: 0.6}, prompt=[1], min_p=0.5
+)  # min_p is ignored by greedy rows
 _ROUND_ROWS = 20_000  # rows per group
 _GREEDY_ROWS = 500
 
@@ -710,7 +862,7 @@ def _round_law(dist, q, accept):
     for prefix, w in level.items():
       p = dist(j, prefix)
       mix = mix + w * p
-      for d in (np.flatnonzero(q[j] > 0) if j < k else ()):
+      for d in np.flatnonzero(q[j] > 0) if j < k else ():
         a = accept(float(q[j, d]), float(p[d]))
         if a > 0:
           nxt[prefix + (int(d),)] = w * a
@@ -733,6 +885,7 @@ def _ref_dist(row, *, drafts_counted=True, **changes):
       o = dict(opts, generated_tokens=list(opts["generated_tokens"]) + list(prefix))
       cache[j, prefix] = np.exp(ref.processed_log_probs(_RLOGITS[j], **o))
     return cache[j, prefix]
+
   return dist
 
 
@@ -744,6 +897,7 @@ def _min_p_absolute_dist(row):
     p = plain(j, prefix)
     p = np.where(p >= row["min_p"], p, 0.0)
     return p / p.sum()
+
   return dist
 
 
@@ -756,10 +910,16 @@ def _greedy_round_reference(logits, drafts, row, n=None, *, drafts_counted=True)
   o = _ref_options(row)
   k = len(drafts)
   n = k if n is None else n
-  pen = ref.round_penalized_logits(logits, drafts if drafts_counted else [-1] * k,
-                                   generated_tokens=o["generated_tokens"],
-                                   **{m: o[m] for m in ("repetition_penalty", "frequency_penalty",
-                                                        "presence_penalty", "bias", "prompt_tokens") if m in o})
+  pen = ref.round_penalized_logits(
+    logits,
+    drafts if drafts_counted else [-1] * k,
+    generated_tokens=o["generated_tokens"],
+    **{
+      m: o[m]
+      for m in ("repetition_penalty", "frequency_penalty", "presence_penalty", "bias", "prompt_tokens")
+      if m in o
+    },
+  )
   out = [-1] * (k + 1)
   a = 0
   while a < n and drafts[a] == ref.greedy_token(pen[a]):
@@ -784,10 +944,14 @@ def _run_round_groups(groups, with_probs, seed, per_group=_ROUND_ROWS):
   params = rows_params(rows)
   if not any("min_p" in opts for _, opts in groups):
     params = dataclasses.replace(params, min_p=None)  # the program without min-p
-  out = rejection_sample(drafts, jnp.broadcast_to(jnp.asarray(_RLOGITS), (n, _RK + 1, _RV)), params,
-                         jax.random.split(jax.random.key(seed), n),
-                         draft_probs=jnp.broadcast_to(jnp.asarray(_RQ), (n, _RK, _RV)) if with_probs else None,
-                         penalty_state=rows_state(rows, _RV))
+  out = rejection_sample(
+    drafts,
+    jnp.broadcast_to(jnp.asarray(_RLOGITS), (n, _RK + 1, _RV)),
+    params,
+    jax.random.split(jax.random.key(seed), n),
+    draft_probs=jnp.broadcast_to(jnp.asarray(_RQ), (n, _RK, _RV)) if with_probs else None,
+    penalty_state=rows_state(rows, _RV),
+  )
   return rows, drafts, np.asarray(out.token_ids), np.asarray(out.num_accepted)
 
 
@@ -840,8 +1004,9 @@ def test_rejection_sample_penalties_chisquare_every_position(with_probs):
   # test has >= 1,400 samples over <= 8 bins: it detects TV >= 0.07 at 80% power
   # (stats.detectable_deviation(1400, 8)); position 0 (20,000 samples) TV >= 0.018.
   # The planted sampler that forgets the drafts moves some position by TV > 0.07.
-  _check_round_groups(_PENALTY_GROUPS, [("drafts not counted", functools.partial(_ref_dist, drafts_counted=False))],
-                      with_probs, seed=3)
+  _check_round_groups(
+    _PENALTY_GROUPS, [("drafts not counted", functools.partial(_ref_dist, drafts_counted=False))], with_probs, seed=3
+  )
 
 
 @pytest.mark.parametrize("with_probs", [True, False], ids=["draft_probs", "no_draft_probs"])
@@ -856,30 +1021,55 @@ def test_rejection_sample_min_p_chisquare_every_position(with_probs):
 @pytest.mark.parametrize("with_probs", [True, False], ids=["draft_probs", "no_draft_probs"])
 def test_rejection_sample_options_chisquare_every_position_slow(with_probs):
   # 200,000 rows a group (10x the fast tests): every position detects TV >= ~0.022.
-  _check_round_groups(_PENALTY_GROUPS, [("drafts not counted", functools.partial(_ref_dist, drafts_counted=False))],
-                      with_probs, seed=13, per_group=200_000)
-  _check_round_groups(_MIN_P_GROUPS, [("min_p ignored", functools.partial(_ref_dist, min_p=0.0))], with_probs,
-                      seed=14, per_group=200_000)
+  _check_round_groups(
+    _PENALTY_GROUPS,
+    [("drafts not counted", functools.partial(_ref_dist, drafts_counted=False))],
+    with_probs,
+    seed=13,
+    per_group=200_000,
+  )
+  _check_round_groups(
+    _MIN_P_GROUPS, [("min_p ignored", functools.partial(_ref_dist, min_p=0.0))], with_probs, seed=14, per_group=200_000
+  )
 
 
 _G = [2.0, 1.5, 0.0, -1.0]  # one position's logits: 0 leads 1 by 0.5
 # (label, logits of every position, drafts, n, options, emitted, emitted by a sampler that forgets the drafts)
 _ROUND_GREEDY_TABLE = [
-    ("presence: d0 penalised at position 1", _G, [0, 0], 2, dict(presence_penalty=1.0), [0, 1, -1], [0, 0, 0]),
-    ("frequency: two drafts at the bonus", _G, [0, 0], 2, dict(frequency_penalty=0.3), [0, 0, 1], [0, 0, 0]),
-    ("frequency: generated + draft", _G, [0, 0], 2, dict(frequency_penalty=0.3, generated=[0]), [0, 1, -1],
-     [0, 0, 0]),
-    ("repetition: accepted d1 thanks to d0", _G, [0, 1], 2, dict(repetition_penalty=2.0), [0, 1, 0], [0, 0, -1]),
-    ("repetition of a negative logit", [-1.0, -1.5, -3.0, -4.0], [0, 0], 2, dict(repetition_penalty=2.0),
-     [0, 1, -1], [0, 0, 0]),
-    ("prompt: presence ignores it, drafts count", _G, [0, 0], 2, dict(presence_penalty=1.0, prompt=[0]),
-     [0, 1, -1], [0, 0, 0]),
-    ("bias, then presence on the biased draft", _G, [2, 2], 2, dict(bias={2: 2.5}, presence_penalty=0.8),
-     [2, 0, -1], [2, 2, 2]),
-    ("ragged n=1: the bonus counts d0", _G, [0, 0], 1, dict(presence_penalty=1.0), [0, 1, -1], [0, 0, -1]),
-    ("n=0: no draft counted", _G, [0, 0], 0, dict(presence_penalty=1.0), [0, -1, -1], [0, -1, -1]),
-    ("rejected d0: later drafts never matter", _G, [1, 0], 2, dict(presence_penalty=1.0), [0, -1, -1],
-     [0, -1, -1]),
+  ("presence: d0 penalised at position 1", _G, [0, 0], 2, dict(presence_penalty=1.0), [0, 1, -1], [0, 0, 0]),
+  ("frequency: two drafts at the bonus", _G, [0, 0], 2, dict(frequency_penalty=0.3), [0, 0, 1], [0, 0, 0]),
+  ("frequency: generated + draft", _G, [0, 0], 2, dict(frequency_penalty=0.3, generated=[0]), [0, 1, -1], [0, 0, 0]),
+  ("repetition: accepted d1 thanks to d0", _G, [0, 1], 2, dict(repetition_penalty=2.0), [0, 1, 0], [0, 0, -1]),
+  (
+    "repetition of a negative logit",
+    [-1.0, -1.5, -3.0, -4.0],
+    [0, 0],
+    2,
+    dict(repetition_penalty=2.0),
+    [0, 1, -1],
+    [0, 0, 0],
+  ),
+  (
+    "prompt: presence ignores it, drafts count",
+    _G,
+    [0, 0],
+    2,
+    dict(presence_penalty=1.0, prompt=[0]),
+    [0, 1, -1],
+    [0, 0, 0],
+  ),
+  (
+    "bias, then presence on the biased draft",
+    _G,
+    [2, 2],
+    2,
+    dict(bias={2: 2.5}, presence_penalty=0.8),
+    [2, 0, -1],
+    [2, 2, 2],
+  ),
+  ("ragged n=1: the bonus counts d0", _G, [0, 0], 1, dict(presence_penalty=1.0), [0, 1, -1], [0, 0, -1]),
+  ("n=0: no draft counted", _G, [0, 0], 0, dict(presence_penalty=1.0), [0, -1, -1], [0, -1, -1]),
+  ("rejected d0: later drafts never matter", _G, [1, 0], 2, dict(presence_penalty=1.0), [0, -1, -1], [0, -1, -1]),
 ]
 
 
@@ -894,9 +1084,15 @@ def test_rejection_sample_greedy_table_penalties_count_earlier_drafts(mode):
     rows.append(dict(temperature=1.0, presence_penalty=1.0))
     logits, drafts, n = np.concatenate([logits, logits[:1]]), np.concatenate([drafts, drafts[:1]]), np.append(n, k)
   params = dataclasses.replace(rows_params(rows), min_p=None)
-  out = rejection_sample(drafts, logits, params, None if mode == "all_greedy_flag" else jax.random.key(0),
-                         num_draft_tokens=n, all_greedy=mode == "all_greedy_flag",
-                         penalty_state=rows_state(rows, logits.shape[-1]))
+  out = rejection_sample(
+    drafts,
+    logits,
+    params,
+    None if mode == "all_greedy_flag" else jax.random.key(0),
+    num_draft_tokens=n,
+    all_greedy=mode == "all_greedy_flag",
+    penalty_state=rows_state(rows, logits.shape[-1]),
+  )
   for b, (label, lg, d, m, opts, want, forgetful) in enumerate(_ROUND_GREEDY_TABLE):
     # The table agrees with the float64 reference, and the drafts' context matters
     # in every row where the two columns differ.
@@ -928,18 +1124,24 @@ def test_rejection_sample_greedy_rows_ignore_min_p():
       tokens, a = _greedy_round_reference(logits[r], drafts[r], rows[r])
       np.testing.assert_array_equal(out.token_ids[i], tokens, err_msg=f"row {r}")
       o = _ref_options(rows[r])
-      pen = ref.round_penalized_logits(logits[r], drafts[r], generated_tokens=o["generated_tokens"],
-                                       **{m: o[m] for m in ("presence_penalty", "bias", "prompt_tokens") if m in o})
-      lp = np.asarray(out.logprobs[i, :a + 1])
-      np.testing.assert_allclose(lp, [ref.log_softmax(pen[j])[tokens[j]] for j in range(a + 1)], rtol=1e-5,
-                                 atol=1e-5, err_msg=f"row {r}")
+      pen = ref.round_penalized_logits(
+        logits[r],
+        drafts[r],
+        generated_tokens=o["generated_tokens"],
+        **{m: o[m] for m in ("presence_penalty", "bias", "prompt_tokens") if m in o},
+      )
+      lp = np.asarray(out.logprobs[i, : a + 1])
+      np.testing.assert_allclose(
+        lp, [ref.log_softmax(pen[j])[tokens[j]] for j in range(a + 1)], rtol=1e-5, atol=1e-5, err_msg=f"row {r}"
+      )
       assert np.all(lp < -1e-3), f"row {r}: renormalised over the min-p set? {lp}"
 
   # Mixed batch: the greedy rows are the reference's, and the same as without min_p.
   key = jax.random.key(1)
   got = rejection_sample(drafts, logits, params, key, logprobs="processed", penalty_state=state)
-  want = rejection_sample(drafts, logits, dataclasses.replace(params, min_p=None), key, logprobs="processed",
-                          penalty_state=state)
+  want = rejection_sample(
+    drafts, logits, dataclasses.replace(params, min_p=None), key, logprobs="processed", penalty_state=state
+  )
   check_greedy_rows(got, range(b))
   greedy = np.flatnonzero(temperature == 0)
   np.testing.assert_array_equal(np.asarray(got.token_ids)[greedy], np.asarray(want.token_ids)[greedy])
@@ -959,26 +1161,35 @@ def _min_p_zero_case(with_probs, penalties):
   drafts = np.argmax(logits[:, :k], -1).astype(np.int32)  # likely drafts: rows stop at every position
   drafts[::5, 2] = rng.integers(0, v, len(drafts[::5]))
   probs = rng.dirichlet(np.ones(v), (b, k)).astype(np.float32) if with_probs else None
-  base = dict(temperature=np.tile([0.0, 1.0, 0.7, 1.3], b // 4), top_k=np.tile([0, 0, 10, 0], b // 4),
-              top_p=np.tile([1.0, 1.0, 1.0, 0.8], b // 4))
+  base = dict(
+    temperature=np.tile([0.0, 1.0, 0.7, 1.3], b // 4),
+    top_k=np.tile([0, 0, 10, 0], b // 4),
+    top_p=np.tile([1.0, 1.0, 1.0, 0.8], b // 4),
+  )
   extra, state = {}, None
   if penalties:
     extra = dict(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.4, logit_bias={7: 1.5})
     state = PenaltyState.from_prompt(rng.integers(0, v, (b, 6)), np.full(b, 6), v).add_tokens(
-        rng.integers(0, v, (b, 4)))
+      rng.integers(0, v, (b, 4))
+    )
   on = np.arange(b) % 8 >= 4  # rows 4-7 of every 8 use min-p in the mixed batch
   plain = SamplingParams.create(**base, **extra)
   zero = SamplingParams.create(**base, **extra, min_p=0.0)
   mixed = SamplingParams.create(**base, **extra, min_p=np.where(on, 0.2, 0.0))
   changed = 0
   for seed in range(3):
-    want, got, some = (rejection_sample(drafts, logits, p, jax.random.key(seed), draft_probs=probs,
-                                        logprobs="processed", penalty_state=state) for p in (plain, zero, mixed))
+    want, got, some = (
+      rejection_sample(
+        drafts, logits, p, jax.random.key(seed), draft_probs=probs, logprobs="processed", penalty_state=state
+      )
+      for p in (plain, zero, mixed)
+    )
     for name in ("token_ids", "num_accepted", "logprobs"):
       np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
       # A min_p = 0 row is untouched by its neighbours' min-p, bit for bit.
-      np.testing.assert_array_equal(np.asarray(getattr(some, name))[~on], np.asarray(getattr(want, name))[~on],
-                                    err_msg=name)
+      np.testing.assert_array_equal(
+        np.asarray(getattr(some, name))[~on], np.asarray(getattr(want, name))[~on], err_msg=name
+      )
     changed += int(np.sum(np.asarray(some.logprobs)[on] != np.asarray(want.logprobs)[on]))
   assert changed > 0, "min_p = 0.2 changed nothing: the comparison above would not see min-p at all"
 

@@ -40,7 +40,9 @@ def test_create_broadcasts_scalars_and_sequences():
   assert SamplingParams.create(1.0).batch_size == 1
 
 
-@pytest.mark.parametrize("kwargs, name", [
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=[1.0, -1.0]), "temperature"),
     (dict(temperature=1.0, top_p=0.0), "top_p"),
@@ -48,7 +50,8 @@ def test_create_broadcasts_scalars_and_sequences():
     (dict(temperature=1.0, top_p=[0.5, -0.2]), "top_p"),
     (dict(temperature=1.0, top_k=-1), "top_k"),
     (dict(temperature=[1.0, 1.0], top_k=[1, 2, 3]), "top_k"),  # batch sizes disagree
-])
+  ],
+)
 def test_create_rejects_bad_values(kwargs, name):
   with pytest.raises(ValueError, match=name):
     SamplingParams.create(**kwargs)
@@ -79,15 +82,19 @@ def test_row_keys_raw_equals_typed_and_batch_is_kept():
   raw = jax.random.key_data(typed)
   np.testing.assert_array_equal(jax.random.key_data(row_keys(raw, 4)), raw)
   np.testing.assert_array_equal(jax.random.key_data(row_keys(typed, 4)), raw)
-  np.testing.assert_array_equal(jax.random.key_data(row_keys(jax.random.PRNGKey(7), 3)),
-                                jax.random.key_data(row_keys(jax.random.key(7), 3)))
+  np.testing.assert_array_equal(
+    jax.random.key_data(row_keys(jax.random.PRNGKey(7), 3)), jax.random.key_data(row_keys(jax.random.key(7), 3))
+  )
 
 
-@pytest.mark.parametrize("key", [
+@pytest.mark.parametrize(
+  "key",
+  [
     jax.random.split(jax.random.key(0), 3),  # wrong batch
     np.zeros((2,), np.int32),  # not a key dtype
     np.zeros((4, 3), np.uint32),  # not [.., 2]
-])
+  ],
+)
 def test_row_keys_rejects_bad_keys(key):
   with pytest.raises(ValueError, match="key"):
     row_keys(key, 4, "key")
@@ -167,18 +174,18 @@ def test_process_logits_matches_reference_large_vocab(kind):
 
 # Hand-computed tie cases: (logits, T, top_k, top_p, kept tokens).
 _TIE_TABLE = [
-    ([2, 2, 2, 1, 1, 0], 1.0, 1, 1.0, [0, 1, 2]),  # k=1 keeps all three tied maxima
-    ([2, 2, 2, 1, 1, 0], 1.0, 4, 1.0, [0, 1, 2, 3, 4]),  # the 4th is tied with the 5th
-    ([2, 2, 2, 1, 1, 0], 1.0, 0, 0.1, [0, 1, 2]),  # first token reaches 0.1; its ties stay
-    ([0, 0, 0, 0, 0, 0], 1.0, 2, 1.0, [0, 1, 2, 3, 4, 5]),
-    ([0, 0, 0, 0, 0, 0], 1.0, 0, 0.5, [0, 1, 2, 3, 4, 5]),
-    ([3, 1, 1, 0, -np.inf, -np.inf], 1.0, 0, 0.99, [0, 1, 2, 3]),
-    ([3, 1, 1, 0, -np.inf, -np.inf], 1.0, 5, 1.0, [0, 1, 2, 3]),  # k beyond the finite tokens
-    ([1, 5, 1, 5, 0, 0], 0.5, 0, 0.3, [1, 3]),
-    ([1, 5, 1, 5, 0, 0], 2.0, 3, 1.0, [0, 1, 2, 3]),  # k=3: the 3rd largest (1) is tied
-    ([4, 3, 2, 1, 0, -1], 1.0, 0, 0.8, [0, 1]),  # 0.64 < 0.8 <= 0.87
-    ([4, 3, 2, 1, 0, -1], 1.0, 2, 0.7, [0]),  # top-k renormalises first: 0.73 >= 0.7 (0.63 before)
-    ([4, 3, 2, 1, 0, -1], 1.0, 6, 1.0, [0, 1, 2, 3, 4, 5]),  # top_k == V is off
+  ([2, 2, 2, 1, 1, 0], 1.0, 1, 1.0, [0, 1, 2]),  # k=1 keeps all three tied maxima
+  ([2, 2, 2, 1, 1, 0], 1.0, 4, 1.0, [0, 1, 2, 3, 4]),  # the 4th is tied with the 5th
+  ([2, 2, 2, 1, 1, 0], 1.0, 0, 0.1, [0, 1, 2]),  # first token reaches 0.1; its ties stay
+  ([0, 0, 0, 0, 0, 0], 1.0, 2, 1.0, [0, 1, 2, 3, 4, 5]),
+  ([0, 0, 0, 0, 0, 0], 1.0, 0, 0.5, [0, 1, 2, 3, 4, 5]),
+  ([3, 1, 1, 0, -np.inf, -np.inf], 1.0, 0, 0.99, [0, 1, 2, 3]),
+  ([3, 1, 1, 0, -np.inf, -np.inf], 1.0, 5, 1.0, [0, 1, 2, 3]),  # k beyond the finite tokens
+  ([1, 5, 1, 5, 0, 0], 0.5, 0, 0.3, [1, 3]),
+  ([1, 5, 1, 5, 0, 0], 2.0, 3, 1.0, [0, 1, 2, 3]),  # k=3: the 3rd largest (1) is tied
+  ([4, 3, 2, 1, 0, -1], 1.0, 0, 0.8, [0, 1]),  # 0.64 < 0.8 <= 0.87
+  ([4, 3, 2, 1, 0, -1], 1.0, 2, 0.7, [0]),  # top-k renormalises first: 0.73 >= 0.7 (0.63 before)
+  ([4, 3, 2, 1, 0, -1], 1.0, 6, 1.0, [0, 1, 2, 3, 4, 5]),  # top_k == V is off
 ]
 
 
@@ -218,12 +225,15 @@ def test_process_logits_greedy_rows_use_temperature_one():
 
 # Four groups of rows in one batch; each row has its own key (fold_in of one key).
 _V = 10
-_GROUP_LOGITS = np.array([
+_GROUP_LOGITS = np.array(
+  [
     [2.0, 1.5, 1.5, 1.0, 0.5, 0.5, 0.0, -1.0, -2.0, -np.inf],  # ties at the top-k boundary
     [0.3, 1.2, -0.4, 0.9, 0.0, 2.1, -1.0, 0.9, 0.2, -0.3],
     [0.0, -np.inf, 1.0, 0.5, -np.inf, -0.5, 0.25, 1.5, -1.0, 0.75],
     [1.0, 3.0, 0.0, 3.0, 2.0, -1.0, 0.0, 0.0, 1.0, 2.5],  # greedy: tie, first index (1) wins
-], np.float32)
+  ],
+  np.float32,
+)
 _GROUP_PARAMS = [(0.8, 4, 1.0), (1.3, 0, 0.7), (1.0, 0, 1.0), (0.0, 0, 1.0)]
 
 
@@ -331,8 +341,9 @@ def test_sample_tokens_no_retrace_on_new_values():
   rng = np.random.default_rng(8)
   with count_compiles("sample_tokens_under_jit") as compiled:
     for i in range(4):
-      params = SamplingParams.create(rng.choice([0.0, 0.5, 1.0], 4), top_k=rng.integers(0, 5, 4),
-                                     top_p=rng.choice([0.5, 1.0], 4))
+      params = SamplingParams.create(
+        rng.choice([0.0, 0.5, 1.0], 4), top_k=rng.integers(0, 5, 4), top_p=rng.choice([0.5, 1.0], 4)
+      )
       sample_tokens_under_jit(jnp.asarray(rng.normal(size=(4, 6)), jnp.float32), params, jax.random.key(i))
   assert len(compiled) == 1, compiled  # the first call only (a new function: always compiles once)
 

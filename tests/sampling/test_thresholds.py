@@ -43,8 +43,9 @@ def _sorted_reference(x, t, k, p, m):
   return thr, lse
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(50, 0.9, None), (1, 1.0, None), (0, 0.95, 0.02), (1000, 1.0, None),
-                                               (300, 0.99, 0.001)])
+@pytest.mark.parametrize(
+  "top_k,top_p,min_p", [(50, 0.9, None), (1, 1.0, None), (0, 0.95, 0.02), (1000, 1.0, None), (300, 0.99, 0.001)]
+)
 def test_narrowed_candidates_are_exact_and_fall_back(top_k, top_p, min_p):
   rng = np.random.default_rng(top_k)
   b = 6
@@ -86,9 +87,15 @@ def _penalty_problem(seed, b=4, k=3, v=500):
   prompt = rng.integers(0, v, (b, 8)).astype(np.int32)
   prompt[::2, :k] = draft[::2]
   state = PenaltyState.from_prompt(prompt, np.full(b, 8), v).add_tokens(rng.integers(0, v, (b, 5)))
-  params = SamplingParams.create(np.array([0.0, 1.0, 0.8, 1.0][:b]), top_k=np.array([0, 0, 40, 0][:b]),
-                                 repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.3,
-                                 logit_bias={int(draft[0, 0]): 2.5, 3: -1.0}, min_p=np.array([0, 0.05, 0, 0][:b]))
+  params = SamplingParams.create(
+    np.array([0.0, 1.0, 0.8, 1.0][:b]),
+    top_k=np.array([0, 0, 40, 0][:b]),
+    repetition_penalty=1.4,
+    frequency_penalty=0.5,
+    presence_penalty=0.3,
+    logit_bias={int(draft[0, 0]): 2.5, 3: -1.0},
+    min_p=np.array([0, 0.05, 0, 0][:b]),
+  )
   plain = SamplingParams.create(params.temperature, top_k=params.top_k, min_p=params.min_p)
   return logits, draft, state, params, plain
 

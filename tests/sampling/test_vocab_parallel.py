@@ -38,37 +38,55 @@ EIGHT_DEVICE_WORKER = "samplers"  # run by tests/conftest.py's session fixtures
 # runs must be listed here, and each listed check must have run.
 MESHES = ("1x8", "2x4", "4x2", "8x1")
 REJECTION = {  # program -> data sets
-    "greedy flag": ("greedy",),
-    "token, n-gram, logprobs=processed": ("mixed", "random", "greedy rows", "filtered"),
-    "token, draft probs": ("mixed", "random", "greedy rows", "filtered"),
-    "block, n-gram, min_p field": ("mixed", "min-p", "min-p + top-k"),
-    "block, draft probs, logprobs=raw": ("mixed", "random", "filtered"),
-    "token, draft probs, no_filters": ("mixed",),
+  "greedy flag": ("greedy",),
+  "token, n-gram, logprobs=processed": ("mixed", "random", "greedy rows", "filtered"),
+  "token, draft probs": ("mixed", "random", "greedy rows", "filtered"),
+  "block, n-gram, min_p field": ("mixed", "min-p", "min-p + top-k"),
+  "block, draft probs, logprobs=raw": ("mixed", "random", "filtered"),
+  "token, draft probs, no_filters": ("mixed",),
 }
 FILTERED, FILTERED_MESHES = ("filtered", "min-p", "min-p + top-k"), ("1x8", "2x4")
 ON_8X1 = ("greedy flag", "token, n-gram, logprobs=processed", "token, draft probs")
-SAMPLE = {"sample_tokens greedy flag": ("greedy",), "sample_tokens": ("mixed", "filtered"),
-          "sample_tokens no_filters": ("mixed",)}
+SAMPLE = {
+  "sample_tokens greedy flag": ("greedy",),
+  "sample_tokens": ("mixed", "filtered"),
+  "sample_tokens no_filters": ("mixed",),
+}
 
 CHECKS = (
-    ["vocabulary sizes"]
-    + [f"{mesh} {program}: {data}" for mesh in MESHES for program, sets in REJECTION.items() for data in sets
-       if (mesh != "8x1" or program in ON_8X1) and (data not in FILTERED or mesh in FILTERED_MESHES)]
-    + [f"{mesh} {program}: {data}" for mesh in ("1x8", "2x4") for program, sets in SAMPLE.items() for data in sets]
-    + ["V=3000 2x4 (sharded) token, draft probs: mixed", "V=3000 2x4 (sharded) token, draft probs: filtered",
-       "V=3000 1x8 (fallback: not whole chunks) token, draft probs: mixed"]
-    + ["explicit 2x4 token, draft probs: mixed", "explicit 2x4 greedy flag: greedy"]
-    + ["teeth: rolled draft_probs change the outputs",
-       "teeth: another key changes the outputs",
-       "teeth: dropping any one vocabulary slice changes the outputs (draft probs)",
-       "teeth: dropping any one vocabulary slice changes the outputs (greedy flag)",
-       "teeth: doubling any one slice's mass moves the logprobs",
-       "teeth: doubling any one slice's mass moves sample_tokens' log_probs"]
-    + [f"HLO {mesh} {what}" for mesh in ("2x4", "1x8") for what in (
-        "token, draft probs: no collective carries the vocabulary",
-        "greedy flag: no collective carries the vocabulary",
-        "greedy flag: no exponential, no RNG")]
-    + ["HLO one device: no collective", "HLO one device greedy flag: no exponential, no RNG"]
+  ["vocabulary sizes"]
+  + [
+    f"{mesh} {program}: {data}"
+    for mesh in MESHES
+    for program, sets in REJECTION.items()
+    for data in sets
+    if (mesh != "8x1" or program in ON_8X1) and (data not in FILTERED or mesh in FILTERED_MESHES)
+  ]
+  + [f"{mesh} {program}: {data}" for mesh in ("1x8", "2x4") for program, sets in SAMPLE.items() for data in sets]
+  + [
+    "V=3000 2x4 (sharded) token, draft probs: mixed",
+    "V=3000 2x4 (sharded) token, draft probs: filtered",
+    "V=3000 1x8 (fallback: not whole chunks) token, draft probs: mixed",
+  ]
+  + ["explicit 2x4 token, draft probs: mixed", "explicit 2x4 greedy flag: greedy"]
+  + [
+    "teeth: rolled draft_probs change the outputs",
+    "teeth: another key changes the outputs",
+    "teeth: dropping any one vocabulary slice changes the outputs (draft probs)",
+    "teeth: dropping any one vocabulary slice changes the outputs (greedy flag)",
+    "teeth: doubling any one slice's mass moves the logprobs",
+    "teeth: doubling any one slice's mass moves sample_tokens' log_probs",
+  ]
+  + [
+    f"HLO {mesh} {what}"
+    for mesh in ("2x4", "1x8")
+    for what in (
+      "token, draft probs: no collective carries the vocabulary",
+      "greedy flag: no collective carries the vocabulary",
+      "greedy flag: no exponential, no RNG",
+    )
+  ]
+  + ["HLO one device: no collective", "HLO one device greedy flag: no exponential, no RNG"]
 )
 
 
@@ -157,20 +175,23 @@ def worker_module():
 def test_collectives_reads_plain_tuple_and_async_results(worker_module):
   found = worker_module.collectives(HLO)
   assert [(op, arrays) for op, _, arrays in found] == [
-      ("all-gather", ((8, 4, 512),)),
-      ("all-reduce", ((8, 5, 32), (8, 5, 32))),
-      ("all-gather-start", ((4, 4, 8), (4, 4, 64))),
-      ("all-gather-done", ((4, 4, 64),)),
-      ("collective-permute", ((2,),)),
-      ("all-reduce", ((8,),) * 5 + ((8, 65536),)),  # a long tuple: XLA's /*index=5*/ comment is skipped
-      ("all-reduce-start", ((),)),
+    ("all-gather", ((8, 4, 512),)),
+    ("all-reduce", ((8, 5, 32), (8, 5, 32))),
+    ("all-gather-start", ((4, 4, 8), (4, 4, 64))),
+    ("all-gather-done", ((4, 4, 64),)),
+    ("collective-permute", ((2,),)),
+    ("all-reduce", ((8,),) * 5 + ((8, 65536),)),  # a long tuple: XLA's /*index=5*/ comment is skipped
+    ("all-reduce-start", ((),)),
   ]  # the fusion and the exponential, whose metadata names collectives, are not collectives
 
 
 def test_random_or_exp_finds_exponentials_and_rng(worker_module):
   assert worker_module.random_or_exp(HLO) == ["exponential", "rng-bit-generator"]
   assert worker_module.random_or_exp(HLO.replace("rng_default", "threefry")) == [
-      "exponential", "rng-bit-generator", "threefry"]
+    "exponential",
+    "rng-bit-generator",
+    "threefry",
+  ]
   plain = "\n".join(line for line in HLO.splitlines() if "exponential" not in line and "rng" not in line)
   assert worker_module.random_or_exp(plain) == []
   assert "parameter" in worker_module.opcodes(plain) and "all-gather" in worker_module.opcodes(plain)
@@ -186,8 +207,9 @@ def _on(data, model):
   return jax.sharding.use_abstract_mesh(mesh)
 
 
-@pytest.mark.parametrize("vocab, model", [(151936, 2), (151936, 4), (151936, 8), (32000, 2), (32000, 4),
-                                          (32000, 8), (49152, 16)])
+@pytest.mark.parametrize(
+  "vocab, model", [(151936, 2), (151936, 4), (151936, 8), (32000, 2), (32000, 4), (32000, 8), (49152, 16)]
+)
 def test_real_vocabularies_split_into_whole_chunks(vocab, model):
   with _on(1, model):
     shards = vocab_parallel.shards_for(vocab, 8)

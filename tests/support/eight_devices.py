@@ -31,16 +31,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # programs: LLVM at level 0 halves it, and the older elemental emitters (instead of the
 # fusion emitters) save a quarter to a half more. One-device and mesh runs in a worker
 # share the flags, so every comparison is like for like.
-FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-         "--xla_cpu_use_fusion_emitters=false")
+FLAGS = (
+  "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+)
 
 
 def exit_unless_devices(n: int) -> None:
   """In a worker: report a setup failure (the JSON line run_workers reads) and exit unless JAX sees n devices."""
   import jax  # (the worker's XLA_FLAGS are read when JAX starts: not at this module's import)
+
   if len(jax.devices()) != n:
-    print(json.dumps({"setup": {"ok": False, "detail": f"expected {n} devices (XLA_FLAGS="
-                                f"{os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}"}}))
+    print(
+      json.dumps(
+        {
+          "setup": {
+            "ok": False,
+            "detail": f"expected {n} devices (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}), got {len(jax.devices())}",
+          }
+        }
+      )
+    )
     sys.exit(1)
 
 
@@ -82,12 +92,21 @@ def run_workers(parts: dict[str, str]) -> dict[str, dict]:
   env["JAX_PLATFORMS"] = "cpu"  # fake devices are CPU devices, also on a machine with a GPU
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   args = [f"{worker}={part}" for worker, part in sorted(parts.items())]
-  proc = subprocess.run([sys.executable, "-m", "tests.support.eight_devices", *args], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=1800, check=False)
+  proc = subprocess.run(
+    [sys.executable, "-m", "tests.support.eight_devices", *args],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=1800,
+    check=False,
+  )
   lines = proc.stdout.strip().splitlines()
   if proc.returncode != 0 or not lines:
-    pytest.fail(f"the 8-device workers ({' '.join(args)}) exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                f"{proc.stderr[-5000:]}")
+    pytest.fail(
+      f"the 8-device workers ({' '.join(args)}) exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+      f"{proc.stderr[-5000:]}"
+    )
   return json.loads(lines[-1])
 
 

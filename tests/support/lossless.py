@@ -29,8 +29,9 @@ def continuation_logits(target, prompt):
   x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
   seqs = np.concatenate([np.tile(prompt, (v * v, 1)), x1.reshape(-1, 1), x2.reshape(-1, 1)], axis=1)
   n, t = seqs.shape
-  logits, _ = target(jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(t)[None, :], (n, t)),
-                     target.init_cache(n, t))
+  logits, _ = target(
+    jnp.asarray(seqs, jnp.int32), jnp.broadcast_to(jnp.arange(t)[None, :], (n, t)), target.init_cache(n, t)
+  )
   return np.asarray(logits)[:, -3:]
 
 
@@ -45,13 +46,15 @@ def exact_joint(target, prompt):
   return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-def accept_every_draft(draft_token_ids, target_logits, params, key=None, draft_probs=None, all_greedy=False,
-                        **_):
+def accept_every_draft(draft_token_ids, target_logits, params, key=None, draft_probs=None, all_greedy=False, **_):
   """A planted bug: keeps every draft token and appends a target-sampled bonus."""
   b, k = draft_token_ids.shape
   bonus, _ = sample_tokens(target_logits[:, k], params, key, all_greedy=all_greedy)
-  return RejectionOutput(token_ids=jnp.concatenate([draft_token_ids, bonus[:, None]], axis=1),
-                         num_accepted=jnp.full((b,), k, jnp.int32), num_emitted=jnp.full((b,), k + 1, jnp.int32))
+  return RejectionOutput(
+    token_ids=jnp.concatenate([draft_token_ids, bonus[:, None]], axis=1),
+    num_accepted=jnp.full((b,), k, jnp.int32),
+    num_emitted=jnp.full((b,), k + 1, jnp.int32),
+  )
 
 
 def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
@@ -65,7 +68,7 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
   at ALPHA. Returns the correct run's output.
   """
   out, samples = run()
-  weights = np.array([SMALL_V ** 2, SMALL_V, 1])
+  weights = np.array([SMALL_V**2, SMALL_V, 1])
   result = chisquare_gof(samples @ weights, joint, label=label)
   assert_gof(result)
   _, tv_min = detectable_deviation(N_ROWS, result.num_bins)

@@ -8,8 +8,9 @@ def cuda_module_text(fn, args) -> str:
   lowered to Triton IR on the way; skips the test where this jaxlib has no CUDA lowering."""
   export = pytest.importorskip("jax.export")
   try:
-    exported = export.export(fn, platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    exported = export.export(
+      fn, platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    )(*args)
   except NotImplementedError as e:  # pragma: no cover - a jaxlib built without the GPU lowering
     pytest.skip(f"no CUDA lowering here: {e}")
   return exported.mlir_module()

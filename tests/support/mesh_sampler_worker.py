@@ -168,8 +168,12 @@ def data(v: int) -> Data:
   q = np.exp(q - q.max(-1, keepdims=True))
   q /= q.sum(-1, keepdims=True)
   prob_drafts = np.array([[rng.choice(v, p=q[b, i]) for i in range(K)] for b in range(B)])
-  _DATA[v] = Data(logits=x.astype(np.float32), ngram_drafts=fav[:, :K].astype(np.int32),
-                  probs=q.astype(np.float32), prob_drafts=prob_drafts.astype(np.int32))
+  _DATA[v] = Data(
+    logits=x.astype(np.float32),
+    ngram_drafts=fav[:, :K].astype(np.int32),
+    probs=q.astype(np.float32),
+    prob_drafts=prob_drafts.astype(np.int32),
+  )
   return _DATA[v]
 
 
@@ -186,13 +190,13 @@ def params_for(dataset: str, min_p_field: bool = False) -> SamplingParams:
   zeros = [0.0] * B if min_p_field else None
   greedy = [0.0] * B
   table = {  # temperature, top_k, top_p, min_p
-      "mixed": (MIXED_T, None, None, zeros),
-      "random": (RANDOM_T, None, None, zeros),
-      "greedy rows": (greedy, None, None, zeros),
-      "greedy": (greedy, None, None, zeros),
-      "filtered": (FILTER_T, TOP_K, TOP_P, zeros),
-      "min-p": (MIXED_T, None, None, MIN_P),
-      "min-p + top-k": (FILTER_T, TOP_K, None, [0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.2, 0.0]),
+    "mixed": (MIXED_T, None, None, zeros),
+    "random": (RANDOM_T, None, None, zeros),
+    "greedy rows": (greedy, None, None, zeros),
+    "greedy": (greedy, None, None, zeros),
+    "filtered": (FILTER_T, TOP_K, TOP_P, zeros),
+    "min-p": (MIXED_T, None, None, MIN_P),
+    "min-p + top-k": (FILTER_T, TOP_K, None, [0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.2, 0.0]),
   }
   temperature, top_k, top_p, min_p = table[dataset]
   return SamplingParams.create(temperature, top_k, top_p, min_p=min_p)
@@ -215,37 +219,48 @@ class Program:
 
 def _rejection(method="token", probs=False, logprobs=None, greedy_flag=False, no_filters=False):
   def fn(drafts, logits, params, key, draft_probs, n):
-    return rejection_sample(drafts, logits, params, None if greedy_flag else key,
-                            draft_probs if probs else None, n, all_greedy=greedy_flag, logprobs=logprobs,
-                            method=method, no_filters=no_filters)
+    return rejection_sample(
+      drafts,
+      logits,
+      params,
+      None if greedy_flag else key,
+      draft_probs if probs else None,
+      n,
+      all_greedy=greedy_flag,
+      logprobs=logprobs,
+      method=method,
+      no_filters=no_filters,
+    )
+
   return jax.jit(fn)
 
 
 PROGRAMS = {
-    "greedy flag": Program("rejection", _rejection(greedy_flag=True), greedy_flag=True),
-    "token, n-gram, logprobs=processed": Program("rejection", _rejection(logprobs="processed"),
-                                                 logprobs="processed"),
-    "token, draft probs": Program("rejection", _rejection(probs=True), probs=True),
-    "block, n-gram, min_p field": Program("rejection", _rejection(method="block"), min_p_field=True),
-    "block, draft probs, logprobs=raw": Program("rejection", _rejection(method="block", probs=True, logprobs="raw"),
-                                                probs=True, logprobs="raw"),
-    "sample_tokens greedy flag": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, None, all_greedy=True)),
-                                         greedy_flag=True),
-    "sample_tokens": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, k))),
-    # The no_filters programs: one overflow-safe pass (reductions.shifted_chunk_stats) whose partials are gathered.
-    "token, draft probs, no_filters": Program("rejection", _rejection(probs=True, no_filters=True), probs=True),
-    "sample_tokens no_filters": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, k, no_filters=True))),
+  "greedy flag": Program("rejection", _rejection(greedy_flag=True), greedy_flag=True),
+  "token, n-gram, logprobs=processed": Program("rejection", _rejection(logprobs="processed"), logprobs="processed"),
+  "token, draft probs": Program("rejection", _rejection(probs=True), probs=True),
+  "block, n-gram, min_p field": Program("rejection", _rejection(method="block"), min_p_field=True),
+  "block, draft probs, logprobs=raw": Program(
+    "rejection", _rejection(method="block", probs=True, logprobs="raw"), probs=True, logprobs="raw"
+  ),
+  "sample_tokens greedy flag": Program(
+    "sample", jax.jit(lambda x, p, k: sample_tokens(x, p, None, all_greedy=True)), greedy_flag=True
+  ),
+  "sample_tokens": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, k))),
+  # The no_filters programs: one overflow-safe pass (reductions.shifted_chunk_stats) whose partials are gathered.
+  "token, draft probs, no_filters": Program("rejection", _rejection(probs=True, no_filters=True), probs=True),
+  "sample_tokens no_filters": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, k, no_filters=True))),
 }
 DATASETS = {
-    "greedy flag": ("greedy",),
-    "token, n-gram, logprobs=processed": ("mixed", "random", "greedy rows", "filtered"),
-    "token, draft probs": ("mixed", "random", "greedy rows", "filtered"),
-    "block, n-gram, min_p field": ("mixed", "min-p", "min-p + top-k"),
-    "block, draft probs, logprobs=raw": ("mixed", "random", "filtered"),
-    "sample_tokens greedy flag": ("greedy",),
-    "sample_tokens": ("mixed", "filtered"),
-    "token, draft probs, no_filters": ("mixed",),
-    "sample_tokens no_filters": ("mixed",),
+  "greedy flag": ("greedy",),
+  "token, n-gram, logprobs=processed": ("mixed", "random", "greedy rows", "filtered"),
+  "token, draft probs": ("mixed", "random", "greedy rows", "filtered"),
+  "block, n-gram, min_p field": ("mixed", "min-p", "min-p + top-k"),
+  "block, draft probs, logprobs=raw": ("mixed", "random", "filtered"),
+  "sample_tokens greedy flag": ("greedy",),
+  "sample_tokens": ("mixed", "filtered"),
+  "token, draft probs, no_filters": ("mixed",),
+  "sample_tokens no_filters": ("mixed",),
 }
 # The data sets with top-k, top-p or min-p run on these meshes only (each top-p run costs seconds on 8 CPU devices).
 FILTERED = ("filtered", "min-p", "min-p + top-k")
@@ -282,8 +297,10 @@ def placed(program: Program, args, mesh, *, rows: bool):
   replicated = lambda a: P()
   # One spec rule per argument: rejection (drafts, logits, params, key, probs, n); sample (logits, params, key).
   rules = (row, vocab, row, replicated, vocab, row) if program.kind == "rejection" else (vocab, row, replicated)
-  return tuple(jax.tree.map(lambda a, r=rule: jax.device_put(a, NamedSharding(mesh, r(a))), arg)
-               for rule, arg in zip(rules, args, strict=True))
+  return tuple(
+    jax.tree.map(lambda a, r=rule: jax.device_put(a, NamedSharding(mesh, r(a))), arg)
+    for rule, arg in zip(rules, args, strict=True)
+  )
 
 
 class _Memo:
@@ -310,12 +327,14 @@ COMPILE_SECONDS: dict = {}
 
 def compiled(name: str, mesh_name: str | None, v: int, args, mesh, *, rows: bool = True):
   """The program compiled for args placed on `mesh` (None: one device), once per (name, mesh, V, placement)."""
+
   def make():
     start = time.perf_counter()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
       c = PROGRAMS[name].fn.lower(*placed(PROGRAMS[name], args, mesh, rows=rows)).compile()
     COMPILE_SECONDS[(name, mesh_name, v, rows)] = time.perf_counter() - start
     return c
+
   return _COMPILED.get((name, mesh_name, v, rows), make)
 
 
@@ -356,8 +375,10 @@ def differences(name, expected, got) -> list[str]:
       out.append(f"tokens differ: one device {t0.tolist()}, mesh {t1.tolist()}")
     ok, err = _close(lp0, lp1)
     if not ok:
-      out.append(f"log_probs differ (max |err| {err:.3g}, -inf pattern equal: "
-                 f"{np.array_equal(np.isfinite(lp0), np.isfinite(lp1))})")
+      out.append(
+        f"log_probs differ (max |err| {err:.3g}, -inf pattern equal: "
+        f"{np.array_equal(np.isfinite(lp0), np.isfinite(lp1))})"
+      )
     return out
   for field in ("token_ids", "num_accepted", "num_emitted"):
     a, b = getattr(expected, field), getattr(got, field)
@@ -377,8 +398,9 @@ def coverage(name, dataset, ref) -> str:
   acc = ref.num_accepted
   rejected = bool(np.any(acc < NUM_DRAFTS))
   full = bool(np.any((acc == NUM_DRAFTS) & (NUM_DRAFTS > 0)))
-  assert rejected and full, (f"the data do not cover both a rejection and an all-accepted row: accepted "
-                             f"{acc.tolist()} of {NUM_DRAFTS.tolist()}")
+  assert rejected and full, (
+    f"the data do not cover both a rejection and an all-accepted row: accepted {acc.tolist()} of {NUM_DRAFTS.tolist()}"
+  )
   return f"accepted {acc.tolist()} of {NUM_DRAFTS.tolist()}"
 
 
@@ -413,7 +435,7 @@ def _each_slice(name, dataset, change):
   width, caught = V // 8, []
   for j in range(8):
     x = data(V).logits.copy()
-    x[..., j * width:(j + 1) * width] = change(x[..., j * width:(j + 1) * width])
+    x[..., j * width : (j + 1) * width] = change(x[..., j * width : (j + 1) * width])
     diff = _differs(name, dataset, logits=x)
     assert diff, f"slice {j} changed, yet {name!r} on {dataset!r} gives the one-device outputs"
     caught.append(re.split(r"[:(]", diff[0])[0].strip())
@@ -436,11 +458,20 @@ def teeth_other_key():
 # The compiled programs
 # ----------------------------------------------------------------------------
 
-_COLLECTIVE_OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter",
-                   "collective-broadcast", "ragged-all-to-all")
+_COLLECTIVE_OPS = (
+  "all-gather",
+  "all-reduce",
+  "all-to-all",
+  "collective-permute",
+  "reduce-scatter",
+  "collective-broadcast",
+  "ragged-all-to-all",
+)
 _COLLECTIVE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[^=]*?)\s+"
-    r"(?P<op>(?:" + "|".join(map(re.escape, _COLLECTIVE_OPS)) + r")(?:-start|-done)?)\(", re.MULTILINE)
+  r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[^=]*?)\s+"
+  r"(?P<op>(?:" + "|".join(map(re.escape, _COLLECTIVE_OPS)) + r")(?:-start|-done)?)\(",
+  re.MULTILINE,
+)
 _ARRAY = re.compile(r"\b(?P<dtype>pred|token|[a-z]+\d+(?:e\d+m\d+\w*)?)\[(?P<dims>[^\]]*)\]")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[^=]*?\s+(?P<op>[a-z][\w\-]*)\(", re.MULTILINE)
@@ -479,8 +510,14 @@ def _hlo(name, mesh_name, v=V_HLO):
   prog = PROGRAMS[name]
   probs = np.zeros((B, K, v), np.float32) if prog.probs else None
   x = np.zeros((B, K + 1, v), np.float32)
-  args = (np.zeros((B, K), np.int32), x, params_for("filtered", prog.min_p_field),
-          None if prog.greedy_flag else jax.random.key(0), probs, NUM_DRAFTS)
+  args = (
+    np.zeros((B, K), np.int32),
+    x,
+    params_for("filtered", prog.min_p_field),
+    None if prog.greedy_flag else jax.random.key(0),
+    probs,
+    NUM_DRAFTS,
+  )
   mesh = None if mesh_name is None else make_mesh(*MESHES[mesh_name])
   return compiled(name, mesh_name, v, args, mesh).as_text()
 
@@ -516,7 +553,8 @@ def check_greedy_no_random(mesh_name, v=V_HLO):
   random = _hlo("token, draft probs", mesh_name, v)
   control = random_or_exp(random)
   assert "exponential" in control and "threefry" in control, (
-      f"the random program shows {control}: the search would not see exponentials and RNG")
+    f"the random program shows {control}: the search would not see exponentials and RNG"
+  )
   found = random_or_exp(greedy)
   assert not found, f"the all_greedy program holds {found}"
   return f"none ({len(opcodes(greedy))} instructions); the random program shows {control}"
@@ -536,8 +574,7 @@ def _explicit_mesh():
 def check_sizes():
   assert all(qualifies(V, m) and qualifies(V_HLO, m) for m in (2, 4, 8)), "V or V_HLO does not qualify"
   assert qualifies(V_SMALL, 4) and not qualifies(V_SMALL, 8), "V_SMALL must qualify on 4 devices, not on 8"
-  return (f"chunk_size: {V} -> {chunk_size(V)}, {V_SMALL} -> {chunk_size(V_SMALL)}, {V_HLO} -> "
-          f"{chunk_size(V_HLO)}")
+  return f"chunk_size: {V} -> {chunk_size(V)}, {V_SMALL} -> {chunk_size(V_SMALL)}, {V_HLO} -> {chunk_size(V_HLO)}"
 
 
 MORE_MESHES = ("4x2", "8x1")  # `--part more-meshes`; `--part fast` leaves them out
@@ -561,37 +598,48 @@ def checks(part: str = "all") -> dict:
       for dataset in DATASETS[name]:
         if dataset in FILTERED and mesh_name not in FILTERED_MESHES:
           continue
-        out[f"{mesh_name} {name}: {dataset}"] = (lambda n=name, d=dataset, mn=mesh_name: check_equal(n, d, mn))
+        out[f"{mesh_name} {name}: {dataset}"] = lambda n=name, d=dataset, mn=mesh_name: check_equal(n, d, mn)
   if part == "more-meshes":
     return out
   for mesh_name in ("1x8", "2x4"):
     for name in SAMPLE:
       for dataset in DATASETS[name]:
-        out[f"{mesh_name} {name}: {dataset}"] = (lambda n=name, d=dataset, mn=mesh_name: check_equal(n, d, mn))
-  for mesh_name, label, sets in (("2x4", "sharded", ("mixed", "filtered")),
-                                 ("1x8", "fallback: not whole chunks", ("mixed",))):
+        out[f"{mesh_name} {name}: {dataset}"] = lambda n=name, d=dataset, mn=mesh_name: check_equal(n, d, mn)
+  for mesh_name, label, sets in (
+    ("2x4", "sharded", ("mixed", "filtered")),
+    ("1x8", "fallback: not whole chunks", ("mixed",)),
+  ):
     for dataset in sets:
-      out[f"V={V_SMALL} {mesh_name} ({label}) token, draft probs: {dataset}"] = (
-          lambda d=dataset, mn=mesh_name: check_equal("token, draft probs", d, mn, v=V_SMALL, rows=False))
+      out[f"V={V_SMALL} {mesh_name} ({label}) token, draft probs: {dataset}"] = lambda d=dataset, mn=mesh_name: (
+        check_equal("token, draft probs", d, mn, v=V_SMALL, rows=False)
+      )
   for name, dataset in (("token, draft probs", "mixed"), ("greedy flag", "greedy")):
-    out[f"explicit 2x4 {name}: {dataset}"] = (
-        lambda n=name, d=dataset: check_equal(n, d, "explicit 2x4", mesh=_explicit_mesh()))
-  out.update({
+    out[f"explicit 2x4 {name}: {dataset}"] = lambda n=name, d=dataset: check_equal(
+      n, d, "explicit 2x4", mesh=_explicit_mesh()
+    )
+  out.update(
+    {
       "teeth: rolled draft_probs change the outputs": teeth_rolled_probs,
       "teeth: another key changes the outputs": teeth_other_key,
-      "teeth: dropping any one vocabulary slice changes the outputs (draft probs)":
-          lambda: _each_slice("token, draft probs", "mixed", lambda s: np.full_like(s, -np.inf)),
-      "teeth: dropping any one vocabulary slice changes the outputs (greedy flag)":
-          lambda: _each_slice("greedy flag", "greedy", lambda s: np.full_like(s, -np.inf)),
-      "teeth: doubling any one slice's mass moves the logprobs":
-          lambda: _each_slice("token, n-gram, logprobs=processed", "mixed", lambda s: s + np.float32(np.log(2))),
-      "teeth: doubling any one slice's mass moves sample_tokens' log_probs":
-          lambda: _each_slice("sample_tokens", "mixed", lambda s: s + np.float32(np.log(2))),
-  })
+      "teeth: dropping any one vocabulary slice changes the outputs (draft probs)": lambda: _each_slice(
+        "token, draft probs", "mixed", lambda s: np.full_like(s, -np.inf)
+      ),
+      "teeth: dropping any one vocabulary slice changes the outputs (greedy flag)": lambda: _each_slice(
+        "greedy flag", "greedy", lambda s: np.full_like(s, -np.inf)
+      ),
+      "teeth: doubling any one slice's mass moves the logprobs": lambda: _each_slice(
+        "token, n-gram, logprobs=processed", "mixed", lambda s: s + np.float32(np.log(2))
+      ),
+      "teeth: doubling any one slice's mass moves sample_tokens' log_probs": lambda: _each_slice(
+        "sample_tokens", "mixed", lambda s: s + np.float32(np.log(2))
+      ),
+    }
+  )
   for mesh_name in ("2x4", "1x8"):
     for name in ("token, draft probs", "greedy flag"):
-      out[f"HLO {mesh_name} {name}: no collective carries the vocabulary"] = (
-          lambda n=name, mn=mesh_name: check_no_vocab_collective(n, mn))
+      out[f"HLO {mesh_name} {name}: no collective carries the vocabulary"] = lambda n=name, mn=mesh_name: (
+        check_no_vocab_collective(n, mn)
+      )
     out[f"HLO {mesh_name} greedy flag: no exponential, no RNG"] = lambda mn=mesh_name: check_greedy_no_random(mn)
   out["HLO one device: no collective"] = check_one_device_no_collective
   out["HLO one device greedy flag: no exponential, no RNG"] = lambda: check_greedy_no_random(None, V)
@@ -607,6 +655,9 @@ if __name__ == "__main__":
   begin = time.perf_counter()
   res = main(part_arg(sys.argv[1:]))
   compile_total = sum(COMPILE_SECONDS.values())
-  print(f"mesh_sampler_worker: {time.perf_counter() - begin:.1f} s, {len(COMPILE_SECONDS)} compiles "
-        f"({compile_total:.1f} s)", file=sys.stderr)
+  print(
+    f"mesh_sampler_worker: {time.perf_counter() - begin:.1f} s, {len(COMPILE_SECONDS)} compiles "
+    f"({compile_total:.1f} s)",
+    file=sys.stderr,
+  )
   print(json.dumps(res))

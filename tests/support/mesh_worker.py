@@ -58,6 +58,7 @@ B, P_LEN, NEW, K = 8, 6, 10, 3
 # wrong head or vocabulary slice moves logits by ~1e-2).
 LOGITS_ATOL = 1e-5
 
+
 def rows(mesh, x):
   """x [B, ...] placed with its rows split over the data axis."""
   return jax.device_put(x, NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1)))))
@@ -88,16 +89,20 @@ def runs(target, draft, eagle, place, names=None):
   common = {"max_new_tokens": NEW}
   spec = dict(common, num_speculative_tokens=K)
   calls = {
-      "generate greedy": lambda: generate(target, prompts, lengths, greedy, None, all_greedy=True, **common),
-      "generate sampled": lambda: generate(target, prompts, lengths, sampled, KEY, **common),
-      "speculative greedy, draft model": lambda: speculative_generate(target, draft, prompts, lengths, greedy, None,
-                                                                      all_greedy=True, **spec),
-      "speculative greedy, prompt lookup": lambda: speculative_generate(
-          target, PromptLookupDrafter(2), prompts, lengths, greedy, None, all_greedy=True, **spec),
-      "speculative greedy, EAGLE": lambda: speculative_generate(target, eagle, prompts, lengths, greedy, None,
-                                                                all_greedy=True, **spec),
-      "speculative sampled, draft model": lambda: speculative_generate(target, draft, prompts, lengths, sampled, KEY,
-                                                                       **spec),
+    "generate greedy": lambda: generate(target, prompts, lengths, greedy, None, all_greedy=True, **common),
+    "generate sampled": lambda: generate(target, prompts, lengths, sampled, KEY, **common),
+    "speculative greedy, draft model": lambda: speculative_generate(
+      target, draft, prompts, lengths, greedy, None, all_greedy=True, **spec
+    ),
+    "speculative greedy, prompt lookup": lambda: speculative_generate(
+      target, PromptLookupDrafter(2), prompts, lengths, greedy, None, all_greedy=True, **spec
+    ),
+    "speculative greedy, EAGLE": lambda: speculative_generate(
+      target, eagle, prompts, lengths, greedy, None, all_greedy=True, **spec
+    ),
+    "speculative sampled, draft model": lambda: speculative_generate(
+      target, draft, prompts, lengths, sampled, KEY, **spec
+    ),
   }
   return {name: np.asarray(calls[name]().tokens) for name in (names or calls)}
 
@@ -141,8 +146,12 @@ def check_logits(data, model):
   part, block = sharded.partitioning, sharded.layers.block0
   m = "model" if model > 1 else None
   d = "data" if data > 1 else None
-  spec = {"embed": sharded.embed[...].sharding.spec, "logits": logits.sharding.spec,
-          "cache.k": cache.k.sharding.spec, "w_down": block.w_down[...].sharding.spec}
+  spec = {
+    "embed": sharded.embed[...].sharding.spec,
+    "logits": logits.sharding.spec,
+    "cache.k": cache.k.sharding.spec,
+    "w_down": block.w_down[...].sharding.spec,
+  }
   assert spec["embed"] == P(m, None), spec  # vocabulary-parallel
   assert padded(spec["logits"], 3) == (d, None, m), spec  # rows over data, vocabulary over model
   assert part.heads == (model > 1 and CONFIG.num_kv_heads % model == 0), part
@@ -164,8 +173,7 @@ def check_logits(data, model):
 
 def check_scan_logits():
   # The scanned layout holds [L, ...] arrays: the layer axis stays whole, the rest splits as unrolled.
-  sharded, _, _, err = sharded_logits(Transformer(CONFIG.replace(scan_layers=True), rngs=nnx.Rngs(0)),
-                                      make_mesh(2, 4))
+  sharded, _, _, err = sharded_logits(Transformer(CONFIG.replace(scan_layers=True), rngs=nnx.Rngs(0)), make_mesh(2, 4))
   assert sharded.layers.wk[...].sharding.spec == P(None, None, "model"), sharded.layers.wk[...].sharding.spec
   assert sharded.layers.w_down[...].sharding.spec == P(None, "model", None), sharded.layers.w_down[...].sharding
   return f"max err {err:.2g}"
@@ -177,10 +185,15 @@ def check_loops(mesh, names) -> dict[str, tuple[bool, str]]:
   target, draft, eagle = shard(TARGET, mesh), shard(DRAFT, mesh), shard(EAGLE, mesh)
   with jax.set_mesh(mesh):
     got = runs(target, draft, eagle, lambda x: rows(mesh, x) if np.ndim(x) else x, names)
-  return {name: (np.array_equal(expected[name], got[name]),
-                 "tokens equal" if np.array_equal(expected[name], got[name]) else
-                 f"tokens differ: one device {expected[name].tolist()}, mesh {got[name].tolist()}")
-          for name in got}
+  return {
+    name: (
+      np.array_equal(expected[name], got[name]),
+      "tokens equal"
+      if np.array_equal(expected[name], got[name])
+      else f"tokens differ: one device {expected[name].tolist()}, mesh {got[name].tolist()}",
+    )
+    for name in got
+  }
 
 
 def program_ops(text):
@@ -199,8 +212,20 @@ def check_one_device_mesh():
     d_def, d_arrays = _split(draft, "draft")
     static = {"max_new_tokens": NEW, "eos": (), "all_greedy": True, "logprobs": None}
     plain = _generate_jit.lower(t_arrays, prompts, lengths, GREEDY, None, target_def=t_def, **static)
-    spec = _speculative_jit.lower(t_arrays, d_arrays, prompts, lengths, GREEDY, None, target_def=t_def,
-                                  draft_def=d_def, feature_draft=False, num_speculative_tokens=K, tree=None, **static)
+    spec = _speculative_jit.lower(
+      t_arrays,
+      d_arrays,
+      prompts,
+      lengths,
+      GREEDY,
+      None,
+      target_def=t_def,
+      draft_def=d_def,
+      feature_draft=False,
+      num_speculative_tokens=K,
+      tree=None,
+      **static,
+    )
     return [program_ops(p.compile().as_text()) for p in (plain, spec)]
 
   expected = programs(TARGET, DRAFT)
@@ -211,8 +236,14 @@ def check_one_device_mesh():
   return f"{sum(map(len, got))} instructions equal"
 
 
-LOOP_RUNS = ("generate greedy", "generate sampled", "speculative greedy, draft model",
-             "speculative greedy, prompt lookup", "speculative greedy, EAGLE", "speculative sampled, draft model")
+LOOP_RUNS = (
+  "generate greedy",
+  "generate sampled",
+  "speculative greedy, draft model",
+  "speculative greedy, prompt lookup",
+  "speculative greedy, EAGLE",
+  "speculative sampled, draft model",
+)
 # One configuration of each kind: a sampled plain loop, a greedy feature drafter, a sampled model drafter.
 FAST_RUNS = ("generate sampled", "speculative greedy, EAGLE", "speculative sampled, draft model")
 
@@ -225,14 +256,14 @@ def checks(part: str = "all") -> dict:
   or "all". Each loop compiles its program twice (one device, mesh): the loops are most of the time.
   """
   fast = {
-      **{f"logits {d}x{m}": functools.partial(check_logits, d, m) for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))},
-      "logits 2x4 scan_layers": check_scan_logits,
-      "loops 2x4": lambda: check_loops(make_mesh(2, 4), FAST_RUNS),
-      "1x1 mesh compiles today's program": check_one_device_mesh,
+    **{f"logits {d}x{m}": functools.partial(check_logits, d, m) for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))},
+    "logits 2x4 scan_layers": check_scan_logits,
+    "loops 2x4": lambda: check_loops(make_mesh(2, 4), FAST_RUNS),
+    "1x1 mesh compiles today's program": check_one_device_mesh,
   }
   more = {
-      "loops 2x4 more": lambda: check_loops(make_mesh(2, 4), [r for r in LOOP_RUNS if r not in FAST_RUNS]),
-      "loops 1x8 Explicit": lambda: check_loops(jax.make_mesh((1, 8), ("data", "model")), FAST_RUNS),
+    "loops 2x4 more": lambda: check_loops(make_mesh(2, 4), [r for r in LOOP_RUNS if r not in FAST_RUNS]),
+    "loops 1x8 Explicit": lambda: check_loops(jax.make_mesh((1, 8), ("data", "model")), FAST_RUNS),
   }
   return {"fast": fast, "more": more, "all": {**fast, **more}}[part]
 

@@ -38,8 +38,16 @@ def _f32(value) -> float:
   return float(np.float32(value))
 
 
-def penalized_logits(logits, *, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, bias=None,
-                     prompt_tokens=(), generated_tokens=()):
+def penalized_logits(
+  logits,
+  *,
+  repetition_penalty=1.0,
+  frequency_penalty=0.0,
+  presence_penalty=0.0,
+  bias=None,
+  prompt_tokens=(),
+  generated_tokens=(),
+):
   """Steps 1-3 for one position: float64 [V].
 
   Args:
@@ -135,9 +143,20 @@ def log_softmax(x):
   return out
 
 
-def processed_log_probs(logits, *, temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                        frequency_penalty=0.0, presence_penalty=0.0, bias=None, prompt_tokens=(),
-                        generated_tokens=()):
+def processed_log_probs(
+  logits,
+  *,
+  temperature,
+  top_k=0,
+  top_p=1.0,
+  min_p=0.0,
+  repetition_penalty=1.0,
+  frequency_penalty=0.0,
+  presence_penalty=0.0,
+  bias=None,
+  prompt_tokens=(),
+  generated_tokens=(),
+):
   """Log of the distribution one row samples from at one position: float64 [V], -inf for removed tokens.
 
   Random rows: steps 1-4. Greedy rows (temperature < 1e-5): log one-hot at the
@@ -146,9 +165,15 @@ def processed_log_probs(logits, *, temperature, top_k=0, top_p=1.0, min_p=0.0, r
   Example:
     >>> processed_log_probs(np.zeros(4), temperature=1.0, bias={3: 1.0}, min_p=0.5)   # only token 3 kept
   """
-  x = penalized_logits(logits, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                       presence_penalty=presence_penalty, bias=bias, prompt_tokens=prompt_tokens,
-                       generated_tokens=generated_tokens)
+  x = penalized_logits(
+    logits,
+    repetition_penalty=repetition_penalty,
+    frequency_penalty=frequency_penalty,
+    presence_penalty=presence_penalty,
+    bias=bias,
+    prompt_tokens=prompt_tokens,
+    generated_tokens=generated_tokens,
+  )
   if _f32(temperature) < GREEDY_TEMPERATURE:
     out = np.full(x.shape, -np.inf)
     if np.any(np.where(np.isnan(x), -np.inf, x) > -np.inf):
@@ -177,13 +202,21 @@ def round_log_probs(logits, draft_tokens, *, generated_tokens=(), **options):
   logits = np.asarray(logits)
   drafts = [int(d) for d in np.asarray(draft_tokens).reshape(-1)]
   assert logits.shape[0] == len(drafts) + 1, (logits.shape, drafts)
-  return np.stack([processed_log_probs(logits[i], generated_tokens=list(generated_tokens) + drafts[:i], **options)
-                   for i in range(logits.shape[0])])
+  return np.stack(
+    [
+      processed_log_probs(logits[i], generated_tokens=list(generated_tokens) + drafts[:i], **options)
+      for i in range(logits.shape[0])
+    ]
+  )
 
 
 def round_penalized_logits(logits, draft_tokens, *, generated_tokens=(), **options):
   """`penalized_logits` (steps 1-3) at every position of a round: float64 [K+1, V] (see `round_log_probs`)."""
   logits = np.asarray(logits)
   drafts = [int(d) for d in np.asarray(draft_tokens).reshape(-1)]
-  return np.stack([penalized_logits(logits[i], generated_tokens=list(generated_tokens) + drafts[:i], **options)
-                   for i in range(logits.shape[0])])
+  return np.stack(
+    [
+      penalized_logits(logits[i], generated_tokens=list(generated_tokens) + drafts[:i], **options)
+      for i in range(logits.shape[0])
+    ]
+  )

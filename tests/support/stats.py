@@ -51,8 +51,10 @@ class GofResult:
   label: str = ""
 
   def __str__(self) -> str:
-    return (f"{self.label}: p={self.pvalue:.3g} chi2={self.statistic:.4g} N={self.num_samples} "
-            f"bins={self.num_bins} impossible={self.impossible}")
+    return (
+      f"{self.label}: p={self.pvalue:.3g} chi2={self.statistic:.4g} N={self.num_samples} "
+      f"bins={self.num_bins} impossible={self.impossible}"
+    )
 
 
 def merge_sparse_bins(observed, expected, min_expected: float = MIN_EXPECTED):
@@ -136,7 +138,10 @@ def assert_gof(results, alpha: float = ALPHA, min_bins: int = 2) -> None:
   results = [results] if isinstance(results, GofResult) else list(results)
   bad = [r for r in results if r.pvalue < alpha or r.num_bins < min_bins]
   assert not bad, "chi-square goodness of fit rejected (alpha=%g):\n  %s\nall:\n  %s" % (
-      alpha, "\n  ".join(map(str, bad)), "\n  ".join(map(str, results)))
+    alpha,
+    "\n  ".join(map(str, bad)),
+    "\n  ".join(map(str, results)),
+  )
 
 
 def detectable_deviation(num_samples: int, num_bins: int, alpha: float = ALPHA, power: float = 0.8):
@@ -199,8 +204,7 @@ def chisquare_two_sample(samples_a, samples_b, num_outcomes: int, *, label: str 
 # ----------------------------------------------------------------------------
 
 
-def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                    *, boundary_tol: float = 0.0):
+def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0, *, boundary_tol: float = 0.0):
   """The processed target distribution of one random request, in float64, for every row of `logits`.
 
   The contract's temperature, top-k and top-p (ties with the k-th and with the
@@ -222,8 +226,9 @@ def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1
   x = np.asarray(logits, np.float64)
   lead, v = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, v)
-  probs = np.stack([sampling_reference.filtered_probs(row, temperature=temperature, top_k=top_k, top_p=top_p)
-                    for row in rows]).reshape(lead + (v,))
+  probs = np.stack(
+    [sampling_reference.filtered_probs(row, temperature=temperature, top_k=top_k, top_p=top_p) for row in rows]
+  ).reshape(lead + (v,))
   if boundary_tol <= 0:
     return probs
   near = np.zeros(rows.shape[0], bool)
@@ -271,13 +276,15 @@ def greedy_reference(draft_token_ids, target_logits, num_draft_tokens=None):
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+([a-z][\w\-]*)\((.*)$")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALLEE = re.compile(
-    r"\b(calls|to_apply|true_computation|false_computation|condition|body|branch_computations)="
-    r"(\{[^}]*\}|%[\w.\-]+)")
+  r"\b(calls|to_apply|true_computation|false_computation|condition|body|branch_computations)="
+  r"(\{[^}]*\}|%[\w.\-]+)"
+)
 
 # Opcodes of random-bit generation: XLA's RNG ops, and the integer mixing
 # (xor/shifts) that JAX's threefry lowers to.
-RANDOM_OPCODES = frozenset({"rng", "rng-bit-generator", "rng-get-and-update-state", "xor", "shift-left",
-                            "shift-right-logical"})
+RANDOM_OPCODES = frozenset(
+  {"rng", "rng-bit-generator", "rng-get-and-update-state", "xor", "shift-left", "shift-right-logical"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,5 +370,8 @@ class HloProgram:
 
   def conditionals(self, computations=None):
     """[(instruction, [branch computation names])] of conditional instructions."""
-    return [(ins, [name for _, name in ins.callees()])
-            for ins in self.instructions(computations) if ins.opcode == "conditional"]
+    return [
+      (ins, [name for _, name in ins.callees()])
+      for ins in self.instructions(computations)
+      if ins.opcode == "conditional"
+    ]

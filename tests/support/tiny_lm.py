@@ -1,8 +1,8 @@
 """Small models written for the tests, with helpers to feed them and check what the loops return.
 
-  - `TinyLM`: a one-layer attention LM, a registered pytree with its own cache
-    layout ([2, B, S, D]: keys and values stacked), passed through jit as arrays;
-  - `BigramLM`: a plain Python object (not a pytree) with a dummy cache, closed over.
+- `TinyLM`: a one-layer attention LM, a registered pytree with its own cache
+  layout ([2, B, S, D]: keys and values stacked), passed through jit as arrays;
+- `BigramLM`: a plain Python object (not a pytree) with a dummy cache, closed over.
 """
 
 import dataclasses
@@ -29,9 +29,11 @@ class TinyLM:
   @classmethod
   def create(cls, seed, vocab_size, d=16, logit_scale=3.0):
     r = np.random.default_rng(seed)
-    return cls(embed=jnp.asarray(r.normal(size=(vocab_size, d)), jnp.float32),
-               wqkv=jnp.asarray(r.normal(size=(3, d, d)) / np.sqrt(d), jnp.float32),
-               unembed=jnp.asarray(r.normal(size=(d, vocab_size)) * logit_scale / np.sqrt(d), jnp.float32))
+    return cls(
+      embed=jnp.asarray(r.normal(size=(vocab_size, d)), jnp.float32),
+      wqkv=jnp.asarray(r.normal(size=(3, d, d)) / np.sqrt(d), jnp.float32),
+      unembed=jnp.asarray(r.normal(size=(d, vocab_size)) * logit_scale / np.sqrt(d), jnp.float32),
+    )
 
   def init_cache(self, batch_size, max_length):
     return jnp.zeros((2, batch_size, max_length, self.embed.shape[1]), jnp.float32)

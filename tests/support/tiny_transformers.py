@@ -42,12 +42,14 @@ def distil(target, drafter, steps=60, depth=3, seed=0):
   rng = np.random.default_rng(seed)
   b, p, n = 64, 4, 28
   prompts = jnp.asarray(rng.integers(0, target.config.vocab_size, (b, p)), jnp.int32)
-  out = generate(target, prompts, jnp.full((b,), p, jnp.int32), SamplingParams.greedy(b), None,
-                 max_new_tokens=n, all_greedy=True)
+  out = generate(
+    target, prompts, jnp.full((b,), p, jnp.int32), SamplingParams.greedy(b), None, max_new_tokens=n, all_greedy=True
+  )
   seqs = jnp.concatenate([prompts, out.tokens], 1)
   s = seqs.shape[1]
-  logits, feats, _ = target(seqs, jnp.broadcast_to(jnp.arange(s), (b, s)), target.init_cache(b, s),
-                            return_features=True)
+  logits, feats, _ = target(
+    seqs, jnp.broadcast_to(jnp.arange(s), (b, s)), target.init_cache(b, s), return_features=True
+  )
   target_p = jax.nn.softmax(logits[:, 1:-1], -1)
   opt = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
 

@@ -135,8 +135,10 @@ def sequence_law(p, q, k, length, verify, ctx=()):
 
 
 def target_law(p, length, ctx=()):
-  return {seq: float(np.prod([p[ctx + seq[:i]][seq[i]] for i in range(length)]))
-          for seq in itertools.product(range(V), repeat=length)}
+  return {
+    seq: float(np.prod([p[ctx + seq[:i]][seq[i]] for i in range(length)]))
+    for seq in itertools.product(range(V), repeat=length)
+  }
 
 
 def expected_accepted(law):
@@ -206,11 +208,15 @@ def _sample_round(p, q, k, n_rows, seed, with_probs, num_draft=None, greedy_rows
   probs = np.stack([[q[tuple(drafts[b, :j])] for j in range(k)] for b in range(n_rows)])
   temps = np.ones(n_rows, np.float32)
   temps[:greedy_rows] = 0.0
-  out = rejection_sample(draft_token_ids=jnp.asarray(drafts), target_logits=jnp.asarray(logits, jnp.float32),
-                         params=SamplingParams.create(temps), key=jax.random.key(seed),
-                         draft_probs=jnp.asarray(probs, jnp.float32) if with_probs else None,
-                         num_draft_tokens=None if num_draft is None else jnp.asarray(num_draft),
-                         method="block")
+  out = rejection_sample(
+    draft_token_ids=jnp.asarray(drafts),
+    target_logits=jnp.asarray(logits, jnp.float32),
+    params=SamplingParams.create(temps),
+    key=jax.random.key(seed),
+    draft_probs=jnp.asarray(probs, jnp.float32) if with_probs else None,
+    num_draft_tokens=None if num_draft is None else jnp.asarray(num_draft),
+    method="block",
+  )
   return drafts, np.asarray(out.token_ids), np.asarray(out.num_emitted)
 
 
@@ -243,7 +249,7 @@ def _gof(p, q, k, n_per_row, with_probs, seed, rows=12000):
     probs = np.zeros(len(idx))
     for out, pr in law.items():
       probs[idx[out]] += pr
-    samples = [idx[tuple(ids[b, :emitted[b]].tolist())] for b in np.nonzero(sel)[0]]
+    samples = [idx[tuple(ids[b, : emitted[b]].tolist())] for b in np.nonzero(sel)[0]]
     results.append(chisquare_gof(samples, probs / probs.sum(), label=f"n={n}, draft_probs={with_probs}"))
   return results
 
@@ -285,7 +291,7 @@ def test_block_with_greedy_rows_keeps_them_greedy():
     m = 0
     while m < 3 and drafts[b, m] == t[b, m]:
       m += 1
-    np.testing.assert_array_equal(ids[b, :emitted[b]], list(drafts[b, :m]) + [t[b, m]])
+    np.testing.assert_array_equal(ids[b, : emitted[b]], list(drafts[b, :m]) + [t[b, m]])
 
 
 def test_block_accepts_more_than_token_in_the_sampler():
@@ -295,8 +301,12 @@ def test_block_accepts_more_than_token_in_the_sampler():
   q = jnp.tile(jnp.array([2 / 3, 1 / 3]), (rows, 2, 1))
   drafts = jax.random.categorical(jax.random.key(0), jnp.log(q))
   params = SamplingParams.create(jnp.ones(rows))
-  acc = {m: float(jnp.mean(rejection_sample(drafts, logits, params, jax.random.key(1), draft_probs=q,
-                                            method=m).num_accepted)) for m in ("token", "block")}
+  acc = {
+    m: float(
+      jnp.mean(rejection_sample(drafts, logits, params, jax.random.key(1), draft_probs=q, method=m).num_accepted)
+    )
+    for m in ("token", "block")
+  }
   # Standard errors are about 0.006; the exact means are 10/9 and 11/9 (see the float64 test above).
   assert acc["block"] > acc["token"] + 0.05, acc
 
@@ -314,5 +324,6 @@ def test_block_without_draft_probs_is_token_when_one_draft():
 
 def test_bad_method_is_a_value_error():
   with pytest.raises(ValueError, match="method"):
-    rejection_sample(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 2, 4)), SamplingParams.greedy(1), None,
-                     all_greedy=True, method="tree")
+    rejection_sample(
+      jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 2, 4)), SamplingParams.greedy(1), None, all_greedy=True, method="tree"
+    )

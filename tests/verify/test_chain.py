@@ -45,8 +45,15 @@ def _keys(seed, b=B):
 
 
 def _run(draft, logits, params, key=None, draft_probs=None, n=None, **flags) -> RejectionOutput:
-  out = rejection_sample(draft_token_ids=draft, target_logits=logits, params=params, key=key,
-                         draft_probs=draft_probs, num_draft_tokens=n, **flags)
+  out = rejection_sample(
+    draft_token_ids=draft,
+    target_logits=logits,
+    params=params,
+    key=key,
+    draft_probs=draft_probs,
+    num_draft_tokens=n,
+    **flags,
+  )
   return jax.tree_util.tree_map(np.asarray, out)
 
 
@@ -75,22 +82,22 @@ def _table_logits(targets, v=V, seed=0):
 # (draft ids, argmax per position (tuple = tie), num_draft_tokens, expected tokens, expected num_accepted)
 _T = [1, 2, 3, 4]
 GREEDY_TABLE = [
-    pytest.param([1, 2, 3], _T, None, [1, 2, 3, 4], 3, id="perfect_match_all_accepted_plus_bonus"),
-    pytest.param([1, 5, 3], _T, None, [1, 2, -1, -1], 1, id="early_mismatch"),
-    pytest.param([0, 2, 3], _T, None, [1, -1, -1, -1], 0, id="first_position_mismatch"),
-    pytest.param([1, 2, 0], _T, None, [1, 2, 3, -1], 2, id="last_position_mismatch"),
-    pytest.param([1, 2, 3], _T, 0, [1, -1, -1, -1], 0, id="empty_drafts_n0_bonus_from_position_0"),
-    pytest.param([1, 2, 3], _T, 1, [1, 2, -1, -1], 1, id="ragged_n1_bonus_from_position_1"),
-    pytest.param([1, 2, 7], _T, 2, [1, 2, 3, -1], 2, id="ragged_n2_bonus_from_position_2"),
-    pytest.param([1, 6, 3], _T, 2, [1, 2, -1, -1], 1, id="ragged_n2_mismatch"),
-    pytest.param([2, 2, 3], [(2, 5), 2, 3, 4], None, [2, 2, 3, 4], 3, id="tie_first_index_accepted"),
-    pytest.param([5, 2, 3], [(2, 5), 2, 3, 4], None, [2, -1, -1, -1], 0, id="tie_later_index_rejected"),
-    pytest.param([1, 2, 3], [1, 2, 3, (6, 4)], None, [1, 2, 3, 4], 3, id="tie_in_bonus_position"),
-    pytest.param([1, -1, -1], _T, 1, [1, 2, -1, -1], 1, id="minus_one_past_n_ignored"),
-    pytest.param([1, 2, 99], _T, 2, [1, 2, 3, -1], 2, id="out_of_range_past_n_ignored"),
-    pytest.param([-1, -7, 1000], _T, 0, [1, -1, -1, -1], 0, id="garbage_everywhere_n0"),
-    pytest.param([3, 3, 3], [3, 3, 3, 3], None, [3, 3, 3, 3], 3, id="repeated_token"),
-    pytest.param([0, 0, 0], [(0, 1, 2, 3, 4, 5, 6, 7)] * 4, None, [0, 0, 0, 0], 3, id="all_tied_rows"),
+  pytest.param([1, 2, 3], _T, None, [1, 2, 3, 4], 3, id="perfect_match_all_accepted_plus_bonus"),
+  pytest.param([1, 5, 3], _T, None, [1, 2, -1, -1], 1, id="early_mismatch"),
+  pytest.param([0, 2, 3], _T, None, [1, -1, -1, -1], 0, id="first_position_mismatch"),
+  pytest.param([1, 2, 0], _T, None, [1, 2, 3, -1], 2, id="last_position_mismatch"),
+  pytest.param([1, 2, 3], _T, 0, [1, -1, -1, -1], 0, id="empty_drafts_n0_bonus_from_position_0"),
+  pytest.param([1, 2, 3], _T, 1, [1, 2, -1, -1], 1, id="ragged_n1_bonus_from_position_1"),
+  pytest.param([1, 2, 7], _T, 2, [1, 2, 3, -1], 2, id="ragged_n2_bonus_from_position_2"),
+  pytest.param([1, 6, 3], _T, 2, [1, 2, -1, -1], 1, id="ragged_n2_mismatch"),
+  pytest.param([2, 2, 3], [(2, 5), 2, 3, 4], None, [2, 2, 3, 4], 3, id="tie_first_index_accepted"),
+  pytest.param([5, 2, 3], [(2, 5), 2, 3, 4], None, [2, -1, -1, -1], 0, id="tie_later_index_rejected"),
+  pytest.param([1, 2, 3], [1, 2, 3, (6, 4)], None, [1, 2, 3, 4], 3, id="tie_in_bonus_position"),
+  pytest.param([1, -1, -1], _T, 1, [1, 2, -1, -1], 1, id="minus_one_past_n_ignored"),
+  pytest.param([1, 2, 99], _T, 2, [1, 2, 3, -1], 2, id="out_of_range_past_n_ignored"),
+  pytest.param([-1, -7, 1000], _T, 0, [1, -1, -1, -1], 0, id="garbage_everywhere_n0"),
+  pytest.param([3, 3, 3], [3, 3, 3, 3], None, [3, 3, 3, 3], 3, id="repeated_token"),
+  pytest.param([0, 0, 0], [(0, 1, 2, 3, 4, 5, 6, 7)] * 4, None, [0, 0, 0, 0], 3, id="all_tied_rows"),
 ]
 
 
@@ -151,8 +158,11 @@ def test_greedy_random_inputs_match_reference_in_every_mode():
     draft = np.where(rng.random((B, K)) < 0.7, am, draft).astype(np.int32)
     n = rng.integers(0, K + 1, B).astype(np.int32)
     ref, ref_acc = stats.greedy_reference(draft, logits, n)
-    for flags, t in [({"all_greedy": True}, [0.7, 1.0, 0.0, 2.0]),  # the flag overrides T
-                     ({}, [0.0, 0.0, 0.0, 0.0]), ({}, [0.0, 1e-7, 1e-6, 0.0])]:
+    for flags, t in [
+      ({"all_greedy": True}, [0.7, 1.0, 0.0, 2.0]),  # the flag overrides T
+      ({}, [0.0, 0.0, 0.0, 0.0]),
+      ({}, [0.0, 1e-7, 1e-6, 0.0]),
+    ]:
       out = _run(draft, logits, SamplingParams.create(np.float32(t)), key=_keys(seed), n=n, **flags)
       np.testing.assert_array_equal(out.token_ids, ref)
       np.testing.assert_array_equal(out.num_accepted, ref_acc)
@@ -177,8 +187,7 @@ def test_all_random_flag_treats_zero_temperature_rows_as_random():
   firsts = set()
   for seed in range(12):
     key = jax.random.key(seed)
-    zero = _run(draft, logits, SamplingParams.create([0.0, 0.0, 1e-7, 0.0]), key=key, draft_probs=q,
-                all_random=True)
+    zero = _run(draft, logits, SamplingParams.create([0.0, 0.0, 1e-7, 0.0]), key=key, draft_probs=q, all_random=True)
     one = _run(draft, logits, SamplingParams.create([1.0] * B), key=key, draft_probs=q, all_random=True)
     np.testing.assert_array_equal(zero.token_ids, one.token_ids)
     firsts.update(zero.token_ids[np.arange(B), zero.num_accepted].tolist())
@@ -198,10 +207,16 @@ _POSITIONS_SHAPE = f"s32[{_HB},{_HK + 1}]"
 @functools.lru_cache(maxsize=None)
 def _compiled(all_greedy=False, all_random=False) -> stats.HloProgram:
   def fn(draft, logits, params, key):
-    return rejection_sample(draft_token_ids=draft, target_logits=logits, params=params, key=key,
-                            all_greedy=all_greedy, all_random=all_random)
-  args = (jnp.zeros((_HB, _HK), jnp.int32), jnp.zeros((_HB, _HK + 1, _HV), jnp.float32),
-          SamplingParams.create(jnp.ones(_HB)), _keys(0, _HB))
+    return rejection_sample(
+      draft_token_ids=draft, target_logits=logits, params=params, key=key, all_greedy=all_greedy, all_random=all_random
+    )
+
+  args = (
+    jnp.zeros((_HB, _HK), jnp.int32),
+    jnp.zeros((_HB, _HK + 1, _HV), jnp.float32),
+    SamplingParams.create(jnp.ones(_HB)),
+    _keys(0, _HB),
+  )
   return stats.HloProgram(jax.jit(fn).lower(*args).compile().as_text())
 
 
@@ -212,8 +227,11 @@ def _expensive_ops(prog, computations=None):
 
 def _vocab_argmax_reduces(prog, computations=None):
   """Reductions over the vocabulary that return an s32 [B, K+1] index (argmax)."""
-  return [i for i in prog.instructions(computations)
-          if i.opcode == "reduce" and i.shape.startswith("(") and _POSITIONS_SHAPE in i.shape]
+  return [
+    i
+    for i in prog.instructions(computations)
+    if i.opcode == "reduce" and i.shape.startswith("(") and _POSITIONS_SHAPE in i.shape
+  ]
 
 
 def test_all_greedy_program_has_no_softmax_random_bits_or_probability_tensor():
@@ -311,11 +329,14 @@ _LOGITS_BF16 = np.asarray(jnp.asarray(_RNG.normal(0, 1.3, (K + 1, V)) + 0.01, jn
 _QS_BF16 = _q(_RNG, _LOGITS_BF16)
 # n-gram drafts (no probabilities), three kinds of rows: likely drafts, a draft
 # the target masks (p(d) = 0, always rejected), unlikely drafts.
-_NGRAM_DRAFTS = np.array([
+_NGRAM_DRAFTS = np.array(
+  [
     np.argsort(-_LOGITS[:K], axis=-1)[:, 0],
     [np.argsort(-_LOGITS[0])[1], 6, 1],
     np.argmin(np.where(np.isfinite(_LOGITS[:K]), _LOGITS[:K], np.inf), axis=-1),  # least likely
-], np.int32)
+  ],
+  np.int32,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,17 +360,25 @@ class LosslessCase:
 
 
 CASES = {
-    c.name: c for c in [
-        LosslessCase("draft_probs", _LOGITS, q=_QS),
-        LosslessCase("ngram_no_draft_probs", _LOGITS),
-        # top-k = 5 keeps 6 tokens (a tie at the 5th); top-p = 0.6 is reached at the
-        # first of two tied tokens and keeps both.
-        LosslessCase("temperature_top_k_top_p_ties", _LOGITS_TIED, temperature=0.7, top_k=5, top_p=0.6, q=_QS_WIDE),
-        LosslessCase("all_random_temperature_top_k_top_p", _LOGITS_TIED, temperature=1.3, top_k=5, top_p=0.95,
-                     q=_QS_WIDE, all_random=True),
-        LosslessCase("bf16_logits", _LOGITS_BF16, temperature=0.9, q=_QS_BF16, dtype=jnp.bfloat16),
-        LosslessCase("ragged_rows_mixed_batch", _LOGITS, q=_QS, ragged=True),
-    ]
+  c.name: c
+  for c in [
+    LosslessCase("draft_probs", _LOGITS, q=_QS),
+    LosslessCase("ngram_no_draft_probs", _LOGITS),
+    # top-k = 5 keeps 6 tokens (a tie at the 5th); top-p = 0.6 is reached at the
+    # first of two tied tokens and keeps both.
+    LosslessCase("temperature_top_k_top_p_ties", _LOGITS_TIED, temperature=0.7, top_k=5, top_p=0.6, q=_QS_WIDE),
+    LosslessCase(
+      "all_random_temperature_top_k_top_p",
+      _LOGITS_TIED,
+      temperature=1.3,
+      top_k=5,
+      top_p=0.95,
+      q=_QS_WIDE,
+      all_random=True,
+    ),
+    LosslessCase("bf16_logits", _LOGITS_BF16, temperature=0.9, q=_QS_BF16, dtype=jnp.bfloat16),
+    LosslessCase("ragged_rows_mixed_batch", _LOGITS, q=_QS, ragged=True),
+  ]
 }
 
 
@@ -384,8 +413,15 @@ def _run_case(name, rows, seed):
   logits = jnp.broadcast_to(jnp.asarray(case.logits, case.dtype), (rows, K + 1, V))
   q = None if case.q is None else jnp.broadcast_to(jnp.asarray(case.q), (rows, K, V))
   params = SamplingParams.create(t, top_k=case.top_k, top_p=case.top_p)
-  out = _run(draft, logits, params, key=_keys(seed, rows), draft_probs=q,
-             n=n if case.ragged else None, all_random=case.all_random)
+  out = _run(
+    draft,
+    logits,
+    params,
+    key=_keys(seed, rows),
+    draft_probs=q,
+    n=n if case.ragged else None,
+    all_random=case.all_random,
+  )
   return out.token_ids, out.num_accepted, n, draft, t
 
 
@@ -394,8 +430,11 @@ def positionwise_gof(token_ids, num_accepted, num_draft_tokens, probs, *, per_n=
   tokens emitted at j by rows that reached it (num_accepted >= j, j <= n)
   against probs[j]."""
   results = []
-  groups = [(f"n={m}", num_draft_tokens == m) for m in np.unique(num_draft_tokens)] if per_n else [
-      ("", np.ones(len(num_accepted), bool))]
+  groups = (
+    [(f"n={m}", num_draft_tokens == m) for m in np.unique(num_draft_tokens)]
+    if per_n
+    else [("", np.ones(len(num_accepted), bool))]
+  )
   for gname, rows in groups:
     for j in range(probs.shape[0]):
       reach = rows & (num_accepted >= j) & (num_draft_tokens >= j)
@@ -420,8 +459,9 @@ def _check_case(case, token_ids, num_accepted, n, draft, t):
     assert np.all(emitted == (num_accepted >= j)), f"position {j}: placeholders out of place"
     tok = token_ids[emitted & random_rows, j]
     assert np.all(probs[j][tok] > 0), f"position {j}: emitted a token the target excludes (masked/filtered)"
-  results = positionwise_gof(token_ids[random_rows], num_accepted[random_rows], n[random_rows], probs,
-                             per_n=case.ragged, label=case.name)
+  results = positionwise_gof(
+    token_ids[random_rows], num_accepted[random_rows], n[random_rows], probs, per_n=case.ragged, label=case.name
+  )
   if case.ragged:  # the greedy rows of the mixed batch: exact
     g = ~random_rows
     logits = np.broadcast_to(case.logits, (int(g.sum()), K + 1, V))
@@ -467,8 +507,13 @@ def test_draft_with_zero_draft_probability():
   draft = np.tile(np.array([2, 6, 1], np.int32), (rows, 1))  # q_0(2) = 0 < p_0(2)
   assert _QS[0, 2] == 0 and np.isinf(_LOGITS[1, 6])
   logits = jnp.broadcast_to(jnp.asarray(_LOGITS), (rows, K + 1, V))
-  out = _run(draft, logits, SamplingParams.create(np.ones(rows, np.float32)), key=_keys(7, rows),
-             draft_probs=jnp.broadcast_to(jnp.asarray(q), (rows, K, V)))
+  out = _run(
+    draft,
+    logits,
+    SamplingParams.create(np.ones(rows, np.float32)),
+    key=_keys(7, rows),
+    draft_probs=jnp.broadcast_to(jnp.asarray(q), (rows, K, V)),
+  )
   np.testing.assert_array_equal(out.num_accepted, 1)
   np.testing.assert_array_equal(out.token_ids[:, 0], 2)
   p1 = stats.reference_probs(_LOGITS[1], 1.0)
@@ -492,8 +537,9 @@ def test_power_of_the_fast_checks():
   sign = np.array([1, -1, 1, -1, 1, -1, 0.0])
   direction = p * (sign - np.sum(p * sign))  # sums to 0
   direction *= w_small / np.sqrt(np.sum(direction**2 / p))
-  rejected = np.mean([stats.chisquare_gof(rng.choice(p.size, 2000, p=p + direction), p).pvalue < stats.ALPHA
-                      for _ in range(400)])
+  rejected = np.mean(
+    [stats.chisquare_gof(rng.choice(p.size, 2000, p=p + direction), p).pvalue < stats.ALPHA for _ in range(400)]
+  )
   assert 0.7 < rejected < 0.9, rejected
 
 
@@ -597,9 +643,20 @@ def rejection_problems(draw, shapes, dtypes=(jnp.float32,), fast=False):
   if use_none_n:
     n = np.full(b, k, np.int32)
     draft = np.where(draft < 0, 0, draft) % v
-  return dict(draft=draft, logits=np.asarray(jnp.asarray(logits, dtype).astype(jnp.float32)), dtype=dtype, q=q,
-              n=n, n_arg=None if use_none_n else n, temperature=temperature, top_k=top_k, top_p=top_p,
-              mode=mode, key_kind=key_kind, seed=seed)
+  return dict(
+    draft=draft,
+    logits=np.asarray(jnp.asarray(logits, dtype).astype(jnp.float32)),
+    dtype=dtype,
+    q=q,
+    n=n,
+    n_arg=None if use_none_n else n,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    mode=mode,
+    key_kind=key_kind,
+    seed=seed,
+  )
 
 
 def _check_invariants(pb):
@@ -633,8 +690,7 @@ def _check_invariants(pb):
   np.testing.assert_array_equal(out.num_accepted[greedy], ref_acc[greedy])
   for r in np.flatnonzero(~greedy):
     t_r = 1.0 if t[r] < _GREEDY_T else t[r]  # all_random: zero-temperature rows at T = 1
-    probs, near = stats.reference_probs(logits[r], t_r, int(pb["top_k"][r]), float(pb["top_p"][r]),
-                                        boundary_tol=1e-4)
+    probs, near = stats.reference_probs(logits[r], t_r, int(pb["top_k"][r]), float(pb["top_p"][r]), boundary_tol=1e-4)
     s = out.num_accepted[r]
     for j in range(s + 1):
       if not near[j]:  # every emitted token lies in the processed support
@@ -647,16 +703,18 @@ def _check_invariants(pb):
           assert resid[out.token_ids[r, s]] > 0 or abs(probs[s] - q[r, s])[out.token_ids[r, s]] < 1e-5
 
 
-@hypothesis.settings(max_examples=25, deadline=None, derandomize=True,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.settings(
+  max_examples=25, deadline=None, derandomize=True, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
 @hypothesis.given(rejection_problems(_FAST_SHAPES, fast=True))
 def test_invariants_hypothesis(pb):
   _check_invariants(pb)
 
 
 @pytest.mark.slow
-@hypothesis.settings(max_examples=150, deadline=None, derandomize=True,
-                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.settings(
+  max_examples=150, deadline=None, derandomize=True, suppress_health_check=[hypothesis.HealthCheck.too_slow]
+)
 @hypothesis.given(rejection_problems(_SLOW_SHAPES, dtypes=(jnp.float32, jnp.bfloat16, jnp.float16)))
 def test_invariants_hypothesis_slow(pb):
   _check_invariants(pb)
@@ -701,8 +759,14 @@ def test_row_output_alone_equals_its_output_in_the_batch():
     keys = _keys(seed)
     out = _run(draft, logits, params, key=keys, draft_probs=q, n=n)
     for r in range(B):
-      alone = _run(draft[r:r + 1], logits[r:r + 1], _rows(params, [r]), key=keys[r:r + 1], draft_probs=q[r:r + 1],
-                   n=n[r:r + 1])
+      alone = _run(
+        draft[r : r + 1],
+        logits[r : r + 1],
+        _rows(params, [r]),
+        key=keys[r : r + 1],
+        draft_probs=q[r : r + 1],
+        n=n[r : r + 1],
+      )
       np.testing.assert_array_equal(alone.token_ids[0], out.token_ids[r])
 
 
@@ -723,25 +787,24 @@ def test_single_key_equals_batch_of_fold_in_keys_and_raw_equals_typed():
   key = jax.random.key(42)
   single = _run(draft, logits, params, key=key, draft_probs=q, n=n)
   folded = jnp.stack([jax.random.fold_in(key, r) for r in range(B)])
-  np.testing.assert_array_equal(_run(draft, logits, params, key=folded, draft_probs=q, n=n).token_ids,
-                                single.token_ids)
+  np.testing.assert_array_equal(_run(draft, logits, params, key=folded, draft_probs=q, n=n).token_ids, single.token_ids)
   raw_single = _run(draft, logits, params, key=jax.random.PRNGKey(42), draft_probs=q, n=n)
   np.testing.assert_array_equal(raw_single.token_ids, single.token_ids)
   raw_batch = _run(draft, logits, params, key=jax.random.key_data(folded), draft_probs=q, n=n)
   np.testing.assert_array_equal(raw_batch.token_ids, single.token_ids)
   # And the key matters: different keys give different outputs somewhere.
-  outs = {_run(draft, logits, params, key=jax.random.key(s), draft_probs=q, n=n).token_ids.tobytes()
-          for s in range(8)}
+  outs = {_run(draft, logits, params, key=jax.random.key(s), draft_probs=q, n=n).token_ids.tobytes() for s in range(8)}
   assert len(outs) > 1
 
 
 @functools.lru_cache(maxsize=None)
 def _sampler_under_jit():
   """One jitted program shared by the tests below (one compile between them)."""
+
   @jax.jit
   def rejection_sample_under_jit(draft, logits, params, key, n):
-    return rejection_sample(draft_token_ids=draft, target_logits=logits, params=params, key=key,
-                            num_draft_tokens=n)
+    return rejection_sample(draft_token_ids=draft, target_logits=logits, params=params, key=key, num_draft_tokens=n)
+
   return rejection_sample_under_jit
 
 
@@ -772,8 +835,7 @@ def test_under_jit_out_of_range_values_are_clipped_and_never_accepted():
   clipped = jax.tree_util.tree_map(np.asarray, fn(am[:, :K], logits, params, _keys(0), np.int32([K, K, 0, 0])))
   with count_compiles("rejection_sample_under_jit") as compiled:  # out-of-range values reuse the program
     # n beyond [0, K] is clipped: K + 2 -> K, -3 -> 0.
-    out = jax.tree_util.tree_map(np.asarray, fn(am[:, :K], logits, params, _keys(0),
-                                                np.int32([K + 2, K + 2, -3, -3])))
+    out = jax.tree_util.tree_map(np.asarray, fn(am[:, :K], logits, params, _keys(0), np.int32([K + 2, K + 2, -3, -3])))
     np.testing.assert_array_equal(out.num_accepted[[0, 2]], [K, 0])
     np.testing.assert_array_equal(out.token_ids[0], am[0])  # bonus from position K
     np.testing.assert_array_equal(out.token_ids[2, 0], am[2, 0])
@@ -802,8 +864,11 @@ def test_under_jit_rejected_out_of_range_ngram_draft_recovers_from_p():
   logits = np.full((b, 2, V), -np.inf, np.float32)
   logits[:, 0, :2] = np.log([0.9, 0.1])
   logits[:, 1, 0] = 0.0
-  fn = jax.jit(lambda d, x, key: rejection_sample(draft_token_ids=d, target_logits=x,
-                                                  params=SamplingParams.create(np.ones(b, np.float32)), key=key))
+  fn = jax.jit(
+    lambda d, x, key: rejection_sample(
+      draft_token_ids=d, target_logits=x, params=SamplingParams.create(np.ones(b, np.float32)), key=key
+    )
+  )
   out = jax.tree_util.tree_map(np.asarray, fn(np.full((b, 1), V, np.int32), logits, jax.random.key(3)))
   np.testing.assert_array_equal(out.num_accepted, 0)
   assert abs(np.mean(out.token_ids[:, 0] == 0) - 0.9) < 0.05
@@ -817,8 +882,11 @@ def test_eager_calls_with_new_values_do_not_recompile():
   with count_compiles("jit(_rejection_sample)") as compiled:
     for i in range(3):
       draft2, logits2, q2 = _random_inputs(20 + i)
-      params2 = SamplingParams.create(rng.choice(np.float32([0.0, 0.3, 1.0]), B), top_k=rng.integers(0, 3, B),
-                                      top_p=rng.choice(np.float32([0.5, 1.0]), B))
+      params2 = SamplingParams.create(
+        rng.choice(np.float32([0.0, 0.3, 1.0]), B),
+        top_k=rng.integers(0, 3, B),
+        top_p=rng.choice(np.float32([0.5, 1.0]), B),
+      )
       _run(draft2, logits2, params2, key=_keys(i), draft_probs=q2, n=rng.integers(0, K + 1, B).astype(np.int32))
     _run(draft, logits, SamplingParams.greedy(B), key=jax.random.key(5), draft_probs=q, n=n)
   assert not compiled, compiled
@@ -858,34 +926,40 @@ def test_half_precision_logits_mixed_batch(dtype):
 
 def _valid_kwargs():
   draft, logits, q = _random_inputs(0)
-  return dict(draft_token_ids=draft, target_logits=logits, params=SamplingParams.create(np.ones(B, np.float32)),
-              key=_keys(0), draft_probs=q, num_draft_tokens=np.full(B, K, np.int32))
+  return dict(
+    draft_token_ids=draft,
+    target_logits=logits,
+    params=SamplingParams.create(np.ones(B, np.float32)),
+    key=_keys(0),
+    draft_probs=q,
+    num_draft_tokens=np.full(B, K, np.int32),
+  )
 
 
 _BAD_INPUTS = [
-    ("draft_rank_1", dict(draft_token_ids=np.zeros(K, np.int32)), "draft_token_ids"),
-    ("draft_wrong_k", dict(draft_token_ids=np.zeros((B, K + 1), np.int32)), "draft_token_ids"),
-    ("draft_wrong_batch", dict(draft_token_ids=np.zeros((B + 1, K), np.int32)), "draft_token_ids"),
-    ("draft_float", dict(draft_token_ids=np.zeros((B, K), np.float32)), "draft_token_ids"),
-    ("logits_rank_2", dict(target_logits=np.zeros((B, V), np.float32)), "target_logits"),
-    ("logits_rank_4", dict(target_logits=np.zeros((B, K + 1, V, 1), np.float32)), "target_logits"),
-    ("logits_int", dict(target_logits=np.zeros((B, K + 1, V), np.int32)), "target_logits"),
-    ("draft_probs_wrong_v", dict(draft_probs=np.ones((B, K, V + 1), np.float32)), "draft_probs"),
-    ("draft_probs_rank_2", dict(draft_probs=np.ones((B, V), np.float32)), "draft_probs"),
-    ("draft_probs_int", dict(draft_probs=np.ones((B, K, V), np.int32)), "draft_probs"),
-    ("n_wrong_shape", dict(num_draft_tokens=np.zeros(B + 1, np.int32)), "num_draft_tokens"),
-    ("n_rank_2", dict(num_draft_tokens=np.zeros((B, 1), np.int32)), "num_draft_tokens"),
-    ("n_float", dict(num_draft_tokens=np.zeros(B, np.float32)), "num_draft_tokens"),
-    ("params_batch_mismatch", dict(params=SamplingParams.create(np.ones(B + 1, np.float32))), "params"),
-    ("n_too_large_eager", dict(num_draft_tokens=np.int32([K + 1, 0, 0, 0])), "num_draft_tokens"),
-    ("n_negative_eager", dict(num_draft_tokens=np.int32([0, -1, 0, 0])), "num_draft_tokens"),
-    ("draft_id_too_large_eager", dict(draft_token_ids=np.int32([[0, V, 0]] * B)), "draft_token_ids"),
-    ("draft_id_negative_eager", dict(draft_token_ids=np.int32([[0, 0, -1]] * B)), "draft_token_ids"),
-    ("key_wrong_batch", dict(key=_keys(0, B + 1)), "key"),
-    ("key_raw_wrong_batch", dict(key=np.zeros((B - 1, 2), np.uint32)), "key"),
-    ("key_wrong_dtype", dict(key=np.zeros(2, np.int32)), "key"),
-    ("key_none_without_all_greedy", dict(key=None), "key"),
-    ("both_flags", dict(all_greedy=True, all_random=True), "all_greedy"),
+  ("draft_rank_1", dict(draft_token_ids=np.zeros(K, np.int32)), "draft_token_ids"),
+  ("draft_wrong_k", dict(draft_token_ids=np.zeros((B, K + 1), np.int32)), "draft_token_ids"),
+  ("draft_wrong_batch", dict(draft_token_ids=np.zeros((B + 1, K), np.int32)), "draft_token_ids"),
+  ("draft_float", dict(draft_token_ids=np.zeros((B, K), np.float32)), "draft_token_ids"),
+  ("logits_rank_2", dict(target_logits=np.zeros((B, V), np.float32)), "target_logits"),
+  ("logits_rank_4", dict(target_logits=np.zeros((B, K + 1, V, 1), np.float32)), "target_logits"),
+  ("logits_int", dict(target_logits=np.zeros((B, K + 1, V), np.int32)), "target_logits"),
+  ("draft_probs_wrong_v", dict(draft_probs=np.ones((B, K, V + 1), np.float32)), "draft_probs"),
+  ("draft_probs_rank_2", dict(draft_probs=np.ones((B, V), np.float32)), "draft_probs"),
+  ("draft_probs_int", dict(draft_probs=np.ones((B, K, V), np.int32)), "draft_probs"),
+  ("n_wrong_shape", dict(num_draft_tokens=np.zeros(B + 1, np.int32)), "num_draft_tokens"),
+  ("n_rank_2", dict(num_draft_tokens=np.zeros((B, 1), np.int32)), "num_draft_tokens"),
+  ("n_float", dict(num_draft_tokens=np.zeros(B, np.float32)), "num_draft_tokens"),
+  ("params_batch_mismatch", dict(params=SamplingParams.create(np.ones(B + 1, np.float32))), "params"),
+  ("n_too_large_eager", dict(num_draft_tokens=np.int32([K + 1, 0, 0, 0])), "num_draft_tokens"),
+  ("n_negative_eager", dict(num_draft_tokens=np.int32([0, -1, 0, 0])), "num_draft_tokens"),
+  ("draft_id_too_large_eager", dict(draft_token_ids=np.int32([[0, V, 0]] * B)), "draft_token_ids"),
+  ("draft_id_negative_eager", dict(draft_token_ids=np.int32([[0, 0, -1]] * B)), "draft_token_ids"),
+  ("key_wrong_batch", dict(key=_keys(0, B + 1)), "key"),
+  ("key_raw_wrong_batch", dict(key=np.zeros((B - 1, 2), np.uint32)), "key"),
+  ("key_wrong_dtype", dict(key=np.zeros(2, np.int32)), "key"),
+  ("key_none_without_all_greedy", dict(key=None), "key"),
+  ("both_flags", dict(all_greedy=True, all_random=True), "all_greedy"),
 ]
 
 

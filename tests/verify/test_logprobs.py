@@ -35,8 +35,9 @@ def _inputs(seed, *, with_probs):
   return jnp.asarray(draft), jnp.asarray(logits), probs
 
 
-PARAMS = dict(temperature=[0.0, 1.0, 0.6, 1.5, 0.0, 0.8], top_k=[0, 0, 5, 0, 3, 12],
-              top_p=[1.0, 1.0, 1.0, 0.7, 1.0, 0.9])
+PARAMS = dict(
+  temperature=[0.0, 1.0, 0.6, 1.5, 0.0, 0.8], top_k=[0, 0, 5, 0, 3, 12], top_p=[1.0, 1.0, 1.0, 0.7, 1.0, 0.9]
+)
 
 
 def _expected(logits, tokens, num_emitted, mode):
@@ -87,8 +88,10 @@ def test_recovered_token_gets_its_target_logprob_not_the_residuals():
   logits[:, :, 7] = np.float32(-np.inf)
   logits[:, 0, 7] = np.float32(3.0)  # ... except at position 0, where d0 = 7 has most of the mass
   params = SamplingParams.create([1.0] * B)
-  outs = [rejection_sample(jnp.asarray(draft), jnp.asarray(logits), params, jax.random.key(s), logprobs="processed")
-          for s in range(20)]
+  outs = [
+    rejection_sample(jnp.asarray(draft), jnp.asarray(logits), params, jax.random.key(s), logprobs="processed")
+    for s in range(20)
+  ]
   rejected_at_0 = [(o, r) for o in outs for r in range(B) if int(o.num_accepted[r]) == 0]
   assert len(rejected_at_0) > 5
   for o, r in rejected_at_0:
@@ -111,8 +114,12 @@ def test_greedy_logprobs_are_log_softmax_in_every_program():
     np.testing.assert_allclose(np.asarray(o.logprobs), np.asarray(a.logprobs), rtol=1e-6, atol=1e-6)
   want = _expected(np.asarray(logits), np.asarray(a.token_ids), np.asarray(a.num_emitted), "raw")
   np.testing.assert_allclose(np.asarray(a.logprobs), want, rtol=1e-5, atol=1e-5)
-  text = jax.jit(lambda d, x: rejection_sample(d, x, greedy, None, all_greedy=True, logprobs="processed")
-                 ).lower(draft, logits).compile().as_text()
+  text = (
+    jax.jit(lambda d, x: rejection_sample(d, x, greedy, None, all_greedy=True, logprobs="processed"))
+    .lower(draft, logits)
+    .compile()
+    .as_text()
+  )
   prog = HloProgram(text)
   assert "exponential" in prog.opcodes() and prog.op_names()  # the check below reads a real program
   for marker in ("threefry", "random", "rng"):
@@ -128,8 +135,9 @@ def test_non_finite_logits_follow_the_samplers_rules():
   logits[1, 0, 3] = 1.0
   draft = jnp.asarray([[4], [3]], jnp.int32)
   for mode in ("raw", "processed"):  # under jit: eagerly, a NaN logit is a ValueError
-    out = jax.jit(lambda x, m=mode: rejection_sample(draft, x, SamplingParams.create([1.0, 0.0]), jax.random.key(1),
-                                                     logprobs=m))(jnp.asarray(logits))
+    out = jax.jit(
+      lambda x, m=mode: rejection_sample(draft, x, SamplingParams.create([1.0, 0.0]), jax.random.key(1), logprobs=m)
+    )(jnp.asarray(logits))
     lp, tok = np.asarray(out.logprobs), np.asarray(out.token_ids)
     assert tok[0, 0] in (1, 4) and tok[1, 0] == 3
     np.testing.assert_allclose(lp[0, 0], np.log(0.5), rtol=1e-6)
@@ -160,9 +168,10 @@ def _teacher_forced(model, prompts, lengths, out, params_np, mode):
   tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
   want = np.zeros(tokens.shape)
   for r, plen in enumerate(np.asarray(lengths)):
-    seq = np.concatenate([np.asarray(prompts)[r, :plen], tokens[r, :n[r]]]).astype(np.int32)
-    logits, _ = model(jnp.asarray(seq)[None], jnp.arange(len(seq), dtype=jnp.int32)[None],
-                      model.init_cache(1, len(seq)))
+    seq = np.concatenate([np.asarray(prompts)[r, :plen], tokens[r, : n[r]]]).astype(np.int32)
+    logits, _ = model(
+      jnp.asarray(seq)[None], jnp.arange(len(seq), dtype=jnp.int32)[None], model.init_cache(1, len(seq))
+    )
     logits = np.asarray(logits[0], np.float64)
     t, k, p = params_np["temperature"][r], params_np["top_k"][r], params_np["top_p"][r]
     for j in range(n[r]):
@@ -190,26 +199,32 @@ def test_loops_return_the_targets_logprobs_of_their_tokens(mode):
   greedy = SamplingParams.greedy(4)
   g = {"temperature": [0.0] * 4, "top_k": [0] * 4, "top_p": [1.0] * 4}
   plain = generate(target, prompts, lengths, greedy, None, all_greedy=True, **common)
-  spec = speculative_generate(target, draft, prompts, lengths, greedy, None, num_speculative_tokens=3,
-                              all_greedy=True, **common)
+  spec = speculative_generate(
+    target, draft, prompts, lengths, greedy, None, num_speculative_tokens=3, all_greedy=True, **common
+  )
   np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
   np.testing.assert_allclose(np.asarray(spec.logprobs), np.asarray(plain.logprobs), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(plain.logprobs), _teacher_forced(target, prompts, lengths, plain, g, mode),
-                             rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(
+    np.asarray(plain.logprobs), _teacher_forced(target, prompts, lengths, plain, g, mode), rtol=1e-4, atol=1e-4
+  )
   assert np.any(np.asarray(plain.lengths) < LMAX)  # EOS cut some rows: their tail must be 0 (checked above)
 
   mixed = {"temperature": [1.0, 0.0, 0.7, 1.3], "top_k": [0, 0, 6, 0], "top_p": [1.0, 1.0, 1.0, 0.8]}
   params = SamplingParams.create(**mixed)
   for seed in range(3):
     key = jax.random.key(seed)
-    outs = [generate(target, prompts, lengths, params, key, **common),
-            speculative_generate(target, draft, prompts, lengths, params, key, num_speculative_tokens=3, **common),
-            speculative_generate(target, PromptLookupDrafter((2, 1)), prompts, lengths, params, key,
-                                 num_speculative_tokens=2, **common)]
+    outs = [
+      generate(target, prompts, lengths, params, key, **common),
+      speculative_generate(target, draft, prompts, lengths, params, key, num_speculative_tokens=3, **common),
+      speculative_generate(
+        target, PromptLookupDrafter((2, 1)), prompts, lengths, params, key, num_speculative_tokens=2, **common
+      ),
+    ]
     for out in outs:
       assert out.logprobs.shape == (4, LMAX) and out.logprobs.dtype == jnp.float32
-      np.testing.assert_allclose(np.asarray(out.logprobs),
-                                 _teacher_forced(target, prompts, lengths, out, mixed, mode), rtol=1e-4, atol=1e-4)
+      np.testing.assert_allclose(
+        np.asarray(out.logprobs), _teacher_forced(target, prompts, lengths, out, mixed, mode), rtol=1e-4, atol=1e-4
+      )
 
 
 def test_loops_without_logprobs_return_none_and_bad_modes_are_refused():
@@ -220,5 +235,14 @@ def test_loops_without_logprobs_return_none_and_bad_modes_are_refused():
   with pytest.raises(ValueError, match="generate: logprobs must be one of"):
     generate(target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=3, logprobs=True)
   with pytest.raises(ValueError, match="speculative_generate: logprobs must be one of"):
-    speculative_generate(target, target, prompts, lengths, SamplingParams.greedy(4), None, max_new_tokens=3,
-                         num_speculative_tokens=2, logprobs="sampled")
+    speculative_generate(
+      target,
+      target,
+      prompts,
+      lengths,
+      SamplingParams.greedy(4),
+      None,
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      logprobs="sampled",
+    )

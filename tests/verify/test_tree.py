@@ -41,8 +41,16 @@ N, D, V = 7, 3, 6
 
 
 def _run(draft, parents, logits, params, key=None, draft_probs=None, num_nodes=None, **flags) -> TreeRejectionOutput:
-  out = tree_rejection_sample(draft_token_ids=draft, parents=parents, target_logits=logits, params=params, key=key,
-                              draft_probs=draft_probs, num_nodes=num_nodes, **flags)
+  out = tree_rejection_sample(
+    draft_token_ids=draft,
+    parents=parents,
+    target_logits=logits,
+    params=params,
+    key=key,
+    draft_probs=draft_probs,
+    num_nodes=num_nodes,
+    **flags,
+  )
   return jax.tree_util.tree_map(np.asarray, out)
 
 
@@ -89,23 +97,54 @@ def _argmax_logits(targets, n=N, v=V, seed=0):
 
 # (node tokens, argmax per row 0..N, num_nodes, expected token_ids [D+1], expected accepted_nodes [D])
 GREEDY_TABLE = [
-    pytest.param([2, 2, 5, 1, 3, 4, 0], [2, 3, 0, 0, 0, 5, 0, 0], 7, [2, 3, 5, -1], [0, 4, -1],
-                 id="duplicate_children_first_wins_then_leaf_bonus"),
-    pytest.param([2, 2, 5, 1, 3, 4, 0], [2, 1, 0, 0, 0, 0, 0, 4], 7, [2, 1, 0, 4], [0, 3, 6], id="deepest_path"),
-    pytest.param([2, 2, 5, 1, 3, 4, 0], [3, 1, 0, 0, 0, 0, 0, 4], 7, [3, -1, -1, -1], [-1, -1, -1],
-                 id="root_mismatch"),
-    pytest.param([2, 5, 5, 1, 3, 4, 0], [5, 0, 4, 0, 0, 0, 1, 0], 7, [5, 4, 1, -1], [1, 5, -1],
-                 id="second_child_duplicate_and_its_subtree"),
-    pytest.param([2, 2, 5, 1, 3, 4, 0], [5, 0, 0, 2, 0, 0, 0, 0], 7, [5, 2, -1, -1], [2, -1, -1],
-                 id="leaf_child_of_root_bonus"),
-    pytest.param([2, 2, 5, 1, 3, 4, 0], [2, 3, 0, 0, 0, 5, 0, 0], 4, [2, 3, -1, -1], [0, -1, -1],
-                 id="ragged_child_past_num_nodes_missing"),
-    pytest.param([2, 2, 5, 1, 3, 4, 0], [2, 1, 0, 0, 4, 0, 0, 4], 6, [2, 1, 4, -1], [0, 3, -1],
-                 id="ragged_leaf_bonus_where_node_6_is_cut"),
-    pytest.param([2, 2, 5, 1, 3, 4, 0], [2, 1, 0, 0, 0, 0, 0, 4], 0, [2, -1, -1, -1], [-1, -1, -1],
-                 id="no_nodes_argmax_of_row_0"),
-    pytest.param([-3, 9, 2, 1, 3, 4, 0], [2, 1, 0, 5, 0, 0, 0, 4], 7, [2, 5, -1, -1], [2, -1, -1],
-                 id="garbage_is_never_matched_past_num_nodes_or_equal"),
+  pytest.param(
+    [2, 2, 5, 1, 3, 4, 0],
+    [2, 3, 0, 0, 0, 5, 0, 0],
+    7,
+    [2, 3, 5, -1],
+    [0, 4, -1],
+    id="duplicate_children_first_wins_then_leaf_bonus",
+  ),
+  pytest.param([2, 2, 5, 1, 3, 4, 0], [2, 1, 0, 0, 0, 0, 0, 4], 7, [2, 1, 0, 4], [0, 3, 6], id="deepest_path"),
+  pytest.param([2, 2, 5, 1, 3, 4, 0], [3, 1, 0, 0, 0, 0, 0, 4], 7, [3, -1, -1, -1], [-1, -1, -1], id="root_mismatch"),
+  pytest.param(
+    [2, 5, 5, 1, 3, 4, 0],
+    [5, 0, 4, 0, 0, 0, 1, 0],
+    7,
+    [5, 4, 1, -1],
+    [1, 5, -1],
+    id="second_child_duplicate_and_its_subtree",
+  ),
+  pytest.param(
+    [2, 2, 5, 1, 3, 4, 0], [5, 0, 0, 2, 0, 0, 0, 0], 7, [5, 2, -1, -1], [2, -1, -1], id="leaf_child_of_root_bonus"
+  ),
+  pytest.param(
+    [2, 2, 5, 1, 3, 4, 0],
+    [2, 3, 0, 0, 0, 5, 0, 0],
+    4,
+    [2, 3, -1, -1],
+    [0, -1, -1],
+    id="ragged_child_past_num_nodes_missing",
+  ),
+  pytest.param(
+    [2, 2, 5, 1, 3, 4, 0],
+    [2, 1, 0, 0, 4, 0, 0, 4],
+    6,
+    [2, 1, 4, -1],
+    [0, 3, -1],
+    id="ragged_leaf_bonus_where_node_6_is_cut",
+  ),
+  pytest.param(
+    [2, 2, 5, 1, 3, 4, 0], [2, 1, 0, 0, 0, 0, 0, 4], 0, [2, -1, -1, -1], [-1, -1, -1], id="no_nodes_argmax_of_row_0"
+  ),
+  pytest.param(
+    [-3, 9, 2, 1, 3, 4, 0],
+    [2, 1, 0, 5, 0, 0, 0, 4],
+    7,
+    [2, 5, -1, -1],
+    [2, -1, -1],
+    id="garbage_is_never_matched_past_num_nodes_or_equal",
+  ),
 ]
 
 
@@ -116,8 +155,16 @@ def _table(cases):
   return draft, logits, num_nodes, np.array([c.values[3] for c in cases]), np.array([c.values[4] for c in cases])
 
 
-@pytest.mark.parametrize("mode", ["all_greedy_flag", "runtime_all_greedy", "greedy_rows_of_mixed_batch",
-                                  "parents_per_row", "parents_per_row_under_jit"])
+@pytest.mark.parametrize(
+  "mode",
+  [
+    "all_greedy_flag",
+    "runtime_all_greedy",
+    "greedy_rows_of_mixed_batch",
+    "parents_per_row",
+    "parents_per_row_under_jit",
+  ],
+)
 def test_greedy_table(mode):
   cases = [c for c in GREEDY_TABLE if c.id != "garbage_is_never_matched_past_num_nodes_or_equal"]
   draft, logits, num_nodes, expected, nodes = _table(cases)
@@ -137,9 +184,9 @@ def test_greedy_table(mode):
       fn = jax.jit(fn)
     out = jax.tree_util.tree_map(np.asarray, fn(draft, parents, logits))
     assert out.token_ids.shape == (b, N + 1) and out.accepted_nodes.shape == (b, N)
-    np.testing.assert_array_equal(out.token_ids[:, D + 1:], -1)
+    np.testing.assert_array_equal(out.token_ids[:, D + 1 :], -1)
     np.testing.assert_array_equal(out.accepted_nodes[:, D:], -1)
-    out = TreeRejectionOutput(out.token_ids[:, :D + 1], out.accepted_nodes[:, :D], out.num_accepted, out.num_emitted)
+    out = TreeRejectionOutput(out.token_ids[:, : D + 1], out.accepted_nodes[:, :D], out.num_accepted, out.num_emitted)
   else:
     out = _run(draft, PARENTS, logits, params, key=key, num_nodes=num_nodes)
   rows = np.flatnonzero(t == 0)
@@ -158,8 +205,9 @@ def test_greedy_under_jit_garbage_is_ignored():
   # Node 0 holds -3 and node 1 holds 9 (out of [0, V)); under jit they are never matched.
   case = GREEDY_TABLE[-1]
   draft, logits, num_nodes, expected, nodes = _table([case])
-  fn = jax.jit(lambda d, x: tree_rejection_sample(d, PARENTS, x, SamplingParams.greedy(1), num_nodes=num_nodes,
-                                                  all_greedy=True))
+  fn = jax.jit(
+    lambda d, x: tree_rejection_sample(d, PARENTS, x, SamplingParams.greedy(1), num_nodes=num_nodes, all_greedy=True)
+  )
   out = fn(draft, logits)
   np.testing.assert_array_equal(out.token_ids, expected)
   np.testing.assert_array_equal(out.accepted_nodes, nodes)
@@ -260,9 +308,13 @@ def test_chain_random_matches_the_exact_chain_law(with_q, pname):
   logits = np.tile(logits1, (b, 1, 1))
   q = None if q1 is None else np.tile(q1, (b, 1, 1))
   results = []
-  for name, out in [("tree", _run(draft, CHAIN, logits, params, key=jax.random.key(7), draft_probs=q)),
-                    ("rejection_sample", rejection_sample(draft, logits, params, jax.random.key(7),
-                                                           draft_probs=None if q is None else q[:, :CHAIN_K]))]:
+  for name, out in [
+    ("tree", _run(draft, CHAIN, logits, params, key=jax.random.key(7), draft_probs=q)),
+    (
+      "rejection_sample",
+      rejection_sample(draft, logits, params, jax.random.key(7), draft_probs=None if q is None else q[:, :CHAIN_K]),
+    ),
+  ]:
     acc, tok = np.asarray(out.num_accepted), np.asarray(out.token_ids)
     final = tok[np.arange(b), acc]
     results.append(stats.chisquare_gof(acc * V + final, law, label=f"{name} {pname}"))
@@ -337,8 +389,7 @@ def _lossless_check(with_q, pname, seed, rows=STAT_ROWS, drawn="iid", verified=N
   rng = np.random.default_rng(seed)
   draft, logits, q = _draft_tree(f_table, q_table, rows, rng, with_q, drawn)
   params = SamplingParams.create(*[np.full(rows, x) for x in pset])
-  out = _run(draft, PARENTS, logits, params, key=jax.random.key(seed), draft_probs=q,
-             sibling_draws=verified or drawn)
+  out = _run(draft, PARENTS, logits, params, key=jax.random.key(seed), draft_probs=q, sibling_draws=verified or drawn)
   assert out.token_ids.shape == (rows, D + 1)
   samples, stop_rate = _first_two_tokens(out, f_table, pset, rng)
   assert 0.05 < stop_rate < 0.95, stop_rate  # both branches of the completion are exercised
@@ -368,8 +419,10 @@ def test_siblings_without_replacement_accept_more_and_need_their_own_verifier():
   """Distinct siblings are accepted more often than i.i.d. ones; verified as if i.i.d., they are not lossless."""
   iid = _lossless_check(True, "T1", seed=12)[2]
   distinct = _lossless_check(True, "T1", seed=12, drawn="without_replacement")[2]
-  assert distinct.num_accepted.mean() > iid.num_accepted.mean() + 0.05, (distinct.num_accepted.mean(),
-                                                                          iid.num_accepted.mean())
+  assert distinct.num_accepted.mean() > iid.num_accepted.mean() + 0.05, (
+    distinct.num_accepted.mean(),
+    iid.num_accepted.mean(),
+  )
   first, joint, _ = _lossless_check(True, "T1", seed=12, drawn="without_replacement", verified="iid")
   assert min(first.pvalue, joint.pvalue) < stats.ALPHA, (first, joint)
 
@@ -383,11 +436,11 @@ def test_power_of_the_lossless_checks():
 
 _RIGHT_RESIDUAL = tree_verifier._residual
 PLANTED = {
-    # After a rejected sibling, keep r (no max(r - q, 0) at all, final draw from p included).
-    "no_residual": lambda r, q, p: r,
-    # The residual taken from p every time, not from the current r: right for the first
-    # rejection only, wrong from the second sibling on.
-    "residual_of_p_not_of_r": lambda r, q, p: _RIGHT_RESIDUAL(p, q, p),
+  # After a rejected sibling, keep r (no max(r - q, 0) at all, final draw from p included).
+  "no_residual": lambda r, q, p: r,
+  # The residual taken from p every time, not from the current r: right for the first
+  # rejection only, wrong from the second sibling on.
+  "residual_of_p_not_of_r": lambda r, q, p: _RIGHT_RESIDUAL(p, q, p),
 }
 
 
@@ -439,8 +492,9 @@ def test_invariants_hypothesis(case):
   rows, cols = np.nonzero(np.ones((HB, HN), bool))
   logits[rows, parents[rows, cols] + 1, draft[rows, cols]] += 3.0
   q = rng.dirichlet(np.ones(HV), (HB, HN + 1)).astype(np.float32) if with_q else None
-  out = _run(draft, parents, logits, SamplingParams.create(temps), key=jax.random.key(seed), draft_probs=q,
-             num_nodes=num_nodes)
+  out = _run(
+    draft, parents, logits, SamplingParams.create(temps), key=jax.random.key(seed), draft_probs=q, num_nodes=num_nodes
+  )
   for b in range(HB):
     a = int(out.num_accepted[b])
     assert int(out.num_emitted[b]) == a + 1
@@ -452,10 +506,11 @@ def test_invariants_hypothesis(case):
       prev = j
     np.testing.assert_array_equal(out.token_ids[b, :a], draft[b, nodes[:a]])
     assert 0 <= out.token_ids[b, a] < HV
-    assert np.all(out.token_ids[b, a + 1:] == -1)
+    assert np.all(out.token_ids[b, a + 1 :] == -1)
     if temps[b] == 0.0:  # greedy rows: exactly the walker
-      ref_tokens, ref_nodes = _greedy_reference(draft[b:b + 1], parents[b:b + 1], logits[b:b + 1],
-                                                num_nodes[b:b + 1], HN)
+      ref_tokens, ref_nodes = _greedy_reference(
+        draft[b : b + 1], parents[b : b + 1], logits[b : b + 1], num_nodes[b : b + 1], HN
+      )
       np.testing.assert_array_equal(out.token_ids[b], ref_tokens[0])
       np.testing.assert_array_equal(out.accepted_nodes[b], ref_nodes[0])
 
@@ -467,8 +522,14 @@ def test_row_uses_only_its_own_key():
   keys = jax.random.split(jax.random.key(4), 4)
   full = _run(draft, PARENTS, logits, params, key=keys, draft_probs=q)
   single = _run(draft, PARENTS, logits, params, key=jax.random.key(4), draft_probs=q)
-  folded = _run(draft, PARENTS, logits, params, key=jax.vmap(lambda b: jax.random.fold_in(jax.random.key(4), b))(
-      jnp.arange(4, dtype=jnp.int32)), draft_probs=q)
+  folded = _run(
+    draft,
+    PARENTS,
+    logits,
+    params,
+    key=jax.vmap(lambda b: jax.random.fold_in(jax.random.key(4), b))(jnp.arange(4, dtype=jnp.int32)),
+    draft_probs=q,
+  )
   np.testing.assert_array_equal(single.token_ids, folded.token_ids)
   # Row 2 alone in a batch of one (its key, its inputs) gives the same output.
   params2 = SamplingParams.create([1.0])
@@ -501,11 +562,21 @@ def test_no_recompile_for_new_trees_keys_and_params():
 
 
 def test_static_parents_give_static_depth():
-  out = _run(np.zeros((1, 4), np.int32), np.array([-1, -1, -1, -1]), np.zeros((1, 5, V), np.float32),
-             SamplingParams.greedy(1), all_greedy=True)
+  out = _run(
+    np.zeros((1, 4), np.int32),
+    np.array([-1, -1, -1, -1]),
+    np.zeros((1, 5, V), np.float32),
+    SamplingParams.greedy(1),
+    all_greedy=True,
+  )
   assert out.token_ids.shape == (1, 2) and out.accepted_nodes.shape == (1, 1)
-  out = _run(np.zeros((1, 0), np.int32), np.zeros((0,), np.int32), np.zeros((1, 1, V), np.float32),
-             SamplingParams.create([1.0]), jax.random.key(0))
+  out = _run(
+    np.zeros((1, 0), np.int32),
+    np.zeros((0,), np.int32),
+    np.zeros((1, 1, V), np.float32),
+    SamplingParams.create([1.0]),
+    jax.random.key(0),
+  )
   assert out.token_ids.shape == (1, 1) and out.accepted_nodes.shape == (1, 0)
   assert int(out.num_emitted[0]) == 1
 
@@ -514,8 +585,16 @@ def test_all_masked_node_accepts_nothing_and_emits_token_0():
   logits = np.zeros((2, 3, V), np.float32)
   logits[:, 0] = -np.inf
   draft = np.zeros((2, 2), np.int32)
-  fn = jax.jit(lambda x: tree_rejection_sample(draft, np.array([-1, -1]), x, SamplingParams.create([0.0, 1.0]),
-                                               jax.random.key(0), draft_probs=np.full((2, 3, V), 1 / V, np.float32)))
+  fn = jax.jit(
+    lambda x: tree_rejection_sample(
+      draft,
+      np.array([-1, -1]),
+      x,
+      SamplingParams.create([0.0, 1.0]),
+      jax.random.key(0),
+      draft_probs=np.full((2, 3, V), 1 / V, np.float32),
+    )
+  )
   out = fn(logits)
   np.testing.assert_array_equal(out.token_ids, [[0, -1], [0, -1]])
   np.testing.assert_array_equal(out.num_accepted, [0, 0])
@@ -528,9 +607,15 @@ def test_all_masked_node_accepts_nothing_and_emits_token_0():
 
 def _good():
   b = 2
-  return dict(draft_token_ids=np.zeros((b, N), np.int32), parents=PARENTS, target_logits=np.zeros((b, N + 1, V),
-              np.float32), params=SamplingParams.create([1.0, 0.0]), key=jax.random.key(0),
-              draft_probs=np.full((b, N + 1, V), 1 / V, np.float32), num_nodes=np.array([N, 3], np.int32))
+  return dict(
+    draft_token_ids=np.zeros((b, N), np.int32),
+    parents=PARENTS,
+    target_logits=np.zeros((b, N + 1, V), np.float32),
+    params=SamplingParams.create([1.0, 0.0]),
+    key=jax.random.key(0),
+    draft_probs=np.full((b, N + 1, V), 1 / V, np.float32),
+    num_nodes=np.array([N, 3], np.int32),
+  )
 
 
 def _with(**changes):
@@ -540,27 +625,27 @@ def _with(**changes):
 
 
 BAD = [
-    (dict(target_logits=np.zeros((2, V), np.float32)), "target_logits must be"),
-    (dict(target_logits=np.zeros((2, N + 1, V), np.int32)), "target_logits must be a float"),
-    (dict(draft_token_ids=np.zeros((2, N - 1), np.int32)), "draft_token_ids must be"),
-    (dict(draft_token_ids=np.zeros((2, N), np.float32)), "draft_token_ids must be an integer"),
-    (dict(parents=PARENTS[:-1]), "parents must be"),
-    (dict(parents=PARENTS.astype(np.float32)), "parents must be an integer"),
-    (dict(parents=np.array([-1, -1, -1, 0, 0, 5, 3])), r"parents\[j\] must be in \[-1, j\)"),
-    (dict(parents=np.array([-2, -1, -1, 0, 0, 1, 3])), r"parents\[j\] must be in \[-1, j\)"),
-    (dict(parents=np.tile(np.array([-1, -1, -1, 0, 7, 1, 3]), (2, 1))), r"parents\[b, j\] must be in"),
-    (dict(num_nodes=np.array([N + 1, 0])), r"num_nodes must be in \[0, N"),
-    (dict(num_nodes=np.array([-1, 0])), r"num_nodes must be in \[0, N"),
-    (dict(num_nodes=np.array([1])), r"num_nodes must be \[B\]"),
-    (dict(num_nodes=np.array([1.0, 2.0])), "num_nodes must be an integer"),
-    (dict(draft_token_ids=np.full((2, N), V, np.int32)), r"draft_token_ids must be in \[0, V"),
-    (dict(draft_probs=np.zeros((2, N, V), np.float32)), r"draft_probs must be \[B, N\+1, V\]"),
-    (dict(draft_probs=np.full((2, N + 1, V), np.nan, np.float32)), "draft_probs must be finite"),
-    (dict(target_logits=np.full((2, N + 1, V), np.nan, np.float32)), "target_logits holds NaN"),
-    (dict(target_logits=np.full((2, N + 1, V), -np.inf, np.float32)), "target_logits has no value above -inf"),
-    (dict(key=None), "key is required"),
-    (dict(key=jax.random.split(jax.random.key(0), 3)), "key"),
-    (dict(params=SamplingParams.create([1.0])), "params.temperature must have shape"),
+  (dict(target_logits=np.zeros((2, V), np.float32)), "target_logits must be"),
+  (dict(target_logits=np.zeros((2, N + 1, V), np.int32)), "target_logits must be a float"),
+  (dict(draft_token_ids=np.zeros((2, N - 1), np.int32)), "draft_token_ids must be"),
+  (dict(draft_token_ids=np.zeros((2, N), np.float32)), "draft_token_ids must be an integer"),
+  (dict(parents=PARENTS[:-1]), "parents must be"),
+  (dict(parents=PARENTS.astype(np.float32)), "parents must be an integer"),
+  (dict(parents=np.array([-1, -1, -1, 0, 0, 5, 3])), r"parents\[j\] must be in \[-1, j\)"),
+  (dict(parents=np.array([-2, -1, -1, 0, 0, 1, 3])), r"parents\[j\] must be in \[-1, j\)"),
+  (dict(parents=np.tile(np.array([-1, -1, -1, 0, 7, 1, 3]), (2, 1))), r"parents\[b, j\] must be in"),
+  (dict(num_nodes=np.array([N + 1, 0])), r"num_nodes must be in \[0, N"),
+  (dict(num_nodes=np.array([-1, 0])), r"num_nodes must be in \[0, N"),
+  (dict(num_nodes=np.array([1])), r"num_nodes must be \[B\]"),
+  (dict(num_nodes=np.array([1.0, 2.0])), "num_nodes must be an integer"),
+  (dict(draft_token_ids=np.full((2, N), V, np.int32)), r"draft_token_ids must be in \[0, V"),
+  (dict(draft_probs=np.zeros((2, N, V), np.float32)), r"draft_probs must be \[B, N\+1, V\]"),
+  (dict(draft_probs=np.full((2, N + 1, V), np.nan, np.float32)), "draft_probs must be finite"),
+  (dict(target_logits=np.full((2, N + 1, V), np.nan, np.float32)), "target_logits holds NaN"),
+  (dict(target_logits=np.full((2, N + 1, V), -np.inf, np.float32)), "target_logits has no value above -inf"),
+  (dict(key=None), "key is required"),
+  (dict(key=jax.random.split(jax.random.key(0), 3)), "key"),
+  (dict(params=SamplingParams.create([1.0])), "params.temperature must have shape"),
 ]
 
 
@@ -589,10 +674,16 @@ def test_all_greedy_tree_program_has_no_exponential_or_random_numbers():
 
   def program(**flags):
     def fn(draft, logits, params, key):
-      return tree_rejection_sample(draft_token_ids=draft, parents=parents, target_logits=logits, params=params,
-                                   key=key, **flags).token_ids
-    args = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n + 1, v), jnp.float32), SamplingParams.greedy(b),
-            jax.random.key(0))
+      return tree_rejection_sample(
+        draft_token_ids=draft, parents=parents, target_logits=logits, params=params, key=key, **flags
+      ).token_ids
+
+    args = (
+      jnp.zeros((b, n), jnp.int32),
+      jnp.zeros((b, n + 1, v), jnp.float32),
+      SamplingParams.greedy(b),
+      jax.random.key(0),
+    )
     return stats.HloProgram(jax.jit(fn).lower(*args).compile().as_text())
 
   greedy, general = program(all_greedy=True), program()
@@ -602,8 +693,9 @@ def test_all_greedy_tree_program_has_no_exponential_or_random_numbers():
   assert "exponential" in general.opcodes() and (general.mentions("threefry") or general.mentions("random_bits"))
 
 
-@pytest.mark.parametrize("parents", [[-1, -1, 0, 0, 1, 2, 3],
-                                     pytest.param([-1, -1, -1, 0, 1, 2, 3, 4, 5], marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "parents", [[-1, -1, 0, 0, 1, 2, 3], pytest.param([-1, -1, -1, 0, 1, 2, 3, 4, 5], marks=pytest.mark.slow)]
+)
 def test_unrolled_greedy_walk_is_bit_identical_to_the_while_loop(monkeypatch, parents):
   """Small greedy trees unroll the walk (no early exit): the same outputs, bit for bit (mixed batches: the
   run-time all-greedy branch is not taken, so both programs also hold the random walk)."""
@@ -622,9 +714,21 @@ def test_unrolled_greedy_walk_is_bit_identical_to_the_while_loop(monkeypatch, pa
     tree_verifier._tree_rejection_sample.clear_cache()
     for greedy in (True, False):  # the static all-greedy program, and a mixed batch
       p = SamplingParams.greedy(b) if greedy else params
-      outs.append(jax.tree.map(np.asarray, tree_rejection_sample(
-          draft, np.array(parents), logits, p, None if greedy else jax.random.key(3), draft_probs=probs,
-          num_nodes=num_nodes, all_greedy=greedy)))
+      outs.append(
+        jax.tree.map(
+          np.asarray,
+          tree_rejection_sample(
+            draft,
+            np.array(parents),
+            logits,
+            p,
+            None if greedy else jax.random.key(3),
+            draft_probs=probs,
+            num_nodes=num_nodes,
+            all_greedy=greedy,
+          ),
+        )
+      )
   tree_verifier._tree_rejection_sample.clear_cache()
   for a, c in ((outs[0], outs[2]), (outs[1], outs[3])):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)):

