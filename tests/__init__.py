@@ -1,1 +1,1 @@
-"""Test package (so that shared helpers import as `tests.stats`)."""
+"""Test package (so that shared helpers import as `tests.support.stats`)."""

@@ -8,6 +8,8 @@ the tests check it there.
 """
 
 import os
+import pathlib
+import tempfile
 
 # The suite's time is mostly XLA compiling small programs on the CPU: LLVM at level 0 compiles them
 # 16-24% faster in all (measured on 2 cores), skipping LLVM's expensive passes 3-10% more, and XLA:CPU's
@@ -37,21 +39,49 @@ def tree_models():
   return build_models()
 
 
-@pytest.fixture(scope="session")
-def eight_device_results(request):
-  """{worker: {check: result}}: the fast part of each 8-device worker the collected tests need, in ONE subprocess."""
-  from tests.support.eight_devices import run_workers, workers_needed
+_SHARED_DIR = None
+_FAST_PARTS = {}
 
-  return run_workers({w: "fast" for w in workers_needed(request.session, "eight_device_results")})
+
+def _shared_dir() -> pathlib.Path:
+  """A folder every pytest process of this run sees: one per pytest-xdist run (its test-run id), or one per
+  process without xdist."""
+  global _SHARED_DIR
+  if _SHARED_DIR is None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run:
+      _SHARED_DIR = pathlib.Path(tempfile.gettempdir()) / f"specdec_jax_tests_{run}"
+      _SHARED_DIR.mkdir(exist_ok=True)
+    else:
+      _SHARED_DIR = pathlib.Path(tempfile.mkdtemp(prefix="specdec_jax_tests_"))
+  return _SHARED_DIR
+
+
+def pytest_collection_finish(session):
+  """Starts the 8-device subprocess as soon as the tests that read it are known, so that it runs beside them."""
+  from tests.support.eight_devices import start_workers, workers_needed
+
+  _FAST_PARTS.update({w: "fast" for w in workers_needed(session, "eight_device_results")})
+  start_workers(dict(_FAST_PARTS), _shared_dir())
+
+
+@pytest.fixture(scope="session")
+def eight_device_results():
+  """{worker: {check: result}}: the fast part of each 8-device worker the collected tests need, from ONE
+  subprocess per run (started after collection, shared by pytest-xdist's workers)."""
+  from tests.support.eight_devices import worker_results
+
+  return worker_results(dict(_FAST_PARTS), _shared_dir())
 
 
 @pytest.fixture(scope="session")
 def eight_device_more_results(request):
   """As `eight_device_results`, for the slow-marked parts ("more" loops, "more-meshes")."""
-  from tests.support.eight_devices import run_workers, workers_needed
+  from tests.support.eight_devices import worker_results, workers_needed
 
   parts = {"models": "more", "samplers": "more-meshes"}
-  return run_workers({w: parts[w] for w in workers_needed(request.session, "eight_device_more_results")})
+  needed = {w: parts[w] for w in workers_needed(request.session, "eight_device_more_results")}
+  return worker_results(needed, _shared_dir())
 
 
 @pytest.fixture(autouse=True, scope="session")

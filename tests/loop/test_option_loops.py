@@ -3,7 +3,7 @@
 The loops keep each row's `PenaltyState` (prompt mask, counts of generated
 tokens) and `rejection_sample` adds a round's drafts position by position
 (docs/api.md, "Sampling options"). Checked here, with float32 tiny models
-(`tests.test_decoding.TinyLM`):
+(`tests.support.tiny_lm.TinyLM`):
 
 * greedy: `generate` equals a NumPy loop that applies the float64 reference
   steps (`tests.sampling_reference`) to full uncached forwards token by token;
@@ -16,7 +16,7 @@ tokens) and `rejection_sample` adds a round's drafts position by position
 * sampled: each loop's log-probabilities are the target's at each token's own
   context (teacher-forced float64 reference); the first 3 tokens of
   `speculative_generate` and `generate` (T=1, penalties on) follow the exact
-  float64 joint by chi-square at alpha = 1e-3 (`tests.stats.ALPHA`, fixed
+  float64 joint by chi-square at alpha = 1e-3 (`tests.support.stats.ALPHA`, fixed
   seeds), and the planted verifier fails that check.
 """
 

@@ -118,7 +118,7 @@ def test_missing_optional_package_names_it_and_the_install_command(monkeypatch, 
 
 
 def test_import_optional_also_reports_a_hidden_find_spec(monkeypatch):
-  # tests/test_smollm2.py hides packages this way: find_spec answers None.
+  # tests/models/test_smollm2.py hides packages this way: find_spec answers None.
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name, *a))
   with pytest.raises(ImportError, match=r"Saving a draft needs the `safetensors` package.*" + INSTALL_EXTRA):

@@ -10,7 +10,7 @@ filters, the overflow redo and an empty residual. Checked here:
 * the statistics equal a float64 reference on ordinary rows and on every
   non-finite rule (overflowing temperature, +inf logits, NaN, nothing above -inf);
 * the compiled programs hold no `conditional`;
-* chi-square (alpha = 1e-3, `tests.stats.ALPHA`, fixed seeds) of sampled tokens,
+* chi-square (alpha = 1e-3, `tests.support.stats.ALPHA`, fixed seeds) of sampled tokens,
   of every position of a rejection round, and of the first three tokens of
   `speculative_generate`, each with a planted wrong sampler rejected by the
   same samples.

@@ -2,7 +2,7 @@
 
 Expected values come from `tests.sampling_reference`, a float64 NumPy reading of
 the processing order that shares no code with the library. Statistical tests
-use fixed seeds and a chi-square test at alpha = 1e-3 (`tests.stats.ALPHA`);
+use fixed seeds and a chi-square test at alpha = 1e-3 (`tests.support.stats.ALPHA`);
 each also shows that a plausible wrong implementation is rejected by the same
 samples at that level. The `rejection_sample` section checks every position of
 a round, the bonus included, with the round's earlier drafts in the context

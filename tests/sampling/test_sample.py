@@ -2,7 +2,7 @@
 
 The expected values come from `tests/support/stats.py's `reference_probs``, a float64 NumPy
 reading of the contract (docs/api.md) that shares no code with the library. Statistical tests use
-fixed seeds and a chi-square test at alpha = 1e-3 (`tests.stats.ALPHA`).
+fixed seeds and a chi-square test at alpha = 1e-3 (`tests.support.stats.ALPHA`).
 """
 
 import functools

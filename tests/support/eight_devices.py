@@ -14,12 +14,14 @@ tests/conftest.py's session fixtures start it once for every test that needs it.
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -84,30 +86,69 @@ def part_arg(argv: list[str]) -> str:
 WORKERS = {"models": "tests.support.mesh_worker", "samplers": "tests.support.mesh_sampler_worker"}
 
 
-def run_workers(parts: dict[str, str]) -> dict[str, dict]:
-  """{worker: {check: {"ok", "detail"}}} of each worker's part (`parts`: worker -> part), from one subprocess;
-  fails the calling test if the process crashed."""
+def _command(parts: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+  """The subprocess's argv and environment for `parts` (worker -> part)."""
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FLAGS}".strip()
   env["JAX_PLATFORMS"] = "cpu"  # fake devices are CPU devices, also on a machine with a GPU
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   args = [f"{worker}={part}" for worker, part in sorted(parts.items())]
-  proc = subprocess.run(
-    [sys.executable, "-m", "tests.support.eight_devices", *args],
-    env=env,
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=1800,
-    check=False,
-  )
-  lines = proc.stdout.strip().splitlines()
-  if proc.returncode != 0 or not lines:
-    pytest.fail(
-      f"the 8-device workers ({' '.join(args)}) exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-      f"{proc.stderr[-5000:]}"
-    )
+  return [sys.executable, "-m", "tests.support.eight_devices", *args], env
+
+
+def _parse(parts: dict[str, str], returncode: int, stdout: str, stderr: str) -> dict[str, dict]:
+  lines = stdout.strip().splitlines()
+  if returncode != 0 or not lines:
+    pytest.fail(f"the 8-device workers ({parts}) exited with {returncode}:\n{stdout[-3000:]}\n{stderr[-5000:]}")
   return json.loads(lines[-1])
+
+
+def run_workers(parts: dict[str, str]) -> dict[str, dict]:
+  """{worker: {check: {"ok", "detail"}}} of each worker's part (`parts`: worker -> part), from one subprocess;
+  fails the calling test if the process crashed."""
+  argv, env = _command(parts)
+  proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
+  return _parse(parts, proc.returncode, proc.stdout, proc.stderr)
+
+
+def _files(parts: dict[str, str], shared_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+  name = "_".join(f"{w}-{p}" for w, p in sorted(parts.items()))
+  return {k: shared_dir / f"eight_devices_{name}.{k}" for k in ("lock", "out", "err", "done")}
+
+
+def start_workers(parts: dict[str, str], shared_dir: pathlib.Path) -> None:
+  """Starts the subprocess of `parts` in the background, once per `shared_dir` (the first pytest process to ask
+  starts it; pytest-xdist's other workers find it started), so that it compiles while the tests run."""
+  if not parts:
+    return
+  files = _files(parts, shared_dir)
+  with open(files["lock"], "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if files["out"].exists():
+      return
+    argv, env = _command(parts)
+    out, err = open(files["out"], "w"), open(files["err"], "w")  # noqa: SIM115 (closed by `wait`)
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=err, text=True)
+
+  def wait():
+    code = proc.wait(timeout=1800)
+    out.close()
+    err.close()
+    files["done"].write_text(str(code))  # written last: its presence says the output is complete
+
+  threading.Thread(target=wait, daemon=True).start()
+
+
+def worker_results(parts: dict[str, str], shared_dir: pathlib.Path) -> dict[str, dict]:
+  """The results of the subprocess `start_workers` started for `parts` (starting it now if nobody has)."""
+  files = _files(parts, shared_dir)
+  start_workers(parts, shared_dir)
+  deadline = time.monotonic() + 1800
+  while not files["done"].exists():
+    if time.monotonic() > deadline:
+      pytest.fail(f"the 8-device workers ({parts}) did not finish in 30 minutes")
+    time.sleep(0.2)
+  return _parse(parts, int(files["done"].read_text()), files["out"].read_text(), files["err"].read_text())
 
 
 def workers_needed(session, fixture_name: str) -> set[str]:

@@ -42,7 +42,7 @@ INSTALL_MODELS_EXTRA = gguf.MODELS_EXTRA_INSTALL
 
 # Token ids that end a SmolLM2 reply: <|im_end|> (end of a chat turn) and
 # <|endoftext|> (end of a document). A tuple, so it can be a static jit argument.
-# tests/test_smollm2.py checks them against the tokenizer.
+# tests/models/test_smollm2.py checks them against the tokenizer.
 SMOLLM2_EOS_IDS: tuple[int, ...] = (2, 0)
 
 # Inserted by SmolLM2's chat template when the conversation has no system turn.
