@@ -91,8 +91,8 @@ from flax import nnx, serialization
 from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate
-from specdec_jax.models import smollm2
 from specdec_jax.models.eagle import EagleDrafter
+from specdec_jax.models.loaders import smollm2
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_draft import CHAT_QUESTIONS, TEMPLATES, TOPICS  # noqa: E402  (the draft model's prompt lists)
