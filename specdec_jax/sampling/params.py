@@ -21,8 +21,9 @@ import numpy as np
 GREEDY_TEMPERATURE = 1e-5
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
+def _is_concrete(*arrays) -> bool:
+  """True unless one of `arrays` is a tracer (under jit, values are unknown and their checks are skipped)."""
+  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
 @jax.tree_util.register_dataclass

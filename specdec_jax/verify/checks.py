@@ -11,19 +11,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.sampling.params import check_logits_values, check_params, check_probs_values
+from specdec_jax.sampling.params import _is_concrete, check_logits_values, check_params, check_probs_values
 
 # How far a concrete draft_probs row's sum may be from 1: float32 rounding over a large
 # vocabulary, or the dtype's own rounding for narrower dtypes.
 PROBS_SUM_TOLERANCE = 1e-3
-
-
-def _concrete(*arrays) -> bool:
-  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
 class VerifierShape(NamedTuple):
@@ -88,7 +83,7 @@ def check_chain_values(where, draft, n, logits, draft_probs):
   draft: int[B, K]; n: int[B] (num_draft_tokens); logits: float[B, K+1, V];
   draft_probs: float[B, K, V] or None. Device reductions: only flags come back to the host.
   """
-  if not _concrete(draft, n):
+  if not _is_concrete(draft, n):
     return
   k, v = draft.shape[1], logits.shape[-1]
   n_np = np.asarray(n)
@@ -101,7 +96,7 @@ def check_chain_values(where, draft, n, logits, draft_probs):
     raise ValueError(
       f"{where}: draft_token_ids must be in [0, V={v}) at positions < num_draft_tokens; got {d[bad][:8]}"
     )
-  if not _concrete(logits, draft_probs):
+  if not _is_concrete(logits, draft_probs):
     return
   n = jnp.asarray(n)
   check_logits_values(logits, jnp.arange(k + 1)[None, :] <= n[:, None], f"{where}: target_logits")
@@ -124,7 +119,7 @@ def check_probs_sum(probs, used, where: str, positions: str) -> None:
   Example:
     >>> check_probs_sum(jnp.full((1, 2, 4), 0.25), jnp.ones((1, 2), bool), "f: draft_probs", "everywhere")
   """
-  if not _concrete(probs):
+  if not _is_concrete(probs):
     return
   dtype = jnp.result_type(probs)
   tol = max(PROBS_SUM_TOLERANCE, 4 * float(jnp.finfo(dtype).eps))

@@ -3,13 +3,14 @@ when JAX starts, so such checks cannot run in the ordinary pytest process).
 
 Two workers hold the checks: tests/support/mesh_worker.py (models and loops, "models") and
 tests/support/mesh_sampler_worker.py (the samplers split over the vocabulary, "samplers"). Each
-has parts ("fast", and the slow-marked "more" / "more-meshes"). `run_workers` starts one process
+has parts ("fast", and the slow-marked "more" / "more-meshes"). `start_workers` starts one process
 that runs the asked parts one after the other:
 
     python -m tests.support.eight_devices models=fast samplers=fast
 
 which prints one JSON object on its last line, {worker: {check name: {"ok": bool, "detail": str}}}.
-tests/conftest.py's session fixtures start it once for every test that needs it.
+tests/conftest.py starts it after collection and its session fixtures read it (`worker_results`), once per
+run, pytest-xdist's workers included.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ FLAGS = (
 
 
 def exit_unless_devices(n: int) -> None:
-  """In a worker: report a setup failure (the JSON line run_workers reads) and exit unless JAX sees n devices."""
+  """In a worker: report a setup failure (the JSON line worker_results reads) and exit unless JAX sees n devices."""
   import jax  # (the worker's XLA_FLAGS are read when JAX starts: not at this module's import)
 
   if len(jax.devices()) != n:
@@ -57,7 +58,7 @@ def exit_unless_devices(n: int) -> None:
 
 
 def run_checks(checks: dict) -> dict[str, dict]:
-  """In a worker: runs each check on its own, {name: {"ok", "detail"}} (what run_workers reads).
+  """In a worker: runs each check on its own, {name: {"ok", "detail"}} (what worker_results reads).
 
   A check returns a detail string, or {run: (ok, detail)} for several runs, reported as "name: run".
   An exception fails the check, traceback in its detail, and the next check runs.
@@ -101,14 +102,6 @@ def _parse(parts: dict[str, str], returncode: int, stdout: str, stderr: str) -> 
   if returncode != 0 or not lines:
     pytest.fail(f"the 8-device workers ({parts}) exited with {returncode}:\n{stdout[-3000:]}\n{stderr[-5000:]}")
   return json.loads(lines[-1])
-
-
-def run_workers(parts: dict[str, str]) -> dict[str, dict]:
-  """{worker: {check: {"ok", "detail"}}} of each worker's part (`parts`: worker -> part), from one subprocess;
-  fails the calling test if the process crashed."""
-  argv, env = _command(parts)
-  proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
-  return _parse(parts, proc.returncode, proc.stdout, proc.stderr)
 
 
 def _files(parts: dict[str, str], shared_dir: pathlib.Path) -> dict[str, pathlib.Path]:
