@@ -7,13 +7,13 @@ the same half is three kernels:
 
   1. `_qkv_kernel`, grid ((H + 2 Hkv) Dh / (2 block_h),): a program computes
      2 block_h of one head's Dh columns of rms_norm(x) @ wqkv (q heads, then
-     k heads, then v heads),
-     rotates q and k heads by RoPE, and writes its head: q to a [rows, H*Dh]
-     buffer, k and v straight into the cache at each row's slot (the cache
-     is aliased in and out, so the write is in place). The columns are
-     loaded as matching pieces of the head's two halves, [D, block_h] at
-     c and at c + Dh/2, which is RoPE's pairing (dims i and i + Dh/2), so
-     the rotation needs no shuffle inside a tile.
+     k heads, then v heads), plus the bias's columns where there is one
+     (Qwen2's q/k/v biases), rotates q and k heads by RoPE, and writes its
+     head: q to a [rows, H*Dh] buffer, k and v straight into the cache at
+     each row's slot (the cache is aliased in and out, so the write is in
+     place). The columns are loaded as matching pieces of the head's two
+     halves, [D, block_h] at c and at c + Dh/2, which is RoPE's pairing
+     (dims i and i + Dh/2), so the rotation needs no shuffle inside a tile.
   2. `_attention_kernel`, grid (B, H): program (b, h) attends head h's T
      queries of row b over the live slots of the cache, [0, max position of
      the row], in blocks of `block_s` slots with an online softmax, and
@@ -98,13 +98,14 @@ class AttentionBlocks:
 DEFAULT_BLOCKS = AttentionBlocks()
 
 
-def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int, prefix=None) -> str | None:
+def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int, prefix=None, bias=None) -> str | None:
   """None if these shapes and dtypes suit the kernels, else why not (static; safe under jit).
 
   Args:
     x: [B, T, D] (or its ShapeDtypeStruct); wqkv [D, (H + 2 Hkv) Dh] ([2D, ...] with a prefix);
     wo [H Dh, D]; k_cache: [L, B, Hkv, S, Dh]; num_heads, num_kv_heads: H and Hkv;
-    prefix: None, or the [B, T, D] input normed ahead of x (`fused_attention`'s `prefix`).
+    prefix: None, or the [B, T, D] input normed ahead of x (`fused_attention`'s `prefix`);
+    bias: None, or the q|k|v bias [(H + 2 Hkv) Dh] (`fused_attention`'s `bias`).
 
   Example:
     >>> s = jax.ShapeDtypeStruct
@@ -133,28 +134,34 @@ def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int, prefix=N
     return f"wo must be [H Dh = {num_heads * dh}, D={d}], got {wo.shape}"
   if prefix is not None and prefix.shape != x.shape:
     return f"prefix must have x's shape {x.shape}, got {prefix.shape}"
-  dtypes = {jnp.dtype(a.dtype) for a in (x, wqkv, wo, k_cache, *(() if prefix is None else (prefix,)))}
+  if bias is not None and bias.shape != (n,):
+    return f"bias must be [(H + 2 Hkv) Dh = {n}], got {bias.shape}"
+  optional = tuple(a for a in (prefix, bias) if a is not None)
+  dtypes = {jnp.dtype(a.dtype) for a in (x, wqkv, wo, k_cache, *optional)}
   if len(dtypes) != 1:
-    return f"x, wqkv, wo, the cache (and prefix) must share one dtype, got {sorted(str(a) for a in dtypes)}"
+    return f"x, wqkv, wo, the cache (and prefix, bias) must share one dtype, got {sorted(str(a) for a in dtypes)}"
   return None
 
 
-def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h, prefix):
-  """2 block_h columns of one head of q|k|v = rms_norm(x) @ wqkv, rotated (q, k) and written.
+def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h, prefix, bias=False):
+  """2 block_h columns of one head of q|k|v = rms_norm(x) @ wqkv (+ bias), rotated (q, k) and written.
 
   See the module docstring.
 
   Refs: layer [1] int32, slot [rows] int32 (write slot of each row's key/value; S = dropped),
   [with `prefix`: px [rows, D] and its norm weight pnw [D],] x [rows, D], nw [D],
-  w [D or 2D, (H + 2 Hkv) Dh], cos/sin [rows, Dh/2] float32; outputs q [rows, H Dh] and the
-  caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs: written in place). The norm
-  and the product are `mlp.normed_products`, as in the MLP's gate|up kernel; with a
-  prefix the product reads concat(rms_norm(px), rms_norm(x)), each part normed on its own.
+  w [D or 2D, (H + 2 Hkv) Dh], [with `bias`: b [(H + 2 Hkv) Dh],] cos/sin [rows, Dh/2] float32;
+  outputs q [rows, H Dh] and the caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs:
+  written in place). The norm and the product are `mlp.normed_products`, as in the MLP's gate|up
+  kernel; with a prefix the product reads concat(rms_norm(px), rms_norm(x)), each part normed on
+  its own. The bias is added to the float32 products, before their one rounding to the model's
+  dtype (as `project_qkv` does).
   """
-  if prefix:
-    layer_ref, slot_ref, px_ref, pnw_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
-  else:
-    layer_ref, slot_ref, x_ref, nw_ref, w_ref, cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
+  layer_ref, slot_ref, *refs = refs
+  px_ref, pnw_ref, *refs = refs if prefix else (None, None, *refs)
+  x_ref, nw_ref, w_ref, *refs = refs
+  b_ref, *refs = refs if bias else (None, *refs)
+  cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
   half = dh // 2
   per_head = half // block_h
   h, part = pl.program_id(0) // per_head, pl.program_id(0) % per_head
@@ -180,6 +187,9 @@ def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h
   if prefix:  # its rows of wqkv come first
     p1, p2 = product(px_ref, pnw_ref)
     acc1, acc2 = acc1 + p1, acc2 + p2
+  if bias:  # this program's columns of the bias, the same for every row
+    acc1 = acc1 + b_ref[pl.ds(col0, block_h)].astype(jnp.float32)[None, :]
+    acc2 = acc2 + b_ref[pl.ds(col0 + half, block_h)].astype(jnp.float32)[None, :]
   # Rounded to the model's dtype before RoPE, as `attention_block`'s projection output is.
   a1 = acc1.astype(q_ref.dtype).astype(jnp.float32)
   a2 = acc2.astype(q_ref.dtype).astype(jnp.float32)
@@ -294,6 +304,7 @@ def fused_attention(
   prefix=None,
   slots=None,
   mask=None,
+  bias=None,
 ):
   """x + attention(rms_norm(x)) with layer `layer`'s cache write: `attention_block` of a chain call.
 
@@ -322,6 +333,9 @@ def fused_attention(
     mask: None (a query sees the slots s <= its position), or bool [B, T, S]:
       which slots each query sees, as `Transformer`'s `attention_mask`; the
       call's own keys are written first, so a query may see them.
+    bias: None (no bias: the kernel as without this argument), or the q|k|v
+      bias [(H + 2 Hkv) Dh] (`p["bqkv"]` of a model with `qkv_bias`), x's
+      dtype: added to the float32 products before their rounding and RoPE.
 
   Returns:
     (x + attention [B, T, D], k_cache, v_cache), equal to `attention_block`'s up to rounding.
@@ -335,7 +349,7 @@ def fused_attention(
     ...                             num_heads=9, num_kv_heads=3, eps=1e-5)  # doctest: +SKIP
   """
   px, pnw = (None, None) if prefix is None else prefix
-  why = check_args(x, wqkv, wo, k_cache, num_heads, num_kv_heads, px)
+  why = check_args(x, wqkv, wo, k_cache, num_heads, num_kv_heads, px, bias)
   if why:
     raise ValueError(f"fused_attention: {why}")
   if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
@@ -361,6 +375,7 @@ def fused_attention(
   params = _compiler_params(blocks, interpret)  # num_warps, num_stages of kernels 1 and 2
 
   inputs = (x2, norm_weight) if prefix is None else (px.reshape(rows, d), pnw, x2, norm_weight)
+  inputs += (wqkv,) if bias is None else (wqkv, bias)
   q, k_cache, v_cache = pl.pallas_call(
     functools.partial(
       _qkv_kernel,
@@ -375,6 +390,7 @@ def fused_attention(
       block_k=blocks.block_k,
       block_h=block_h,
       prefix=prefix is not None,
+      bias=bias is not None,
     ),
     out_shape=(
       jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
@@ -382,15 +398,14 @@ def fused_attention(
       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
     ),
     grid=((num_heads + 2 * hkv) * (half // block_h),),
-    input_output_aliases={len(inputs) + 5: 1, len(inputs) + 6: 2},  # the caches, after layer, slots, inputs,
+    input_output_aliases={len(inputs) + 4: 1, len(inputs) + 5: 2},  # the caches, after layer, slots, inputs,
     interpret=interpret,
     compiler_params=params,
-    name="fused_attention_qkv",  # wqkv, cos, sin
+    name="fused_attention_qkv",  # cos, sin
   )(
     layer,
     slots,
     *inputs,
-    wqkv,
     cos.reshape(rows, half).astype(jnp.float32),
     sin.reshape(rows, half).astype(jnp.float32),
     k_cache,

@@ -53,6 +53,11 @@ class TransformerConfig:
     rms_norm_eps: epsilon inside RMSNorm's square root.
     tie_embeddings: if True the output projection is `embed.T`, otherwise
       the model holds a separate `lm_head` [D, V].
+    qkv_bias: if True the query, key and value projections add biases
+      (`bq` [H*Dh], `bk` and `bv` [Hkv*Dh] per layer; the output projection
+      and the MLP have none), as Qwen2-family checkpoints do. False (the
+      default): no bias parameters at all, and the programs of a model
+      without them are unchanged.
     dtype: parameter, activation and KV-cache dtype (float32 or bfloat16).
       Normalised to a `jnp.dtype`, so `jnp.float32` and `"float32"` give
       equal (and equally hashed) configs.
@@ -100,6 +105,7 @@ class TransformerConfig:
   rope_theta: float = 10000.0
   rms_norm_eps: float = 1e-5
   tie_embeddings: bool = True
+  qkv_bias: bool = False
   dtype: Any = jnp.float32
   feature_layers: tuple[int, ...] = ()
   max_length: int | None = None
@@ -146,6 +152,8 @@ class TransformerConfig:
     m = self.max_length
     if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m <= 0):
       raise ValueError(f"TransformerConfig.max_length must be None or a positive int, got {m!r}.")
+    if not isinstance(self.qkv_bias, bool):
+      raise ValueError(f"TransformerConfig.qkv_bias must be a bool, got {self.qkv_bias!r}.")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"TransformerConfig.scan_layers must be a bool, got {self.scan_layers!r}.")
     check_kernels(self.kernels)

@@ -34,6 +34,15 @@ vocabulary* (the most frequent tokens, as EAGLE-3 does): logits of the other
 tokens are -inf, so the drafter never proposes them, and the rejection sampler
 stays exact because it only needs the probabilities the drafts came from.
 
+Blocks with q/k/v biases. The drafter's blocks copy the target's block
+architecture (`for_target` keeps the target's config but for `num_layers` and
+`feature_layers`), so a drafter for a Qwen2 target (`qkv_bias=True`) has biases
+in its blocks' q/k/v projections too ("first.bq", "first.bk", "first.bv", and
+"rest.b*" [L-1, ...] for more blocks), saved and loaded with its weights, as
+EAGLE heads trained for such targets do. For a head without them, build its
+`EagleConfig` with `layers=target.config.replace(num_layers=..., feature_layers=(),
+qkv_bias=False)`.
+
 Training ("training-time test", EAGLE-3): `unrolled_logits` runs the drafter on
 a whole sequence at depths 0..n-1, where depth j feeds each position the hidden
 its own depth j-1 produced one position earlier, and attends exactly as the
@@ -54,6 +63,7 @@ from specdec_jax.models import sharding
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.sharding import Partitioning, relayout
 from specdec_jax.models.transformer import (
+  _BIAS_PARAMS,
   _LAYER_PARAMS,
   AttentionContext,
   KVCache,
@@ -66,6 +76,7 @@ from specdec_jax.models.transformer import (
   constrain_cache,
   copy_kv_slots,
   decoder_block,
+  layer_params,
   mlp_block,
   pallas_block,
   project_qkv,
@@ -76,6 +87,11 @@ from specdec_jax.models.transformer import (
 
 # The first block's parameters: the plain block's, plus a norm for each half of its input.
 _FIRST_PARAMS = ("input_norm", "hidden_norm", *(n for n in _LAYER_PARAMS if n != "attn_norm"))
+
+
+def _first_params(c: TransformerConfig) -> tuple[str, ...]:
+  """The first block's parameter names for the blocks' config `c`: with the q/k/v biases where `c.qkv_bias`."""
+  return _FIRST_PARAMS + _BIAS_PARAMS if c.qkv_bias else _FIRST_PARAMS
 
 
 def _layout(
@@ -114,7 +130,8 @@ class EagleConfig:
   Attributes:
     layers: the shape of the drafter's decoder blocks (`num_layers` = how many
       blocks the drafter has; vocabulary, widths, RoPE and dtype are the
-      target's). Its own `feature_layers` must be empty.
+      target's; `qkv_bias` gives its blocks q/k/v biases, the target's by
+      default in `EagleDrafter.for_target`). Its own `feature_layers` must be empty.
     feature_layers: the target blocks whose outputs the drafter reads, in the
       order they are concatenated (the target's `config.feature_layers`).
     draft_vocab_size: Vd, the size of the draft vocabulary; 0 = the full vocabulary.
@@ -159,6 +176,9 @@ class EagleConfig:
 def eagle_weight_shapes(config: EagleConfig) -> dict[str, tuple[int, ...]]:
   """Keys and shapes of `EagleDrafter.to_weights()` (the drafter's own weights, not the target's).
 
+  With `config.layers.qkv_bias`: also "first.bq" [H*Dh], "first.bk"/"first.bv" [Hkv*Dh], and for
+  more than one block "rest.bq" [L-1, H*Dh], "rest.bk"/"rest.bv" [L-1, Hkv*Dh].
+
   Example:
     >>> cfg = EagleConfig(layers=TransformerConfig.tiny(64, num_layers=1), feature_layers=(0, 1))
     >>> eagle_weight_shapes(cfg)["first.wq"]  # 2D -> H*Dh
@@ -174,6 +194,7 @@ def eagle_weight_shapes(config: EagleConfig) -> dict[str, tuple[int, ...]]:
     "first.wq": (2 * d, q),
     "first.wk": (2 * d, kv),
     "first.wv": (2 * d, kv),
+    **({"first.bq": (q,), "first.bk": (kv,), "first.bv": (kv,)} if c.qkv_bias else {}),
     "first.wo": (q, d),
     "first.mlp_norm": (d,),
     "first.w_gate": (d, f),
@@ -189,6 +210,7 @@ def eagle_weight_shapes(config: EagleConfig) -> dict[str, tuple[int, ...]]:
         "rest.wq": (n, d, q),
         "rest.wk": (n, d, kv),
         "rest.wv": (n, d, kv),
+        **({"rest.bq": (n, q), "rest.bk": (n, kv), "rest.bv": (n, kv)} if c.qkv_bias else {}),
         "rest.wo": (n, q, d),
         "rest.mlp_norm": (n, d),
         "rest.w_gate": (n, d, f),
@@ -281,6 +303,7 @@ class EagleDrafter(nnx.Module):
 
     Returns:
       The drafter; its embedding and head hold the target's arrays (no copy).
+      Its blocks are the target's kind: with q/k/v biases iff `target.config.qkv_bias`.
 
     Raises:
       ValueError: the target has no feature layers, or `draft_vocab` is not a
@@ -391,9 +414,9 @@ class EagleDrafter(nnx.Module):
     """
     c = self.config.layers
     self.fc = nnx.Param(weights["fc"])
-    self.first = _Params(_layout({n: weights[f"first.{n}"] for n in _FIRST_PARAMS}, c))
+    self.first = _Params(_layout({n: weights[f"first.{n}"] for n in _first_params(c)}, c))
     if c.num_layers > 1:
-      self.rest = _Params(_layout({n: weights[f"rest.{n}"] for n in _LAYER_PARAMS}, c))
+      self.rest = _Params(_layout({n: weights[f"rest.{n}"] for n in layer_params(c)}, c))
 
   # --- many devices --------------------------------------------------------------
 

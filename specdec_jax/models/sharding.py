@@ -23,6 +23,7 @@ What is split over the model axis (m devices), per parameter:
     lm_head (untied)   [D, V]              V % m == 0               (None, "model")
     EAGLE head rows    [Vd, D]             V % m == Vd % m == 0     ("model", None)
     wq, wk, wv         [D, H*Dh|Hkv*Dh]    H % m == Hkv % m == 0    (None, "model"): whole heads per device
+    bq, bk, bv         [H*Dh|Hkv*Dh]       same                     ("model",): their wq/wk/wv's columns
     wo                 [H*Dh, D]           same                     ("model", None)
     w_gate, w_up       [D, F]              F % m == 0               (None, "model")
     w_down             [F, D]              same                     ("model", None)
@@ -51,7 +52,10 @@ Fused projections. On one device the transformer keeps q|k|v as one matrix
 devices, a fused matrix would give device 0 all the queries and device 1 the
 keys and values, so `shard` keeps a projection fused only where it is not
 split, and otherwise holds its parts (`wq`, `wk`, `wv`; `w_gate`, `w_up`) as
-separate matrices, each split by heads or hidden units. With m = 1 nothing
+separate matrices, each split by heads or hidden units. The q/k/v biases of a
+model with `qkv_bias` follow their projections: a fused `bqkv` beside `wqkv`
+(replicated, like it), or `bq`, `bk`, `bv` split like the columns of `wq`, `wk`,
+`wv`, so each device adds the biases of its own heads. With m = 1 nothing
 changes: a 1-device mesh runs today's program.
 
 Mesh axis types. The models and loops rely on XLA's sharding propagation
@@ -99,7 +103,7 @@ class Partitioning:
 
   Attributes:
     model_size: m, devices on the model axis (1: nothing is split).
-    heads: attention heads (wq, wk, wv, wo) and the KV cache's heads are split.
+    heads: attention heads (wq, wk, wv, wo, and the biases bq, bk, bv) and the KV cache's heads are split.
     mlp: the SwiGLU hidden units (w_gate, w_up, w_down) are split.
     vocab: the embedding's rows and the output head's columns are split.
 
@@ -139,12 +143,15 @@ class Partitioning:
       "wq": (None, h),
       "wk": (None, h),
       "wv": (None, h),
+      "bq": (h,),
+      "bk": (h,),
+      "bv": (h,),
       "wo": (h, None),
       "w_gate": (None, f),
       "w_up": (None, f),
       "w_down": (f, None),
     }
-    return specs.get(name, ())  # () = replicated (norms, fused projections, fc, draft ids)
+    return specs.get(name, ())  # () = replicated (norms, fused projections and biases, fc, draft ids)
 
   def cache_spec(self) -> tuple[str | None, ...]:
     """The spec of a `KVCache`'s k and v [L, B, Hkv, S, Dh]."""
@@ -243,16 +250,25 @@ def relayout(
   """One block's (or a stack's) projections fused or separate, as asked (columns on the last axis).
 
   Fused: "wqkv" = q|k|v and "w_gate_up" = gate|up; separate: "wq", "wk", "wv",
-  "w_gate", "w_up". Exact either way (concatenation and slicing).
+  "w_gate", "w_up". The q/k/v biases, where a block has them (`qkv_bias`), follow
+  `fuse_attention` too: "bqkv" = q|k|v, or "bq", "bk", "bv". Exact either way
+  (concatenation and slicing).
+
+  Example:
+    >>> relayout({"wqkv": np.zeros((8, 12)), "bqkv": np.zeros(12)}, q_width=6, kv_width=3, d_ff=5,
+    ...          fuse_attention=False, fuse_mlp=False)["bk"].shape
+    (3,)
   """
   import jax.numpy as jnp
 
   out = dict(params)
-  if "wqkv" in out and not fuse_attention:
-    wqkv = out.pop("wqkv")
-    out.update(wq=wqkv[..., :q_width], wk=wqkv[..., q_width : q_width + kv_width], wv=wqkv[..., q_width + kv_width :])
-  elif "wqkv" not in out and fuse_attention:
-    out["wqkv"] = jnp.concatenate([out.pop("wq"), out.pop("wk"), out.pop("wv")], axis=-1)
+  for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv"))):
+    if fused in out and not fuse_attention:
+      w = out.pop(fused)
+      q, k, v = w[..., :q_width], w[..., q_width : q_width + kv_width], w[..., q_width + kv_width :]
+      out.update(zip(parts, (q, k, v)))
+    elif fused not in out and fuse_attention and parts[0] in out:
+      out[fused] = jnp.concatenate([out.pop(part) for part in parts], axis=-1)
   if "w_gate_up" in out and not fuse_mlp:
     w = out.pop("w_gate_up")
     out.update(w_gate=w[..., :d_ff], w_up=w[..., d_ff:])

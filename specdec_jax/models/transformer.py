@@ -31,16 +31,18 @@ runs them unrolled, one straight-line program (the default), or under
 (see `TransformerConfig.scan_layers` for what each costs); either way the cache of all layers is
 updated in place. Inside the model the query/key/value projections are one
 matrix `wqkv` and the gate/up projections one matrix `w_gate_up` (one matmul
-each instead of three and two); the weights interface (`weight_shapes`,
-`from_weights`, `to_weights`, the files) keeps them separate.
+each instead of three and two), and a model with q/k/v biases
+(`config.qkv_bias`, Qwen2) holds them as one vector `bqkv` beside `wqkv`; the
+weights interface (`weight_shapes`, `from_weights`, `to_weights`, the files)
+keeps them separate.
 
 Many devices: `specdec_jax.models.shard(model, mesh)` returns the model placed
 on a mesh, tensor parallel over its "model" axis (heads, MLP, vocabulary) and
 replicated over "data"; a projection it splits is held as separate matrices
-(`wq`, `wk`, `wv`; `w_gate`, `w_up`). Such a model (`partitioning` set)
-constrains its KV cache to rows over "data" and heads over "model", and its
-logits to `P("data", None, "model")`, under the ambient `jax.set_mesh`
-(`specdec_jax/models/sharding.py` has the rules and why).
+(`wq`, `wk`, `wv`, and biases `bq`, `bk`, `bv`; `w_gate`, `w_up`). Such a
+model (`partitioning` set) constrains its KV cache to rows over "data" and
+heads over "model", and its logits to `P("data", None, "model")`, under the
+ambient `jax.set_mesh` (`specdec_jax/models/sharding.py` has the rules and why).
 """
 
 from __future__ import annotations
@@ -61,21 +63,54 @@ from specdec_jax.models.sharding import Partitioning, relayout
 
 # Per-layer parameters, in the order of the weights interface ("layers.<name>").
 _LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-# The same parameters as the model holds them: q|k|v and gate|up concatenated on the output axis.
+# The q/k/v biases, per layer, of a model with `config.qkv_bias` (Qwen2): after _LAYER_PARAMS.
+_BIAS_PARAMS = ("bq", "bk", "bv")
+# The same parameters as the model holds them: q|k|v (and the biases' q|k|v) and gate|up concatenated on the
+# output axis; "bqkv" only with `config.qkv_bias`.
 _FUSED_PARAMS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
-_FUSED_FROM = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+_FUSED_FROM = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"), "bqkv": _BIAS_PARAMS}
+
+
+def layer_params(config: TransformerConfig) -> tuple[str, ...]:
+  """The per-layer names of the weights interface ("layers.<name>") for `config`: biases only with `qkv_bias`.
+
+  Example:
+    >>> layer_params(TransformerConfig.tiny(64, qkv_bias=True))[-3:]
+    ('bq', 'bk', 'bv')
+  """
+  return _LAYER_PARAMS + _BIAS_PARAMS if config.qkv_bias else _LAYER_PARAMS
 
 
 def fuse_projections(weights: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-  """Per-layer weights under `_LAYER_PARAMS` names -> the model's `_FUSED_PARAMS` (concatenated on the last axis)."""
+  """Per-layer weights under `layer_params` names -> the model's fused layout (concatenated on the last axis).
+
+  Args:
+    weights: one block's (or a stack's, [L, ...]) weights: "attn_norm", "wq" [..., D, H*Dh], "wk", "wv"
+      [..., D, Hkv*Dh], "wo", "mlp_norm", "w_gate", "w_up" [..., D, F], "w_down", and optionally the
+      biases "bq" [..., H*Dh], "bk", "bv" [..., Hkv*Dh].
+
+  Returns:
+    `_FUSED_PARAMS`: "wqkv" [..., D, (H + 2 Hkv) Dh], "w_gate_up" [..., D, 2F], the others as they are;
+    plus "bqkv" [..., (H + 2 Hkv) Dh] where the biases are given (absent without them, so a model
+    without biases holds exactly the parameters it held before biases existed).
+
+  Example:
+    >>> w = {n: jnp.zeros(s[1:]) for n, s in weight_shapes(TransformerConfig.tiny(64, qkv_bias=True)).items()
+    ...      if n.startswith("layers.")}
+    >>> fuse_projections({n[len("layers."):]: a for n, a in w.items()})["bqkv"].shape
+    (64,)
+  """
   out = {name: weights[name] for name in _FUSED_PARAMS if name not in _FUSED_FROM}
+  # (Insertion order as before biases existed: a block's parameter names are static structure.)
   for name, parts in _FUSED_FROM.items():
-    out[name] = jnp.concatenate([jnp.asarray(weights[part]) for part in parts], axis=-1)
+    if parts[0] in weights:
+      out[name] = jnp.concatenate([jnp.asarray(weights[part]) for part in parts], axis=-1)
   return out
 
 
 def split_projections(fused: Mapping[str, np.ndarray], config: TransformerConfig) -> dict[str, np.ndarray]:
-  """The inverse of `fuse_projections` (exact: slicing); projections already separate pass through."""
+  """The inverse of `fuse_projections` (exact: slicing, "bqkv" -> "bq", "bk", "bv" too); projections already
+  separate pass through."""
   return relayout(
     fused,
     q_width=config.num_heads * config.head_dim,
@@ -122,17 +157,22 @@ def weight_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
   """The keys and shapes of `Transformer.to_weights()` for `config`.
 
   Linear weights are in `x @ W` orientation; per-layer weights are stacked on a
-  leading L axis. Q/K output columns are in Hugging Face "rotate_half" order.
+  leading L axis. Q/K output columns (and their biases' entries) are in Hugging
+  Face "rotate_half" order.
 
   Args:
     config: the model configuration.
 
   Returns:
-    Dict from weight name to shape; "lm_head" only when embeddings are untied.
+    Dict from weight name to shape; "lm_head" [D, V] only when embeddings are
+    untied; "layers.bq" [L, H*Dh], "layers.bk" and "layers.bv" [L, Hkv*Dh]
+    only with `config.qkv_bias` (added to x @ wq, x @ wk, x @ wv).
 
   Example:
     >>> weight_shapes(TransformerConfig.tiny(64))["layers.wk"]
     (2, 32, 16)
+    >>> weight_shapes(TransformerConfig.tiny(64, qkv_bias=True))["layers.bk"]
+    (2, 16)
   """
   L, D, F, V = config.num_layers, config.d_model, config.d_ff, config.vocab_size
   q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -142,6 +182,7 @@ def weight_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     "layers.wq": (L, D, q),
     "layers.wk": (L, D, kv),
     "layers.wv": (L, D, kv),
+    **({"layers.bq": (L, q), "layers.bk": (L, kv), "layers.bv": (L, kv)} if config.qkv_bias else {}),
     "layers.wo": (L, q, D),
     "layers.mlp_norm": (L, D),
     "layers.w_gate": (L, D, F),
@@ -166,10 +207,11 @@ def random_weights(
   """Initial weights for the named shapes, in one compiled program (the transformer's and the EAGLE drafter's).
 
   (Drawn op by op, eagerly, each shape would compile on its own: seconds even
-  for a tiny model.) Names ending in "norm" get scales of 1; matrices are normal
-  with std 0.02, and the projections that write into the residual stream (names
-  ending in "wo", "w_down") are scaled down by sqrt(2 L) (GPT-2) so its
-  variance stays O(1) in depth.
+  for a tiny model.) Names ending in "norm" get scales of 1; matrices, and the
+  q/k/v biases ("bq", "bk", "bv": small but not zero, so that a fresh model's
+  tests exercise them), are normal with std 0.02, and the projections that
+  write into the residual stream (names ending in "wo", "w_down") are scaled
+  down by sqrt(2 L) (GPT-2) so its variance stays O(1) in depth.
 
   Args:
     shapes: ((name, shape), ...), hashable.
@@ -257,7 +299,7 @@ class _LayerStack(nnx.Module):
     """Stacked fused parameters -> this module's pure-dict state for `config`'s layout."""
     if config.scan_layers:
       return dict(fused)
-    return {f"block{i}": {name: fused[name][i] for name in _FUSED_PARAMS} for i in range(config.num_layers)}
+    return {f"block{i}": {name: value[i] for name, value in fused.items()} for i in range(config.num_layers)}
 
   def stacked(self, config: TransformerConfig) -> dict[str, jax.Array]:
     """The parameters stacked on a leading [L] axis (what `lax.scan` reads; a copy when unrolled)."""
@@ -308,7 +350,9 @@ class Transformer(nnx.Module):
     self.config = config
     weights = _random_weights(config, rngs.params())
     self.embed = nnx.Param(weights["embed"])  # [V, D]
-    self.layers = _LayerStack(fuse_projections({name: weights[f"layers.{name}"] for name in _LAYER_PARAMS}), config)
+    self.layers = _LayerStack(
+      fuse_projections({name: weights[f"layers.{name}"] for name in layer_params(config)}), config
+    )
     self.final_norm = nnx.Param(weights["final_norm"])  # [D]
     if not config.tie_embeddings:
       self.lm_head = nnx.Param(weights["lm_head"])  # [D, V]
@@ -327,9 +371,11 @@ class Transformer(nnx.Module):
         "embed" [V, D], "layers.attn_norm" [L, D], "layers.wq" [L, D, H*Dh],
         "layers.wk"/"layers.wv" [L, D, Hkv*Dh], "layers.wo" [L, H*Dh, D],
         "layers.mlp_norm" [L, D], "layers.w_gate"/"layers.w_up" [L, D, F],
-        "layers.w_down" [L, F, D], "final_norm" [D], and "lm_head" [D, V] only
-        when `config.tie_embeddings` is False. `x @ W` orientation; Q/K columns
-        in "rotate_half" order. Any float dtype; cast to `config.dtype`.
+        "layers.w_down" [L, F, D], "final_norm" [D], "lm_head" [D, V] only
+        when `config.tie_embeddings` is False, and "layers.bq" [L, H*Dh],
+        "layers.bk"/"layers.bv" [L, Hkv*Dh] only when `config.qkv_bias` is
+        True. `x @ W` orientation; Q/K columns (and biases) in "rotate_half"
+        order. Any float dtype; cast to `config.dtype`.
 
     Returns:
       The model.
@@ -343,10 +389,13 @@ class Transformer(nnx.Module):
     expected = weight_shapes(config)
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
+    biases = {f"layers.{name}" for name in _BIAS_PARAMS}
     if missing:
-      raise ValueError(f"weights: missing key(s) {missing} for {config}.")
+      hint = " (config.qkv_bias is True)" if biases & set(missing) else ""
+      raise ValueError(f"weights: missing key(s) {missing}{hint} for {config}.")
     if unexpected:
       hint = " (config.tie_embeddings is True)" if "lm_head" in unexpected else ""
+      hint += " (config.qkv_bias is False)" if biases & set(unexpected) else ""
       raise ValueError(f"weights: unexpected key(s) {unexpected}{hint}.")
     for name, shape in expected.items():
       got = tuple(np.shape(weights[name]))
@@ -359,7 +408,9 @@ class Transformer(nnx.Module):
       name: jnp.asarray(weights[name], dtype=config.dtype) for name in expected if not name.startswith("layers.")
     }
     values["layers"] = _LayerStack.pure_dict(
-      fuse_projections({name: jnp.asarray(weights[f"layers.{name}"], dtype=config.dtype) for name in _LAYER_PARAMS}),
+      fuse_projections(
+        {name: jnp.asarray(weights[f"layers.{name}"], dtype=config.dtype) for name in layer_params(config)}
+      ),
       config,
     )
     nnx.replace_by_pure_dict(state, values)
@@ -744,7 +795,7 @@ def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None
     return None
   if (
     attention.check_args(
-      x, p["wqkv"], p["wo"], k_cache, c.num_heads, c.num_kv_heads, None if prefix is None else prefix[0]
+      x, p["wqkv"], p["wo"], k_cache, c.num_heads, c.num_kv_heads, None if prefix is None else prefix[0], p.get("bqkv")
     )
     is not None
   ):
@@ -787,7 +838,9 @@ def pallas_block(
   `prefix`: None, or (e [B, T, D], its norm weight [D]) for a block whose attention reads
   concat(rms_norm(e), rms_norm(x, p["attn_norm"])) through p["wqkv"] [2D, ...] (the EAGLE
   drafter's first block). `slots` [B, T] and `mask` [B, T, S]: a tree call's write slots and
-  visibility (`ctx.slots`, `ctx.mask[:, 0]`; None: at `positions`, by the chain rule).
+  visibility (`ctx.slots`, `ctx.mask[:, 0]`; None: at `positions`, by the chain rule). A block
+  with q/k/v biases (`config.qkv_bias`) holds them as p["bqkv"] [(H + 2 Hkv) Dh], which the q|k|v
+  kernel adds to its float32 products.
 
   Example:
     >>> x, k, v = pallas_block(cfg, x, model.layers.block(i), cache.k, cache.v, i, positions, ctx,
@@ -813,6 +866,7 @@ def pallas_block(
     prefix=prefix,
     slots=slots,
     mask=mask,
+    bias=p.get("bqkv"),
   )
   x = mlp.fused_mlp(
     x,
@@ -827,15 +881,32 @@ def pallas_block(
 
 
 def project_qkv(c: TransformerConfig, attn_in, p):
-  """q [B, T, H, Dh], k and v [B, T, Hkv, Dh] from attn_in [B, T, K]: one matmul through a fused `wqkv`,
-  or three through `wq`, `wk`, `wv` (a projection `sharding.shard` split); before RoPE."""
+  """q [B, T, H, Dh], k and v [B, T, Hkv, Dh] from attn_in [B, T, K], before RoPE.
+
+  One matmul through a fused `wqkv` [K, (H + 2 Hkv) Dh], or three through `wq`, `wk`, `wv` (a projection
+  `sharding.shard` split). Biases, where the block has them (`config.qkv_bias`: a fused `bqkv`
+  [(H + 2 Hkv) Dh] or `bq`, `bk`, `bv`), are added to the float32 product before its one rounding to the
+  model's dtype, as the Pallas q|k|v kernel does (and a fused GEMM-with-bias would).
+
+  Example:
+    >>> q, k, v = project_qkv(cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), p)  # doctest: +SKIP
+    >>> q.shape  # (B, T, H, Dh)  # doctest: +SKIP
+  """
   b, t, _ = attn_in.shape
   qd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+  def biased(w, bias):
+    # Without a bias the product stays `attn_in @ w`, the program of a model without biases.
+    if bias is None:
+      return attn_in @ w
+    y = jnp.matmul(attn_in, w, preferred_element_type=jnp.float32)
+    return (y + bias.astype(jnp.float32)[None, None, :]).astype(jnp.result_type(attn_in, w))
+
   if "wqkv" in p:  # one matmul
-    qkv = attn_in @ p["wqkv"]
+    qkv = biased(p["wqkv"], p.get("bqkv"))
     q, k, v = qkv[..., :qd], qkv[..., qd : qd + kvd], qkv[..., qd + kvd :]
   else:
-    q, k, v = attn_in @ p["wq"], attn_in @ p["wk"], attn_in @ p["wv"]
+    q, k, v = (biased(p[w], p.get(bias)) for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
   return (
     q.reshape(b, t, c.num_heads, c.head_dim),
     k.reshape(b, t, c.num_kv_heads, c.head_dim),

@@ -71,6 +71,7 @@ def _reference(p, x, kc, vc, layer, pos, dtype):
 
 
 def _fused(p, x, kc, vc, layer, pos, blocks=SMALL):
+  """`fused_attention` on block parameters p (with its q|k|v bias where p holds "bqkv", as `pallas_block`)."""
   ctx = AttentionContext.create(pos, S, CFG)
   half = CFG.head_dim // 2
   return fused_attention(
@@ -89,6 +90,7 @@ def _fused(p, x, kc, vc, layer, pos, blocks=SMALL):
     eps=CFG.rms_norm_eps,
     interpret=True,
     blocks=blocks,
+    bias=p.get("bqkv"),
   )
 
 
@@ -136,6 +138,30 @@ def test_fused_attention_equals_attention_block(bt, dtype):
     np.testing.assert_array_equal(np.asarray(got, np.float32)[~written], np.asarray(before, np.float32)[~written])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=_SLOW)])
+def test_fused_attention_adds_the_qkv_bias(dtype):
+  """With a q|k|v bias [(H + 2 Hkv) Dh] (Qwen2's) the kernels equal `attention_block` on a block holding it as
+  "bqkv" (a 5-row call at layer 1), within the bounds above; the reference without the bias is far outside them."""
+  p, x, kc, vc = _inputs(5, 1, 5, dtype)
+  n = (CFG.num_heads + 2 * CFG.num_kv_heads) * CFG.head_dim
+  biased = {**p, "bqkv": (0.5 * jax.random.normal(jax.random.key(9), (n,))).astype(dtype)}
+  pos = jnp.asarray(POSITIONS[(1, 5)], jnp.int32)
+  out, k_new, v_new = _fused(biased, x, kc, vc, 1, pos)
+  truth = _reference(biased, x, kc, vc, 1, pos, jnp.float32)
+  ref = _reference(biased, x, kc, vc, 1, pos, dtype) if dtype != jnp.float32 else truth
+  bound = 1e-5 if dtype == jnp.float32 else 2**-6
+  scale = np.abs(np.asarray(truth[0])) + np.abs(np.asarray(truth[0]) - np.asarray(x, np.float32)).max()
+  for want in (truth, ref):
+    _close(out, want[0], scale, bound)
+    for got, w in ((k_new, want[1]), (v_new, want[2])):
+      _close(got, w, np.abs(np.asarray(w, np.float32)).max(), bound)
+  # Without the bias the same bounds fail by far (elements ten times past them): a dropped bias would show.
+  unbiased = _reference(p, x, kc, vc, 1, pos, jnp.float32)
+  for got, want, s in zip((out, k_new, v_new), unbiased, (scale, *(np.abs(np.asarray(a)).max() for a in truth[1:]))):
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)) / (bound * s)
+    assert err.max() > 10, err.max()
+
+
 @pytest.mark.slow  # three more interpreted calls (6 s)
 def test_every_tiling_gives_the_same_result():
   """Default tiles, one program per head half (block_h = Dh/2), K tiles wider than D, one slot block."""
@@ -164,6 +190,12 @@ def test_bad_inputs_are_refused():
     _fused(p, x.astype(jnp.bfloat16), kc, vc, 0, pos)
   with pytest.raises(ValueError, match="power of two"):
     _fused(p, x, kc, vc, 0, pos, AttentionBlocks(block_s=24))
+  n = p["wqkv"].shape[1]
+  assert check_args(x, p["wqkv"], p["wo"], kc, CFG.num_heads, CFG.num_kv_heads, bias=jnp.zeros(n)) is None
+  assert "bias" in check_args(x, p["wqkv"], p["wo"], kc, CFG.num_heads, CFG.num_kv_heads, bias=jnp.zeros(n - 1))
+  assert "dtype" in check_args(
+    x, p["wqkv"], p["wo"], kc, CFG.num_heads, CFG.num_kv_heads, bias=jnp.zeros(n, jnp.bfloat16)
+  )
   small_heads = jnp.zeros(kc.shape[:4] + (16,))
   assert "head_dim" in check_args(x, p["wqkv"], p["wo"], small_heads, CFG.num_heads, CFG.num_kv_heads)
   with pytest.raises(ValueError, match="kernels"):
@@ -260,6 +292,28 @@ def test_eagle_head_calls_agree_with_the_kernels(eagle_heads):
   assert texts[0] == texts[1]  # 20 rows: XLA's blocks
 
 
+def test_biased_eagle_head_calls_agree_with_the_kernels():
+  """A head of two blocks for a target with q/k/v biases (so both blocks hold "bqkv": the first through the q|k|v
+  kernel's prefix, the second plain): a catch-up call and a draft step agree with XLA's blocks to float32
+  rounding, logits, hiddens and caches."""
+  target = Transformer(CFG.replace(feature_layers=(0, 1), qkv_bias=True), rngs=nnx.Rngs(7))
+  xla = EagleDrafter.for_target(target, num_layers=2, rngs=nnx.Rngs(8))
+  assert "bqkv" in xla.first.names and "bqkv" in xla.rest.names
+  config = dataclasses.replace(xla.config, layers=xla.config.layers.replace(kernels="pallas_interpret"))
+  pallas = EagleDrafter.from_weights(config, xla.to_weights(), embed=target.embed[...], head_rows=target.embed[...])
+  call = jax.jit(lambda m, t, h, p, c: m(t, h, p, c))
+  k = jax.random.split(jax.random.key(12), 2)
+  tokens = jax.random.randint(k[0], (1, 4), 0, CFG.vocab_size)
+  hidden = jax.random.normal(k[1], (1, 4, CFG.d_model))
+  pos = jnp.asarray([[3, 4, 5, 6]], jnp.int32)
+  outs = {}
+  for name, m in (("xla", xla), ("pallas", pallas)):
+    logits, h, cache = call(m, tokens, hidden, pos, m.init_cache(1, S))
+    outs[name] = (logits, h, *call(m, tokens[:, :1], h[:, 3:], pos[:, 3:] + 1, cache))
+  for got, want in zip(jax.tree.leaves(outs["pallas"]), jax.tree.leaves(outs["xla"])):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow  # compiles three speculative loops with interpreted kernels
 def test_greedy_speculative_decoding_with_the_kernels_equals_generate(models):
   from specdec_jax import SamplingParams, generate, speculative_generate
@@ -323,6 +377,13 @@ def test_triton_lowering(bt):
     assert "fused_attention_qkv" in cuda_module_text(
       with_prefix, [*args[:2], s((2 * 576, 960), bf), *args[3:], s((b, t, 576), bf)]
     )
+    # with a q|k|v bias (Qwen2's)
+    with_bias = jax.jit(
+      lambda x, n, a, o, kc, vc, l, p, c, sn, bias: fused_attention(
+        x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, bias=bias
+      )
+    )
+    assert "fused_attention_qkv" in cuda_module_text(with_bias, [*args, s((960,), bf)])
     # a tree call: given write slots and a [B, T, S] mask
     with_mask = jax.jit(
       lambda x, n, a, o, kc, vc, l, p, c, sn, m: fused_attention(

@@ -40,7 +40,10 @@ def pair(tree_models):
 @pytest.mark.parametrize("draft_vocab", [None, np.arange(0, V, 2)])
 def test_unrolled_training_equals_cached_drafting(num_layers, draft_vocab):
   """Depth j of `unrolled_logits` at position p equals draft step j of the cached loop path."""
-  target = unit_target()
+  _check_unrolled_equals_cached(unit_target(), num_layers, draft_vocab)
+
+
+def _check_unrolled_equals_cached(target, num_layers, draft_vocab):
   drafter = EagleDrafter.for_target(target, num_layers=num_layers, draft_vocab=draft_vocab, rngs=nnx.Rngs(3))
   b, t, depth, base = 2, 12, 4, 6
   tokens = jax.random.randint(jax.random.key(0), (b, t + 1), 0, V)
@@ -60,6 +63,34 @@ def test_unrolled_training_equals_cached_drafting(num_layers, draft_vocab):
     p = base + j
     logits, h, cache = drafter(tokens[:, p + 1 : p + 2], h, jnp.full((b, 1), p), cache)
     np.testing.assert_allclose(sub(logits[:, 0]), unrolled[j][:, p], rtol=1e-5, atol=1e-5)
+
+
+def test_head_for_a_biased_target_has_biased_blocks():
+  """A target with q/k/v biases (Qwen2) gets a head whose blocks have them too: saved and loaded with its weights,
+  used by the cached and the unrolled (training) paths alike, and not ignored (zeroing them moves the logits)."""
+  target = unit_target(CONFIG.replace(qkv_bias=True))
+  drafter = EagleDrafter.for_target(target, num_layers=2, rngs=nnx.Rngs(4))
+  assert drafter.config.layers.qkv_bias
+  weights = drafter.to_weights()
+  biases = {"first.bq", "first.bk", "first.bv", "rest.bq", "rest.bk", "rest.bv"}
+  assert biases <= set(weights) and {k: v.shape for k, v in weights.items()} == eagle_weight_shapes(drafter.config)
+  assert eagle_weight_shapes(drafter.config)["rest.bk"] == (1, CONFIG.num_kv_heads * CONFIG.head_dim)
+  e = target.embed[...]
+  clone = EagleDrafter.from_weights(drafter.config, weights, embed=e, head_rows=e)
+  zeroed = EagleDrafter.from_weights(
+    drafter.config, {k: 0 * v if k in biases else v for k, v in weights.items()}, embed=e, head_rows=e
+  )
+  with pytest.raises(ValueError, match="first.bq"):
+    EagleDrafter.from_weights(
+      drafter.config, {k: v for k, v in weights.items() if k != "first.bq"}, embed=e, head_rows=e
+    )
+  tokens = jax.random.randint(jax.random.key(5), (2, 5), 0, V)
+  hidden = drafter.fuse(jax.random.normal(jax.random.key(6), (2, 5, CONFIG.feature_size)))
+  pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  logits = [m(tokens, hidden, pos, m.init_cache(2, 8))[0] for m in (drafter, clone, zeroed)]
+  np.testing.assert_array_equal(logits[1], logits[0])
+  assert np.abs(np.asarray(logits[2]) - np.asarray(logits[0])).max() > 1e-2
+  _check_unrolled_equals_cached(target, 2, None)
 
 
 def test_logits_at_and_draft_vocabulary():

@@ -42,7 +42,7 @@ FAST_RUNS = ("generate sampled", "speculative greedy, EAGLE", "speculative sampl
 # other loops on 2x4 and the fast ones on a 1x8 mesh with Explicit axes (about 30 s more on 2 cores).
 CHECKS = (
   [f"logits {d}x{m}" for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))]
-  + ["logits 2x4 scan_layers"]
+  + ["logits 2x4 scan_layers", "logits qkv_bias"]
   + [f"loops 2x4: {run}" for run in FAST_RUNS]
   + ["1x1 mesh compiles today's program"]
 )
@@ -103,28 +103,41 @@ def test_heads_split_only_when_query_and_kv_heads_divide():
   assert whole.param_spec("attn_norm") == ()  # norms are never split
 
 
-def test_relayout_splits_and_fuses_exactly():
+def test_q_k_v_biases_split_like_their_projections_columns():
+  split = Partitioning.for_shapes(model_size=4, num_heads=8, num_kv_heads=4, d_ff=64, vocab_size=64)
+  whole = Partitioning.for_shapes(model_size=8, num_heads=8, num_kv_heads=4, d_ff=64, vocab_size=64)
+  for name in ("bq", "bk", "bv"):
+    assert split.param_spec(name) == ("model",) and split.param_spec(f"w{name[1]}")[-1] == "model"
+    assert whole.param_spec(name) == (None,)
+  assert split.param_spec("bqkv") == whole.param_spec("bqkv") == ()  # fused only where heads are whole: replicated
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_relayout_splits_and_fuses_exactly(biases):
   rng = np.random.default_rng(0)
-  fused = {
-    name: rng.normal(size=shape).astype(np.float32)
-    for name, shape in (("wqkv", (2, 8, 6 + 2 * 3)), ("w_gate_up", (2, 8, 2 * 5)), ("wo", (2, 6, 8)))
-  }
+  shapes = [("wqkv", (2, 8, 6 + 2 * 3)), ("w_gate_up", (2, 8, 2 * 5)), ("wo", (2, 6, 8))]
+  shapes += [("bqkv", (2, 6 + 2 * 3))] if biases else []
+  fused = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes}
   kw = {"q_width": 6, "kv_width": 3, "d_ff": 5}
   separate = relayout(fused, fuse_attention=False, fuse_mlp=False, **kw)
-  assert set(separate) == {"wq", "wk", "wv", "wo", "w_gate", "w_up"}
+  assert set(separate) == {"wq", "wk", "wv", "wo", "w_gate", "w_up"} | ({"bq", "bk", "bv"} if biases else set())
   np.testing.assert_array_equal(separate["wk"], fused["wqkv"][..., 6:9])
+  if biases:
+    np.testing.assert_array_equal(separate["bk"], fused["bqkv"][..., 6:9])
+    assert relayout(fused, fuse_attention=True, fuse_mlp=False, **kw)["bqkv"] is fused["bqkv"]
   back = relayout(separate, fuse_attention=True, fuse_mlp=True, **kw)
   assert sorted(back) == sorted(fused)
   for name, value in fused.items():
     np.testing.assert_array_equal(back[name], value)
 
 
-def test_one_device_mesh_keeps_the_layout_and_the_logits():
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_one_device_mesh_keeps_the_layout_and_the_logits(qkv_bias):
   from flax import nnx
 
   from specdec_jax.models import Transformer, TransformerConfig
 
-  model = Transformer(TransformerConfig.tiny(64), rngs=nnx.Rngs(0))
+  model = Transformer(TransformerConfig.tiny(64, qkv_bias=qkv_bias), rngs=nnx.Rngs(0))
   mesh = make_mesh(1, 1)
   sharded = shard(model, mesh)
   assert sharded.partitioning == Partitioning(model_size=1, heads=False, mlp=False, vocab=False)

@@ -14,6 +14,7 @@ from specdec_jax.models import KVCache, Transformer, TransformerConfig, weight_s
 TINY = TransformerConfig.tiny(vocab_size=64)  # L=2, D=32, H=4, Hkv=2, Dh=8, F=64
 # Shared shapes keep the number of compilations (the cost of this file) small.
 BATCH, PROMPT, MAX_LENGTH = 3, 7, 24
+BIASES = ("layers.bq", "layers.bk", "layers.bv")
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +27,7 @@ def _strict_numerics():
 
 
 def _random_weights(config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
-  """Weights at unit scale (std 1/sqrt(fan_in)), so attention is far from uniform."""
+  """Weights at unit scale (std 1/sqrt(fan_in)), so attention is far from uniform; q/k/v biases of std 0.5."""
   rng = np.random.default_rng(seed)
   weights = {}
   for name, shape in weight_shapes(config).items():
@@ -34,6 +35,8 @@ def _random_weights(config: TransformerConfig, seed: int = 0) -> dict[str, np.nd
       weights[name] = 1.0 + 0.2 * rng.standard_normal(shape)
     elif name == "embed":
       weights[name] = rng.standard_normal(shape)
+    elif name in BIASES:
+      weights[name] = 0.5 * rng.standard_normal(shape)
     else:
       weights[name] = rng.standard_normal(shape) / np.sqrt(shape[-2])
   return {k: v.astype(np.float32) for k, v in weights.items()}
@@ -61,7 +64,9 @@ def _arange_positions(batch_size: int, length: int) -> jax.Array:
 def _numpy_forward(config: TransformerConfig, w: dict[str, np.ndarray], tokens: np.ndarray, hidden=None):
   """Independent float64 reference: one sequence [N] -> logits [N, V], no cache.
 
-  If `hidden` is a list, each block's output (the residual stream, [N, D]) is appended to it.
+  Reads the `weight_shapes` dict (x @ W orientation; q/k/v biases added where `w` has them, whatever the
+  config says, so a model that ignored them would disagree). If `hidden` is a list, each block's output
+  (the residual stream, [N, D]) is appended to it.
   """
   w = {k: v.astype(np.float64) for k, v in w.items()}
   n, h, hkv, dh = len(tokens), config.num_heads, config.num_kv_heads, config.head_dim
@@ -80,9 +85,15 @@ def _numpy_forward(config: TransformerConfig, w: dict[str, np.ndarray], tokens: 
   x = w["embed"][tokens]
   for l in range(config.num_layers):
     y = norm(x, w["layers.attn_norm"][l])
-    q = rope((y @ w["layers.wq"][l]).reshape(n, h, dh))
-    k = np.repeat(rope((y @ w["layers.wk"][l]).reshape(n, hkv, dh)), h // hkv, axis=1)
-    v = np.repeat((y @ w["layers.wv"][l]).reshape(n, hkv, dh), h // hkv, axis=1)
+
+    def project(name, l=l, y=y):
+      bias = w.get(f"layers.b{name}")
+      return y @ w[f"layers.w{name}"][l] + (0.0 if bias is None else bias[l])
+
+    q = rope(project("q").reshape(n, h, dh))
+    # GQA: consecutive query heads share a kv head (head i reads kv head i // (H / Hkv)).
+    k = np.repeat(rope(project("k").reshape(n, hkv, dh)), h // hkv, axis=1)
+    v = np.repeat(project("v").reshape(n, hkv, dh), h // hkv, axis=1)
     s = np.where(causal, np.einsum("qhd,khd->hqk", q, k) / np.sqrt(dh), -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -250,6 +261,84 @@ def test_query_never_sees_later_slots():
   assert not np.allclose(logits_last, logits_last_scrambled)
 
 
+# --- q/k/v biases (Qwen2) ----------------------------------------------------------
+
+BIASED = TINY.replace(qkv_bias=True, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_biased_model_matches_numpy_reference_in_prefill_and_decode(scan_layers):
+  """q/k/v biases and an untied head: a ragged prefill, then one-token cached steps at per-row positions, equal the
+  float64 reference. The same weights with the biases zeroed give other logits (so an ignored bias fails), and
+  those equal a model without biases (qkv_bias=False) built from the rest of the weights."""
+  config = BIASED.replace(scan_layers=scan_layers)
+  weights = _random_weights(config, seed=21)
+  model = Transformer.from_weights(config, weights)
+  n = PROMPT + 4
+  tokens = _tokens(22, (BATCH, n))
+  expected = [_numpy_forward(config, weights, tokens[b]) for b in range(BATCH)]  # [N, V] per row, no cache
+  lengths = np.array([PROMPT, 3, 5])
+  logits, cache = _prefill(model, tokens, lengths)
+  for b, length in enumerate(lengths):
+    np.testing.assert_allclose(logits[b, :length], expected[b][:length], rtol=1e-4, atol=1e-4)
+  forward, pos = _jit(model), lengths.copy()
+  for _ in range(n - PROMPT):  # every row stays below n
+    step_tokens = jnp.asarray(tokens[np.arange(BATCH), pos][:, None])
+    step, cache = forward(step_tokens, jnp.asarray(pos[:, None], jnp.int32), cache)
+    for b in range(BATCH):
+      np.testing.assert_allclose(step[b, 0], expected[b][pos[b]], rtol=1e-4, atol=1e-4)
+    pos = pos + 1
+
+  zeroed, _ = _prefill(Transformer.from_weights(config, {**weights, **{k: 0 * weights[k] for k in BIASES}}), tokens)
+  biased, _ = _prefill(model, tokens)
+  assert np.abs(np.asarray(zeroed) - np.asarray(biased)).max() > 0.1
+  unbiased = Transformer.from_weights(
+    config.replace(qkv_bias=False), {k: v for k, v in weights.items() if k not in BIASES}
+  )
+  np.testing.assert_allclose(_prefill(unbiased, tokens)[0], zeroed, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_biases_round_trip_exactly_and_are_fused_beside_wqkv(dtype):
+  config = BIASED.replace(dtype=dtype)
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  weights = model.to_weights()
+  assert {k: v.shape for k, v in weights.items()} == weight_shapes(config)
+  assert all(np.abs(np.asarray(weights[k], np.float32)).max() > 0 for k in BIASES)  # random init: small, not zero
+  again = Transformer.from_weights(config, weights).to_weights()
+  assert weights.keys() == again.keys()
+  for name in weights:
+    np.testing.assert_array_equal(again[name], weights[name], err_msg=name)
+  for cfg in (config, config.replace(scan_layers=True)):
+    fused = {n: np.asarray(a) for n, a in Transformer.from_weights(cfg, weights).layers.stacked(cfg).items()}
+    assert {"wq", "wk", "wv", "bq", "bk", "bv"}.isdisjoint(fused)
+    np.testing.assert_array_equal(fused["bqkv"], np.concatenate([weights[k] for k in BIASES], axis=-1))
+
+
+def test_without_qkv_bias_the_model_holds_no_bias():
+  """The flag off (the default) leaves the weights interface and the parameters as before biases existed."""
+  plain, biased = weight_shapes(TINY), weight_shapes(TINY.replace(qkv_bias=True))
+  assert not TINY.qkv_bias and set(biased) - set(plain) == set(BIASES) and set(plain) <= set(biased)
+  q, kv = TINY.num_heads * TINY.head_dim, TINY.num_kv_heads * TINY.head_dim
+  assert (biased["layers.bq"], biased["layers.bk"], biased["layers.bv"]) == ((2, q), (2, kv), (2, kv))
+  model = Transformer(TINY, rngs=nnx.Rngs(0))
+  assert model.layers.block0.names == ("attn_norm", "wo", "mlp_norm", "w_down", "wqkv", "w_gate_up")
+  scanned = Transformer(TINY.replace(scan_layers=True), rngs=nnx.Rngs(0))
+  paths = {path for path, _ in nnx.to_flat_state(nnx.state(scanned, nnx.Param))}
+  assert {p[-1] for p in paths} == {"embed", "final_norm", "attn_norm", "mlp_norm", "w_down", "w_gate_up", "wo", "wqkv"}
+  assert set(model.to_weights()) == set(plain)
+
+
+def test_from_weights_names_missing_and_unexpected_biases():
+  weights = _random_weights(BIASED)
+  with pytest.raises(ValueError, match=r"missing key\(s\) \['layers\.bq'\] \(config\.qkv_bias is True\)"):
+    Transformer.from_weights(BIASED, {k: v for k, v in weights.items() if k != "layers.bq"})
+  with pytest.raises(ValueError, match=r"unexpected key\(s\) .*'layers\.bk'.*\(config\.qkv_bias is False\)"):
+    Transformer.from_weights(BIASED.replace(qkv_bias=False), weights)
+  with pytest.raises(ValueError, match=r"layers\.bv.*\(2, 16\)"):
+    Transformer.from_weights(BIASED, {**weights, "layers.bv": np.zeros((2, 32), np.float32)})
+
+
 # --- dtypes and the weights interface ------------------------------------------
 
 
@@ -324,6 +413,8 @@ def test_from_weights_rejects_bad_keys_and_shapes():
     ("rope_theta", 0.0),
     ("rms_norm_eps", -1e-6),
     ("dtype", jnp.int32),
+    ("qkv_bias", 1),
+    ("qkv_bias", None),
   ],
 )
 def test_config_rejects_bad_fields(field, value):

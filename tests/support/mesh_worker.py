@@ -15,7 +15,10 @@ device (no mesh):
   - logits: a tiny float32 Transformer on meshes 1x8, 2x4, 4x2 and 8x1
     (data x model), and with `scan_layers` on 2x4, gives the unsharded logits
     to float32 rounding, its parameters really are split (their
-    `.sharding.spec`), and `to_weights` returns the same arrays;
+    `.sharding.spec`), and `to_weights` returns the same arrays; so does one
+    with q/k/v biases and an untied head (Qwen2's kind) on 2x4 (biases split
+    by heads, unrolled and scanned; and its EAGLE head's) and 1x8 (heads whole:
+    `bqkv` fused, replicated);
   - loops: `generate` and `speculative_generate` (draft model, prompt lookup,
     EAGLE drafter) give the same greedy tokens, and sampled runs the same
     tokens for the same key, on a 2x4 mesh (heads split) and a 1x8 mesh (heads
@@ -179,6 +182,46 @@ def check_scan_logits():
   return f"max err {err:.2g}"
 
 
+def check_bias_logits():
+  # q/k/v biases follow their projections: split by whole heads with wq/wk/wv's columns, or fused and replicated.
+  config = CONFIG.replace(qkv_bias=True, tie_embeddings=False)
+  details = []
+  for mesh_shape, scan in (((2, 4), False), ((2, 4), True), ((1, 8), False)):
+    model = Transformer(config.replace(scan_layers=scan), rngs=nnx.Rngs(3))
+    sharded, _, _, err = sharded_logits(model, make_mesh(*mesh_shape))
+    layers = sharded.layers if scan else sharded.layers.block0
+    lead = (None,) if scan else ()
+    if sharded.partitioning.heads:
+      for name in ("bq", "bk", "bv"):
+        spec = getattr(layers, name)[...].sharding.spec
+        assert padded(spec, len(lead) + 1) == (*lead, "model"), (name, spec)
+    else:
+      spec = layers.bqkv[...].sharding.spec
+      assert padded(spec, len(lead) + 1) == (*lead, None), spec
+    expected_weights, weights = model.to_weights(), sharded.to_weights()
+    assert weights.keys() == expected_weights.keys() and "layers.bq" in weights
+    assert all(np.array_equal(weights[n], expected_weights[n]) for n in weights), "to_weights changed"
+    details.append(f"{mesh_shape}{' scan' if scan else ''}: max err {err:.2g}")
+  # An EAGLE head for the biased target has biased blocks (first, and a stacked rest): split the same way.
+  mesh = make_mesh(2, 4)
+  target = Transformer(config, rngs=nnx.Rngs(3))
+  eagle = EagleDrafter.for_target(target, num_layers=2, rngs=nnx.Rngs(4))
+  tokens = jnp.asarray(PROMPTS)
+  hidden = jax.random.normal(jax.random.key(5), (*tokens.shape, config.d_model))
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  call = jax.jit(lambda d, t, h, p: d(t, h, p, d.init_cache(t.shape[0], 16))[0])
+  expected = call(eagle, tokens, hidden, positions)
+  sharded = shard(eagle, mesh)
+  assert padded(sharded.first.bk[...].sharding.spec, 1) == ("model",), sharded.first.bk[...].sharding.spec
+  assert padded(sharded.rest.bv[...].sharding.spec, 2) == (None, "model"), sharded.rest.bv[...].sharding.spec
+  with jax.set_mesh(mesh):
+    logits = call(sharded, rows(mesh, tokens), rows(mesh, hidden), rows(mesh, positions))
+  err = float(jnp.max(jnp.abs(logits - expected)))
+  assert err <= LOGITS_ATOL, f"EAGLE head: max |logits - one device| = {err:.3g} > {LOGITS_ATOL}"
+  assert sharded.to_weights().keys() == eagle.to_weights().keys()
+  return ", ".join([*details, f"EAGLE (2, 4): max err {err:.2g}"])
+
+
 def check_loops(mesh, names) -> dict[str, tuple[bool, str]]:
   """One result per loop configuration in `names`: its tokens on `mesh` equal one device's."""
   expected = reference(names)
@@ -258,6 +301,7 @@ def checks(part: str = "all") -> dict:
   fast = {
     **{f"logits {d}x{m}": functools.partial(check_logits, d, m) for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))},
     "logits 2x4 scan_layers": check_scan_logits,
+    "logits qkv_bias": check_bias_logits,
     "loops 2x4": lambda: check_loops(make_mesh(2, 4), FAST_RUNS),
     "1x1 mesh compiles today's program": check_one_device_mesh,
   }
