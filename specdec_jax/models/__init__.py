@@ -6,7 +6,10 @@
   - `sharding`: `shard` and `Partitioning`, the models on a device mesh (tensor
     parallel over "model", data parallel over "data"); `make_mesh` comes from
     `specdec_jax.mesh`.
-  - `loaders`: real checkpoints (`load_smollm2`, `load_smollm2_draft`, `load_smollm2_eagle`).
+  - `loaders`: real checkpoints: any Llama/Qwen2 GGUF (`load_gguf`) or Hugging Face
+    directory (`load_hf`), Qwen2.5-Coder-1.5B-Instruct (`fetch_qwen2_5_coder`,
+    `load_qwen2_5_coder`) and SmolLM2-135M with its draft and head (`load_smollm2`,
+    `load_smollm2_draft`, `load_smollm2_eagle`).
 
 The decoding loops never import this package: a model reaches them through its
 call protocol (`init_cache` and `__call__`; see `Transformer`).
@@ -15,6 +18,9 @@ call protocol (`init_cache` and `__call__`; see `Transformer`).
 from specdec_jax.mesh import make_mesh
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
+from specdec_jax.models.loaders.gguf import load_gguf
+from specdec_jax.models.loaders.hf import load_hf
+from specdec_jax.models.loaders.qwen2_5_coder import fetch_qwen2_5_coder, load_qwen2_5_coder
 from specdec_jax.models.loaders.smollm2 import load_smollm2, load_smollm2_draft, load_smollm2_eagle
 from specdec_jax.models.sharding import Partitioning, shard
 from specdec_jax.models.transformer import KVCache, Transformer, weight_shapes
@@ -26,6 +32,10 @@ __all__ = [
   "Partitioning",
   "Transformer",
   "TransformerConfig",
+  "fetch_qwen2_5_coder",
+  "load_gguf",
+  "load_hf",
+  "load_qwen2_5_coder",
   "load_smollm2",
   "load_smollm2_draft",
   "load_smollm2_eagle",

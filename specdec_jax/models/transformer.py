@@ -294,13 +294,6 @@ class _LayerStack(nnx.Module):
     for i, block in enumerate(layers):
       setattr(self, f"block{i}", _Block(block, placement))
 
-  @staticmethod
-  def pure_dict(fused: Mapping[str, jax.Array], config: TransformerConfig) -> dict:
-    """Stacked fused parameters -> this module's pure-dict state for `config`'s layout."""
-    if config.scan_layers:
-      return dict(fused)
-    return {f"block{i}": {name: value[i] for name, value in fused.items()} for i in range(config.num_layers)}
-
   def stacked(self, config: TransformerConfig) -> dict[str, jax.Array]:
     """The parameters stacked on a leading [L] axis (what `lax.scan` reads; a copy when unrolled)."""
     if config.scan_layers:
@@ -407,12 +400,18 @@ class Transformer(nnx.Module):
     values = {
       name: jnp.asarray(weights[name], dtype=config.dtype) for name in expected if not name.startswith("layers.")
     }
-    values["layers"] = _LayerStack.pure_dict(
-      fuse_projections(
-        {name: jnp.asarray(weights[f"layers.{name}"], dtype=config.dtype) for name in layer_params(config)}
-      ),
-      config,
-    )
+
+    def fused(index):  # one layer's (or, under scan, every layer's) parameters, read from the inputs' slices
+      return fuse_projections(
+        {name: jnp.asarray(weights[f"layers.{name}"][index], dtype=config.dtype) for name in layer_params(config)}
+      )
+
+    # Block by block when unrolled: a 1.5B model in float32 is 7 GB, and a stacked
+    # copy of it beside the blocks (and the inputs) would not fit in 24 GB.
+    if config.scan_layers:
+      values["layers"] = fused(slice(None))
+    else:
+      values["layers"] = {f"block{i}": fused(i) for i in range(config.num_layers)}
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
 

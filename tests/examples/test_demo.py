@@ -34,7 +34,7 @@ def _forbid(name):
 @pytest.fixture
 def no_loading(demo, monkeypatch):
   """Every loader of the demo fails the test if called."""
-  for name in ("load_smollm2", "load_smollm2_draft", "load_eagle_head", "smollm2_tokenizer"):
+  for name in ("load_smollm2", "load_smollm2_draft", "load_eagle_head", "smollm2_tokenizer", "load_qwen2_5_coder"):
     monkeypatch.setattr(demo, name, _forbid(name))
   return demo
 
@@ -68,6 +68,9 @@ def _error_line(capsys, demo, argv):
     (["--max-tokens", "9000"], "--max-tokens"),
     (["--drafter", "tree"], "--drafter"),
     (["--max-tokens", "many"], "--max-tokens"),
+    (["--model", "llama"], "--model"),
+    (["--model", "qwen2.5-coder-1.5b", "--drafter", "eagle"], "--drafter eagle"),
+    (["--model", "qwen2.5-coder-1.5b", "--max-tokens", "40000"], "Qwen2.5-Coder-1.5B's context of 32768"),
   ],
 )
 def test_bad_flag_is_one_line_before_loading(no_loading, capsys, argv, flag):
@@ -94,6 +97,12 @@ def test_context_overflow_is_one_line_before_the_weights(no_loading, capsys, mon
   room = demo.MAX_CONTEXT - p
   with pytest.raises(AssertionError, match="load_smollm2 was called"):
     demo.main(["--prompt", prompt, "--max-tokens", str(room)])
+
+
+def test_coder_drafts_by_prompt_lookup(demo):
+  ap = demo.build_parser()
+  assert demo.parse_args(ap, ["--model", "qwen2.5-coder-1.5b"]).drafter == ("lookup",)
+  assert demo.parse_args(ap, ["--model", "qwen2.5-coder-1.5b", "--drafter", "all"]).drafter == ("lookup",)
 
 
 def test_drafter_choice(demo):

@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 from specdec_jax.models.config import TransformerConfig
-from specdec_jax.models.loaders import gguf, smollm2
+from specdec_jax.models.loaders import common, gguf, smollm2
 from specdec_jax.models.transformer import Transformer
 
 INSTALL_EXTRA = r"pip install 'specdec-jax\[models\]'"
@@ -52,14 +52,14 @@ def _hide(monkeypatch, module: str) -> None:
   [(jnp.float32, jnp.float32), ("bfloat16", jnp.bfloat16), (np.float16, jnp.float16), (jnp.bfloat16, jnp.bfloat16)],
 )
 def test_model_dtype_accepts_float32_bfloat16_float16(dtype, expected):
-  assert smollm2._model_dtype(dtype) == jnp.dtype(expected)
+  assert common.model_dtype(dtype) == jnp.dtype(expected)
 
 
 def test_model_dtype_accepts_float64_only_with_x64():
   with pytest.raises(ValueError, match="float64 only with"):
-    smollm2._model_dtype("float64")
+    common.model_dtype("float64")
   with jax.enable_x64(True):
-    assert smollm2._model_dtype("float64") == np.float64
+    assert common.model_dtype("float64") == np.float64
   assert not jax.config.jax_enable_x64
 
 
@@ -94,7 +94,7 @@ def _tiny_model() -> Transformer:
     ("gguf", lambda tmp: smollm2.load_smollm2()),
     ("tokenizers", lambda tmp: smollm2.load_smollm2()),
     ("tokenizers", lambda tmp: smollm2.smollm2_tokenizer()),
-    ("gguf", lambda tmp: gguf.read_gguf_llama(str(tmp / "any.gguf"))),
+    ("gguf", lambda tmp: gguf.read_gguf(str(tmp / "any.gguf"))),
     ("jinja2", lambda tmp: gguf.render_chat_template("{{ messages }}", [])),
   ],
   ids=[
@@ -122,7 +122,7 @@ def test_import_optional_also_reports_a_hidden_find_spec(monkeypatch):
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "safetensors" else real(name, *a))
   with pytest.raises(ImportError, match=r"Saving a draft needs the `safetensors` package.*" + INSTALL_EXTRA):
-    gguf.import_optional("safetensors.numpy", "Saving a draft")
+    common.import_optional("safetensors.numpy", "Saving a draft")
 
 
 # ----------------------------------------------------------------------------- draft files
@@ -175,7 +175,7 @@ def test_truncated_draft_weights_name_the_file(tmp_path, keep):
   data = _shipped_weights_bytes()
   keep = {"half": len(data) // 2, "all_but_one": len(data) - 1}.get(keep, keep)
   path = _draft_copy(tmp_path, weights=data[:keep])
-  with pytest.raises(gguf.DamagedFileError) as excinfo:
+  with pytest.raises(common.DamagedFileError) as excinfo:
     smollm2.load_smollm2_draft(path=path)
   message = _one_line(excinfo.value)
   assert message.startswith(f"{path} is damaged"), message
@@ -204,7 +204,7 @@ def _config_with(**changes) -> str:
 )
 def test_damaged_draft_config_names_the_file(tmp_path, config):
   path = _draft_copy(tmp_path, config=config)
-  with pytest.raises(gguf.DamagedFileError) as excinfo:
+  with pytest.raises(common.DamagedFileError) as excinfo:
     smollm2.load_smollm2_draft(path=path)
   message = _one_line(excinfo.value)
   assert message.startswith(f"{tmp_path / 'draft.json'} is damaged"), message
@@ -215,7 +215,7 @@ def test_draft_weights_not_matching_config_name_the_file(tmp_path):
   # The config says the embedding is in the file (it is not: the shipped draft
   # takes SmolLM2's), so a tensor is missing: no GGUF read is needed to see it.
   path = _draft_copy(tmp_path, config=_config_with(share_target_embedding=False))
-  with pytest.raises(gguf.DamagedFileError) as excinfo:
+  with pytest.raises(common.DamagedFileError) as excinfo:
     smollm2.load_smollm2_draft(path=path)
   message = _one_line(excinfo.value)
   assert message.startswith(f"{path} is damaged"), message
@@ -225,7 +225,7 @@ def test_draft_weights_not_matching_config_name_the_file(tmp_path):
 def test_damaged_shipped_draft_says_reinstall_or_retrain(monkeypatch, tmp_path):
   path = _draft_copy(tmp_path, weights=_shipped_weights_bytes()[:1000])
   monkeypatch.setattr(smollm2, "DRAFT_WEIGHTS_PATH", path)
-  with pytest.raises(gguf.DamagedFileError) as excinfo:
+  with pytest.raises(common.DamagedFileError) as excinfo:
     smollm2.load_smollm2_draft()
   message = _one_line(excinfo.value)
   assert message.startswith(f"{path} is damaged"), message
@@ -269,19 +269,19 @@ def damaged_ggufs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["empty", "header", "metadata", "embedding", "last_byte", "not_gguf"])
 def test_damaged_smollm2_gguf_names_the_file_and_reinstall(damaged_ggufs, name):
   path = damaged_ggufs[name]
-  with pytest.raises(gguf.DamagedFileError) as excinfo:
+  with pytest.raises(common.DamagedFileError) as excinfo:
     smollm2._read_smollm2_gguf(path)
   message = _one_line(excinfo.value)
   assert message.startswith(f"{path} is damaged"), message
   assert message.endswith(f"Reinstall it: {REINSTALL_SMOLLM2}"), message
   # Chained to the parser's own error, for whoever wants the traceback.
   assert excinfo.value.__cause__ is not None
-  assert not isinstance(excinfo.value.__cause__, gguf.DamagedFileError)
+  assert not isinstance(excinfo.value.__cause__, common.DamagedFileError)
 
 
 @pytest.mark.real_model
 def test_damaged_gguf_tokenizer_names_the_file(damaged_ggufs):
   pytest.importorskip("tokenizers")
   path = damaged_ggufs["embedding"]
-  with pytest.raises(gguf.DamagedFileError, match=f"^{re.escape(path)} is damaged .*GGUF file"):
+  with pytest.raises(common.DamagedFileError, match=f"^{re.escape(path)} is damaged .*GGUF file"):
     gguf.tokenizer_from_gguf(path)

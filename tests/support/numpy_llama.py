@@ -1,4 +1,4 @@
-"""An independent float64 NumPy forward pass of a llama GGUF file, for tests.
+"""An independent float64 NumPy forward pass of a llama or qwen2 GGUF file, for tests.
 
 This module shares no code with `specdec_jax`, so agreeing with it means
 something:
@@ -11,6 +11,9 @@ something:
   rotating dimension pairs (2i, 2i+1). The JAX model un-permutes the rows and
   rotates pairs (i, i + Dh/2) ("rotate_half"); the two agree only if the
   un-permutation is right;
+* "qwen2" files are not permuted (llama.cpp rotates them NEOX-style, pairs
+  (i, i + Dh/2)); this reference then rotates that way, adds the q/k/v biases,
+  and uses `output.weight` when the file has one (untied head);
 * it keeps weights in ggml's `y = W x` orientation (`x @ W.T` here), and computes
   everything in float64, streaming one layer's weights at a time so that peak
   memory stays near the size of the embedding table.
@@ -90,14 +93,15 @@ class NumpyLlama:
     self.reader = gguf.GGUFReader(path) if reader is None else reader
     self.tensors = {t.name: t for t in self.reader.tensors}
     arch = self._meta("general.architecture")
-    assert arch == "llama", arch
-    self.num_layers = int(self._meta("llama.block_count"))
-    self.d_model = int(self._meta("llama.embedding_length"))
-    self.num_heads = int(self._meta("llama.attention.head_count"))
-    self.num_kv_heads = int(self._meta("llama.attention.head_count_kv"))
+    assert arch in ("llama", "qwen2"), arch
+    self.interleaved = arch == "llama"
+    self.num_layers = int(self._meta(f"{arch}.block_count"))
+    self.d_model = int(self._meta(f"{arch}.embedding_length"))
+    self.num_heads = int(self._meta(f"{arch}.attention.head_count"))
+    self.num_kv_heads = int(self._meta(f"{arch}.attention.head_count_kv"))
     self.head_dim = self.d_model // self.num_heads
-    self.rope_theta = float(self._meta("llama.rope.freq_base"))
-    self.eps = float(self._meta("llama.attention.layer_norm_rms_epsilon"))
+    self.rope_theta = float(self._meta(f"{arch}.rope.freq_base"))
+    self.eps = float(self._meta(f"{arch}.attention.layer_norm_rms_epsilon"))
 
   def _meta(self, key):
     return self.reader.fields[key].contents()
@@ -121,6 +125,18 @@ class NumpyLlama:
     out[..., 1::2] = even * sin + odd * cos
     return out
 
+  def _rope_neox(self, x, positions):
+    # NEOX / Hugging Face "rotate_half": pairs (i, i + Dh/2).
+    half = self.head_dim // 2
+    inv_freq = self.rope_theta ** (-2.0 * np.arange(half) / self.head_dim)
+    angle = positions[:, None, None] * inv_freq
+    cos, sin = np.cos(angle), np.sin(angle)
+    first, second = x[..., :half], x[..., half:]
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+  def _rope(self, x, positions):
+    return self._rope_interleaved(x, positions) if self.interleaved else self._rope_neox(x, positions)
+
   def forward(self, tokens) -> np.ndarray:
     """Logits of one sequence, float64.
 
@@ -141,11 +157,12 @@ class NumpyLlama:
     for layer in range(self.num_layers):
       w = lambda name: self.weight(f"blk.{layer}.{name}.weight")  # noqa: E731
       a = self._rms_norm(x, w("attn_norm"))
-      q = (a @ w("attn_q").T).reshape(num_tokens, h, dh)
-      k = (a @ w("attn_k").T).reshape(num_tokens, hkv, dh)
-      v = (a @ w("attn_v").T).reshape(num_tokens, hkv, dh)
-      q = self._rope_interleaved(q, positions)
-      k = self._rope_interleaved(k, positions)
+      q, k, v = (a @ w(f"attn_{n}").T for n in "qkv")
+      if f"blk.{layer}.attn_q.bias" in self.tensors:
+        q, k, v = (y + self.weight(f"blk.{layer}.attn_{n}.bias") for y, n in zip((q, k, v), "qkv"))
+      q = self._rope(q.reshape(num_tokens, h, dh), positions)
+      k = self._rope(k.reshape(num_tokens, hkv, dh), positions)
+      v = v.reshape(num_tokens, hkv, dh)
       heads = []
       for head in range(h):
         kv = head // group  # GQA: consecutive query heads share a kv head.

