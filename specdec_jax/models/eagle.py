@@ -77,6 +77,7 @@ from specdec_jax.models.transformer import (
   copy_kv_slots,
   decoder_block,
   layer_params,
+  linear,
   mlp_block,
   pallas_block,
   project_qkv,
@@ -484,7 +485,7 @@ class EagleDrafter(nnx.Module):
       raise ValueError(
         f"features must be [B, T, F] with F = {f} (feature_layers {self.feature_layers} x D), got {features.shape}."
       )
-    return features.astype(self.config.layers.dtype) @ self.fc[...]
+    return linear(features.astype(self.config.layers.dtype), self.fc[...])
 
   def __call__(
     self,
@@ -693,5 +694,5 @@ def _unrolled_block(c: TransformerConfig, x, attn_in, p, kv: list, j: int, cos, 
   out = jnp.einsum("bhts,bshd->bthd", weights[..., :t], heads(v0))
   for i, vd in enumerate(diag_v):
     out = out + jnp.swapaxes(weights[..., t + i], 1, 2)[..., None] * vd
-  x = x + out.reshape(b, t, h * dh).astype(x.dtype) @ p["wo"]
+  x = x + linear(out.reshape(b, t, h * dh).astype(x.dtype), p["wo"])
   return mlp_block(c, x, p)

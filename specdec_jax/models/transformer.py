@@ -48,6 +48,7 @@ ambient `jax.set_mesh` (`specdec_jax/models/sharding.py` has the rules and why).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 
 import flax.struct
@@ -604,7 +605,7 @@ class Transformer(nnx.Module):
     x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
     lm_head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]  # [D, V]
     # Accumulate the logits in float32 whatever the compute dtype.
-    logits = jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
+    logits = linear(x, lm_head, preferred_element_type=jnp.float32)
     # Vocabulary-parallel logits stay split, [B, T, V] as P("data", None, "model"), for the sampler.
     if self.partitioning is not None:
       logits = sharding.constrain(logits, self.partitioning.logits_spec())
@@ -897,8 +898,8 @@ def project_qkv(c: TransformerConfig, attn_in, p):
   def biased(w, bias):
     # Without a bias the product stays `attn_in @ w`, the program of a model without biases.
     if bias is None:
-      return attn_in @ w
-    y = jnp.matmul(attn_in, w, preferred_element_type=jnp.float32)
+      return linear(attn_in, w)
+    y = linear(attn_in, w, preferred_element_type=jnp.float32)
     return (y + bias.astype(jnp.float32)[None, None, :]).astype(jnp.result_type(attn_in, w))
 
   if "wqkv" in p:  # one matmul
@@ -924,7 +925,7 @@ def attention_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ct
   k_all = jnp.swapaxes(k_cache[i], 1, 2)  # [B, S, Hkv, Dh]
   v_all = jnp.swapaxes(v_cache[i], 1, 2)
   attn = jax.nn.dot_product_attention(q, k_all, v_all, mask=ctx.mask)  # [B, T, H, Dh]
-  return x + attn.reshape(b, t, qd) @ p["wo"], k_cache, v_cache
+  return x + linear(attn.reshape(b, t, qd), p["wo"]), k_cache, v_cache
 
 
 def _write_slots(cache: jax.Array, i, ctx: AttentionContext, new: jax.Array) -> jax.Array:
@@ -944,11 +945,30 @@ def mlp_block(c: TransformerConfig, x, p):
   """The MLP half of `decoder_block`: x + SwiGLU(rms_norm(x))."""
   h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
   if "w_gate_up" in p:  # one matmul
-    gate_up = h @ p["w_gate_up"]
+    gate_up = linear(h, p["w_gate_up"])
     gate, up = gate_up[..., : c.d_ff], gate_up[..., c.d_ff :]
   else:
-    gate, up = h @ p["w_gate"], h @ p["w_up"]
-  return x + (jax.nn.silu(gate) * up) @ p["w_down"]
+    gate, up = linear(h, p["w_gate"]), linear(h, p["w_up"])
+  return x + linear(jax.nn.silu(gate) * up, p["w_down"])
+
+
+def linear(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
+  """x [..., K] @ w [K, N] -> [..., N]; on a GPU, a product of one row runs as a product of two.
+
+  XLA rewrites a product with a single row into a multiply and a reduction ("dot
+  strength reduction"), which reads the weights more slowly than its matrix-product
+  kernels: a one-row call then costs more than a verification call of several rows
+  (bench/RESULTS.md). The row is computed twice in one matrix product and the copy
+  dropped; elsewhere (CPU, more rows) this is `jnp.matmul`.
+
+  Example:
+    >>> linear(jnp.ones((1, 1, 4)), jnp.ones((4, 3))).shape
+    (1, 1, 3)
+  """
+  if math.prod(x.shape[:-1]) != 1 or jax.default_backend() != "gpu":
+    return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+  two = jnp.concatenate([x.reshape(1, -1)] * 2)
+  return jnp.matmul(two, w, preferred_element_type=preferred_element_type)[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
