@@ -602,10 +602,7 @@ class Transformer(nnx.Module):
         outs.append(out)
       x, k_cache, v_cache = carry
 
-    x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
-    lm_head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]  # [D, V]
-    # Accumulate the logits in float32 whatever the compute dtype.
-    logits = linear(x, lm_head, preferred_element_type=jnp.float32)
+    logits = self._logits(x, fixed_rows=kernels is not None)
     # Vocabulary-parallel logits stay split, [B, T, V] as P("data", None, "model"), for the sampler.
     if self.partitioning is not None:
       logits = sharding.constrain(logits, self.partitioning.logits_spec())
@@ -614,6 +611,23 @@ class Transformer(nnx.Module):
       return logits, cache
     features = jnp.concatenate([outs[i] for i in c.feature_layers], axis=-1)  # [B, T, F]
     return logits, features, cache
+
+  def _logits(self, x: jax.Array, fixed_rows: bool) -> jax.Array:
+    """Final norm and head: float32 logits [B, T, V] of the residual x [B, T, D].
+
+    With `fixed_rows` (the call took the Pallas blocks, B*T <= MAX_ROWS) the rows are padded to
+    MAX_ROWS first. The kernels compute every row on tiles of MAX_ROWS whatever B*T; with the head
+    on a fixed shape too, a token's logits are the same bits in a one-token step and in a
+    verification call, so greedy speculation equals plain greedy decoding (batch invariance).
+    """
+    c = self.config
+    lm_head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]  # [D, V]
+    b, t, d = x.shape
+    if fixed_rows:
+      x = jnp.zeros((1, mlp.MAX_ROWS, d), x.dtype).at[0, : b * t].set(x.reshape(b * t, d))
+    # Accumulate the logits in float32 whatever the compute dtype.
+    logits = linear(rms_norm(x, self.final_norm[...], c.rms_norm_eps), lm_head, preferred_element_type=jnp.float32)
+    return logits[0, : b * t].reshape(b, t, -1) if fixed_rows else logits
 
   def _block_kernels(self, x, cache: KVCache) -> str | None:
     """`config.kernels` where this call can take the Pallas blocks, else None (XLA's): decided at trace time."""

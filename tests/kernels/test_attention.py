@@ -391,3 +391,20 @@ def test_triton_lowering(bt):
       )
     )
     assert "fused_attention_core" in cuda_module_text(with_mask, [*args, s((b, t, 320), jnp.bool_)])
+
+
+def test_kernels_path_is_batch_invariant(models):
+  """On the kernels' path a token's logits are the same bits whether it comes in a one-token step or in a
+  call of several tokens: the kernels work on tiles of MAX_ROWS rows whatever B*T, and the final norm and
+  head run on MAX_ROWS rows too. So greedy speculation on the kernels equals plain greedy decoding."""
+  _, pallas = models
+  call = jax.jit(lambda m, t, p, c: m(t, p, c))
+  tokens = jnp.asarray(np.arange(3, 13).reshape(1, 10) % CFG.vocab_size, jnp.int32)
+  pos = jnp.arange(10, dtype=jnp.int32)[None]
+  _, cache = call(pallas, tokens[:, :6], pos[:, :6], pallas.init_cache(1, S))
+  together, _ = call(pallas, tokens[:, 6:], pos[:, 6:], cache)  # a verification of 4 tokens
+  steps = []
+  for j in range(6, 10):  # the same tokens, one step each
+    logits, cache = call(pallas, tokens[:, j : j + 1], pos[:, j : j + 1], cache)
+    steps.append(logits)
+  np.testing.assert_array_equal(np.concatenate(steps, axis=1), np.asarray(together))
