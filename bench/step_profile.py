@@ -1,9 +1,12 @@
-"""Where one decode step of a SmolLM2-shaped target goes: structure variants and ablations side by side.
+"""Where one decode step of a target goes: structure variants and ablations side by side.
 
 Times one target call per iteration of a jitted `fori_loop` (the way the
 decoding loops run it: no host round trip between steps), each step's greedy
 token feeding the next, at B in --batch-sizes on a cache of --cache-len slots,
-for these variants of the same weights (random, SmolLM2-135M's shape):
+for these variants of the same weights (random, drawn in the compute dtype on
+the device, of the shape `--shape` names: `smollm2`, SmolLM2-135M's, the
+default; `qwen2.5-coder-1.5b`, Qwen2.5-Coder-1.5B's, with q/k/v biases and an
+untied LM head; with `--tiny`, a tiny model, with that shape's biases and head):
 
     before        layers under lax.scan, separate q/k/v and gate/up matmuls (the model until this script)
     scan+fused    lax.scan, one q|k|v and one gate|up matmul   (TransformerConfig(scan_layers=True))
@@ -19,22 +22,39 @@ and one verification call of K+1 tokens (`--k`) for `before`, `after` and `palla
 variants are this script's own forward pass over `decoder_block` and friends;
 `after` is checked equal to `Transformer.__call__` (and `scan+fused` to
 `scan_layers=True`) before anything is timed. `--trace DIR` also records a
-`jax.profiler` trace of a few `after` steps at the first batch size and prints
-the kernels that took the most time (name, count per step, microseconds per
-step), read from the trace's Chrome-format JSON.
+`jax.profiler` trace of 20 one-token steps of each `--trace-variants` (default
+`after`) at the first batch size, read from the trace's Chrome-format JSON, and
+prints per step: the kernel time summed and the number of kernel launches, the
+time from the first kernel's start to the last one's end, the step's timed
+figure and the floor (weight bytes one step reads / the device's copy
+bandwidth, as bench/real_target.py), that kernel time by category of kernel
+name (matmul/gemm, attention/softmax, scatter/cache write, fusion, other;
+approximate: a name says what XLA fused, not every op inside), and the 25
+kernels that took the most time (microseconds and launches per step, name).
+On a CPU the "kernels" are XLA:CPU's operations (thunks) on the host.
 
     python bench/step_profile.py --out /tmp/step                 # GPU: bf16, B in 1,8,32
+    python bench/step_profile.py --shape qwen2.5-coder-1.5b --batch-sizes 1 \
+      --variants after,after-attn,after-mlp,after-head,after-bare,pallas --trace $OUT/trace --out $OUT
+                                                                 # GPU: Qwen2.5-Coder-1.5B's step, kernel by kernel
     python bench/step_profile.py --tiny --out /tmp/step          # CPU smoke run (tiny model)
+    python bench/step_profile.py --tiny --shape qwen2.5-coder-1.5b --out /tmp/step --trace /tmp/trace
+                                                                 # CPU smoke run (tiny, biases, untied head)
 
-Writes OUT/step_profile.json (every figure, device, versions) and
-OUT/step_profile.png (step time per variant and batch size; needs matplotlib,
-`pip install -e ".[bench]"`, or pass --no-plot).
+Writes OUT/step_profile.json (every figure, the shape's name and config,
+device, versions, and with --trace the kernel tables and their summary) and
+OUT/step_profile.png (step time per variant and batch size, titled by shape;
+needs matplotlib, `pip install -e ".[bench]"`, or pass --no-plot). The
+Qwen shape's weights are 3.6 GB in bf16; with the model the checks compare
+against, a variant's own per-layer copies and a second model inside the
+checks, the script holds about 12 GB of GPU memory at its peak.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import gzip
 import json
@@ -54,20 +74,40 @@ from specdec_jax.kernels import mlp as pallas_mlp
 from specdec_jax.kernels.mlp import MAX_ROWS  # noqa: E402
 from specdec_jax.models import Transformer, TransformerConfig  # noqa: E402
 from specdec_jax.models.transformer import (
-  _LAYER_PARAMS,
   AttentionContext,
   KVCache,
   attention_block,
   fuse_projections,
+  linear,
   mlp_block,
   pallas_block,
   rms_norm,
+  weight_shapes,
 )
+from specdec_jax.models.transformer import layer_params as layer_names  # noqa: E402
 
 SMOLLM2 = dict(
   vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64, d_ff=1536, rope_theta=1e5
 )
+QWEN2_5_CODER_1_5B = dict(
+  vocab_size=151936,
+  num_layers=28,
+  d_model=1536,
+  num_heads=12,
+  num_kv_heads=2,
+  head_dim=128,
+  d_ff=8960,
+  rope_theta=1e6,
+  rms_norm_eps=1e-6,
+  qkv_bias=True,
+  tie_embeddings=False,
+)
+SHAPES = {"smollm2": SMOLLM2, "qwen2.5-coder-1.5b": QWEN2_5_CODER_1_5B}
 TINY = dict(vocab_size=512, num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=32, d_ff=128)
+# What `--tiny` keeps of each shape: the structure (biases, untied head), not the sizes.
+TINY_FLAGS = {"smollm2": {}, "qwen2.5-coder-1.5b": dict(qkv_bias=True, tie_embeddings=False)}
+# The TransformerConfig fields a shape sets (recorded in the JSON).
+SHAPE_FIELDS = (*TINY, "rope_theta", "rms_norm_eps", "qkv_bias", "tie_embeddings")
 
 # name -> (scan, fused, attention, mlp, head, pallas)
 VARIANTS = {
@@ -113,12 +153,42 @@ for _name in PALLAS_TILES:
     VARIANTS[f"pallas:{_name}"] = (False, True, True, True, True, _name)
 
 
-def layer_params(weights: dict, variant) -> dict | list:
+def model_config(shape: str, tiny: bool, dtype) -> TransformerConfig:
+  """The config of `--shape` (or, `--tiny`, of the tiny model with that shape's biases and head) in `dtype`."""
+  return TransformerConfig(**({**TINY, **TINY_FLAGS[shape]} if tiny else SHAPES[shape]), dtype=jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def random_weights(c: TransformerConfig, key: jax.Array) -> dict[str, jax.Array]:
+  """Random weights under the keys of `weight_shapes(c)`, drawn in `c.dtype` on the default device.
+
+  As the Transformer's initialisation (norms 1, the rest normal with std 0.02, the projections into the
+  residual stream scaled down by sqrt(2 L)), but each array is drawn in its own dtype: no float32 copy of
+  the whole model first (7 GB for the Qwen shape).
+  """
+  shapes = weight_shapes(c)
+  out = {}
+  for k, (name, shape) in zip(jax.random.split(key, len(shapes)), shapes.items()):
+    if name.endswith("norm"):
+      out[name] = jnp.ones(shape, c.dtype)
+      continue
+    std = 0.02 / np.sqrt(2 * c.num_layers) if name.endswith(("wo", "w_down")) else 0.02
+    out[name] = jax.random.normal(k, shape, c.dtype) * jnp.asarray(std, c.dtype)
+  return out
+
+
+def read_bytes(c: TransformerConfig, weights: dict) -> int:
+  """Bytes of the weights one step reads: all of them, but of an untied input embedding one row per token."""
+  total = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in weights.values())
+  return total - (0 if c.tie_embeddings else weights["embed"].nbytes)
+
+
+def layer_params(c: TransformerConfig, weights: dict, variant) -> dict | list:
   """Per-layer parameters as `decoder_block` reads them, fused or separate: stacked [L, ...] for a scan, else
   one dict of its own arrays per layer (as the Transformer holds them: slices of a stacked array inside the
-  step would be copies)."""
+  step would be copies). The q/k/v biases of a `qkv_bias` config come along ("bqkv" when fused)."""
   scan, fused = variant[:2]
-  stacked = {name: weights[f"layers.{name}"] for name in _LAYER_PARAMS}
+  stacked = {name: weights[f"layers.{name}"] for name in layer_names(c)}
   stacked = fuse_projections(stacked) if fused else stacked
   if scan:
     return stacked
@@ -179,9 +249,10 @@ def forward(c: TransformerConfig, weights: dict, layers: dict, tokens, positions
     for i in range(c.num_layers):
       carry, _ = block(carry, (layers[i], i))
   x, k_cache, v_cache = carry
-  if head:
+  if head:  # as Transformer.__call__: embed.T when tied, else the model's own lm_head [D, V]
     x = rms_norm(x, weights["final_norm"], c.rms_norm_eps)
-    out = jnp.einsum("btd,vd->btv", x, weights["embed"], preferred_element_type=jnp.float32)
+    lm_head = weights["embed"].T if c.tie_embeddings else weights["lm_head"]
+    out = linear(x, lm_head, preferred_element_type=jnp.float32)
   else:
     out = x.astype(jnp.float32)
   return out, KVCache(k=k_cache, v=v_cache)
@@ -224,11 +295,12 @@ def check_against_model(model: Transformer, weights: dict, variants) -> dict:
   for name, cfg in checks:
     if cfg not in wants:
       wants[cfg] = call(tokens, pos, Transformer.from_weights(cfg, weights))
-    mine = jax.jit(
-      lambda t, p, n=name: forward(
-        c, weights, layer_params(weights, VARIANTS[n]), t, p, model.init_cache(2, 8), VARIANTS[n]
-      )[0]
-    )(tokens, pos)
+
+    def logits(w, t, p, variant=VARIANTS[name]):
+      return forward(c, w, layer_params(c, w, variant), t, p, model.init_cache(2, 8), variant)[0]
+
+    # The weights go in as arguments: closed over, they could become constants of the program (GBs of them).
+    mine = jax.jit(logits)(weights, tokens, pos)
     diffs[name] = float(jnp.max(jnp.abs(wants[cfg] - mine)))
   # Equal on a CPU in float32; a GPU may fuse the programs differently, or the kernels round differently
   # (bf16), not more.
@@ -238,87 +310,210 @@ def check_against_model(model: Transformer, weights: dict, variants) -> dict:
   return diffs
 
 
-def kernel_table(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
-  """Per-kernel totals from a jax.profiler trace's Chrome-format JSON: the device events, grouped by name."""
+# Kernel categories by name, for the trace's summary: (category, lower-case name fragments), the first match wins.
+# Approximate: a fusion is named after some of its ops (XLA:GPU: "loop_multiply_fusion", "gemm_fusion_dot.3",
+# "input_reduce_fusion"; cuBLAS: "sm90_xmma_gemm_...", "nvjet_..."), and attention's own products count as
+# matmul/gemm. The Pallas blocks' kernels go by their names: q|k|v and the MLP are products, the core attention.
+KERNEL_CATEGORIES = (
+  ("scatter/cache write", ("scatter", "dynamic_update_slice", "dynamic-update-slice", "update_slice")),
+  ("matmul/gemm", ("fused_attention_qkv", "fused_mlp")),
+  ("attention/softmax", ("softmax", "exponential", "attention", "fmha", "flash", "cudnn")),
+  ("matmul/gemm", ("gemm", "gemv", "dot", "matmul", "cublas", "cutlass", "xmma", "nvjet", "splitk", "wgmma", "ynn")),
+  ("fusion", ("fusion", "loop_", "input_", "wrapped_")),
+)
+CATEGORY_ORDER = ("matmul/gemm", "attention/softmax", "scatter/cache write", "fusion", "other")
+
+
+def kernel_category(name: str) -> str:
+  """The `KERNEL_CATEGORIES` category of a kernel's name ("other" when none matches)."""
+  low = name.lower()
+  return next((cat for cat, parts in KERNEL_CATEGORIES if any(p in low for p in parts)), "other")
+
+
+def _trace_events(trace_dir: str) -> list[dict] | None:
+  """The events of the newest jax.profiler trace (Chrome-format JSON) under trace_dir, or None if there is none."""
   files = sorted(
     glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     + glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
   )
   if not files:
-    return []
+    return None
   with gzip.open(files[-1], "rt") as f:
-    trace = json.load(f)
-  events = trace.get("traceEvents", [])
-  # Device (GPU) events live under processes whose name mentions the device; host threads are the rest.
-  names = {
-    e["pid"]: e.get("args", {}).get("name", "")
-    for e in events
-    if e.get("ph") == "M" and e.get("name") == "process_name"
-  }
-  device_pids = {pid for pid, n in names.items() if "/device:" in n or "GPU" in n or "gpu" in n}
-  # A device has a thread per CUDA stream ("Stream #..."): kernels and copies. Its other threads ("XLA Ops",
-  # "XLA Modules", ...) repeat the same time under op and program names, so they are left out where streams exist.
-  threads = {
-    (e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
-    for e in events
-    if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device_pids
-  }
-  streams = {key for key, n in threads.items() if n.startswith("Stream")}
-  totals, counts = defaultdict(float), defaultdict(int)
+    return json.load(f).get("traceEvents", [])
+
+
+def _innermost(events: list[dict]) -> list[dict]:
+  """The events that enclose no other event of their thread (complete events nest on a host thread)."""
+  out = []
+  by_thread = defaultdict(list)
   for e in events:
-    key = (e.get("pid"), e.get("tid"))
-    if streams and key not in streams:
-      continue
-    if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
-      totals[e["name"]] += e["dur"]
-      counts[e["name"]] += 1
-  rows = [{"kernel": k, "per_step": counts[k] / steps, "us_per_step": totals[k] / steps} for k in totals]
+    by_thread[(e.get("pid"), e.get("tid"))].append(e)
+  for evs in by_thread.values():
+    evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    for e, nxt in zip(evs, evs[1:] + [None]):
+      if nxt is None or nxt["ts"] >= e["ts"] + e["dur"]:
+        out.append(e)
+  return out
+
+
+def kernel_events(events: list[dict], host_fallback: bool = False) -> tuple[list[dict], str]:
+  """The kernels of a trace's events (complete "X" events with a duration), and where they ran.
+
+  "device": the device's events (a GPU's). A device has a thread per CUDA stream ("Stream #..."): kernels and
+  copies. Its other threads ("XLA Ops", "XLA Modules", ...) repeat the same time under op and program names,
+  so they are left out where streams exist. "host" (only with `host_fallback`, and only without device
+  events: a CPU): XLA:CPU's operations on the host's XLA threads, the innermost events only (a program's
+  while loop and each iteration's executor enclose its operations), without the executor's "end: ..." markers.
+  """
+  meta = [e for e in events if e.get("ph") == "M"]
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in meta if e.get("name") == "process_name"}
+  device_pids = {pid for pid, n in names.items() if "/device:" in n or "GPU" in n or "gpu" in n}
+  threads = {
+    (e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in meta if e.get("name") == "thread_name"
+  }
+  streams = {key for key, n in threads.items() if key[0] in device_pids and n.startswith("Stream")}
+  complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+  device = [
+    e for e in complete if e.get("pid") in device_pids and (not streams or (e.get("pid"), e.get("tid")) in streams)
+  ]
+  if device or not host_fallback:
+    return device, "device"
+  xla_threads = {key for key, n in threads.items() if "XLA" in n}
+  host = [
+    e
+    for e in complete
+    if (e.get("pid"), e.get("tid")) in xla_threads and not e["name"].startswith(("end: ", "ThreadpoolListener"))
+  ]
+  return _innermost(host), "host"
+
+
+def kernel_rows(trace_dir: str, steps: int, host_fallback: bool = False) -> tuple[list[dict], dict]:
+  """Every kernel of a trace grouped by name, costliest first, and the totals per step.
+
+  Returns:
+    (rows, summary): rows {"kernel", "category", "per_step" (launches), "us_per_step"}; summary {"source"
+    ("device" or "host", see `kernel_events`), "kernel_us_per_step" (all kernels' time summed),
+    "launches_per_step", "distinct_kernels", "span_us_per_step" (first kernel's start to the last one's end:
+    kernel time plus the gaps between kernels), "categories" {category: us per step}}; ([], {}) without a trace.
+  """
+  events = _trace_events(trace_dir)
+  if events is None:
+    return [], {}
+  kernels, source = kernel_events(events, host_fallback)
+  totals, counts = defaultdict(float), defaultdict(int)
+  for e in kernels:
+    totals[e["name"]] += e["dur"]
+    counts[e["name"]] += 1
+  rows = [
+    {"kernel": k, "category": kernel_category(k), "per_step": counts[k] / steps, "us_per_step": totals[k] / steps}
+    for k in totals
+  ]
   rows.sort(key=lambda r: -r["us_per_step"])
-  return rows[:top]
+  categories = dict.fromkeys(CATEGORY_ORDER, 0.0)
+  for r in rows:
+    categories[r["category"]] += r["us_per_step"]
+  span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
+  summary = {
+    "source": source,
+    "kernel_us_per_step": sum(totals.values()) / steps,
+    "launches_per_step": len(kernels) / steps,
+    "distinct_kernels": len(rows),
+    "span_us_per_step": span / steps,
+    "categories": categories,
+  }
+  return rows, summary
 
 
-def profile_kernels(run, trace_dir: str, steps: int, top: int) -> tuple[list[dict], str | None]:
-  """(`kernel_table` of one profiled `run()` of `steps` steps, None), or ([], repr(error)) if profiling failed.
+def kernel_table(trace_dir: str, steps: int, top: int = 25) -> list[dict]:
+  """Per-kernel totals from a jax.profiler trace's Chrome-format JSON: the device events, grouped by name, the
+  `top` costliest (`kernel_rows`)."""
+  return kernel_rows(trace_dir, steps)[0][:top]
+
+
+def profile_trace(run, trace_dir: str, steps: int, host_fallback: bool = False) -> tuple[list[dict], dict, str | None]:
+  """`kernel_rows` of one profiled `run()` of `steps` steps and None, or ([], {}, repr(error)) if profiling failed.
 
   The profiler needs CUPTI on a GPU; callers keep their timings either way.
   """
   try:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       jax.block_until_ready(run())
-    return kernel_table(trace_dir, steps, top=top), None
+    return (*kernel_rows(trace_dir, steps, host_fallback), None)
   except Exception as e:  # noqa: BLE001  (any profiler or trace-format failure: report it, keep the rest)
-    return [], repr(e)
+    return [], {}, repr(e)
 
 
-def trace_kernels(c, weights, name, cache: KVCache, p0, trace_dir, report) -> list[dict]:
-  """Profiles 20 one-token steps of variant `name` from a zero `cache` [L, B, Hkv, S, Dh] and prints its
-  costliest kernels."""
+def profile_kernels(run, trace_dir: str, steps: int, top: int) -> tuple[list[dict], str | None]:
+  """(`kernel_table` of one profiled `run()` of `steps` steps, None), or ([], repr(error)) if profiling failed."""
+  rows, _, error = profile_trace(run, trace_dir, steps)
+  return rows[:top], error
+
+
+def trace_kernels(c, weights, name, cache: KVCache, p0, trace_dir, report, step_us=None, floor=None) -> list[dict]:
+  """Profiles 20 one-token steps of variant `name` from a zero `cache` [L, B, Hkv, S, Dh], prints where a step's
+  time goes (kernel time and launches, by category, the costliest kernels; against `step_us`, the timed step,
+  and `floor` = (bytes read, bytes per second) where given) and returns its 80 costliest kernels. The summary
+  goes to report["kernel_summary"][name]."""
   b, cache_len = cache.batch_size, cache.max_length
-  layers = layer_params(weights, VARIANTS[name])
+  layers = layer_params(c, weights, VARIANTS[name])
   loop = common.timed_loop(step_fn(c, VARIANTS[name], 1, p0, max(cache_len - p0 - 1, 1)))
   carry = (cache, jnp.full((b, 1), 7, jnp.int32))
   jax.block_until_ready(loop(0, 4, carry, weights, layers))
   steps = 20
-  table, error = profile_kernels(lambda: loop(0, steps, carry, weights, layers), trace_dir, steps, top=80)
+  rows, summary, error = profile_trace(
+    lambda: loop(0, steps, carry, weights, layers), trace_dir, steps, host_fallback=True
+  )
   if error:
     report["trace_error"] = error
     print(f"trace failed: {error}")
-  if table:
-    print(f"\nkernels of one `{name}` step at B={b} (top 25 by time), from the trace in {trace_dir}:")
-    for r in table[:25]:
-      print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['kernel'][:100]}")
-    print(
-      f"  all device kernels: {sum(r['per_step'] for r in table):.0f} launches (top {len(table)} names), "
-      f"{sum(r['us_per_step'] for r in table):.0f} us per step"
+  if not rows:
+    print(f"(no kernels read from the trace in {trace_dir})")
+    return rows
+  what = (
+    "device kernels"
+    if summary["source"] == "device"
+    else "XLA:CPU operations on the host, each slowed by the profiler's own cost"
+  )
+  kernel_us = summary["kernel_us_per_step"]
+  print(f"\none `{name}` step at B={b}, {steps} steps traced ({what}; the trace is in {trace_dir}):")
+  print(
+    f"  per step: {kernel_us:.1f} us of kernel time in {summary['launches_per_step']:.1f} launches "
+    f"({summary['distinct_kernels']} distinct names); first start to last end {summary['span_us_per_step']:.1f} us"
+  )
+  context = []
+  if step_us is not None:
+    summary["step_us"] = step_us
+    context.append(f"timed step {step_us:.1f} us (kernels busy {kernel_us / step_us:.0%} of it)")
+  if floor is not None:
+    nbytes, bandwidth = floor
+    floor_us = nbytes / bandwidth * 1e6
+    summary.update(floor_us=floor_us, read_bytes=nbytes, copy_bytes_per_s=bandwidth)
+    context.append(
+      f"floor {floor_us:.1f} us = {common.fmt_bytes(nbytes)} of weights read / {bandwidth / 1e9:.0f} GB/s copy "
+      f"bandwidth (kernel time {kernel_us / floor_us:.2f}x floor)"
     )
-  else:
-    print(f"(no device kernels read from the trace in {trace_dir})")
-  return table
+  if context:
+    print("  " + "; ".join(context))
+  cats = ", ".join(
+    f"{cat} {us:.1f} us ({us / max(kernel_us, 1e-9):.0%})" for cat, us in summary["categories"].items() if us
+  )
+  print(f"  by category (from kernel names, approximate): {cats}")
+  print(f"  the {min(25, len(rows))} costliest kernels:  us/step  launches/step  category  name")
+  for r in rows[:25]:
+    print(f"    {r['us_per_step']:9.1f}  {r['per_step']:6.1f}  {r['category']:<19s}  {r['kernel'][:100]}")
+  report.setdefault("kernel_summary", {})[name] = {"B": b, "steps_traced": steps, **summary}
+  return rows[:80]
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", required=True, help="directory for step_profile.json and step_profile.png")
+  ap.add_argument(
+    "--shape",
+    default="smollm2",
+    choices=tuple(SHAPES),
+    help="the target's shape (default smollm2); with --tiny, a tiny model with that shape's biases and head",
+  )
   ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
   ap.add_argument("--batch-sizes", default=None, help="comma list (default 1,8,32; tiny 1,2)")
   ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
@@ -354,13 +549,16 @@ def main(argv=None):
   dtype = args.dtype or ("bfloat16" if common.has_gpu() else "float32")
   os.makedirs(args.out, exist_ok=True)
 
-  c = TransformerConfig(**(TINY if args.tiny else SMOLLM2), dtype=jnp.dtype(dtype))
-  model = Transformer(c, rngs=__import__("flax").nnx.Rngs(0))  # its init_cache makes every zero cache below
-  weights = {k: jnp.asarray(v) for k, v in model.to_weights().items()}
+  c = model_config(args.shape, args.tiny, dtype)
+  weights = random_weights(c, jax.random.key(0))  # in c.dtype, on the device
+  model = Transformer.from_weights(c, weights)  # its init_cache makes every zero cache below
   diffs = check_against_model(model, weights, variants)
+  weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in weights.values())
   print(
-    f"{dtype}, L={c.num_layers}, D={c.d_model}, V={c.vocab_size}, cache {cache_len} slots; "
-    f"forward checked against the Transformer: {diffs}"
+    f"{args.shape}{' (tiny)' if args.tiny else ''}: {dtype}, L={c.num_layers}, D={c.d_model}, V={c.vocab_size}, "
+    f"qkv_bias={c.qkv_bias}, tied={c.tie_embeddings}, {common.fmt_bytes(weight_bytes)} of weights, "
+    f"cache {cache_len} slots; forward checked against the Transformer: {diffs}",
+    flush=True,
   )
 
   p0 = cache_len // 4
@@ -376,7 +574,7 @@ def main(argv=None):
   ]
   for b, name, t in jobs:
     variant = VARIANTS[name]
-    layers = layer_params(weights, variant)
+    layers = layer_params(c, weights, variant)
     step = step_fn(c, variant, t, p0, max(cache_len - p0 - t, 1))
     carry = (model.init_cache(b, cache_len), jnp.full((b, t), 7, jnp.int32))
     r = common.time_per_iter(
@@ -400,29 +598,44 @@ def main(argv=None):
       flush=True,
     )
 
-  weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in weights.values())
+    del layers  # (the next variant's per-layer copies take its place)
   report = {
     "info": common.device_info(),
     "config": vars(args),
+    "shape": args.shape,
+    "tiny": args.tiny,
     "dtype": dtype,
     "cache_len": cache_len,
-    "model": {k: getattr(c, k) for k in SMOLLM2},
+    "model": {k: getattr(c, k) for k in SHAPE_FIELDS},
     "weight_bytes": weight_bytes,
+    "read_bytes": read_bytes(c, weights),
     "forward_check_max_abs_diff": diffs,
     "rows": rows,
   }
 
   if args.trace:
     report["kernels"] = {}
+    bandwidth = common.copy_bandwidth()["bytes_per_s"]  # the floor's denominator, as bench/real_target.py's
+    report["copy_bytes_per_s"] = bandwidth
     for name in [v for v in args.trace_variants.split(",") if v]:
+      timed = [r["us"] for r in rows if (r["B"], r["T"], r["variant"]) == (batch_sizes[0], 1, name)]
       report["kernels"][name] = trace_kernels(
-        c, weights, name, model.init_cache(batch_sizes[0], cache_len), p0, os.path.join(args.trace, name), report
+        c,
+        weights,
+        name,
+        model.init_cache(batch_sizes[0], cache_len),
+        p0,
+        os.path.join(args.trace, name),
+        report,
+        step_us=timed[0] if timed else None,
+        floor=(report["read_bytes"], bandwidth),
       )
 
   with open(os.path.join(args.out, "step_profile.json"), "w") as f:
     json.dump(report, f, indent=1)
   if not args.no_plot:
-    plot(rows, batch_sizes, os.path.join(args.out, "step_profile.png"), f"{dtype}, {report['info'].get('device')}")
+    title = f"{args.shape}{' (tiny)' if args.tiny else ''}, {dtype}, {report['info'].get('device')}"
+    plot(rows, batch_sizes, os.path.join(args.out, "step_profile.png"), title)
   print(f"wrote {args.out}/step_profile.json" + ("" if args.no_plot else " and step_profile.png"))
   return report
 

@@ -212,6 +212,76 @@ def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_p
     step_profile.main(["--tiny", "--out", str(tmp_path), "--variants", "nope"])
 
 
+@pytest.mark.slow  # a bench script's smoke run; CI keeps the examples' own runs
+def test_step_profile_qwen_shape_smoke_run_has_biases_and_an_untied_head_and_reads_its_trace(tmp_path):
+  """--tiny --shape qwen2.5-coder-1.5b: biases and an untied head, the forward still equals the Transformer's,
+  and --trace (XLA:CPU's operations on a CPU) gives a summary per step."""
+  step_profile = _bench("step_profile")
+
+  report = step_profile.main(
+    [
+      "--tiny",
+      "--shape",
+      "qwen2.5-coder-1.5b",
+      "--out",
+      str(tmp_path),
+      "--target-ms",
+      "2",
+      "--repeats",
+      "1",
+      "--batch-sizes",
+      "1",
+      "--variants",
+      "before,after,after-head",
+      "--no-plot",
+      "--trace",
+      str(tmp_path / "trace"),
+    ]
+  )
+  assert report["shape"] == "qwen2.5-coder-1.5b"
+  assert report["model"]["qkv_bias"] and not report["model"]["tie_embeddings"]
+  assert report["forward_check_max_abs_diff"] == {"after": 0.0, "scan+fused": 0.0}  # float32 CPU: bit-equal
+  assert report["read_bytes"] < report["weight_bytes"]  # an untied embedding: one row read per token
+  summary = report["kernel_summary"]["after"]
+  assert summary["source"] == "host" and summary["launches_per_step"] > 0 and summary["step_us"] > 0
+  assert abs(sum(summary["categories"].values()) - summary["kernel_us_per_step"]) < 1e-6 * summary["kernel_us_per_step"]
+
+
+def test_step_profile_reads_a_gpu_trace_by_stream_and_sorts_kernels_into_categories(tmp_path):
+  """kernel_rows on a Chrome-format trace shaped like a GPU's: only the streams' events count (the device's
+  "XLA Ops" thread repeats them, the host's threads are not the device), per step, costliest first."""
+  import gzip  # noqa: PLC0415
+  import json  # noqa: PLC0415
+
+  step_profile = _bench("step_profile")
+  meta = [
+    {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
+    {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+    {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "tf_XLA client"}},
+  ]
+  kernels = ["nvjet_hsh_128x64_gemm", "loop_multiply_fusion", "input_scatter_fusion", "fused_attention_core"]
+  events = []
+  for step in range(2):
+    for j, name in enumerate(kernels):
+      ts = 100 * step + 10 * j
+      events.append({"ph": "X", "pid": 1, "tid": 7, "ts": ts, "dur": j + 1.0, "name": name})
+      events.append({"ph": "X", "pid": 1, "tid": 8, "ts": ts, "dur": 50.0, "name": f"op {name}"})
+      events.append({"ph": "X", "pid": 2, "tid": 9, "ts": ts, "dur": 50.0, "name": "host " + name})
+  (tmp_path / "run").mkdir()
+  with gzip.open(tmp_path / "run" / "x.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": meta + events}, f)
+
+  rows, summary = step_profile.kernel_rows(str(tmp_path), steps=2, host_fallback=True)
+  assert [r["kernel"] for r in rows] == kernels[::-1]
+  assert [r["category"] for r in rows] == ["attention/softmax", "scatter/cache write", "fusion", "matmul/gemm"]
+  assert summary["source"] == "device" and summary["launches_per_step"] == 4 and summary["kernel_us_per_step"] == 10
+  assert summary["span_us_per_step"] == (100 + 34 - 0) / 2
+  assert step_profile.kernel_table(str(tmp_path), steps=2, top=1) == rows[:1]
+  assert step_profile.kernel_category("fused_attention_qkv") == "matmul/gemm"  # the Pallas q|k|v product
+
+
 def test_flag_sweep_reads_its_sets_and_plot_scaling_refuses_a_doubled_device_count(tmp_path):
   """bench/flag_sweep.py's --sets parser, and bench/plot_scaling.py's reading of sampler JSONs."""
   import json  # noqa: PLC0415
