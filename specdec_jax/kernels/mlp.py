@@ -415,5 +415,10 @@ def project_residual(h, w, x2, layer, *, blocks: MlpBlocks = DEFAULT_BLOCKS, int
     name="fused_mlp_down",
   )(layer, h, w, x2)
   if not residual:  # one XLA fusion: sum the partials, add the residual, round
-    out = (jnp.sum(out, axis=0) + x2.astype(jnp.float32)).astype(x2.dtype)
+    # Elementwise adds in a fixed order, not a reduction, whose order XLA may pick by shape: a row's
+    # sum is then the same bits whatever the number of rows (batch invariance).
+    total = out[0]
+    for part in range(1, split):
+      total = total + out[part]
+    out = (total + x2.astype(jnp.float32)).astype(x2.dtype)
   return out
