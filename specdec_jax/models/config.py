@@ -26,6 +26,10 @@ _POSITIVE_INT_FIELDS = (
 
 KERNELS = ("xla", "pallas", "pallas_interpret")
 
+# The fields that give a checkpoint's weights their meaning (not dtype, kernels, feature_layers or the
+# layers' layout): what a saved model records (`TransformerConfig.architecture`).
+ARCHITECTURE_FIELDS = _POSITIVE_INT_FIELDS + ("rope_theta", "rms_norm_eps", "tie_embeddings", "qkv_bias", "max_length")
+
 
 def check_kernels(kernels, name: str = "TransformerConfig.kernels") -> None:
   """Raises ValueError naming `name` unless `kernels` is one of `KERNELS` (the config's check, usable before
@@ -192,6 +196,15 @@ class TransformerConfig:
   def feature_size(self) -> int:
     """F = len(feature_layers) * d_model: the width of the model's features."""
     return len(self.feature_layers) * self.d_model
+
+  def architecture(self) -> dict[str, Any]:
+    """The `ARCHITECTURE_FIELDS` as a dict of JSON-ready values; `TransformerConfig(**it)` rebuilds the config.
+
+    Example:
+      >>> TransformerConfig(**TransformerConfig.tiny(64).architecture()) == TransformerConfig.tiny(64)
+      True
+    """
+    return {name: getattr(self, name) for name in ARCHITECTURE_FIELDS}
 
   def replace(self, **changes) -> TransformerConfig:
     """Returns a copy with `changes` applied (and validated again)."""

@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -148,6 +148,32 @@ def read_safetensors(path: str, what: str, remedy: str) -> dict[str, np.ndarray]
     return dict(numpy_io.load_file(path))
   except (safetensor_error, ValueError) as e:
     raise damaged_file_error(path, what, e, remedy) from e
+
+
+def chatml(messages: Sequence[Mapping[str, str]], default_system: str, add_generation_prompt: bool) -> str:
+  """A conversation in ChatML, the chat format of SmolLM2 and Qwen2.5, as their Jinja templates write it.
+
+  Each turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`; a conversation whose first message is not a
+  system message gets `default_system` first; `add_generation_prompt` appends `<|im_start|>assistant\\n`.
+
+  Raises:
+    ValueError: a message lacks a string "role" or "content".
+
+  Example:
+    >>> chatml([{"role": "user", "content": "Hi"}], "Be brief.", True).splitlines()[1]
+    'Be brief.<|im_end|>'
+  """
+  parts = []
+  for i, message in enumerate(messages):
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not isinstance(content, str):
+      raise ValueError(f"messages[{i}] must have string 'role' and 'content', got {message!r}")
+    if i == 0 and role != "system":
+      parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+    parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+  if add_generation_prompt:
+    parts.append("<|im_start|>assistant\n")
+  return "".join(parts)
 
 
 # ---------------------------------------------------------------------------- cache

@@ -525,20 +525,6 @@ def gguf_chat_template(path: str) -> str | None:
 # cache_dir()/gguf/<sha256 of the file>/ and later loads read only that.
 
 _CACHE_FORMAT = "specdec_jax.gguf_cache.v1"
-_CONFIG_FIELDS = (
-  "vocab_size",
-  "num_layers",
-  "d_model",
-  "num_heads",
-  "num_kv_heads",
-  "head_dim",
-  "d_ff",
-  "rope_theta",
-  "rms_norm_eps",
-  "tie_embeddings",
-  "qkv_bias",
-  "max_length",
-)
 
 
 def _cache_folder(path: str) -> str:
@@ -616,7 +602,7 @@ def _write_cache(folder: str, dtype_name: str, path: str, config, weights, token
   meta = {
     "format": _CACHE_FORMAT,
     "source": os.path.abspath(path),
-    "config": {f: getattr(config, f) for f in _CONFIG_FIELDS},
+    "config": config.architecture(),
   }
   # Written under temporary names and renamed, so an interrupted run leaves no half file.
   for name, write in (

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specdec_jax.models.config import check_kernels
 from specdec_jax.models.loaders import gguf
-from specdec_jax.models.loaders.common import cache_dir, file_sha256, model_dtype, require_model_extras
+from specdec_jax.models.loaders.common import cache_dir, chatml, file_sha256, model_dtype, require_model_extras
 from specdec_jax.models.transformer import Transformer
 
 QWEN2_5_CODER_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -120,8 +120,8 @@ def join_parts(parts: Sequence[str], dest: str, size: int, sha256: str, progress
   return dest
 
 
-def _verified(path: str) -> bool:
-  return os.path.getsize(path) == QWEN2_5_CODER_SIZE and file_sha256(path, progress=True) == QWEN2_5_CODER_SHA256
+def _verified(path: str, progress: bool) -> bool:
+  return os.path.getsize(path) == QWEN2_5_CODER_SIZE and file_sha256(path, progress) == QWEN2_5_CODER_SHA256
 
 
 def fetch_qwen2_5_coder(progress: bool = True) -> str:
@@ -148,7 +148,7 @@ def fetch_qwen2_5_coder(progress: bool = True) -> str:
   """
   dest = os.path.join(cache_dir(), QWEN2_5_CODER_FILE)
   if os.path.isfile(dest):
-    if _verified(dest):
+    if _verified(dest, progress):
       return dest
     os.remove(dest)  # damaged or another file: fetch it again
   with tempfile.TemporaryDirectory(prefix="qwen_parts_", dir=cache_dir()) as target:
@@ -229,17 +229,7 @@ def apply_chat_template(messages: Sequence[dict[str, str]], add_generation_promp
     <|im_start|>assistant
     <BLANKLINE>
   """
-  parts = []
-  for i, message in enumerate(messages):
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not isinstance(content, str):
-      raise ValueError(f"messages[{i}] must have string 'role' and 'content', got {message!r}")
-    if i == 0 and role != "system":
-      parts.append(f"<|im_start|>system\n{QWEN2_5_CODER_DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
-    parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-  if add_generation_prompt:
-    parts.append("<|im_start|>assistant\n")
-  return "".join(parts)
+  return chatml(messages, QWEN2_5_CODER_DEFAULT_SYSTEM_PROMPT, add_generation_prompt)
 
 
 def chat_prompt(text: str, system: str | None = None) -> str:

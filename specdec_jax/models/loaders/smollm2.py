@@ -31,6 +31,7 @@ from specdec_jax.models.config import TransformerConfig, check_kernels
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
 from specdec_jax.models.loaders import gguf
 from specdec_jax.models.loaders.common import (
+  chatml,
   damaged_file_error,
   damaged_file_remedy,
   import_optional,
@@ -228,17 +229,7 @@ def apply_chat_template(messages: Sequence[Mapping[str, str]], add_generation_pr
     <|im_start|>assistant
     <BLANKLINE>
   """
-  parts = []
-  for i, message in enumerate(messages):
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not isinstance(content, str):
-      raise ValueError(f"messages[{i}] must have string 'role' and 'content', got {message!r}")
-    if i == 0 and role != "system":
-      parts.append(f"<|im_start|>system\n{SMOLLM2_DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
-    parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-  if add_generation_prompt:
-    parts.append("<|im_start|>assistant\n")
-  return "".join(parts)
+  return chatml(messages, SMOLLM2_DEFAULT_SYSTEM_PROMPT, add_generation_prompt)
 
 
 def chat_prompt(text: str, system: str | None = None) -> str:
@@ -325,27 +316,11 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool, s
       raise ValueError(f"weights[{name!r}] does not fit in {storage_dtype} (max |w| = {np.abs(w).max()})")
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   save_file({k: np.ascontiguousarray(v.astype(storage_dtype)) for k, v in weights.items()}, path)
-  fields = {
-    f: getattr(config, f)
-    for f in (
-      "vocab_size",
-      "num_layers",
-      "d_model",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "d_ff",
-      "rope_theta",
-      "rms_norm_eps",
-      "tie_embeddings",
-      "max_length",
-    )
-  }
   meta = {
     "format": _DRAFT_FORMAT,
     "target": SMOLLM2_GGUF_FILE,
     "share_target_embedding": bool(share_target_embedding),
-    "config": fields,
+    "config": config.architecture(),
   }
   with open(_draft_config_path(path), "w") as f:
     json.dump(meta, f, indent=2)
