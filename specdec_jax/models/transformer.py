@@ -576,6 +576,17 @@ class Transformer(nnx.Module):
     )
 
     kernels = self._block_kernels(x, cache)
+    rows = self._invariant_length(tokens, kernels, cache_slots, attention_mask)
+    if rows:  # the same call, padded to a fixed shape (see _invariant_length); the padding's outputs dropped
+      t = tokens.shape[1]
+      pad = ((0, 0), (0, rows - t))
+      out = self(
+        jnp.pad(tokens, pad),
+        jnp.pad(positions, pad, constant_values=cache.max_length),  # outside the cache: written nowhere
+        cache,
+        return_features=return_features,
+      )
+      return (*(a[:, :t] for a in out[:-1]), out[-1])
     tree = tree_kernel_args(ctx, cache_slots, attention_mask)
 
     def block(carry, layer):
@@ -628,6 +639,30 @@ class Transformer(nnx.Module):
     # Accumulate the logits in float32 whatever the compute dtype.
     logits = linear(rms_norm(x, self.final_norm[...], c.rms_norm_eps), lm_head, preferred_element_type=jnp.float32)
     return logits[0, : b * t].reshape(b, t, -1) if fixed_rows else logits
+
+  def _invariant_length(self, tokens, kernels, cache_slots, attention_mask) -> int | None:
+    """T to pad this call to so that XLA's blocks are batch-invariant, or None (no padding).
+
+    XLA picks its matrix-product and reduction kernels by shape, so a token's logits in a one-token
+    step and in a verification of K+1 tokens round differently, and greedy speculation can part
+    from plain greedy decoding at a near-tie. On a GPU a chain call of B*T <= MAX_ROWS rows on
+    XLA's blocks therefore runs at the fixed T = MAX_ROWS // B (padding rows at a position past the
+    cache: they write nothing), which costs little where a step reads its weights from memory
+    (bench/RESULTS.md). The Pallas blocks are invariant by themselves; trees, sharded models and
+    CPUs (where rows cost time) keep their shape.
+    """
+    b, t = tokens.shape
+    if (
+      kernels is not None
+      or self.partitioning is not None
+      or cache_slots is not None
+      or attention_mask is not None
+      or jax.default_backend() != "gpu"
+      or b * t > mlp.MAX_ROWS
+    ):
+      return None
+    rows = mlp.MAX_ROWS // b
+    return rows if rows > t else None
 
   def _block_kernels(self, x, cache: KVCache) -> str | None:
     """`config.kernels` where this call can take the Pallas blocks, else None (XLA's): decided at trace time."""

@@ -510,3 +510,46 @@ def test_fused_projections_round_trip_through_the_weights_interface():
     assert fused["wqkv"].shape == (TINY.num_layers, TINY.d_model, q + 2 * kv)
     np.testing.assert_array_equal(fused["wqkv"][..., q : q + kv], w["layers.wk"])  # k sits between q and v
     np.testing.assert_array_equal(fused["w_gate_up"][..., TINY.d_ff :], w["layers.w_up"])
+
+
+def _step_and_verify(model, tokens, prefix: int):
+  """Logits of tokens[:, prefix:] from one call, and from one-token steps, after the same prefill."""
+  call = jax.jit(lambda m, t, p, c: m(t, p, c))
+  n = tokens.shape[1]
+  pos = jnp.arange(n, dtype=jnp.int32)[None]
+  _, cache = call(model, tokens[:, :prefix], pos[:, :prefix], model.init_cache(1, 32))
+  together, after_call = call(model, tokens[:, prefix:], pos[:, prefix:], cache)
+  steps = []
+  for j in range(prefix, n):
+    logits, cache = call(model, tokens[:, j : j + 1], pos[:, j : j + 1], cache)
+    steps.append(logits)
+  return np.asarray(together), np.concatenate(steps, axis=1), after_call, cache
+
+
+def test_small_chain_calls_on_a_gpu_are_padded_to_a_fixed_shape(monkeypatch):
+  """On a GPU, XLA's blocks run a chain call of B*T <= 16 rows at T = 16 // B: a token's logits are then the
+  same bits in a step and in a verification (greedy speculation equals plain greedy decoding), the padding
+  writes nothing, and the logits equal the unpadded call's to rounding. Simulated here by reporting a GPU."""
+  # Wide enough that XLA:CPU, too, rounds a one-row product differently from a four-row one.
+  config = TINY.replace(d_model=256, num_heads=4, head_dim=64, d_ff=512, vocab_size=512)
+  model = Transformer(config, rngs=nnx.Rngs(5))
+  tokens = jnp.asarray([[3, 9, 4, 1, 7, 2, 8, 5, 6, 10]], jnp.int32)
+  plain_together, plain_steps, plain_cache, _ = _step_and_verify(model, tokens, 6)
+  assert not np.array_equal(plain_steps, plain_together)  # unpadded, the two differ in the last bits
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  together, steps, cache_after_call, _ = _step_and_verify(model, tokens, 6)
+  np.testing.assert_array_equal(steps, together)  # batch-invariant
+  np.testing.assert_allclose(together, plain_together, rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(cache_after_call), jax.tree.leaves(plain_cache)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert not np.asarray(got)[:, :, :, tokens.shape[1] :].any()  # the padding rows wrote nothing
+  assert model._invariant_length(tokens[:, :3], None, None, None) == 16
+  assert model._invariant_length(jnp.zeros((2, 3), jnp.int32), None, None, None) == 8
+  assert model._invariant_length(jnp.zeros((1, 17), jnp.int32), None, None, None) is None  # a prefill
+  assert model._invariant_length(tokens[:, :3], None, jnp.zeros((1, 3), jnp.int32), None) is None  # a tree
+
+
+def test_small_calls_on_a_cpu_keep_their_shape():
+  model = Transformer(TINY, rngs=nnx.Rngs(5))
+  assert jax.default_backend() != "gpu" or pytest.skip("runs on a CPU")
+  assert model._invariant_length(jnp.zeros((1, 3), jnp.int32), None, None, None) is None
