@@ -46,9 +46,11 @@ CHECKS = (
   + [f"loops 2x4: {run}" for run in FAST_RUNS]
   + ["1x1 mesh compiles today's program"]
 )
-MORE_CHECKS = [f"loops 2x4 more: {run}" for run in LOOP_RUNS if run not in FAST_RUNS] + [
-  f"loops 1x8 Explicit: {run}" for run in FAST_RUNS
-]
+MORE_CHECKS = (
+  [f"loops 2x4 more: {run}" for run in LOOP_RUNS if run not in FAST_RUNS]
+  + [f"loops 1x8 Explicit: {run}" for run in FAST_RUNS]
+  + ["logits qkv_bias scan, 1x8"]
+)
 
 
 @pytest.fixture(scope="module")
