@@ -292,6 +292,9 @@ def test_eagle_head_calls_agree_with_the_kernels(eagle_heads):
   assert texts[0] == texts[1]  # 20 rows: XLA's blocks
 
 
+# The fast subset keeps the bias in the kernel (test_fused_attention_adds_the_qkv_bias) and the EAGLE head on the
+# kernels (test_eagle_head_calls_agree_with_the_kernels); this one joins the two.
+@pytest.mark.slow
 def test_biased_eagle_head_calls_agree_with_the_kernels():
   """A head of two blocks for a target with q/k/v biases (so both blocks hold "bqkv": the first through the q|k|v
   kernel's prefix, the second plain): a catch-up call and a draft step agree with XLA's blocks to float32

@@ -1,32 +1,34 @@
-"""Read llama-architecture GGUF files: config, float32 weights and tokenizer.
+"""Read GGUF files of the Llama family ("llama", "qwen2"): config, weights, tokenizer, chat template.
 
 GGUF is llama.cpp's single-file format. This module turns one into
 
-* a `TransformerConfig` plus a dict of float32 NumPy weights in the layout
+* a `TransformerConfig` plus a dict of NumPy weights in the layout
   `Transformer.from_weights` takes (`x @ W` orientation, layers stacked on a
-  leading axis), and
+  leading axis; `read_gguf`), cached per file and dtype (`read_gguf_cached`),
 * a `tokenizers.Tokenizer` rebuilt from the vocabulary and merges stored in the
-  file.
+  file (`tokenizer_from_gguf`), and its chat template (`gguf_chat_template`);
+  `load_gguf` returns the model and the tokenizer.
 
 Two details of llama.cpp's converter matter:
 
 1. Tensor shapes. ggml lists dimensions fastest first (`ne`); NumPy's are the
    reverse, so a linear layer's weight reads as `[out, in]` (PyTorch's
    orientation) and is transposed here to `[in, out]`.
-2. Q/K row order. `convert_hf_to_gguf.py` permutes the output rows of Q and K so
-   that llama.cpp can rotate *adjacent* pairs (2i, 2i+1); our model rotates pairs
-   (i, i + Dh/2) like Hugging Face ("rotate_half"). `unpermute_qk_rows` undoes
-   the permutation. Within one head the converter maps HF row `c*Dh/2 + j` to
-   file row `2j + c`:
+2. Q/K row order. For "llama" files `convert_hf_to_gguf.py` permutes the output
+   rows of Q and K (and their biases) so that llama.cpp can rotate *adjacent*
+   pairs (2i, 2i+1); our model rotates pairs (i, i + Dh/2) like Hugging Face
+   ("rotate_half"). `unpermute_qk_rows` undoes the permutation. Within one head
+   the converter maps HF row `c*Dh/2 + j` to file row `2j + c`:
 
      HF rows of a head:   x0 x1 ... x31 | y0 y1 ... y31     (rotate_half pairs xi, yi)
      file rows:           x0 y0 x1 y1 ... x31 y31           (interleaved pairs)
 
+   "qwen2" files keep Hugging Face's order (llama.cpp rotates them NEOX-style).
+
 `gguf` (parsing, dequantizing) and `tokenizers` are imported on first use, so
 importing this module does not need them; a missing one raises an ImportError
-that names the install command (`import_optional`). A truncated or corrupted
-file raises a `DamagedFileError` (a ValueError) that names the file
-(`damaged_file_error`); `loaders.smollm2` uses both helpers for its own files too.
+that names the install command (`common.import_optional`). A truncated or
+corrupted file raises a `DamagedFileError` (a ValueError) that names the file.
 """
 
 from __future__ import annotations
