@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -334,25 +335,24 @@ def generate(
   )
 
 
+def _jit(program, name: str):
+  """`program(*arrays, **static)` under one jit whose static arguments are its keyword-only ones.
+
+  Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`). `name`
+  names the jitted function (compile counts and lowered modules go by it).
+  """
+  static = tuple(p.name for p in inspect.signature(program).parameters.values() if p.kind is p.KEYWORD_ONLY)
+
+  def run(*arrays, **options):
+    return auto_axes_if_explicit(functools.partial(program, **options))(*arrays)
+
+  run.__name__ = run.__qualname__ = name
+  return jax.jit(run, static_argnames=static)
+
+
 def _check_logprobs(where, logprobs):
   if logprobs not in LOGPROBS_MODES:
     raise ValueError(f"{where}: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
-
-
-@functools.partial(jax.jit, static_argnames=("target_def", "max_new_tokens", "eos", "all_greedy", "logprobs"))
-def _generate_jit(
-  target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos, all_greedy, logprobs
-):
-  # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
-  program = functools.partial(
-    _generate_program,
-    target_def=target_def,
-    max_new_tokens=max_new_tokens,
-    eos=eos,
-    all_greedy=all_greedy,
-    logprobs=logprobs,
-  )
-  return auto_axes_if_explicit(program)(target_arrays, prompt_tokens, prompt_lengths, params, key)
 
 
 def _generate_program(
@@ -407,6 +407,9 @@ def _generate_program(
 # ----------------------------------------------------------------------------
 # speculative_generate
 # ----------------------------------------------------------------------------
+
+
+_generate_jit = _jit(_generate_program, "_generate_jit")
 
 
 def speculative_generate(
@@ -630,57 +633,6 @@ def _check_tree(where, draft_tree, k, target, draft, verification="token") -> Dr
   return tree
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=(
-    "target_def",
-    "draft_def",
-    "feature_draft",
-    "num_speculative_tokens",
-    "max_new_tokens",
-    "eos",
-    "all_greedy",
-    "logprobs",
-    "tree",
-    "method",
-  ),
-)
-def _speculative_jit(
-  target_arrays,
-  draft_arrays,
-  prompt_tokens,
-  prompt_lengths,
-  params,
-  key,
-  *,
-  target_def,
-  draft_def,
-  feature_draft,
-  num_speculative_tokens,
-  max_new_tokens,
-  eos,
-  all_greedy,
-  logprobs,
-  tree,
-  method="token",
-):
-  # Under a mesh with Explicit axes the program runs with them made Auto (see `specdec_jax.mesh`).
-  program = functools.partial(
-    _speculative_program,
-    target_def=target_def,
-    draft_def=draft_def,
-    feature_draft=feature_draft,
-    num_speculative_tokens=num_speculative_tokens,
-    max_new_tokens=max_new_tokens,
-    eos=eos,
-    all_greedy=all_greedy,
-    logprobs=logprobs,
-    tree=tree,
-    method=method,
-  )
-  return auto_axes_if_explicit(program)(target_arrays, draft_arrays, prompt_tokens, prompt_lengths, params, key)
-
-
 def _speculative_program(
   target_arrays,
   draft_arrays,
@@ -774,6 +726,9 @@ def _speculative_program(
     return commit(s, verified, kept, setup, prompt_lengths, eos=eos, max_new_tokens=max_new_tokens)  # and count
 
   return loop_outputs(run_loop(speculative_round, state), prompt_lengths, max_new_tokens)
+
+
+_speculative_jit = _jit(_speculative_program, "_speculative_jit")
 
 
 def _draft_kind(draft_def, draft_arrays, *, feature_draft, b, k, tree) -> DraftKind:
