@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.models.config import TransformerConfig
+from specdec_jax.models.transformer import weight_shapes
+
 MODELS_EXTRA_INSTALL = "pip install 'specdec-jax[models]'"
 
 
@@ -224,7 +227,7 @@ def file_sha256(path: str, progress: bool = False) -> str:
   except (OSError, ValueError, KeyError):
     pass
   digest = hashlib.sha256()
-  with open(path, "rb") as f, _progress(stat.st_size, f"sha256 {os.path.basename(path)}", progress) as bar:
+  with open(path, "rb") as f, progress_bar(stat.st_size, f"sha256 {os.path.basename(path)}", progress, unit="B") as bar:
     while chunk := f.read(1 << 24):
       digest.update(chunk)
       bar.update(len(chunk))
@@ -236,7 +239,22 @@ def file_sha256(path: str, progress: bool = False) -> str:
   return sha
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it"):
+  """A tqdm bar of the loaders' slow steps, removed when done; `unit="B"` counts bytes (scaled to kB, MB, ...)."""
   import tqdm
 
-  return tqdm.tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, leave=False)
+  return tqdm.tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
+
+
+def check_weight_shapes(config: TransformerConfig, weights: Mapping[str, np.ndarray], where: str) -> None:
+  """Raises a ValueError naming `where` unless `weights` has exactly `weight_shapes(config)`'s names and shapes.
+
+  A loader checks its result here, naming the file whose layout is wrong, rather than later in
+  `Transformer.from_weights`.
+  """
+  expected = weight_shapes(config)
+  if expected.keys() != weights.keys():
+    raise ValueError(f"{where}: weights have keys {sorted(weights)}, expected {sorted(expected)}")
+  for name, shape in expected.items():
+    if weights[name].shape != shape:
+      raise ValueError(f"{where}: weight {name!r} has shape {weights[name].shape}, expected {shape}")

@@ -49,13 +49,15 @@ import numpy as np
 from specdec_jax.models.config import TransformerConfig, check_kernels
 from specdec_jax.models.loaders.common import (
   cache_dir,
+  check_weight_shapes,
   damaged_file_error,
   file_sha256,
   import_optional,
   model_dtype,
+  progress_bar,
   require_model_extras,
 )
-from specdec_jax.models.transformer import Transformer, weight_shapes
+from specdec_jax.models.transformer import Transformer
 
 
 def _import_gguf():
@@ -279,7 +281,7 @@ def read_gguf(path: str, dtype=np.float32, progress: bool = False) -> tuple[Tran
   if config.qkv_bias:
     per_layer += [("bq", "attn_q.bias"), ("bk", "attn_k.bias"), ("bv", "attn_v.bias")]
   steps = 2 + (not config.tie_embeddings) + len(per_layer) * config.num_layers
-  bar = _progress_bar(steps, f"dequantizing {os.path.basename(path)}", progress)
+  bar = progress_bar(steps, f"dequantizing {os.path.basename(path)}", progress)
   weights: dict[str, np.ndarray] = {}
   with bar:
     weights["embed"] = load("token_embd.weight").astype(np_dtype)  # [V, D]: already row-per-token.
@@ -301,7 +303,7 @@ def read_gguf(path: str, dtype=np.float32, progress: bool = False) -> tuple[Tran
         stacked[layer] = w
         bar.update(1)
       weights[f"layers.{ours}"] = stacked
-  _check_shapes(config, weights)
+  check_weight_shapes(config, weights, path)
   return config, weights
 
 
@@ -310,22 +312,6 @@ def _gguf_version() -> str:
     return importlib.metadata.version("gguf")
   except importlib.metadata.PackageNotFoundError:  # pragma: no cover
     return "(unknown version)"
-
-
-def _progress_bar(total: int, desc: str, enabled: bool):
-  import tqdm
-
-  return tqdm.tqdm(total=total, desc=desc, disable=not enabled, leave=False)
-
-
-def _check_shapes(config: TransformerConfig, weights: dict[str, np.ndarray]) -> None:
-  # Fail here, naming the file's layout, rather than later in from_weights.
-  expected = weight_shapes(config)
-  if expected.keys() != weights.keys():
-    raise ValueError(f"weights have keys {sorted(weights)}, expected {sorted(expected)}")
-  for name, shape in expected.items():
-    if weights[name].shape != shape:
-      raise ValueError(f"weight {name!r} has shape {weights[name].shape}, expected {shape}")
 
 
 # ---------------------------------------------------------------------------- tokenizer
@@ -587,7 +573,7 @@ def _read_cache(folder: str, dtype_name: str):
     weights = map_safetensors(weights_file)
     with open(tokenizer_file, encoding="utf-8") as f:
       tokenizer_json = f.read()
-    _check_shapes(config, weights)
+    check_weight_shapes(config, weights, weights_file)
   except Exception as e:  # a damaged cache is rebuilt, never used
     warnings.warn(f"ignoring the damaged cache {folder} ({type(e).__name__}: {e}); rebuilding it", stacklevel=3)
     return None

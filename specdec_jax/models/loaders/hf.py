@@ -18,13 +18,14 @@ import numpy as np
 
 from specdec_jax.models.config import TransformerConfig, check_kernels
 from specdec_jax.models.loaders.common import (
+  check_weight_shapes,
   damaged_file_error,
   import_optional,
   model_dtype,
   read_json,
   require_model_extras,
 )
-from specdec_jax.models.transformer import Transformer, weight_shapes
+from specdec_jax.models.transformer import Transformer
 
 HF_MODEL_TYPES = ("llama", "qwen2")
 _REMEDY = "Download the checkpoint again (e.g. huggingface-cli download <repo> --local-dir <dir>)."
@@ -163,10 +164,7 @@ def read_hf(directory: str, dtype=np.float32) -> tuple[TransformerConfig, dict[s
       )
   finally:
     handles.clear()
-  expected = weight_shapes(config)
-  for name, shape in expected.items():
-    if weights[name].shape != shape:
-      raise ValueError(f"{directory}: {name} has shape {weights[name].shape}, config.json implies {shape}")
+  check_weight_shapes(config, weights, f"{directory} (shapes from config.json)")
   return config, weights
 
 

@@ -33,7 +33,14 @@ import jax.numpy as jnp
 
 from specdec_jax.models.config import check_kernels
 from specdec_jax.models.loaders import gguf
-from specdec_jax.models.loaders.common import cache_dir, chatml, file_sha256, model_dtype, require_model_extras
+from specdec_jax.models.loaders.common import (
+  cache_dir,
+  chatml,
+  file_sha256,
+  model_dtype,
+  progress_bar,
+  require_model_extras,
+)
 from specdec_jax.models.transformer import Transformer
 
 QWEN2_5_CODER_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -103,7 +110,7 @@ def join_parts(parts: Sequence[str], dest: str, size: int, sha256: str, progress
   digest = hashlib.sha256()
   partial = dest + ".partial"
   os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-  with open(partial, "wb") as out, gguf._progress_bar(len(parts), f"joining {os.path.basename(dest)}", progress) as bar:
+  with open(partial, "wb") as out, progress_bar(len(parts), f"joining {os.path.basename(dest)}", progress) as bar:
     for part in parts:
       with open(part, "rb") as f:
         while chunk := f.read(1 << 24):
