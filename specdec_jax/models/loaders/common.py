@@ -216,13 +216,10 @@ def file_sha256(path: str, progress: bool = False) -> str:
     'cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046'
   """
   stat = os.stat(path)
-  name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:24]
-  note = os.path.join(cache_dir(), "hashes", f"{name}.json")
-  stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
   try:
-    with open(note, encoding="utf-8") as f:
+    with open(_hash_note(path), encoding="utf-8") as f:
       saved = json.load(f)
-    if isinstance(saved, dict) and all(saved.get(k) == v for k, v in stamp.items()):
+    if isinstance(saved, dict) and saved.get("size") == stat.st_size and saved.get("mtime_ns") == stat.st_mtime_ns:
       return str(saved["sha256"])
   except (OSError, ValueError, KeyError):
     pass
@@ -231,12 +228,26 @@ def file_sha256(path: str, progress: bool = False) -> str:
     while chunk := f.read(1 << 24):
       digest.update(chunk)
       bar.update(len(chunk))
-  sha = digest.hexdigest()
-  with contextlib.suppress(OSError):
+  return remember_sha256(path, digest.hexdigest())
+
+
+def remember_sha256(path: str, sha256: str) -> str:
+  """Notes `sha256` as the hash of the file at `path` as it is now (size, mtime), for `file_sha256`; returns it.
+
+  For a file whose hash the caller has just computed (e.g. while writing it), so it is not read again.
+  """
+  stat = os.stat(path)
+  note = _hash_note(path)
+  with contextlib.suppress(OSError):  # an unwritable cache folder only loses the note
     os.makedirs(os.path.dirname(note), exist_ok=True)
     with open(note, "w", encoding="utf-8") as f:
-      json.dump({**stamp, "sha256": sha}, f)
-  return sha
+      json.dump({"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}, f)
+  return sha256
+
+
+def _hash_note(path: str) -> str:
+  name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:24]
+  return os.path.join(cache_dir(), "hashes", f"{name}.json")
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it"):

