@@ -196,7 +196,10 @@ def layer_params(c: TransformerConfig, weights: dict, variant) -> dict | list:
 
 
 def pallas_tiles(name: str):
-  """PALLAS_TILES[name] as (AttentionBlocks, MlpBlocks) over the models' defaults."""
+  """PALLAS_TILES[name] as (AttentionBlocks, MlpBlocks) over the models' defaults; (None, None) for "pallas", the
+  models' own choice (`pallas_block`'s defaults: tiles by width, XLA's MLP for a wide model)."""
+  if name == "pallas":
+    return None, None
   attn, mlp_tiles = dict(PALLAS_TILES[name][0]), PALLAS_TILES[name][1]
   if "out" in attn:  # the output projection's tiles, over the default ones
     attn["out"] = dataclasses.replace(pallas_attention.DEFAULT_BLOCKS.out, **attn["out"])
@@ -292,6 +295,7 @@ def check_against_model(model: Transformer, weights: dict, variants) -> dict:
       raise AssertionError("kernels='pallas' did not take the Pallas path for this call")
     diffs["model(kernels=pallas)"] = float(jnp.max(jnp.abs(ref - call(tokens, pos, pallas_model))))
     checks.append(("pallas", c))
+  checks += [(name, c) for name in variants if name.startswith("pallas:")]  # every tile set computes the same
   for name, cfg in checks:
     if cfg not in wants:
       wants[cfg] = call(tokens, pos, Transformer.from_weights(cfg, weights))

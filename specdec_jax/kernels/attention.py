@@ -96,6 +96,25 @@ class AttentionBlocks:
 
 
 DEFAULT_BLOCKS = AttentionBlocks()
+# For wide models: the fastest of bench/kernel_tiles.py's search at D=1536 (Qwen2.5-Coder-1.5B) on an H200,
+# K tiles of 256 rows (few, long loads) and 32-wide strips of each head half.
+WIDE_BLOCKS = AttentionBlocks(
+  block_k=256,
+  block_h=32,
+  out=MlpBlocks(block_d=32, block_k2=64, split_k=8, num_warps=2, num_stages=4),
+  num_warps=2,
+  num_stages=3,
+)
+
+
+def blocks_for(d: int) -> AttentionBlocks:
+  """The tiles `fused_attention` takes by default at model width d: WIDE_BLOCKS from d = 1024 up, else DEFAULT_BLOCKS.
+
+  Example:
+    >>> blocks_for(576) == DEFAULT_BLOCKS, blocks_for(1536) == WIDE_BLOCKS
+    (True, True)
+  """
+  return WIDE_BLOCKS if d >= 1024 else DEFAULT_BLOCKS
 
 
 def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int, prefix=None, bias=None) -> str | None:

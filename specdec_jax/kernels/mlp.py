@@ -109,6 +109,22 @@ class MlpBlocks:
 DEFAULT_BLOCKS = MlpBlocks()
 # The fastest tiles measured on an H100 at 1, 5 and 16 rows (bench/RESULTS.md).
 BEST_BLOCKS = MlpBlocks(num_warps=2)
+# From this many bytes of MLP weights per layer on, XLA's matrix products read the weights faster than these
+# kernels, whose grid is built for narrow models (bench/RESULTS.md, "The Pallas blocks, kernel by kernel").
+XLA_MLP_MIN_BYTES = 32 * 2**20
+
+
+def xla_is_faster(d: int, f: int, dtype) -> bool:
+  """Whether XLA's MLP (`transformer.mlp_block`) outruns `fused_mlp` at width d and MLP width f (static).
+
+  Measured on an H200 at one row: SmolLM2-135M's MLP (D=576, F=1536, 5.3 MB in bf16) runs faster on these
+  kernels, Qwen2.5-Coder-1.5B's (D=1536, F=8960, 82.6 MB) on XLA's; the switch sits between the two.
+
+  Example:
+    >>> xla_is_faster(576, 1536, jnp.bfloat16), xla_is_faster(1536, 8960, jnp.bfloat16)
+    (False, True)
+  """
+  return 3 * d * f * jnp.dtype(dtype).itemsize >= XLA_MLP_MIN_BYTES
 
 
 def fused_mlp_supported(x, w_gate_up=None, w_down=None) -> bool:

@@ -582,8 +582,11 @@ class Transformer(nnx.Module):
       pad = ((0, 0), (0, rows - t))
       out = self(
         jnp.pad(tokens, pad),
-        jnp.pad(positions, pad, constant_values=cache.max_length),  # outside the cache: written nowhere
+        # The padding repeats each row's last position, so it attends to no more slots than the row does, and
+        # is written to slot S, outside the cache: nowhere.
+        jnp.pad(positions, pad, mode="edge"),
         cache,
+        cache_slots=jnp.pad(positions, pad, constant_values=cache.max_length),
         return_features=return_features,
       )
       return (*(a[:, :t] for a in out[:-1]), out[-1])
@@ -646,14 +649,16 @@ class Transformer(nnx.Module):
     XLA picks its matrix-product and reduction kernels by shape, so a token's logits in a one-token
     step and in a verification of K+1 tokens round differently, and greedy speculation can part
     from plain greedy decoding at a near-tie. On a GPU a chain call of B*T <= MAX_ROWS rows on
-    XLA's blocks therefore runs at the fixed T = MAX_ROWS // B (padding rows at a position past the
-    cache: they write nothing), which costs little where a step reads its weights from memory
-    (bench/RESULTS.md). The Pallas blocks are invariant by themselves; trees, sharded models and
-    CPUs (where rows cost time) keep their shape.
+    XLA's blocks therefore runs at the fixed T = MAX_ROWS // B (padding rows that write nothing),
+    which costs little where a step reads its weights from memory (bench/RESULTS.md). So does a
+    call on the Pallas blocks of a model whose MLP runs on XLA's (`mlp.xla_is_faster`); the Pallas
+    kernels alone are invariant by themselves. Trees, sharded models and CPUs (where rows cost
+    time) keep their shape.
     """
     b, t = tokens.shape
+    c = self.config
     if (
-      kernels is not None
+      (kernels is not None and not mlp.xla_is_faster(c.d_model, c.d_ff, c.dtype))
       or self.partitioning is not None
       or cache_slots is not None
       or attention_mask is not None
@@ -882,7 +887,8 @@ def pallas_block(
   """`decoder_block` of a plain (fused-projection) block as Pallas kernels: a call of <= 16 rows.
 
   `block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the tile sizes
-  default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks). x is [B, T, D]
+  default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks). Without `mlp_blocks`,
+  a model whose MLP runs faster on XLA's blocks (`mlp.xla_is_faster`: wide models) keeps `mlp_block`. x is [B, T, D]
   with B*T <= 16, positions int32 [B, T]; returns (x, k_cache, v_cache) like `decoder_block`.
   `prefix`: None, or (e [B, T, D], its norm weight [D]) for a block whose attention reads
   concat(rms_norm(e), rms_norm(x, p["attn_norm"])) through p["wqkv"] [2D, ...] (the EAGLE
@@ -911,12 +917,14 @@ def pallas_block(
     num_kv_heads=c.num_kv_heads,
     eps=c.rms_norm_eps,
     interpret=interpret,
-    blocks=attn_blocks or attention.DEFAULT_BLOCKS,
+    blocks=attn_blocks or attention.blocks_for(c.d_model),
     prefix=prefix,
     slots=slots,
     mask=mask,
     bias=p.get("bqkv"),
   )
+  if mlp_blocks is None and mlp.xla_is_faster(c.d_model, c.d_ff, c.dtype):
+    return mlp_block(c, x, p), k_cache, v_cache
   x = mlp.fused_mlp(
     x,
     p["mlp_norm"],

@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specdec_jax.kernels import mlp
 from specdec_jax.kernels.attention import AttentionBlocks, check_args, fused_attention
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.transformer import AttentionContext, attention_block, rms_norm
@@ -411,3 +412,36 @@ def test_kernels_path_is_batch_invariant(models):
     logits, cache = call(pallas, tokens[:, j : j + 1], pos[:, j : j + 1], cache)
     steps.append(logits)
   np.testing.assert_array_equal(np.concatenate(steps, axis=1), np.asarray(together))
+
+
+def test_a_wide_model_keeps_xla_mlp_and_pads_its_chain_calls(models, monkeypatch):
+  """A model whose MLP runs faster on XLA's blocks (`mlp.xla_is_faster`: wide models; its threshold lowered here
+  so the tiny model counts as wide) takes the kernels for its attention half only. Its logits agree with XLA's
+  model; on a GPU (simulated) its chain calls are padded to 16 rows, so a token's logits are the same bits in a
+  one-token step and in a verification; the GPU program holds the attention kernels and no MLP kernel."""
+  xla, pallas = models
+  assert not mlp.xla_is_faster(CFG.d_model, CFG.d_ff, CFG.dtype)
+  monkeypatch.setattr(mlp, "XLA_MLP_MIN_BYTES", 0)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  call = jax.jit(lambda m, t, p, c: m(t, p, c))
+  tokens = jnp.asarray(np.arange(3, 13).reshape(1, 10) % CFG.vocab_size, jnp.int32)
+  pos = jnp.arange(10, dtype=jnp.int32)[None]
+  results = {}
+  for name, m in (("xla", xla), ("pallas", pallas)):
+    _, cache = call(m, tokens[:, :6], pos[:, :6], m.init_cache(1, S))
+    together, after = call(m, tokens[:, 6:], pos[:, 6:], cache)  # a verification of 4 tokens
+    steps = []
+    for j in range(6, 10):  # the same tokens, one step each
+      logits, cache = call(m, tokens[:, j : j + 1], pos[:, j : j + 1], cache)
+      steps.append(logits)
+    np.testing.assert_array_equal(np.concatenate(steps, axis=1), np.asarray(together))
+    assert not np.asarray(after.k)[:, :, :, 10:].any()  # the padding rows wrote nothing
+    results[name] = (together, after)
+  for got, want in zip(jax.tree.leaves(results["pallas"]), jax.tree.leaves(results["xla"])):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert pallas._invariant_length(tokens[:, :1], "pallas", None, None) == 16
+
+  gpu = Transformer.from_weights(CFG.replace(num_layers=1, dtype=jnp.bfloat16, kernels="pallas"), xla.to_weights())
+  step = jax.jit(lambda t, p: gpu(t, p, gpu.init_cache(1, S))[0])
+  text = cuda_module_text(step, [jax.ShapeDtypeStruct((1, 1), jnp.int32)] * 2)
+  assert "fused_attention_qkv" in text and "fused_mlp_gate_up" not in text
