@@ -53,10 +53,9 @@ GROUPS = {
     {"block_d": (32, 64, 128), "block_k2": (64, 128, 256), "split_k": (2, 4, 8, 16)},
   ],
   "attn": [
-    {"block_h": (16, 32, 64), "block_k": (64, 128, 256, 512)},
-    {"num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5)},
-    {"out.block_d": (32, 64, 128), "out.block_k2": (64, 128, 256), "out.split_k": (2, 4, 8, 16)},
-    {"out.num_warps": (2, 4, 8), "out.num_stages": (2, 3, 4)},
+    {"block_h": (16, 32, 64), "block_k": (64, 128, 256), "split_k": (1, 2, 3, 6)},
+    {"num_warps": (2, 4, 8), "num_stages": (2, 3, 4)},
+    {"out.block_d": (32, 64), "out.block_k2": (64, 128), "out.split_k": (4, 8, 16)},
   ],
 }
 

@@ -71,6 +71,9 @@ class AttentionBlocks:
     block_s: cache slots per loop step of the attention kernel.
     out: the output product's tiles (`MlpBlocks`' block_d, block_k2, split_k).
     num_warps, num_stages: Triton launch parameters of kernels 1 and 2.
+    split_k: programs that share one piece of q|k|v columns, each reducing a chunk of D (calls
+      without a prefix); > 1 makes kernel 1 two kernels: the products' float32 partials, then
+      their sum with the bias, RoPE and the writes (wide models: enough programs for D = 1536).
 
   Example:
     >>> AttentionBlocks(block_s=32).block_s
@@ -84,14 +87,22 @@ class AttentionBlocks:
   out: MlpBlocks = MlpBlocks(block_d=32, block_k2=128, split_k=4, num_warps=2)
   num_warps: int = 4
   num_stages: int = 4
+  split_k: int = 1
 
   def validate(self) -> None:
     for name in ("block_k", "block_h", "block_s"):
       v = getattr(self, name)
       if v < 16 or v & (v - 1):
         raise ValueError(f"AttentionBlocks.{name}={v}: must be a power of two >= 16")
-    if self.num_warps < 1 or self.num_stages < 1:
-      raise ValueError(f"AttentionBlocks: num_warps and num_stages must be >= 1: {self}")
+    if min(self.num_warps, self.num_stages, self.split_k) < 1:
+      raise ValueError(f"AttentionBlocks: num_warps, num_stages and split_k must be >= 1: {self}")
+
+  def qkv_chunks(self, d: int) -> tuple[int, int]:
+    """(programs sharing a column piece, K tiles each) of the q|k|v product over width d: split_k, less
+    any chunks that would be empty."""
+    tiles = pl.cdiv(d, self.block_k)
+    per = pl.cdiv(tiles, self.split_k)
+    return pl.cdiv(tiles, per), per
     self.out.validate()
 
 
@@ -173,28 +184,19 @@ def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h
   outputs q [rows, H Dh] and the caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs:
   written in place). The norm and the product are `mlp.normed_products`, as in the MLP's gate|up
   kernel; with a prefix the product reads concat(rms_norm(px), rms_norm(x)), each part normed on
-  its own. The bias is added to the float32 products, before their one rounding to the model's
-  dtype (as `project_qkv` does).
+  its own. The rest is `_finish_head`.
   """
   layer_ref, slot_ref, *refs = refs
   px_ref, pnw_ref, *refs = refs if prefix else (None, None, *refs)
   x_ref, nw_ref, w_ref, *refs = refs
   b_ref, *refs = refs if bias else (None, *refs)
   cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
-  half = dh // 2
-  per_head = half // block_h
-  h, part = pl.program_id(0) // per_head, pl.program_id(0) % per_head
-  layer = layer_ref[0]
-  r = jnp.arange(MAX_ROWS)
-  row_ok = r < rows
-  c0 = part * block_h  # this program's columns: [c0, c0 + block_h) of each half of head h
-  col0 = h * dh + c0
-
+  h, c0, col0 = _head_columns(pl.program_id(0), dh, block_h)
   product = functools.partial(
     normed_products,
     w_ref=w_ref,
     lead=(),
-    starts=(col0, col0 + half),
+    starts=(col0, col0 + dh // 2),
     width=block_h,
     col_ok=None,
     rows=rows,
@@ -206,7 +208,123 @@ def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h
   if prefix:  # its rows of wqkv come first
     p1, p2 = product(px_ref, pnw_ref)
     acc1, acc2 = acc1 + p1, acc2 + p2
-  if bias:  # this program's columns of the bias, the same for every row
+  _finish_head(
+    acc1,
+    acc2,
+    h,
+    c0,
+    col0,
+    layer_ref[0],
+    slot_ref,
+    b_ref,
+    cos_ref,
+    sin_ref,
+    q_ref,
+    kc_ref,
+    vc_ref,
+    rows=rows,
+    t=t,
+    heads=heads,
+    kv_heads=kv_heads,
+    dh=dh,
+    s=s,
+    block_h=block_h,
+  )
+
+
+def _qkv_part_kernel(x_ref, nw_ref, w_ref, part_ref, *, rows, d, dh, eps, block_k, block_h, chunk_tiles):
+  """The q|k|v product split over K: program (j, c) reduces K tiles [c chunk_tiles, (c + 1) chunk_tiles) of
+  the columns `_qkv_kernel`'s program j takes, and writes them as float32 partials part [split, rows, N]."""
+  j, c = pl.program_id(0), pl.program_id(1)
+  _, _, col0 = _head_columns(j, dh, block_h)
+  half = dh // 2
+  first = c * chunk_tiles
+  tiles = (first, jnp.minimum(chunk_tiles, pl.cdiv(d, block_k) - first))
+  acc1, acc2 = normed_products(
+    x_ref, nw_ref, w_ref, (), (col0, col0 + half), block_h, None, rows=rows, d=d, eps=eps, block_k=block_k, tiles=tiles
+  )
+  row_ok = (jnp.arange(MAX_ROWS) < rows)[:, None]
+  plgpu.store(part_ref.at[c, pl.ds(0, MAX_ROWS), pl.ds(col0, block_h)], acc1, mask=row_ok)
+  plgpu.store(part_ref.at[c, pl.ds(0, MAX_ROWS), pl.ds(col0 + half, block_h)], acc2, mask=row_ok)
+
+
+def _qkv_finish_kernel(*refs, rows, t, heads, kv_heads, dh, s, block_h, bias):
+  """`_qkv_kernel`'s program after a split product: adds up its columns' partials (in part order), then
+  `_finish_head`. Refs: layer, slot, part [split, rows, N] float32, [b,] cos, sin, the caches (aliased), and
+  the outputs q and the caches."""
+  layer_ref, slot_ref, part_ref, *refs = refs
+  b_ref, *refs = refs if bias else (None, *refs)
+  cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
+  h, c0, col0 = _head_columns(pl.program_id(0), dh, block_h)
+  row_ok = (jnp.arange(MAX_ROWS) < rows)[:, None]
+  accs = []
+  for start in (col0, col0 + dh // 2):
+    acc = _load(part_ref, (jnp.int32(0), pl.ds(0, MAX_ROWS), pl.ds(start, block_h)), row_ok)
+    for c in range(1, part_ref.shape[0]):
+      acc += _load(part_ref, (jnp.int32(c), pl.ds(0, MAX_ROWS), pl.ds(start, block_h)), row_ok)
+    accs.append(acc)
+  _finish_head(
+    *accs,
+    h,
+    c0,
+    col0,
+    layer_ref[0],
+    slot_ref,
+    b_ref,
+    cos_ref,
+    sin_ref,
+    q_ref,
+    kc_ref,
+    vc_ref,
+    rows=rows,
+    t=t,
+    heads=heads,
+    kv_heads=kv_heads,
+    dh=dh,
+    s=s,
+    block_h=block_h,
+  )
+
+
+def _head_columns(program, dh, block_h):
+  """(head h, c0, col0) of a q|k|v program: it takes columns [c0, c0 + block_h) of each half of head h,
+  col0 = h Dh + c0 in q|k|v (q heads, then k heads, then v heads)."""
+  per_head = dh // 2 // block_h
+  h, part = program // per_head, program % per_head
+  c0 = part * block_h
+  return h, c0, h * dh + c0
+
+
+def _finish_head(
+  acc1,
+  acc2,
+  h,
+  c0,
+  col0,
+  layer,
+  slot_ref,
+  b_ref,
+  cos_ref,
+  sin_ref,
+  q_ref,
+  kc_ref,
+  vc_ref,
+  *,
+  rows,
+  t,
+  heads,
+  kv_heads,
+  dh,
+  s,
+  block_h,
+):
+  """From the float32 products of a q|k|v program's two column pieces [16, block_h]: adds the bias (where
+  b_ref is given), rounds to the model's dtype, rotates q and k heads by RoPE, and writes q, or the key or
+  value at each row's slot of the cache."""
+  half = dh // 2
+  r = jnp.arange(MAX_ROWS)
+  row_ok = r < rows
+  if b_ref is not None:  # this program's columns of the bias, the same for every row
     acc1 = acc1 + b_ref[pl.ds(col0, block_h)].astype(jnp.float32)[None, :]
     acc2 = acc2 + b_ref[pl.ds(col0 + half, block_h)].astype(jnp.float32)[None, :]
   # Rounded to the model's dtype before RoPE, as `attention_block`'s projection output is.
@@ -393,43 +511,56 @@ def fused_attention(
   x2 = x.reshape(rows, d)
   params = _compiler_params(blocks, interpret)  # num_warps, num_stages of kernels 1 and 2
 
-  inputs = (x2, norm_weight) if prefix is None else (px.reshape(rows, d), pnw, x2, norm_weight)
-  inputs += (wqkv,) if bias is None else (wqkv, bias)
-  q, k_cache, v_cache = pl.pallas_call(
-    functools.partial(
+  split, chunk_tiles = blocks.qkv_chunks(d) if prefix is None else (1, 0)
+  programs = (num_heads + 2 * hkv) * (half // block_h)
+  head_args = dict(rows=rows, t=t, heads=num_heads, kv_heads=hkv, dh=dh, s=s, block_h=block_h)
+  tables = (cos.reshape(rows, half).astype(jnp.float32), sin.reshape(rows, half).astype(jnp.float32))
+  biases = () if bias is None else (bias,)
+  if split == 1:
+    kernel = functools.partial(
       _qkv_kernel,
-      rows=rows,
-      t=t,
       d=d,
-      heads=num_heads,
-      kv_heads=hkv,
-      dh=dh,
-      s=s,
       eps=float(eps),
       block_k=blocks.block_k,
-      block_h=block_h,
       prefix=prefix is not None,
       bias=bias is not None,
-    ),
+      **head_args,
+    )
+    inputs = (x2, norm_weight) if prefix is None else (px.reshape(rows, d), pnw, x2, norm_weight)
+    inputs += (wqkv, *biases)
+  else:  # the products' partials first, then kernel 1's remaining work on their sum
+    parts = pl.pallas_call(
+      functools.partial(
+        _qkv_part_kernel,
+        rows=rows,
+        d=d,
+        dh=dh,
+        eps=float(eps),
+        block_k=blocks.block_k,
+        block_h=block_h,
+        chunk_tiles=chunk_tiles,
+      ),
+      out_shape=jax.ShapeDtypeStruct((split, rows, wqkv.shape[1]), jnp.float32),
+      grid=(programs, split),
+      interpret=interpret,
+      compiler_params=params,
+      name="fused_attention_qkv_parts",
+    )(x2, norm_weight, wqkv)
+    kernel = functools.partial(_qkv_finish_kernel, bias=bias is not None, **head_args)
+    inputs = (parts, *biases)
+  q, k_cache, v_cache = pl.pallas_call(
+    kernel,
     out_shape=(
       jax.ShapeDtypeStruct((rows, num_heads * dh), x.dtype),
       jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
     ),
-    grid=((num_heads + 2 * hkv) * (half // block_h),),
+    grid=(programs,),
     input_output_aliases={len(inputs) + 4: 1, len(inputs) + 5: 2},  # the caches, after layer, slots, inputs,
-    interpret=interpret,
+    interpret=interpret,  # cos, sin
     compiler_params=params,
-    name="fused_attention_qkv",  # cos, sin
-  )(
-    layer,
-    slots,
-    *inputs,
-    cos.reshape(rows, half).astype(jnp.float32),
-    sin.reshape(rows, half).astype(jnp.float32),
-    k_cache,
-    v_cache,
-  )
+    name="fused_attention_qkv",
+  )(layer, slots, *inputs, *tables, k_cache, v_cache)
 
   visibility = ()
   if mask is not None:  # int8 [rows, S] (a Triton load of bool is not portable) and one past each row's last slot

@@ -206,7 +206,7 @@ def _layer(layer_ref, n_layers):
   return jnp.minimum(jnp.maximum(layer_ref[0], 0), n_layers - 1)
 
 
-def normed_products(x_ref, nw_ref, w_ref, lead, starts, width, col_ok, *, rows, d, eps, block_k, row0=0):
+def normed_products(x_ref, nw_ref, w_ref, lead, starts, width, col_ok, *, rows, d, eps, block_k, row0=0, tiles=None):
   """rms_norm(x) @ w[..., row0:row0 + D, start:start + width] for the two `starts`: two float32 [16, width] tiles.
 
   Shared by the MLP's gate|up kernel and the attention's q|k|v kernel. x_ref [rows, D] (rows past
@@ -218,16 +218,24 @@ def normed_products(x_ref, nw_ref, w_ref, lead, starts, width, col_ok, *, rows, 
   scaled at the end, so the weight loads never wait for a first pass over x. (`rms_norm` rounds
   x * scale * nw to x's dtype before the matmul; this rounds x * nw instead: the same relative
   rounding, 2^-9 in bf16.) Padded rows get the scale rsqrt(eps): finite, never stored.
+
+  `tiles`: None (the whole contraction), or (first, count): K tiles of block_k that this program
+  reduces, its chunk of a split contraction whose scaled partial products the caller adds up;
+  sum(x^2) then takes a loop of its own over all of x (the real rows only: a few kilobytes).
   """
   row_ok = jnp.arange(MAX_ROWS)[:, None] < rows  # [16, 1]
+  n_tiles = pl.cdiv(d, block_k)
+  first, count = (0, n_tiles) if tiles is None else tiles
+
+  def x_tile(k):
+    k_ok = k * block_k + jnp.arange(block_k) < d
+    xt = _load(x_ref, (pl.ds(0, MAX_ROWS), pl.ds(k * block_k, block_k)), row_ok & k_ok[None, :])
+    return xt.astype(jnp.float32), k_ok  # [16, bk], [bk]
 
   def body(k, carry):
     acc_a, acc_b, ss = carry
-    kk = k * block_k + jnp.arange(block_k)
-    k_ok = kk < d
-    ks = pl.ds(k * block_k, block_k)
-    xt = _load(x_ref, (pl.ds(0, MAX_ROWS), ks), row_ok & k_ok[None, :]).astype(jnp.float32)  # [16, bk]
-    nw = _load(nw_ref, (*lead, ks), k_ok).astype(jnp.float32)  # [bk]
+    xt, k_ok = x_tile(k)
+    nw = _load(nw_ref, (*lead, pl.ds(k * block_k, block_k)), k_ok).astype(jnp.float32)  # [bk]
     a = (xt * nw[None, :]).astype(w_ref.dtype)
     wmask = k_ok[:, None] if col_ok is None else k_ok[:, None] & col_ok
     wk = pl.ds(row0 + k * block_k, block_k)
@@ -239,7 +247,10 @@ def normed_products(x_ref, nw_ref, w_ref, lead, starts, width, col_ok, *, rows, 
     return acc_a, acc_b, ss
 
   zeros = jnp.zeros((MAX_ROWS, width), jnp.float32)
-  acc_a, acc_b, ss = lax.fori_loop(0, pl.cdiv(d, block_k), body, (zeros, zeros, jnp.zeros((MAX_ROWS,), jnp.float32)))
+  ss0 = jnp.zeros((MAX_ROWS,), jnp.float32)
+  acc_a, acc_b, ss = lax.fori_loop(first, first + count, body, (zeros, zeros, ss0))
+  if tiles is not None:  # the chunk saw part of x: the whole row's sum of squares
+    ss = lax.fori_loop(0, n_tiles, lambda k, ss: ss + jnp.sum(jnp.square(x_tile(k)[0]), axis=1), ss0)
   scale = lax.rsqrt(ss / d + eps)[:, None]  # [16, 1]
   return acc_a * scale, acc_b * scale
 

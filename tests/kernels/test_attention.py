@@ -46,6 +46,8 @@ from tests.support.lowering import cuda_module_text
 CFG = TransformerConfig(vocab_size=96, num_layers=2, d_model=96, num_heads=6, num_kv_heads=2, head_dim=64, d_ff=160)
 S = 40
 SMALL = AttentionBlocks(block_s=16)
+# The q|k|v product split over K (D=96 in tiles of 32, two chunks: 2 tiles and 1), its parts summed by a second kernel.
+SPLIT = AttentionBlocks(block_s=16, block_k=32, split_k=2)
 
 
 def _inputs(seed, b, t, dtype):
@@ -140,14 +142,16 @@ def test_fused_attention_equals_attention_block(bt, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=_SLOW)])
-def test_fused_attention_adds_the_qkv_bias(dtype):
+@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["whole", "split_k"])
+def test_fused_attention_adds_the_qkv_bias(dtype, blocks):
   """With a q|k|v bias [(H + 2 Hkv) Dh] (Qwen2's) the kernels equal `attention_block` on a block holding it as
-  "bqkv" (a 5-row call at layer 1), within the bounds above; the reference without the bias is far outside them."""
+  "bqkv" (a 5-row call at layer 1), within the bounds above, with the q|k|v product whole or split over K; the
+  reference without the bias is far outside them."""
   p, x, kc, vc = _inputs(5, 1, 5, dtype)
   n = (CFG.num_heads + 2 * CFG.num_kv_heads) * CFG.head_dim
   biased = {**p, "bqkv": (0.5 * jax.random.normal(jax.random.key(9), (n,))).astype(dtype)}
   pos = jnp.asarray(POSITIONS[(1, 5)], jnp.int32)
-  out, k_new, v_new = _fused(biased, x, kc, vc, 1, pos)
+  out, k_new, v_new = _fused(biased, x, kc, vc, 1, pos, blocks)
   truth = _reference(biased, x, kc, vc, 1, pos, jnp.float32)
   ref = _reference(biased, x, kc, vc, 1, pos, dtype) if dtype != jnp.float32 else truth
   bound = 1e-5 if dtype == jnp.float32 else 2**-6
@@ -388,6 +392,27 @@ def test_triton_lowering(bt):
       )
     )
     assert "fused_attention_qkv" in cuda_module_text(with_bias, [*args, s((960,), bf)])
+    # with the q|k|v product split over K (the wide models' tiles)
+    split = jax.jit(
+      lambda x, n, a, o, kc, vc, l, p, c, sn, bias: fused_attention(
+        x,
+        n,
+        a,
+        o,
+        kc,
+        vc,
+        l,
+        p,
+        c,
+        sn,
+        num_heads=9,
+        num_kv_heads=3,
+        eps=1e-5,
+        bias=bias,
+        blocks=AttentionBlocks(block_k=64, split_k=4),
+      )
+    )
+    assert "fused_attention_qkv_parts" in cuda_module_text(split, [*args, s((960,), bf)])
     # a tree call: given write slots and a [B, T, S] mask
     with_mask = jax.jit(
       lambda x, n, a, o, kc, vc, l, p, c, sn, m: fused_attention(
