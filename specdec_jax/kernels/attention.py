@@ -108,13 +108,15 @@ class AttentionBlocks:
 
 DEFAULT_BLOCKS = AttentionBlocks()
 # For wide models: the fastest of bench/kernel_tiles.py's search at D=1536 (Qwen2.5-Coder-1.5B) on an H200,
-# K tiles of 256 rows (few, long loads) and 32-wide strips of each head half.
+# K tiles of 256 rows (few, long loads), 32-wide strips of each head half and the q|k|v product split in three
+# (32 column pieces alone would leave most of the GPU idle).
 WIDE_BLOCKS = AttentionBlocks(
   block_k=256,
   block_h=32,
   out=MlpBlocks(block_d=32, block_k2=64, split_k=8, num_warps=2, num_stages=4),
   num_warps=2,
   num_stages=3,
+  split_k=3,
 )
 
 
