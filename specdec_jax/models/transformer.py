@@ -582,11 +582,8 @@ class Transformer(nnx.Module):
       pad = ((0, 0), (0, rows - t))
       out = self(
         jnp.pad(tokens, pad),
-        # The padding repeats each row's last position, so it attends to no more slots than the row does, and
-        # is written to slot S, outside the cache: nowhere.
-        jnp.pad(positions, pad, mode="edge"),
+        jnp.pad(positions, pad, constant_values=cache.max_length),  # outside the cache: written nowhere
         cache,
-        cache_slots=jnp.pad(positions, pad, constant_values=cache.max_length),
         return_features=return_features,
       )
       return (*(a[:, :t] for a in out[:-1]), out[-1])
@@ -649,16 +646,14 @@ class Transformer(nnx.Module):
     XLA picks its matrix-product and reduction kernels by shape, so a token's logits in a one-token
     step and in a verification of K+1 tokens round differently, and greedy speculation can part
     from plain greedy decoding at a near-tie. On a GPU a chain call of B*T <= MAX_ROWS rows on
-    XLA's blocks therefore runs at the fixed T = MAX_ROWS // B (padding rows that write nothing),
-    which costs little where a step reads its weights from memory (bench/RESULTS.md). So does a
-    call on the Pallas blocks of a model whose MLP runs on XLA's (`mlp.xla_is_faster`); the Pallas
-    kernels alone are invariant by themselves. Trees, sharded models and CPUs (where rows cost
-    time) keep their shape.
+    XLA's blocks therefore runs at the fixed T = MAX_ROWS // B (padding rows at a position past the
+    cache: they write nothing), which costs little where a step reads its weights from memory
+    (bench/RESULTS.md). The Pallas blocks are invariant by themselves; trees, sharded models and
+    CPUs (where rows cost time) keep their shape.
     """
     b, t = tokens.shape
-    c = self.config
     if (
-      (kernels is not None and not mlp.xla_is_faster(c.d_model, c.d_ff, c.dtype))
+      kernels is not None
       or self.partitioning is not None
       or cache_slots is not None
       or attention_mask is not None
@@ -888,7 +883,8 @@ def pallas_block(
 
   `block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the tile sizes
   default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks). Without `mlp_blocks`,
-  a model whose MLP runs faster on XLA's blocks (`mlp.xla_is_faster`: wide models) keeps `mlp_block`. x is [B, T, D]
+  a model whose MLP runs faster on XLA's blocks (`mlp.xla_is_faster`: wide models) takes `xla_mlp_rows`.
+  x is [B, T, D]
   with B*T <= 16, positions int32 [B, T]; returns (x, k_cache, v_cache) like `decoder_block`.
   `prefix`: None, or (e [B, T, D], its norm weight [D]) for a block whose attention reads
   concat(rms_norm(e), rms_norm(x, p["attn_norm"])) through p["wqkv"] [2D, ...] (the EAGLE
@@ -924,7 +920,7 @@ def pallas_block(
     bias=p.get("bqkv"),
   )
   if mlp_blocks is None and mlp.xla_is_faster(c.d_model, c.d_ff, c.dtype):
-    return mlp_block(c, x, p), k_cache, v_cache
+    return xla_mlp_rows(c, x, p), k_cache, v_cache
   x = mlp.fused_mlp(
     x,
     p["mlp_norm"],
@@ -935,6 +931,22 @@ def pallas_block(
     blocks=mlp_blocks or mlp.BEST_BLOCKS,
   )
   return x, k_cache, v_cache
+
+
+def xla_mlp_rows(c: TransformerConfig, x, p):
+  """`mlp_block` of x [B, T, D] (B*T <= MAX_ROWS) computed on MAX_ROWS rows, whatever B*T.
+
+  XLA picks its products' kernels by shape; on a fixed shape a row's result is the same bits in a
+  one-token step and in a verification call, as on the Pallas kernels (batch invariance). Rows
+  cost little here: the MLP reads its weights from memory once, whatever the rows.
+
+  Example:
+    >>> xla_mlp_rows(cfg, x, model.layers.block(0)).shape == x.shape  # doctest: +SKIP
+    True
+  """
+  b, t, d = x.shape
+  rows = jnp.zeros((1, mlp.MAX_ROWS, d), x.dtype).at[0, : b * t].set(x.reshape(b * t, d))
+  return mlp_block(c, rows, p)[0, : b * t].reshape(b, t, d)
 
 
 def project_qkv(c: TransformerConfig, attn_in, p):
