@@ -40,10 +40,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 from bench.step_profile import SHAPES, TINY, TINY_FLAGS  # noqa: E402
-from specdec_jax.kernels import attention as pallas_attention  # noqa: E402
+from specdec_jax.kernels import attention as attention_kernels  # noqa: E402
 from specdec_jax.kernels import mlp as pallas_mlp  # noqa: E402
 from specdec_jax.models.config import TransformerConfig  # noqa: E402
-from specdec_jax.models.transformer import AttentionContext, attention_block, mlp_block, rms_norm  # noqa: E402
+from specdec_jax.models.transformer import (  # noqa: E402
+  AttentionContext,
+  attention_block,
+  mlp_block,
+  pallas_attention,
+  rms_norm,
+)
 
 # Fields searched together, in this order, and the values tried (the current value is always kept as a candidate).
 GROUPS = {
@@ -130,24 +136,8 @@ def half_fn(c: TransformerConfig, half: str, impl, rows: int, pad: int | None, i
           c, x, rms_norm(x, p["attn_norm"], c.rms_norm_eps), p, k_cache, v_cache, i, ctx
         )
         continue
-      half_dh = c.head_dim // 2
-      x, k_cache, v_cache = pallas_attention.fused_attention(
-        x,
-        p["attn_norm"],
-        p["wqkv"],
-        p["wo"],
-        k_cache,
-        v_cache,
-        i,
-        positions,
-        ctx.cos[:, :, 0, :half_dh],
-        ctx.sin[:, :, 0, :half_dh],
-        num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads,
-        eps=c.rms_norm_eps,
-        interpret=interpret,
-        blocks=impl,
-        bias=p.get("bqkv"),
+      x, k_cache, v_cache = pallas_attention(
+        c, x, p, k_cache, v_cache, i, positions, ctx, interpret=interpret, blocks=impl
       )
     return x[:, :rows], (k_cache, v_cache)
 
@@ -216,7 +206,7 @@ def main(argv=None):
       us, diff = time_impl("xla", pad)
       rows.append({"impl": name, "us_per_layer": us, "max_abs_diff": diff})
       print(f"{half} {name:24s} {us:8.2f} us/layer  (floor {floor or 0:.2f})", flush=True)
-    best = pallas_attention.blocks_for(c.d_model) if half == "attn" else pallas_mlp.BEST_BLOCKS
+    best = attention_kernels.blocks_for(c.d_model) if half == "attn" else pallas_mlp.BEST_BLOCKS
     best_us, _ = time_impl(best)
     seen = {best: best_us}
     for rnd in range(args.rounds):

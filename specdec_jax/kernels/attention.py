@@ -175,7 +175,7 @@ def check_args(x, wqkv, wo, k_cache, num_heads: int, num_kv_heads: int, prefix=N
   return None
 
 
-def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h, prefix, bias=False):
+def _qkv_kernel(*refs, d, eps, block_k, prefix, bias=False, **head):
   """2 block_h columns of one head of q|k|v = rms_norm(x) @ wqkv (+ bias), rotated (q, k) and written.
 
   See the module docstring.
@@ -186,14 +186,15 @@ def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h
   outputs q [rows, H Dh] and the caches [L, B, Hkv, S, Dh] (aliased to the _kc_in/_vc_in inputs:
   written in place). The norm and the product are `mlp.normed_products`, as in the MLP's gate|up
   kernel; with a prefix the product reads concat(rms_norm(px), rms_norm(x)), each part normed on
-  its own. The rest is `_finish_head`.
+  its own. The rest is `_finish_head`; `head` holds its geometry (rows, t, heads, kv_heads, dh, s, block_h).
   """
   layer_ref, slot_ref, *refs = refs
   px_ref, pnw_ref, *refs = refs if prefix else (None, None, *refs)
   x_ref, nw_ref, w_ref, *refs = refs
   b_ref, *refs = refs if bias else (None, *refs)
-  cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
-  h, c0, col0 = _head_columns(pl.program_id(0), dh, block_h)
+  cos_ref, sin_ref, _, _, *outs = refs
+  dh, block_h = head["dh"], head["block_h"]
+  _, _, col0 = _head_columns(pl.program_id(0), dh, block_h)
   product = functools.partial(
     normed_products,
     w_ref=w_ref,
@@ -201,7 +202,7 @@ def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h
     starts=(col0, col0 + dh // 2),
     width=block_h,
     col_ok=None,
-    rows=rows,
+    rows=head["rows"],
     d=d,
     eps=eps,
     block_k=block_k,
@@ -210,28 +211,7 @@ def _qkv_kernel(*refs, rows, t, d, heads, kv_heads, dh, s, eps, block_k, block_h
   if prefix:  # its rows of wqkv come first
     p1, p2 = product(px_ref, pnw_ref)
     acc1, acc2 = acc1 + p1, acc2 + p2
-  _finish_head(
-    acc1,
-    acc2,
-    h,
-    c0,
-    col0,
-    layer_ref[0],
-    slot_ref,
-    b_ref,
-    cos_ref,
-    sin_ref,
-    q_ref,
-    kc_ref,
-    vc_ref,
-    rows=rows,
-    t=t,
-    heads=heads,
-    kv_heads=kv_heads,
-    dh=dh,
-    s=s,
-    block_h=block_h,
-  )
+  _finish_head(acc1, acc2, layer_ref[0], (slot_ref, b_ref, cos_ref, sin_ref, *outs), **head)
 
 
 def _qkv_part_kernel(x_ref, nw_ref, w_ref, part_ref, *, rows, d, dh, eps, block_k, block_h, chunk_tiles):
@@ -250,42 +230,23 @@ def _qkv_part_kernel(x_ref, nw_ref, w_ref, part_ref, *, rows, d, dh, eps, block_
   plgpu.store(part_ref.at[c, pl.ds(0, MAX_ROWS), pl.ds(col0 + half, block_h)], acc2, mask=row_ok)
 
 
-def _qkv_finish_kernel(*refs, rows, t, heads, kv_heads, dh, s, block_h, bias):
+def _qkv_finish_kernel(*refs, bias, **head):
   """`_qkv_kernel`'s program after a split product: adds up its columns' partials (in part order), then
   `_finish_head`. Refs: layer, slot, part [split, rows, N] float32, [b,] cos, sin, the caches (aliased), and
   the outputs q and the caches."""
   layer_ref, slot_ref, part_ref, *refs = refs
   b_ref, *refs = refs if bias else (None, *refs)
-  cos_ref, sin_ref, _, _, q_ref, kc_ref, vc_ref = refs
-  h, c0, col0 = _head_columns(pl.program_id(0), dh, block_h)
-  row_ok = (jnp.arange(MAX_ROWS) < rows)[:, None]
+  cos_ref, sin_ref, _, _, *outs = refs
+  _, _, col0 = _head_columns(pl.program_id(0), head["dh"], head["block_h"])
+  row_ok = (jnp.arange(MAX_ROWS) < head["rows"])[:, None]
   accs = []
-  for start in (col0, col0 + dh // 2):
-    acc = _load(part_ref, (jnp.int32(0), pl.ds(0, MAX_ROWS), pl.ds(start, block_h)), row_ok)
+  for start in (col0, col0 + head["dh"] // 2):
+    cols = (pl.ds(0, MAX_ROWS), pl.ds(start, head["block_h"]))
+    acc = _load(part_ref, (jnp.int32(0), *cols), row_ok)
     for c in range(1, part_ref.shape[0]):
-      acc += _load(part_ref, (jnp.int32(c), pl.ds(0, MAX_ROWS), pl.ds(start, block_h)), row_ok)
+      acc += _load(part_ref, (jnp.int32(c), *cols), row_ok)
     accs.append(acc)
-  _finish_head(
-    *accs,
-    h,
-    c0,
-    col0,
-    layer_ref[0],
-    slot_ref,
-    b_ref,
-    cos_ref,
-    sin_ref,
-    q_ref,
-    kc_ref,
-    vc_ref,
-    rows=rows,
-    t=t,
-    heads=heads,
-    kv_heads=kv_heads,
-    dh=dh,
-    s=s,
-    block_h=block_h,
-  )
+  _finish_head(*accs, layer_ref[0], (slot_ref, b_ref, cos_ref, sin_ref, *outs), **head)
 
 
 def _head_columns(program, dh, block_h):
@@ -297,32 +258,12 @@ def _head_columns(program, dh, block_h):
   return h, c0, h * dh + c0
 
 
-def _finish_head(
-  acc1,
-  acc2,
-  h,
-  c0,
-  col0,
-  layer,
-  slot_ref,
-  b_ref,
-  cos_ref,
-  sin_ref,
-  q_ref,
-  kc_ref,
-  vc_ref,
-  *,
-  rows,
-  t,
-  heads,
-  kv_heads,
-  dh,
-  s,
-  block_h,
-):
+def _finish_head(acc1, acc2, layer, refs, *, rows, t, heads, kv_heads, dh, s, block_h):
   """From the float32 products of a q|k|v program's two column pieces [16, block_h]: adds the bias (where
-  b_ref is given), rounds to the model's dtype, rotates q and k heads by RoPE, and writes q, or the key or
-  value at each row's slot of the cache."""
+  there is one), rounds to the model's dtype, rotates q and k heads by RoPE, and writes q, or the key or
+  value at each row's slot of the cache. refs: (slot, bias or None, cos, sin, q, k cache, v cache)."""
+  slot_ref, b_ref, cos_ref, sin_ref, q_ref, kc_ref, vc_ref = refs
+  h, c0, col0 = _head_columns(pl.program_id(0), dh, block_h)
   half = dh // 2
   r = jnp.arange(MAX_ROWS)
   row_ok = r < rows

@@ -897,8 +897,61 @@ def pallas_block(
     >>> x, k, v = pallas_block(cfg, x, model.layers.block(i), cache.k, cache.v, i, positions, ctx,
     ...                        interpret=False)  # doctest: +SKIP
   """
+  x, k_cache, v_cache = pallas_attention(
+    c,
+    x,
+    p,
+    k_cache,
+    v_cache,
+    i,
+    positions,
+    ctx,
+    interpret=interpret,
+    blocks=attn_blocks,
+    prefix=prefix,
+    slots=slots,
+    mask=mask,
+  )
+  if mlp_blocks is None and mlp.xla_is_faster(c.d_model, c.d_ff, c.dtype):
+    return xla_mlp_rows(c, x, p), k_cache, v_cache
+  x = mlp.fused_mlp(
+    x,
+    p["mlp_norm"],
+    p["w_gate_up"],
+    p["w_down"],
+    c.rms_norm_eps,
+    interpret=interpret,
+    blocks=mlp_blocks or mlp.BEST_BLOCKS,
+  )
+  return x, k_cache, v_cache
+
+
+def pallas_attention(
+  c: TransformerConfig,
+  x,
+  p,
+  k_cache,
+  v_cache,
+  i,
+  positions,
+  ctx: AttentionContext,
+  *,
+  interpret: bool,
+  blocks=None,
+  prefix=None,
+  slots=None,
+  mask=None,
+):
+  """The attention half of `pallas_block`: `attention.fused_attention` on block parameters p, with the tiles
+  `attention.blocks_for` picks for the model's width unless `blocks` says otherwise; other arguments and the
+  result (x, k_cache, v_cache) as for `pallas_block`.
+
+  Example:
+    >>> x, k, v = pallas_attention(cfg, x, model.layers.block(i), cache.k, cache.v, i, positions, ctx,
+    ...                            interpret=False)  # doctest: +SKIP
+  """
   half = c.head_dim // 2
-  x, k_cache, v_cache = attention.fused_attention(
+  return attention.fused_attention(
     x,
     p["attn_norm"],
     p["wqkv"],
@@ -913,24 +966,12 @@ def pallas_block(
     num_kv_heads=c.num_kv_heads,
     eps=c.rms_norm_eps,
     interpret=interpret,
-    blocks=attn_blocks or attention.blocks_for(c.d_model),
+    blocks=blocks or attention.blocks_for(c.d_model),
     prefix=prefix,
     slots=slots,
     mask=mask,
     bias=p.get("bqkv"),
   )
-  if mlp_blocks is None and mlp.xla_is_faster(c.d_model, c.d_ff, c.dtype):
-    return xla_mlp_rows(c, x, p), k_cache, v_cache
-  x = mlp.fused_mlp(
-    x,
-    p["mlp_norm"],
-    p["w_gate_up"],
-    p["w_down"],
-    c.rms_norm_eps,
-    interpret=interpret,
-    blocks=mlp_blocks or mlp.BEST_BLOCKS,
-  )
-  return x, k_cache, v_cache
 
 
 def xla_mlp_rows(c: TransformerConfig, x, p):
