@@ -14,6 +14,10 @@ the same half is three kernels:
      place). The columns are loaded as matching pieces of the head's two
      halves, [D, block_h] at c and at c + Dh/2, which is RoPE's pairing
      (dims i and i + Dh/2), so the rotation needs no shuffle inside a tile.
+     With `AttentionBlocks.split_k` > 1 (wide models: few column pieces, long
+     columns) this is two kernels: programs (piece, chunk of D) write float32
+     partial products, then one program per piece adds them in a fixed order
+     and does the rest.
   2. `_attention_kernel`, grid (B, H): program (b, h) attends head h's T
      queries of row b over the live slots of the cache, [0, max position of
      the row], in blocks of `block_s` slots with an online softmax, and
@@ -499,8 +503,9 @@ def fused_attention(
       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
     ),
     grid=(programs,),
-    input_output_aliases={len(inputs) + 4: 1, len(inputs) + 5: 2},  # the caches, after layer, slots, inputs,
-    interpret=interpret,  # cos, sin
+    # The caches, which come after layer, slots, the inputs, cos and sin, are written in place.
+    input_output_aliases={len(inputs) + 4: 1, len(inputs) + 5: 2},
+    interpret=interpret,
     compiler_params=params,
     name="fused_attention_qkv",
   )(layer, slots, *inputs, *tables, k_cache, v_cache)

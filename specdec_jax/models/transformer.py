@@ -884,8 +884,7 @@ def pallas_block(
   `block_kernels` decides when a call may take it (`TransformerConfig.kernels`); the tile sizes
   default to the fastest measured (`attn_blocks`, `mlp_blocks`: for benchmarks). Without `mlp_blocks`,
   a model whose MLP runs faster on XLA's blocks (`mlp.xla_is_faster`: wide models) takes `xla_mlp_rows`.
-  x is [B, T, D]
-  with B*T <= 16, positions int32 [B, T]; returns (x, k_cache, v_cache) like `decoder_block`.
+  x is [B, T, D] with B*T <= 16, positions int32 [B, T]; returns (x, k_cache, v_cache) like `decoder_block`.
   `prefix`: None, or (e [B, T, D], its norm weight [D]) for a block whose attention reads
   concat(rms_norm(e), rms_norm(x, p["attn_norm"])) through p["wqkv"] [2D, ...] (the EAGLE
   drafter's first block). `slots` [B, T] and `mask` [B, T, S]: a tree call's write slots and
