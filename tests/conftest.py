@@ -60,8 +60,9 @@ def _shared_dir() -> pathlib.Path:
 # Tests that build the same models or compile the same programs run on one pytest-xdist worker, which builds and
 # compiles them once (the other worker would do it all again): the tiny Transformers of
 # tests/support/tiny_transformers.py (the session's `tree_models`, the cached sampled-tree case, the greedy case's
-# programs), SmolLM2's GGUF file (read and parsed once per process) and the Markdown blocks (tests/test_docs.py). Every other test goes on its own to
-# whichever worker is free. Keys are node-id prefixes (a file, or one test of a file).
+# programs), SmolLM2's GGUF file (read and parsed once per process) and the Markdown blocks (tests/test_docs.py).
+# Every other file goes whole to whichever worker is free (its tests share module-level programs too). Keys are
+# node-id prefixes (a file, or one test of a file).
 _XDIST_GROUPS = {
   "tiny_transformers": (
     "tests/models/test_eagle.py::",
@@ -83,7 +84,7 @@ def _xdist_group(nodeid: str) -> str | None:
 
 
 def pytest_xdist_make_scheduler(config, log):
-  """With `-n N` and no `--dist`: the groups above, each on one worker, the other tests one by one.
+  """With `-n N` and no `--dist`: the groups above and every other file, each whole on one worker.
 
   (Not xdist's `--dist loadgroup`: with pytest 9 it no longer groups, since it renames `item._nodeid`, which pytest
   9 no longer reads.) An explicit `--dist` is kept."""
@@ -94,7 +95,7 @@ def pytest_xdist_make_scheduler(config, log):
 
   class GroupScheduling(LoadScopeScheduling):
     def _split_scope(self, nodeid):
-      return _xdist_group(nodeid) or nodeid
+      return _xdist_group(nodeid) or nodeid.split("::")[0]
 
   return GroupScheduling(config, log)
 
