@@ -57,6 +57,49 @@ def _shared_dir() -> pathlib.Path:
   return _SHARED_DIR
 
 
+# Tests that build the same models or compile the same programs run on one pytest-xdist worker, which builds and
+# compiles them once (the other worker would do it all again): the tiny Transformers of
+# tests/support/tiny_transformers.py (the session's `tree_models`, the cached sampled-tree case, the greedy case's
+# programs), SmolLM2's GGUF file (read and parsed once per process) and the Markdown blocks (tests/test_docs.py).
+# Every other file goes whole to whichever worker is free (its tests share module-level programs too). Keys are
+# node-id prefixes (a file, or one test of a file).
+_XDIST_GROUPS = {
+  "tiny_transformers": (
+    "tests/models/test_eagle.py::",
+    "tests/drafts/test_dynamic_tree.py::",
+    "tests/loop/test_tree_round.py::",
+    "tests/sampling/test_no_filters.py::test_loops_with_no_filters_keep_greedy_rows_exact",  # tree_models
+  ),
+  "smollm2_gguf": (
+    "tests/models/test_smollm2.py::",
+    "tests/examples/test_demo.py::test_context_check_with_the_real_tokenizer",
+    "tests/examples/test_demo.py::test_max_context_is_smollm2s",
+  ),
+  "docs": ("tests/test_docs.py::",),  # one child process runs all blocks of a kind, once per worker that asks
+}
+
+
+def _xdist_group(nodeid: str) -> str | None:
+  return next((g for g, prefixes in _XDIST_GROUPS.items() if nodeid.startswith(prefixes)), None)
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """With `-n N` and no `--dist`: the groups above and every other file, each whole on one worker.
+
+  (Not xdist's `--dist loadgroup`: with pytest 9 it no longer groups, since it renames `item._nodeid`, which pytest
+  9 no longer reads.) An explicit `--dist` is kept."""
+  args = [*config.invocation_params.args, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+  if config.option.dist != "load" or any(a == "-d" or a.startswith("--dist") for a in args):
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class GroupScheduling(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      return _xdist_group(nodeid) or nodeid.split("::")[0]
+
+  return GroupScheduling(config, log)
+
+
 def pytest_collection_finish(session):
   """Starts the 8-device subprocess as soon as the tests that read it are known, so that it runs beside them."""
   from tests.support.eight_devices import start_workers, workers_needed

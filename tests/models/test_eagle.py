@@ -19,9 +19,9 @@ from specdec_jax.models import TransformerConfig
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter, eagle_weight_shapes
 from specdec_jax.sampling.params import SamplingParams
 from tests.support.compiles import count_compiles
-from tests.support.lossless import N_ROWS, SMALL_V, TEMPERATURE, TOP_K, assert_first_tokens_follow, exact_joint
+from tests.support.lossless import assert_first_tokens_follow
 from tests.support.tiny_lm import check_output, make_prompts
-from tests.support.tiny_transformers import CONFIG, V, distil, unit_target
+from tests.support.tiny_transformers import CONFIG, V, sampled_tree_case, unit_target
 
 
 @pytest.fixture(scope="module")
@@ -214,14 +214,9 @@ def test_sampled_speculative_with_feature_drafter_is_lossless(monkeypatch):
   detects, with 80% power, every total-variation shift >= ~0.03 (asserted
   below). A planted loop that accepts every draft is rejected.
   """
-  config = TransformerConfig.tiny(SMALL_V, feature_layers=(0, 1))
-  target = unit_target(config, seed=4, embed_scale=0.3)
-  drafter = distil(target, EagleDrafter.for_target(target, rngs=nnx.Rngs(5)), steps=30)
-  prompt = np.array([1, 5, 2, 7])
-  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
-  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
-  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
-  joint = exact_joint(target, prompt)
+  # The target (SMALL_V tokens, seed 4, embed scale 0.3), its EAGLE head distilled for 30 steps, N_ROWS copies of
+  # the prompt [1, 5, 2, 7] and the exact joint: the sampled dynamic tree's case, built once per process.
+  target, drafter, prompts, lengths, params, joint = sampled_tree_case("eagle")
 
   def run():
     out = speculative_generate(

@@ -6,6 +6,8 @@ EAGLE head briefly on the target's greedy continuations, so that it accepts;
 EAGLE) that tests/conftest.py's session fixture `tree_models` builds once.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,9 +95,12 @@ def greedy_case(target):
   return prompts, lengths, params, kw, plain
 
 
+@functools.cache
 def sampled_tree_case(drafter: str):
   """(target, draft, prompts, lengths, params, exact joint law of the first 3 tokens) of the sampled tree tests:
-  N_ROWS copies of one prompt at T=0.8 and top-k 6; drafter "model" (a 1-layer model) or "eagle" (distilled)."""
+  N_ROWS copies of one prompt at T=0.8 and top-k 6; drafter "model" (a 1-layer model) or "eagle" (distilled).
+
+  Built once per process (the models are only read): the EAGLE case also serves tests/models/test_eagle.py."""
   config = TransformerConfig.tiny(SMALL_V, feature_layers=(0, 1))
   target = unit_target(config, seed=4, embed_scale=0.3)
   if drafter == "model":
