@@ -9,7 +9,9 @@ the tests check it there.
 
 import os
 import pathlib
+import shutil
 import tempfile
+import time
 
 # The suite's time is mostly XLA compiling small programs on the CPU: LLVM at level 0 compiles them
 # 16-24% faster in all (measured on 2 cores), skipping LLVM's expensive passes 3-10% more, and XLA:CPU's
@@ -54,7 +56,20 @@ def _shared_dir() -> pathlib.Path:
       _SHARED_DIR.mkdir(exist_ok=True)
     else:
       _SHARED_DIR = pathlib.Path(tempfile.mkdtemp(prefix="specdec_jax_tests_"))
+    _remove_stale_shared_dirs(_SHARED_DIR)
   return _SHARED_DIR
+
+
+def _remove_stale_shared_dirs(keep: pathlib.Path) -> None:
+  """Removes earlier runs' shared folders once they are a day old. (No process of a run knows when the others
+  are done with its folder, so a run leaves its own behind, and a later run removes it.)"""
+  cutoff = time.time() - 24 * 3600
+  for folder in keep.parent.glob("specdec_jax_tests_*"):
+    try:
+      if folder != keep and folder.stat().st_mtime < cutoff:
+        shutil.rmtree(folder, ignore_errors=True)
+    except OSError:  # removed by another run meanwhile
+      pass
 
 
 # Tests that build the same models or compile the same programs run on one pytest-xdist worker, which builds and
