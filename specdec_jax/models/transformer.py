@@ -633,12 +633,11 @@ class Transformer(nnx.Module):
     """
     c = self.config
     lm_head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]  # [D, V]
-    b, t, d = x.shape
-    if fixed_rows:
-      x = jnp.zeros((1, mlp.MAX_ROWS, d), x.dtype).at[0, : b * t].set(x.reshape(b * t, d))
-    # Accumulate the logits in float32 whatever the compute dtype.
-    logits = linear(rms_norm(x, self.final_norm[...], c.rms_norm_eps), lm_head, preferred_element_type=jnp.float32)
-    return logits[0, : b * t].reshape(b, t, -1) if fixed_rows else logits
+
+    def head(x):  # accumulates the logits in float32 whatever the compute dtype
+      return linear(rms_norm(x, self.final_norm[...], c.rms_norm_eps), lm_head, preferred_element_type=jnp.float32)
+
+    return on_fixed_rows(head, x) if fixed_rows else head(x)
 
   def _invariant_length(self, tokens, kernels, cache_slots, attention_mask) -> int | None:
     """T to pad this call to so that XLA's blocks are batch-invariant, or None (no padding).
@@ -984,9 +983,22 @@ def xla_mlp_rows(c: TransformerConfig, x, p):
     >>> xla_mlp_rows(cfg, x, model.layers.block(0)).shape == x.shape  # doctest: +SKIP
     True
   """
+  return on_fixed_rows(lambda rows: mlp_block(c, rows, p), x)
+
+
+def on_fixed_rows(fn, x: jax.Array) -> jax.Array:
+  """fn of x [B, T, D] (B*T <= MAX_ROWS) run on its rows padded with zeros to [1, MAX_ROWS, D]: [B, T, N].
+
+  fn maps [1, MAX_ROWS, D] to [1, MAX_ROWS, N] row by row; the padding rows' results are dropped. One shape
+  whatever B*T, so a row's bits do not depend on the call's size (batch invariance).
+
+  Example:
+    >>> on_fixed_rows(lambda r: 2 * r, jnp.ones((1, 3, 4))).shape
+    (1, 3, 4)
+  """
   b, t, d = x.shape
   rows = jnp.zeros((1, mlp.MAX_ROWS, d), x.dtype).at[0, : b * t].set(x.reshape(b * t, d))
-  return mlp_block(c, rows, p)[0, : b * t].reshape(b, t, d)
+  return fn(rows)[0, : b * t].reshape(b, t, -1)
 
 
 def project_qkv(c: TransformerConfig, attn_in, p):
