@@ -41,6 +41,7 @@ from specdec_jax.kernels import mlp
 from specdec_jax.kernels.attention import AttentionBlocks, check_args, fused_attention
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.transformer import AttentionContext, attention_block, rms_norm
+from tests.support.invariance import step_and_verify
 from tests.support.lowering import cuda_module_text
 
 CFG = TransformerConfig(vocab_size=96, num_layers=2, d_model=96, num_heads=6, num_kv_heads=2, head_dim=64, d_ff=160)
@@ -427,16 +428,9 @@ def test_kernels_path_is_batch_invariant(models):
   call of several tokens: the kernels work on tiles of MAX_ROWS rows whatever B*T, and the final norm and
   head run on MAX_ROWS rows too. So greedy speculation on the kernels equals plain greedy decoding."""
   _, pallas = models
-  call = jax.jit(lambda m, t, p, c: m(t, p, c))
   tokens = jnp.asarray(np.arange(3, 13).reshape(1, 10) % CFG.vocab_size, jnp.int32)
-  pos = jnp.arange(10, dtype=jnp.int32)[None]
-  _, cache = call(pallas, tokens[:, :6], pos[:, :6], pallas.init_cache(1, S))
-  together, _ = call(pallas, tokens[:, 6:], pos[:, 6:], cache)  # a verification of 4 tokens
-  steps = []
-  for j in range(6, 10):  # the same tokens, one step each
-    logits, cache = call(pallas, tokens[:, j : j + 1], pos[:, j : j + 1], cache)
-    steps.append(logits)
-  np.testing.assert_array_equal(np.concatenate(steps, axis=1), np.asarray(together))
+  together, steps, _, _ = step_and_verify(pallas, tokens, 6, S)  # a verification of 4 tokens, and 4 steps
+  np.testing.assert_array_equal(steps, together)
 
 
 def test_a_wide_model_runs_its_mlp_on_xla_on_sixteen_rows(monkeypatch):
@@ -450,20 +444,11 @@ def test_a_wide_model_runs_its_mlp_on_xla_on_sixteen_rows(monkeypatch):
   monkeypatch.setattr(mlp, "XLA_MLP_MIN_BYTES", 0)
   xla = Transformer(cfg, rngs=nnx.Rngs(4))
   pallas = Transformer.from_weights(cfg.replace(kernels="pallas_interpret"), xla.to_weights())
-  call = jax.jit(lambda m, t, p, c: m(t, p, c))
   tokens = jnp.asarray(np.arange(3, 13).reshape(1, 10) * 37 % cfg.vocab_size, jnp.int32)
-  pos = jnp.arange(10, dtype=jnp.int32)[None]
-  results = {}
-  for name, m in (("xla", xla), ("pallas", pallas)):
-    _, cache = call(m, tokens[:, :6], pos[:, :6], m.init_cache(1, S))
-    together, after = call(m, tokens[:, 6:], pos[:, 6:], cache)  # a verification of 4 tokens
-    steps = []
-    for j in range(6, 10):  # the same tokens, one step each
-      logits, cache = call(m, tokens[:, j : j + 1], pos[:, j : j + 1], cache)
-      steps.append(logits)
-    results[name] = (together, np.concatenate(steps, axis=1), after)
-  np.testing.assert_array_equal(results["pallas"][1], np.asarray(results["pallas"][0]))
-  assert not np.array_equal(results["xla"][1], np.asarray(results["xla"][0]))  # XLA's rows alone would differ
+  # A verification of 4 tokens, the same tokens in 4 steps, and the cache after the verification.
+  results = {name: step_and_verify(m, tokens, 6, S)[:3] for name, m in (("xla", xla), ("pallas", pallas))}
+  np.testing.assert_array_equal(results["pallas"][1], results["pallas"][0])
+  assert not np.array_equal(results["xla"][1], results["xla"][0])  # XLA's rows alone would differ
   for got, want in zip(jax.tree.leaves(results["pallas"]), jax.tree.leaves(results["xla"])):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 

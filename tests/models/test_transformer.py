@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from specdec_jax.models import KVCache, Transformer, TransformerConfig, weight_shapes
+from tests.support.invariance import step_and_verify
 
 TINY = TransformerConfig.tiny(vocab_size=64)  # L=2, D=32, H=4, Hkv=2, Dh=8, F=64
 # Shared shapes keep the number of compilations (the cost of this file) small.
@@ -512,20 +513,6 @@ def test_fused_projections_round_trip_through_the_weights_interface():
     np.testing.assert_array_equal(fused["w_gate_up"][..., TINY.d_ff :], w["layers.w_up"])
 
 
-def _step_and_verify(model, tokens, prefix: int):
-  """Logits of tokens[:, prefix:] from one call, and from one-token steps, after the same prefill."""
-  call = jax.jit(lambda m, t, p, c: m(t, p, c))
-  n = tokens.shape[1]
-  pos = jnp.arange(n, dtype=jnp.int32)[None]
-  _, cache = call(model, tokens[:, :prefix], pos[:, :prefix], model.init_cache(1, 32))
-  together, after_call = call(model, tokens[:, prefix:], pos[:, prefix:], cache)
-  steps = []
-  for j in range(prefix, n):
-    logits, cache = call(model, tokens[:, j : j + 1], pos[:, j : j + 1], cache)
-    steps.append(logits)
-  return np.asarray(together), np.concatenate(steps, axis=1), after_call, cache
-
-
 def test_small_chain_calls_on_a_gpu_are_padded_to_a_fixed_shape(monkeypatch):
   """On a GPU, XLA's blocks run a chain call of B*T <= 16 rows at T = 16 // B: a token's logits are then the
   same bits in a step and in a verification (greedy speculation equals plain greedy decoding), the padding
@@ -534,10 +521,10 @@ def test_small_chain_calls_on_a_gpu_are_padded_to_a_fixed_shape(monkeypatch):
   config = TINY.replace(d_model=256, num_heads=4, head_dim=64, d_ff=512, vocab_size=512)
   model = Transformer(config, rngs=nnx.Rngs(5))
   tokens = jnp.asarray([[3, 9, 4, 1, 7, 2, 8, 5, 6, 10]], jnp.int32)
-  plain_together, plain_steps, plain_cache, _ = _step_and_verify(model, tokens, 6)
+  plain_together, plain_steps, plain_cache, _ = step_and_verify(model, tokens, 6, 32)
   assert not np.array_equal(plain_steps, plain_together)  # unpadded, the two differ in the last bits
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  together, steps, cache_after_call, _ = _step_and_verify(model, tokens, 6)
+  together, steps, cache_after_call, _ = step_and_verify(model, tokens, 6, 32)
   np.testing.assert_array_equal(steps, together)  # batch-invariant
   np.testing.assert_allclose(together, plain_together, rtol=1e-5, atol=1e-5)
   for got, want in zip(jax.tree.leaves(cache_after_call), jax.tree.leaves(plain_cache)):
