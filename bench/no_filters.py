@@ -34,10 +34,20 @@ PROGRAMS = {
 }
 
 
+# Set from --kernels: which program `rejection_sample` runs.
+OPTIONS = {"kernels": "auto"}
+
+
 def _rejection_step(k, with_probs, flags):
   def step(i, acc, logits, probs, draft, params, key):
     out = rejection_sample(
-      draft, logits, params, jax.random.fold_in(key, i), draft_probs=probs if with_probs else None, **flags
+      draft,
+      logits,
+      params,
+      jax.random.fold_in(key, i),
+      draft_probs=probs if with_probs else None,
+      kernels=OPTIONS["kernels"],
+      **flags,
     )
     return acc + out.token_ids.sum()
 
@@ -79,11 +89,14 @@ def main(argv=None):
   ap.add_argument("--target-ms", type=float, default=50.0)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--trace", help="profile every cell into this directory (kernels in the JSON)")
+  ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto", help="rejection_sample's kernels=")
+  ap.add_argument("--no-sample-tokens", action="store_true", help="time rejection_sample only")
   args = ap.parse_args(argv)
+  OPTIONS["kernels"] = args.kernels
   os.makedirs(args.out, exist_ok=True)
   rows = []
   for b in map(int, args.batch_sizes.split(",")):
-    cells = [("sample_tokens", 1, False)] + [
+    cells = ([] if args.no_sample_tokens else [("sample_tokens", 1, False)]) + [
       ("rejection_sample", k, wp) for k in map(int, args.ks.split(",")) for wp in (True, False)
     ]
     for kind, k, with_probs in cells:

@@ -139,6 +139,10 @@ def _half(b):
   return np.where(np.arange(b) % 2 == 1, 0.0, 1.0).astype(np.float32)  # B=1: one random row
 
 
+# Set from --kernels before any case is traced: which program `rejection_sample` runs.
+OPTIONS = {"kernels": "auto"}
+
+
 def _sample(**flags):
   def fn(logits, draft, dp, params, key):
     return _checksum(
@@ -148,6 +152,7 @@ def _sample(**flags):
         params=params,
         key=None if flags.get("all_greedy") else key,
         draft_probs=dp,
+        kernels=OPTIONS["kernels"],
         **flags,
       )
     )
@@ -270,6 +275,17 @@ CASES: dict[str, Case] = {
   ),
 }
 DRAFT_PROB_CASES = tuple(n for n, c in CASES.items() if c.draft_probs)
+# The cases, batch sizes and vocabularies of the vLLM peer's harness (`--peer`; ../shared/peer in the guide).
+PEER_CASES = (
+  "greedy_static",
+  "random_draft_probs",
+  "random_ngram",
+  "random_topk_topp",
+  "block_ngram",
+  "block_draft_probs",
+)
+PEER_BATCH_SIZES = (1024, 64, 8, 1)
+PEER_VOCAB_SIZES = (151936, 49152)
 
 
 def make_step(case: Case, n_buf: int, vocab: int):
@@ -328,10 +344,21 @@ def parse_args(argv=None):
   p.add_argument(
     "--cases",
     type=lambda s: tuple(x for x in s.split(",") if x),
-    default=tuple(CASES),
-    help="comma list of: " + ", ".join(CASES),
+    help="comma list of (default all): " + ", ".join(CASES),
   )
   p.add_argument("--k", type=int, default=4, help="draft tokens per row, K (default 4)")
+  p.add_argument(
+    "--kernels",
+    choices=("auto", "xla", "pallas"),
+    default="auto",
+    help="rejection_sample's kernels= (default auto: the Pallas program on a GPU where it covers the case)",
+  )
+  p.add_argument(
+    "--peer",
+    action="store_true",
+    help=f"the peer harness's grid: cases {','.join(PEER_CASES)}, B {PEER_BATCH_SIZES}, V {PEER_VOCAB_SIZES} "
+    "(explicit --cases/--batch-sizes/--vocab-sizes still win)",
+  )
   p.add_argument("--iters", type=int, help="iterations per timed loop (default: about --target-ms per loop)")
   p.add_argument("--repeats", type=int, help="timed loops per case; the median is reported (default 5, quick 3)")
   p.add_argument(
@@ -358,6 +385,11 @@ def parse_args(argv=None):
     help="output directory (default bench/out)",
   )
   args = p.parse_args(argv)
+  if args.peer:
+    args.cases = args.cases or PEER_CASES
+    args.batch_sizes = args.batch_sizes or PEER_BATCH_SIZES
+    args.vocab_sizes = args.vocab_sizes or PEER_VOCAB_SIZES
+  args.cases = args.cases or tuple(CASES)
   if args.model_devices < 1 or args.model_devices > jax.device_count():
     p.error(f"--model-devices must be in [1, {jax.device_count()}] (the devices present), got {args.model_devices}")
   unknown = [c for c in args.cases if c not in CASES]
@@ -408,7 +440,9 @@ def run_case(name, b, v, args, inputs, bandwidth):
   ops = common.hlo_ops(hlo)
   # Arrays of [B, K, V] elements or more that the loop may write to memory (all cond branches).
   materialized = common.hlo_materialized(hlo, b * args.k * v)
-  missing = [op for op in case.must_have if not ops.get(op)]
+  # The Pallas program's exponentials and random bits are inside its kernels, not HLO ops.
+  pallas = "xla.gpu.triton" in hlo or "__triton" in hlo
+  missing = [op for op in case.must_have if not ops.get(op) and not (pallas and op in ("exponential", "threefry"))]
   unexpected = [op for op in case.must_not_have if ops.get(op)]
   r = common.time_per_iter(
     compiled, carry, operands, iters=args.iters, target_s=args.target_ms / 1e3, repeats=args.repeats
@@ -440,6 +474,8 @@ def run_case(name, b, v, args, inputs, bandwidth):
     "V": v,
     "dtype": "float32",
     "model_devices": m,
+    "kernels": args.kernels,
+    "pallas": pallas,
     "collectives": common.hlo_collectives(hlo),
     "ms": ms,
     "floor_ms": floor_ms,
@@ -554,6 +590,7 @@ def plot(results, path):
 
 def main(argv=None):
   args = parse_args(argv)
+  OPTIONS["kernels"] = args.kernels
   os.makedirs(args.out, exist_ok=True)
   info = common.device_info()
   print(f"{info['device']} ({info['platform']}), jax {info['jax']}, python {info['python']}")

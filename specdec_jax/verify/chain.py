@@ -53,7 +53,7 @@ from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling import draws, penalties, reductions, thresholds, vocab_parallel
 from specdec_jax.sampling.params import SamplingParams, check_promises, row_keys, valid_probs
 from specdec_jax.sampling.stats import PositionStats, position_stats, requested_log_probs
-from specdec_jax.verify import block
+from specdec_jax.verify import block, fused
 from specdec_jax.verify.checks import check_chain_values, check_verifier_args
 from specdec_jax.verify.plan import (
   CHUNK_DRAW,
@@ -68,6 +68,7 @@ from specdec_jax.verify.plan import (
 PLACEHOLDER_TOKEN_ID = -1
 LOGPROBS_MODES = (None, "raw", "processed")
 METHODS = ("token", "block")
+KERNELS = ("auto", "xla", "pallas")
 
 
 @jax.tree_util.register_dataclass
@@ -104,6 +105,7 @@ def rejection_sample(
   method: str = "token",
   penalty_state: penalties.PenaltyState | None = None,
   no_filters: bool = False,
+  kernels: str = "auto",
 ) -> RejectionOutput:
   """Verifies draft tokens against the target, losslessly.
 
@@ -157,6 +159,18 @@ def rejection_sample(
       empty residual: on a GPU every such branch costs a conditional or a
       host copy, which at batch 1 costs more than the work. The same
       distribution as without the flag.
+    kernels: static; "xla", "pallas" or "auto" (default): which program runs.
+      "pallas" is `verify.fused`: three or four Pallas kernels with the random
+      numbers drawn inside them (several times faster at batch 1 to 64 on a
+      GPU; elsewhere Pallas's interpreter runs them, for tests), and for
+      all_greedy a program that reads a bonus row only where every draft was
+      accepted. It covers method "token" without logprobs, a logit bias or
+      penalties, min-p or a split vocabulary (all_greedy: without logprobs,
+      bias, penalties or a split), and raises ValueError for the rest.
+      "auto" takes "pallas" on a GPU where it covers the call (all_greedy:
+      from 64 rows), else "xla". Both draw from the same distribution with
+      different random streams: one key gives other, equally distributed,
+      tokens under each; greedy tokens are the same.
 
   Returns:
     RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
@@ -213,6 +227,8 @@ def rejection_sample(
     raise ValueError(f"rejection_sample: logprobs must be one of {LOGPROBS_MODES}, got {logprobs!r}")
   if method not in METHODS:
     raise ValueError(f"rejection_sample: method must be one of {METHODS}, got {method!r}")
+  if kernels not in KERNELS:
+    raise ValueError(f"rejection_sample: kernels must be one of {KERNELS}, got {kernels!r}")
   where = "rejection_sample"
   b, k1, v = check_verifier_args(
     where,
@@ -230,18 +246,24 @@ def rejection_sample(
     where, params, v, all_greedy=all_greedy, all_random=all_random, no_filters=no_filters or params.no_filters
   )
   params = penalties.penalty_params(params, penalty_state, b, v, where)
-  if num_draft_tokens is None:
+  all_drafts = num_draft_tokens is None
+  if all_drafts:
     num_draft_tokens = jnp.full((b,), k, jnp.int32)
   num_draft_tokens = jnp.asarray(num_draft_tokens)
   if draft_probs is not None:
     draft_probs = jnp.asarray(draft_probs)
   check_chain_values(where, draft_token_ids, num_draft_tokens, target_logits, draft_probs)
+  single = None  # one key for the batch (typed), which the Pallas kernels fold with each row index
   if key is None:
     if not all_greedy:
       raise ValueError(f"{where}: key is required unless all_greedy=True")
     keys = None
   else:
     keys = row_keys(key, b, f"{where}: key")
+    single = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jnp.issubdtype(single.dtype, jax.dtypes.prng_key):
+      single = jax.random.wrap_key_data(single) if single.ndim == 1 else None
+    single = single if single is not None and single.ndim == 0 else None
   shards = vocab_parallel.shards_for(v, b)
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
@@ -257,17 +279,20 @@ def rejection_sample(
     logprobs=logprobs,
     method=method,
     sharded=shards is not None,
+    kernels=kernels,
+    batch=b,
   )
   program = functools.partial(_rejection_sample, plan=plan, shards=shards)
   if shards is None:
     program = auto_axes_if_explicit(program)
+  pallas = plan.kernels == "pallas"
   return program(
     draft_token_ids.astype(jnp.int32),
     target_logits,
     params,
-    keys,
+    single if pallas and single is not None else keys,  # the Pallas kernels fold one key into rows themselves
     draft_probs,
-    num_draft_tokens.astype(jnp.int32),
+    None if all_drafts and pallas else num_draft_tokens.astype(jnp.int32),
     penalty_state,
   )
 
@@ -557,6 +582,23 @@ def _if_all_rows_greedy(params, shards, greedy, general, *operands):
 
 def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, plan: SamplerPlan, shards):
   """The whole sampler on one device, or on this device's rows and vocabulary slice under `shards`."""
+  interpret = jax.default_backend() != "gpu"
+  if plan.kernels == "pallas" and plan.verifier == GREEDY_VERIFIER:  # n: None when every row has K drafts
+    ids, num_accepted, num_emitted = fused.fused_greedy(draft, logits, n, interpret=interpret)
+    return RejectionOutput(token_ids=ids, num_accepted=num_accepted, num_emitted=num_emitted)
+  if plan.kernels == "pallas":
+    ids, num_accepted, num_emitted = fused.fused_chain(
+      draft,
+      logits,
+      params,
+      keys,
+      draft_probs,
+      n,
+      greedy_rows=plan.greedy_rows,
+      no_filters=params.no_filters,
+      interpret=interpret,
+    )
+    return RejectionOutput(token_ids=ids, num_accepted=num_accepted, num_emitted=num_emitted)
   raw_logits = logits
   if plan.penalties:
     # Steps 1-3 of every position, position i counting drafts 0 .. i-1: a view, so that

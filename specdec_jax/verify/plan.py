@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import jax
+
 from specdec_jax.sampling.params import SamplingParams
 from specdec_jax.sampling.reductions import chunk_size
 from specdec_jax.sampling.stats import FILTERED_PASS, MIN_P_PASS, NO_FILTERS_PASS, PLAIN_PASS, StatsPlan, stats_plan
@@ -43,6 +45,9 @@ CHUNK_DRAW = "chunk"  # pick a chunk by the masses the one pass left, read one c
 CHUNK_OR_ROW_DRAW = "chunk_or_row"  # the chunk draw, or the row draw for filtered or redone rows (run time)
 ROW_DRAW = "row"  # read the stopping row once; an empty residual is redrawn under `_if_any_residual_empty`
 ROW_DRAW_WITH_FALLBACK = "row_with_fallback"  # the row draw, the fallback's masses from the same pass: no branch
+
+# kernels="auto" on a GPU takes `verify.fused.fused_greedy` for all-greedy batches from this many rows.
+GREEDY_PALLAS_MIN_BATCH = 64
 
 
 class SamplerPath(NamedTuple):
@@ -94,6 +99,21 @@ _PATHS = (
   SamplerPath("block", 'method="block"', "as token, from the same gathers"),
   SamplerPath("block residual pass", 'method="block" with draft probs', "+ positions 1..K-1 of logits and probs"),
   SamplerPath("bias / penalties", "params carry a logit bias or penalties", "+ the [B, V] state, fused into reads"),
+  SamplerPath(
+    "pallas",
+    'kernels="pallas", or "auto" on a GPU (method "token", no logprobs, penalties, min-p or split)',
+    "one pass leaving per-block partials; + the stopping rows' blocks (draft probs); one block per row",
+  ),
+  SamplerPath(
+    "pallas greedy",
+    'all_greedy=True with kernels="pallas", or "auto" on a GPU from 64 rows',
+    "the argmax of positions 0..K-1; a bonus row only where every draft was accepted",
+  ),
+  SamplerPath(
+    "pallas threshold search",
+    "the pallas path, some row has top-k or top-p (run time; not under no_filters)",
+    "+ the threshold search's passes (as the XLA program's)",
+  ),
   SamplerPath("logprobs processed", 'logprobs="processed"', "gathers only (the sampler's statistics)"),
   SamplerPath(
     "logprobs raw",
@@ -136,6 +156,9 @@ class SamplerPlan:
     logprobs: None, "raw" or "processed".
     greedy_rows: "all", "none" or "per_row": which rows count as greedy (the
       promises decide, else each row's temperature at run time).
+    kernels: "xla" (the program above) or "pallas" (`verify.fused`: the
+      general verifier in at most four Pallas kernels; then `stats` and
+      `draw` describe nothing it runs).
 
   Example:
     >>> chain_plan(SamplingParams.create(1.0), vocab=4096, local_vocab=4096, all_random=True).draw
@@ -150,6 +173,7 @@ class SamplerPlan:
   penalties: bool
   logprobs: str | None
   greedy_rows: str
+  kernels: str = "xla"
 
   @property
   def argmax(self) -> bool:
@@ -163,6 +187,10 @@ class SamplerPlan:
   def paths(self) -> tuple[str, ...]:
     """The names (from `sampler_paths()`) of the paths this plan's program holds, static or run-time."""
     names = []
+    if self.kernels == "pallas" and self.verifier == GREEDY_VERIFIER:
+      return ("pallas greedy",)
+    if self.kernels == "pallas":
+      return ("pallas",) if self.stats.passes == (NO_FILTERS_PASS,) else ("pallas", "pallas threshold search")
     if self.verifier != GENERAL_VERIFIER:
       names.append("greedy")
     if self.verifier != GREEDY_VERIFIER:
@@ -200,6 +228,8 @@ def chain_plan(
   logprobs: str | None = None,
   method: str = "token",
   sharded: bool = False,
+  kernels: str = "xla",
+  batch: int = 1,
 ) -> SamplerPlan:
   """The `SamplerPlan` of one `rejection_sample` call, from its static switches and static facts.
 
@@ -208,8 +238,9 @@ def chain_plan(
       bias and penalty fields present).
     vocab: V, the whole vocabulary; local_vocab: this device's tokens (V unless sharded).
     draft_probs: draft probabilities are given.
-    all_greedy, all_random, logprobs, method: as for `rejection_sample`.
+    all_greedy, all_random, logprobs, method, kernels: as for `rejection_sample`.
     sharded: the vocabulary is split over devices (`vocab_parallel.VocabShards`).
+    batch: B (kernels="auto" runs an all-greedy batch on Pallas from GREEDY_PALLAS_MIN_BATCH rows).
 
   Returns:
     SamplerPlan.
@@ -234,6 +265,14 @@ def chain_plan(
       draw = ROW_DRAW_WITH_FALLBACK
     else:
       draw = ROW_DRAW
+  greedy_only = verifier == GREEDY_VERIFIER
+  uncovered = pallas_uncovered(params, logprobs, method, sharded, greedy=greedy_only)
+  if kernels == "pallas" and uncovered:
+    raise ValueError(f"rejection_sample: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")
+  # "auto": the Pallas program on a GPU; for greedy batches only from GREEDY_PALLAS_MIN_BATCH rows, where
+  # skipping unused bonus rows pays (below it, XLA's argmax is one kernel).
+  auto = jax.default_backend() == "gpu" and (not greedy_only or batch >= GREEDY_PALLAS_MIN_BATCH)
+  use_pallas = not uncovered and (kernels == "pallas" or (kernels == "auto" and auto))
   return SamplerPlan(
     verifier=verifier,
     stats=stats,
@@ -243,4 +282,30 @@ def chain_plan(
     penalties=params.has_logit_bias or params.has_penalties,
     logprobs=logprobs,
     greedy_rows="all" if all_greedy else "none" if all_random else "per_row",
+    kernels="pallas" if use_pallas else "xla",
   )
+
+
+def pallas_uncovered(
+  params: SamplingParams, logprobs: str | None, method: str, sharded: bool, *, greedy: bool = False
+) -> str:
+  """What of a call the Pallas programs (`verify.fused`) do not cover, in words; "" when they cover it all.
+
+  greedy: the all_greedy program (`fused_greedy`), which ignores method and min-p.
+
+  Example:
+    >>> pallas_uncovered(SamplingParams.create(1.0), None, "block", False)
+    'method="block"'
+  """
+  missing = []
+  if method != "token" and not greedy:
+    missing.append(f'method="{method}"')
+  if logprobs is not None:
+    missing.append(f'logprobs="{logprobs}"')
+  if params.has_logit_bias or params.has_penalties:
+    missing.append("a logit bias or penalties")
+  if params.min_p is not None and not greedy:
+    missing.append("min-p")
+  if sharded:
+    missing.append("a vocabulary split over devices")
+  return ", ".join(missing)

@@ -1,0 +1,497 @@
+"""`rejection_sample` in three Pallas kernels: the program `kernels="pallas"` runs (the default on a GPU).
+
+The XLA program (`chain`) reads the logits close to the memory floor at large
+batch, but at the batches speculation runs at (B = 1 to 64) its time is its
+number of kernels: random bits, gathers, small reductions and run-time
+branches, each a microsecond or more. This program has at most four kernels
+and no run-time branch unless some row filters:
+
+    1. `block_partials`: one read of target_logits [B, K+1, V]; per block of
+       tokens, the kept tokens' max, mass and first argmax.
+    2. (with draft probabilities) `_residual_kernel`, grid (B, blocks): the
+       acceptance again, then block j's mass of the residual max(p_s - q_s, 0)
+       at each row's stopping position s.
+    3. `_draw_kernel`, grid (B,): each row combines its partials (normaliser,
+       argmax, block masses), gathers its K draft logits (and draft
+       probabilities), accepts or rejects them, picks a block by its mass and
+       draws the recovered or bonus token inside it (two-stage Gumbel-max).
+
+The random numbers come from the row's key inside the kernels
+(`block_stats.threefry2x32`, counters per use), so a row's tokens depend on
+its key and its inputs only. The distribution is the XLA program's; the
+random stream is not, so the same key gives other (equally distributed)
+tokens than `kernels="xla"`.
+
+Rows whose top-k or top-p removes tokens get their thresholds from the XLA
+search (`thresholds.threshold_and_lse`) under one run-time `lax.cond`, which
+the no-filters promise removes; the kernels then keep the tokens above them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from specdec_jax.sampling.block_stats import (
+  DEFAULT_BLOCK,
+  block_partials,
+  combine_partials,
+  load,
+  log_exponential,
+  open_uniform,
+  plgpu,
+  pow2,
+  scaled,
+  store,
+  threefry2x32,
+)
+from specdec_jax.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from specdec_jax.sampling.thresholds import filter_active, shift_non_finite_rows, threshold_and_lse
+
+_INT_MAX = 2**31 - 1
+# Counter words (c0) of the kernels' random numbers, one per use; far from the small counters
+# `jax.random` itself gives a key, so that a key reused there draws other numbers.
+_ACCEPT, _BLOCK, _TOKEN = (0xA5A50001, 0xA5A50002, 0xA5A50003)
+# A block whose residual keeps under this fraction of its mass (rounding of p - p(d)) counts as empty.
+_EMPTY_BLOCK = 1e-6
+
+
+class _Dims(NamedTuple):
+  k: int  # drafts per row
+  vocab: int
+  block: int  # tokens per block
+  blocks: int  # ceil(V / block)
+  k1p: int  # K+1 padded to a power of two
+  nbp: int  # blocks padded to a power of two
+  draft_probs: bool
+  all_random: bool  # no row is greedy (else temperature-0 rows are)
+  filters: bool  # shift and thr are inputs (else 0 and -inf: nothing filtered)
+  all_drafts: bool  # every row has K drafts (no num_draft_tokens input)
+  fold: bool  # one key for the batch: row b's is fold_in(key, b), made in the kernels
+
+
+class _Row(NamedTuple):
+  """Row b's scalars, read inside a kernel."""
+
+  t: jax.Array  # f32: the temperature it samples at (1 for greedy rows)
+  greedy: jax.Array  # bool
+  n: jax.Array  # int32 drafts in [0, K]
+  seed: tuple  # (uint32, uint32): its threefry key
+
+
+class _Acceptance(NamedTuple):
+  """One row's verdict, and what its stopping position s needs."""
+
+  s: jax.Array  # int32: accepted drafts = the stopping position
+  rejected: jax.Array  # bool: a draft was rejected at s (s < n)
+  draft_s: jax.Array  # int32: the draft token at s (0 where none or out of range)
+  valid_s: jax.Array  # bool: it is a token id in [0, V)
+  log_p_s: jax.Array  # f32: log p_s(draft_s) under the processed target (-inf: removed)
+  top_s: jax.Array  # f32: the largest kept logit at s (the frame of the masses)
+  log_norm_s: jax.Array  # f32: log-normaliser at s in that frame (-inf: nothing above -inf)
+  argmax_s: jax.Array  # int32: the argmax at s (greedy rows' token)
+  log_mass_s: jax.Array  # f32[nbp]: each block's log-mass at s, in the same frame
+  shift_s: jax.Array  # f32
+  thr_s: jax.Array  # f32
+
+
+def _row(b, refs, dims: _Dims) -> _Row:
+  temperature = refs["temperature"][b]
+  small = temperature < GREEDY_TEMPERATURE
+  greedy = jnp.bool_(False) if dims.all_random else small
+  n = jnp.int32(dims.k) if dims.all_drafts else jnp.minimum(jnp.maximum(refs["n"][b], 0), dims.k)
+  if dims.fold:  # jax.random.fold_in(key, b) of the default generator, bit for bit
+    seed = threefry2x32(refs["seed"][0], refs["seed"][1], jnp.uint32(0), b.astype(jnp.uint32))
+  else:
+    seed = (refs["seed"][b, 0], refs["seed"][b, 1])
+  return _Row(jnp.where(small, 1.0, temperature), greedy, n, seed)
+
+
+def _shift_thr(refs, b, at, dims: _Dims):
+  """(shift, thr) of row b at positions `at` (scalar or vector): 0 and -inf without filters."""
+  if not dims.filters:
+    return jnp.float32(0.0), jnp.float32(-jnp.inf)
+  return refs["thresholds"][b, at, 0], refs["thresholds"][b, at, 1]
+
+
+def _accept(b, row: _Row, refs, dims: _Dims) -> _Acceptance:
+  """Row b's acceptance, from the partials and K gathered logits (and draft probabilities).
+
+  Vectorised over positions: a reduction inside a kernel synchronises its
+  warps, so the few here are the ones the rule needs (s, and what is read at s).
+  """
+  k, k1 = dims.k, dims.k + 1
+  rows = jnp.arange(dims.k1p, dtype=jnp.int32)
+  cols = jnp.arange(dims.nbp, dtype=jnp.int32)
+  tile = (pl.ds(b * k1, dims.k1p), pl.ds(0, dims.nbp))
+  ok = (rows[:, None] < k1) & (cols[None, :] < dims.blocks)
+  top, log_norm, argmax, _ = combine_partials(
+    load(refs["m"], tile, ok, -jnp.inf),
+    load(refs["mass"], tile, ok, 0.0),
+    load(refs["first"], tile, ok, _INT_MAX),
+    row.t,
+  )
+  if dims.filters:
+    shift = load(refs["thresholds"], (b, pl.ds(0, dims.k1p), jnp.int32(0)), rows < k1, 0.0)
+    thr = load(refs["thresholds"], (b, pl.ds(0, dims.k1p), jnp.int32(1)), rows < k1, -jnp.inf)
+  else:
+    shift, thr = jnp.float32(0.0), jnp.float32(-jnp.inf)
+  # The K drafts and their logits (and draft probabilities): scalar loads, set into vectors elementwise.
+  draft = jnp.full((dims.k1p,), -1, jnp.int32)
+  x = jnp.full((dims.k1p,), -jnp.inf, jnp.float32)
+  q = jnp.ones((dims.k1p,), jnp.float32)
+  for i in range(k):
+    d = refs["draft"][b, i]
+    idx = jnp.where((d >= 0) & (d < dims.vocab), d, 0)
+    draft = jnp.where(rows == i, d, draft)
+    x = jnp.where(rows == i, refs["logits"][b, i, idx].astype(jnp.float32), x)
+    if dims.draft_probs:
+      q = jnp.where(rows == i, refs["draft_probs"][b, i, idx].astype(jnp.float32), q)
+  valid = (draft >= 0) & (draft < dims.vocab)
+  x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+  has_mass = log_norm > -jnp.inf
+  log_p = jnp.where((scaled(x, row.t, shift) >= thr) & has_mass, scaled(x, row.t, top) - log_norm, -jnp.inf)
+  log_q = jnp.log(jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0))  # NaN, inf, negative count as 0
+  log_u = jnp.log(open_uniform(threefry2x32(*row.seed, jnp.uint32(_ACCEPT), rows.astype(jnp.uint32))[0]))
+  ok = jnp.where(row.greedy, (draft == argmax) & has_mass, log_u + log_q < log_p) & valid & (rows < row.n)
+  s = jnp.min(jnp.where(ok, dims.k1p, rows))  # the first position that does not accept (n at the latest)
+  # Row s's own partials, read again (from cache) rather than picked out of the tile.
+  at = (b * k1 + s, pl.ds(0, dims.nbp))
+  live = cols < dims.blocks
+  top_s, log_norm_s, argmax_s, log_mass_s = combine_partials(
+    load(refs["m"], at, live, -jnp.inf),
+    load(refs["mass"], at, live, 0.0),
+    load(refs["first"], at, live, _INT_MAX),
+    row.t,
+  )
+  shift_s, thr_s = _shift_thr(refs, b, s, dims)
+  draft_s = refs["draft"][b, jnp.minimum(s, max(k - 1, 0))]
+  valid_s = (draft_s >= 0) & (draft_s < dims.vocab) & (s < k)
+  return _Acceptance(
+    s=s,
+    rejected=s < row.n,
+    draft_s=jnp.where(valid_s, draft_s, 0),
+    valid_s=valid_s,
+    log_p_s=jnp.max(jnp.where(rows == s, log_p, -jnp.inf)),
+    top_s=top_s,
+    log_norm_s=log_norm_s,
+    argmax_s=argmax_s,
+    log_mass_s=log_mass_s,
+    shift_s=shift_s,
+    thr_s=thr_s,
+  )
+
+
+def _stop_block_log_p(b, j, row: _Row, acc: _Acceptance, refs, dims: _Dims, read):
+  """Token ids and log p_s of block j of row b's stopping row (-inf: removed, masked, past V)."""
+  cols = j * dims.block + jnp.arange(dims.block, dtype=jnp.int32)
+  x = load(refs["logits"], (b, acc.s, pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & read, -jnp.inf)
+  x = jnp.where(jnp.isnan(x.astype(jnp.float32)), -jnp.inf, x.astype(jnp.float32))
+  kept = scaled(x, row.t, acc.shift_s) >= acc.thr_s
+  return cols, jnp.where(kept, scaled(x, row.t, acc.top_s) - acc.log_norm_s, -jnp.inf)
+
+
+def _residual_log_p(j, cols, log_p, b, acc: _Acceptance, refs, dims: _Dims, read):
+  """log max(p_s - q_s, 0) over block j (draft probabilities; s < K since the row rejected there)."""
+  at = jnp.minimum(acc.s, dims.k - 1)
+  q = load(refs["draft_probs"], (b, at, pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & read, 0.0)
+  q = q.astype(jnp.float32)
+  q = jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
+  return jnp.log(jnp.maximum(jnp.exp(log_p) - q, 0.0))
+
+
+def _residual_kernel(*refs_and_out, names, dims: _Dims):
+  refs = dict(zip(names, refs_and_out[:-1]))
+  out_ref = refs_and_out[-1]
+  b, j = pl.program_id(0), pl.program_id(1)
+  row = _row(b, refs, dims)
+  acc = _accept(b, row, refs, dims)
+  read = acc.rejected & ~row.greedy  # only rejected random rows need their residual
+  cols, log_p = _stop_block_log_p(b, j, row, acc, refs, dims, read)
+  res = jnp.exp(_residual_log_p(j, cols, log_p, b, acc, refs, dims, read))
+  store(out_ref, (b, pl.ds(j, 1)), jnp.where(read, jnp.sum(jnp.where(cols < dims.vocab, res, 0.0)), 0.0)[None])
+
+
+def _draw_kernel(*refs_and_out, names, dims: _Dims):
+  refs = dict(zip(names, refs_and_out[:-3]))
+  ids_ref, accepted_ref, emitted_ref = refs_and_out[-3:]
+  b = pl.program_id(0)
+  row = _row(b, refs, dims)
+  acc = _accept(b, row, refs, dims)
+  blocks = jnp.arange(dims.nbp, dtype=jnp.int32)
+  p_mass = acc.log_mass_s - acc.log_norm_s  # log of each block's probability under p_s
+  if dims.draft_probs:
+    res = load(refs["residual"], (b, pl.ds(0, dims.nbp)), blocks < dims.blocks, 0.0)
+    use_residual = acc.rejected & (jnp.max(res) > 0)  # an empty residual (rounding) draws from p_s
+    log_mass = jnp.where(use_residual, jnp.log(res), p_mass)
+  else:
+    # p_s without the rejected draft: its probability comes off its block; a block left with
+    # (almost) nothing but that token's own mass is emptied.
+    w = jnp.exp(p_mass)
+    w_res = w - jnp.where(blocks == acc.draft_s // dims.block, jnp.exp(acc.log_p_s), 0.0)
+    w_res = jnp.where(w_res > _EMPTY_BLOCK * w, w_res, 0.0)
+    use_residual = acc.rejected & acc.valid_s & (jnp.max(w_res) > 0)
+    log_mass = jnp.where(use_residual, jnp.log(w_res), p_mass)
+  noise = log_exponential(threefry2x32(*row.seed, jnp.uint32(_BLOCK), blocks.astype(jnp.uint32))[0])
+  score = jnp.where(blocks < dims.blocks, log_mass - noise, -jnp.inf)
+  chosen = jnp.min(jnp.where(score == jnp.max(score), blocks, _INT_MAX))
+  read = ~row.greedy & (acc.log_norm_s > -jnp.inf)
+  cols, log_p = _stop_block_log_p(b, chosen, row, acc, refs, dims, read)
+  if dims.draft_probs:
+    residual = _residual_log_p(chosen, cols, log_p, b, acc, refs, dims, read & use_residual)
+    log_w = jnp.where(use_residual, residual, log_p)
+  else:
+    log_w = jnp.where(use_residual & (cols == acc.draft_s), -jnp.inf, log_p)
+  noise = log_exponential(threefry2x32(*row.seed, jnp.uint32(_TOKEN), cols.astype(jnp.uint32))[0])
+  score = jnp.where(cols < dims.vocab, log_w - noise, -jnp.inf)
+  token = jnp.min(jnp.where(score == jnp.max(score), cols, _INT_MAX))
+  final = jnp.where(row.greedy, acc.argmax_s, jnp.where(acc.log_norm_s > -jnp.inf, token, 0))
+  pos = jnp.arange(dims.k1p, dtype=jnp.int32)
+  drafts = load(refs["draft"], (b, pl.ds(0, dims.k1p)), pos < dims.k, 0)
+  ids = jnp.where(pos < acc.s, drafts, jnp.where(pos == acc.s, final, -1))
+  store(ids_ref, (b, pl.ds(0, dims.k1p)), ids, mask=pos < dims.k + 1)
+  store(accepted_ref, (pl.ds(b, 1),), acc.s[None])
+  store(emitted_ref, (pl.ds(b, 1),), acc.s[None] + 1)
+
+
+def _filter_thresholds(logits, params: SamplingParams, greedy):
+  """f32[B, K+1, 2]: (shift, thr) of every position; 0 and -inf unless the row's top-k/top-p removes tokens.
+
+  The search is the XLA program's (the same kept sets), run only if some row filters; one
+  array, so that the branch that skips it writes one constant.
+  """
+  b, k1, v = logits.shape
+  plain = lambda x: jnp.broadcast_to(jnp.array([0.0, -jnp.inf], jnp.float32), (b, k1, 2))
+  on = filter_active(params, v, greedy=greedy)
+  top_k, top_p = jnp.where(on, params.top_k, 0), jnp.where(on, params.top_p, 1.0)
+
+  def search(x):
+    thr, lse = threshold_and_lse(x, params.temperature, top_k, top_p)
+    shift, thr, _ = shift_non_finite_rows(x, params.temperature, top_k, top_p, thr, lse)
+    return jnp.stack([shift, jnp.where(on[:, None], thr, -jnp.inf)], axis=-1)
+
+  return jax.lax.cond(jnp.any(on), search, plain, logits)
+
+
+def _seeds(keys, b: int):
+  """(uint32 words, fold): one key's [2] words, folded with each row index inside the kernels (fold=True),
+  or the rows' keys [B, 2]. The default generator's keys are their own words; others are drawn from."""
+  threefry = "threefry" in str(jax.random.key_impl(keys))
+  if keys.ndim == 0 and threefry:
+    return jax.random.key_data(keys), True
+  if keys.ndim == 0:
+    keys = jax.vmap(lambda i: jax.random.fold_in(keys, i))(jnp.arange(b, dtype=jnp.int32))
+  if threefry:
+    return jax.random.key_data(keys), False
+  return jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32))(keys), False
+
+
+@functools.partial(jax.jit, static_argnames=("greedy_rows", "no_filters", "block", "interpret"))
+def fused_chain(
+  draft,
+  logits,
+  params: SamplingParams,
+  keys,
+  draft_probs,
+  n,
+  *,
+  greedy_rows: str,
+  no_filters: bool,
+  block: int = DEFAULT_BLOCK,
+  interpret: bool = False,
+):
+  """Token verification of `rejection_sample` (method "token") in Pallas kernels; see the module docstring.
+
+  Args:
+    draft: int32[B, K], K >= 1; logits: float[B, K+1, V]; params: SamplingParams (no min-p);
+    keys: typed keys [B], or one typed key (row b then uses fold_in(key, b)); draft_probs: float[B, K, V] or None; n: int32[B] (clipped to [0, K]),
+    or None for K drafts in every row.
+    greedy_rows: "per_row" (temperature-0 rows are greedy) or "none" (all_random).
+    no_filters: static promise that no row filters (no run-time branch at all).
+    block: static tokens per block (a power of two).
+    interpret: run the kernels in Pallas's interpreter (any backend).
+
+  Returns:
+    (token_ids int32[B, K+1], num_accepted int32[B], num_emitted int32[B]).
+
+  Example:
+    >>> ids, accepted, emitted = fused_chain(draft, logits, params, keys, None, None, greedy_rows="per_row",
+    ...                                      no_filters=False)
+  """
+  b, k1, v = logits.shape
+  k = k1 - 1
+  blocks = pl.cdiv(v, block)
+  seed, fold = _seeds(keys, b)
+  dims = _Dims(
+    k=k,
+    vocab=v,
+    block=block,
+    blocks=blocks,
+    k1p=pow2(k1),
+    nbp=pow2(blocks),
+    draft_probs=draft_probs is not None,
+    all_random=greedy_rows == "none",
+    filters=not no_filters,
+    all_drafts=n is None,
+    fold=fold,
+  )
+  temperature = params.temperature.astype(jnp.float32)
+  inputs = dict(draft=draft, temperature=temperature, seed=seed, logits=logits)
+  if n is not None:
+    inputs["n"] = n
+  thresholds = ()
+  if dims.filters:
+    greedy = jnp.zeros((b,), jnp.bool_) if dims.all_random else params.is_greedy
+    inputs["thresholds"] = _filter_thresholds(logits, params, greedy)
+    thresholds = (inputs["thresholds"],)
+  inputs["m"], inputs["mass"], inputs["first"] = block_partials(
+    logits.reshape(b * k1, v), temperature, *thresholds, positions=k1, block=block, interpret=interpret
+  )
+  if draft_probs is not None:
+    inputs["draft_probs"] = draft_probs
+  compiler = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
+  if draft_probs is not None:
+    inputs["residual"] = pl.pallas_call(
+      functools.partial(_residual_kernel, names=tuple(inputs), dims=dims),
+      out_shape=jax.ShapeDtypeStruct((b, blocks), jnp.float32),
+      grid=(b, blocks),
+      interpret=interpret,
+      compiler_params=compiler,
+      name="sampler_residual_masses",
+    )(*inputs.values())
+  i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
+  return pl.pallas_call(
+    functools.partial(_draw_kernel, names=tuple(inputs), dims=dims),
+    out_shape=(jax.ShapeDtypeStruct((b, k1), jnp.int32), i32, i32),
+    grid=(b,),
+    interpret=interpret,
+    compiler_params=compiler,
+    name="sampler_accept_and_draw",
+  )(*inputs.values())
+
+
+# ----------------------------------------------------------------------------
+# Greedy verification that reads a bonus row only when it is used
+# ----------------------------------------------------------------------------
+
+
+def _greedy_verdict(b, refs, dims: _Dims):
+  """(s, bonus): row b's accepted drafts from the argmax partials of positions 0..K-1, and whether its
+  token comes from the unread bonus row K (every one of n = K drafts accepted)."""
+  k, k1 = dims.k, dims.k + 1
+  rows = jnp.arange(dims.k1p, dtype=jnp.int32)
+  cols = jnp.arange(dims.nbp, dtype=jnp.int32)
+  tile = (pl.ds(b * k1, dims.k1p), pl.ds(0, dims.nbp))
+  ok = (rows[:, None] < k) & (cols[None, :] < dims.blocks)
+  m = load(refs["m"], tile, ok, -jnp.inf)
+  top = jnp.max(m, axis=1, keepdims=True)
+  argmax = jnp.min(jnp.where(m == top, load(refs["first"], tile, ok, _INT_MAX), _INT_MAX), axis=1)
+  draft = jnp.full((dims.k1p,), -1, jnp.int32)
+  for i in range(k):
+    draft = jnp.where(rows == i, refs["draft"][b, i], draft)
+  n = jnp.int32(k) if dims.all_drafts else jnp.minimum(jnp.maximum(refs["n"][b], 0), k)
+  # A position without any logit above -inf accepts nothing (its "argmax" 0 is no choice).
+  agree = (draft == argmax) & (top[:, 0] > -jnp.inf) & (rows < n)
+  s = jnp.min(jnp.where(agree, dims.k1p, rows))
+  return s, (s == k), jnp.max(jnp.where(rows == s, argmax, -_INT_MAX))
+
+
+def _greedy_bonus_kernel(*refs_and_out, names, dims: _Dims):
+  refs = dict(zip(names, refs_and_out[:-2]))
+  m_ref, first_ref = refs_and_out[-2:]
+  b, j = pl.program_id(0), pl.program_id(1)
+  _, bonus, _ = _greedy_verdict(b, refs, dims)
+  cols = j * dims.block + jnp.arange(dims.block, dtype=jnp.int32)
+  x = load(
+    refs["logits"], (b, jnp.int32(dims.k), pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & bonus, -jnp.inf
+  )
+  x = jnp.where(jnp.isnan(x.astype(jnp.float32)), -jnp.inf, x.astype(jnp.float32))
+  m = jnp.max(x)
+  store(m_ref, (b, pl.ds(j, 1)), m[None])
+  store(first_ref, (b, pl.ds(j, 1)), jnp.min(jnp.where(x == m, cols, _INT_MAX))[None])
+
+
+def _greedy_emit_kernel(*refs_and_out, names, dims: _Dims):
+  refs = dict(zip(names, refs_and_out[:-3]))
+  ids_ref, accepted_ref, emitted_ref = refs_and_out[-3:]
+  b = pl.program_id(0)
+  s, bonus, argmax_s = _greedy_verdict(b, refs, dims)
+  blocks = jnp.arange(dims.nbp, dtype=jnp.int32)
+  live = blocks < dims.blocks
+  m = load(refs["bonus_m"], (b, pl.ds(0, dims.nbp)), live, -jnp.inf)
+  first = load(refs["bonus_first"], (b, pl.ds(0, dims.nbp)), live, _INT_MAX)
+  bonus_token = jnp.min(jnp.where(m == jnp.max(m), first, _INT_MAX))
+  final = jnp.where(bonus, bonus_token, argmax_s)
+  pos = jnp.arange(dims.k1p, dtype=jnp.int32)
+  drafts = load(refs["draft"], (b, pl.ds(0, dims.k1p)), pos < dims.k, 0)
+  ids = jnp.where(pos < s, drafts, jnp.where(pos == s, final, -1))
+  store(ids_ref, (b, pl.ds(0, dims.k1p)), ids, mask=pos < dims.k + 1)
+  store(accepted_ref, (pl.ds(b, 1),), s[None])
+  store(emitted_ref, (pl.ds(b, 1),), s[None] + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "interpret"))
+def fused_greedy(draft, logits, n, *, block: int = DEFAULT_BLOCK, interpret: bool = False):
+  """Greedy verification (`all_greedy=True`) in three Pallas kernels, reading a bonus row only when it is used.
+
+  The argmax of positions 0..K-1 first (no exponential); a row's bonus row K is
+  read only if it accepted all K drafts, so a batch that rejects early reads
+  about K/(K+1) of the logits. The tokens are the XLA program's, bit for bit
+  (first index on ties, NaN as -inf, a position with nothing above -inf accepts
+  nothing and emits 0).
+
+  Args:
+    draft: int32[B, K], K >= 1; logits: float[B, K+1, V]; n: int32[B] (clipped to [0, K]) or None (K).
+    block: static tokens per block (a power of two); interpret: Pallas's interpreter (any backend).
+
+  Returns:
+    (token_ids int32[B, K+1], num_accepted int32[B], num_emitted int32[B]).
+
+  Example:
+    >>> ids, accepted, emitted = fused_greedy(draft, logits, None)
+  """
+  b, k1, v = logits.shape
+  k = k1 - 1
+  blocks = pl.cdiv(v, block)
+  dims = _Dims(
+    k=k,
+    vocab=v,
+    block=block,
+    blocks=blocks,
+    k1p=pow2(k1),
+    nbp=pow2(blocks),
+    draft_probs=False,
+    all_random=False,
+    filters=False,
+    all_drafts=n is None,
+    fold=False,
+  )
+  inputs = dict(draft=draft, logits=logits)
+  if n is not None:
+    inputs["n"] = n
+  inputs["m"], inputs["first"] = block_partials(
+    logits.reshape(b * k1, v), None, positions=k1, block=block, interpret=interpret, skip_last=True
+  )
+  compiler = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
+  parts = (jax.ShapeDtypeStruct((b, blocks), jnp.float32), jax.ShapeDtypeStruct((b, blocks), jnp.int32))
+  inputs["bonus_m"], inputs["bonus_first"] = pl.pallas_call(
+    functools.partial(_greedy_bonus_kernel, names=tuple(inputs), dims=dims),
+    out_shape=parts,
+    grid=(b, blocks),
+    interpret=interpret,
+    compiler_params=compiler,
+    name="sampler_greedy_bonus",
+  )(*inputs.values())
+  i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
+  return pl.pallas_call(
+    functools.partial(_greedy_emit_kernel, names=tuple(inputs), dims=dims),
+    out_shape=(jax.ShapeDtypeStruct((b, k1), jnp.int32), i32, i32),
+    grid=(b,),
+    interpret=interpret,
+    compiler_params=compiler,
+    name="sampler_greedy_emit",
+  )(*inputs.values())
