@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from specdec_jax.sampling.params import GREEDY_TEMPERATURE
+from specdec_jax.sampling.thresholds import from_ordered_key, ordered_key
 
 try:  # the Triton back end of Pallas (GPU); the interpreter needs only its load/store
   from jax.experimental.pallas import triton as plgpu
@@ -114,10 +115,54 @@ def scaled(x, t, shift):
   return jnp.where(x == shift, 0.0, (x - shift) / t)
 
 
-def _partials_kernel(x_ref, *refs, vocab, block, positions, filters, per_program, blocks, with_mass, skip_last):
+def filters_on(top_k, top_p, t_raw, vocab: int, all_random: bool):
+  """Whether a request's top-k or top-p may remove tokens (`thresholds.filter_active`'s rule, on scalars).
+
+  Greedy requests (temperature below `GREEDY_TEMPERATURE`, unless `all_random`) never filter.
+
+  Args:
+    top_k: int32 scalar or array; top_p, t_raw (the request's temperature): f32 of the same shape.
+    vocab: V (a top-k >= V is off); all_random: static, as `rejection_sample`'s.
+
+  Returns:
+    bool, the shape of the inputs.
+
+  Example:
+    >>> filters_on(jnp.int32(50), jnp.float32(1.0), jnp.float32(0.8), 1000, False)   # True
+  """
+  on = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+  return on if all_random else on & (t_raw >= GREEDY_TEMPERATURE)
+
+
+def top_values(x, cols, count: int):
+  """The `count` largest values of the vector x (multiset: a tie counts twice), descending, as f32[count].
+
+  Args:
+    x: f32[n]; cols: int32[n], distinct ids of x's entries (which copy of a tie to take out);
+    count: static, a power of two (Triton's vectors are).
+
+  Example:
+    >>> top_values(jnp.array([1.0, 3.0, 3.0, 2.0]), jnp.arange(4), 2)   # [3, 3]
+  """
+  out = jnp.full((count,), -jnp.inf, jnp.float32)
+  slots = jnp.arange(count, dtype=jnp.int32)
+  for i in range(count):
+    m = jnp.max(x)
+    out = jnp.where(slots == i, m, out)
+    x = jnp.where(cols == jnp.min(jnp.where(x == m, cols, jnp.int32(2**31 - 1))), -jnp.inf, x)
+  return out
+
+
+def _partials_kernel(
+  x_ref, *refs, vocab, block, positions, filters, per_program, blocks, with_mass, skip_last, candidates, all_random
+):
   if with_mass:
     temperature_ref, *refs = refs
   thresholds_ref, *refs = refs if filters else (None, *refs)
+  if candidates:
+    top_k_ref, top_p_ref, *refs = refs
+  if candidates:
+    *refs, cand_ref = refs
   m_ref, s_ref, a_ref = refs if with_mass else (refs[0], None, refs[1])
   r = pl.program_id(0)
   # skip_last: the last position of every request is not read (its partials are garbage).
@@ -127,6 +172,9 @@ def _partials_kernel(x_ref, *refs, vocab, block, positions, filters, per_program
     t = jnp.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
   if filters:
     shift, thr = thresholds_ref[r // positions, r % positions, 0], thresholds_ref[r // positions, r % positions, 1]
+  if candidates:
+    b = r // positions
+    active = filters_on(top_k_ref[b], top_p_ref[b], temperature, vocab, all_random)
   for step in range(per_program):  # unrolled: every block's loads are issued before the first reduction
     j = pl.program_id(1) * per_program + step
     cols = j * block + jnp.arange(block, dtype=jnp.int32)
@@ -143,19 +191,30 @@ def _partials_kernel(x_ref, *refs, vocab, block, positions, filters, per_program
     if with_mass:
       mass = jnp.sum(jnp.where(kept > -jnp.inf, jnp.exp(scaled(kept, t, m)), 0.0))
       store(s_ref, here, mass[None], mask=live)
+    if candidates:
+
+      @pl.when(active & (j < blocks))
+      def _():  # only rows whose filters are on pay for the candidates
+        store(cand_ref, (r, j, pl.ds(0, candidates)), top_values(kept, cols, candidates))
 
 
-@functools.partial(jax.jit, static_argnames=("positions", "block", "interpret", "num_warps", "skip_last"))
+@functools.partial(
+  jax.jit,
+  static_argnames=("positions", "block", "interpret", "num_warps", "skip_last", "candidates", "all_random"),
+)
 def block_partials(
   logits,
   temperature,
   thresholds=None,
+  filter_params=None,
   *,
   positions: int = 1,
   block: int = DEFAULT_BLOCK,
   interpret: bool = False,
   num_warps: int = 4,
   skip_last: bool = False,
+  candidates: int = 0,
+  all_random: bool = False,
 ):
   """One read of the logits: per row and block of tokens, the kept tokens' max, mass and first argmax.
 
@@ -170,6 +229,11 @@ def block_partials(
   argmax, and each block's log-mass. Without a temperature the kernel only
   finds maxima and argmaxima (no exponential: the greedy program's pass).
 
+  With `candidates` = c > 0, requests whose top-k or top-p is on (`filters_on`)
+  also get each block's c largest logits (NaN as -inf), the candidates of the
+  threshold search (`block_thresholds`); other requests' rows of that output
+  are not written.
+
   Args:
     logits: [R, V], any float dtype, R = B * positions.
     temperature: f32[B], or None: (m, first) only.
@@ -178,9 +242,13 @@ def block_partials(
     block: static tokens per block, a power of two.
     interpret: run in Pallas's interpreter (any backend; tests).
     skip_last: static; rows at the last position of a request are not read (their partials are garbage).
+    filter_params: (top_k int32[B], top_p f32[B]), with `candidates` > 0 (needs a temperature).
+    candidates: static c, a power of two (0: none).
+    all_random: static; requests at temperature 0 count as random (`rejection_sample(all_random=True)`).
 
   Returns:
-    (m f32[R, n], mass f32[R, n], first int32[R, n]), n = ceil(V / block); (m, first) without a temperature.
+    (m f32[R, n], mass f32[R, n], first int32[R, n]), n = ceil(V / block); (m, first) without a temperature;
+    with candidates, a fourth output f32[R, n, c].
 
   Example:
     >>> m, s, a = block_partials(logits.reshape(b * 5, v), params.temperature, positions=5, block=1024)
@@ -188,6 +256,11 @@ def block_partials(
   r, v = logits.shape
   if block & (block - 1):
     raise ValueError(f"block_partials: block must be a power of two, got {block}")
+  if candidates & (candidates - 1) or (candidates and (filter_params is None or temperature is None)):
+    raise ValueError(
+      f"block_partials: candidates must be 0 or a power of two given with filter_params and a temperature, "
+      f"got {candidates}"
+    )
   filters = thresholds is not None
   with_mass = temperature is not None
   n = pl.cdiv(v, block)
@@ -198,7 +271,12 @@ def block_partials(
   f32 = jax.ShapeDtypeStruct((r, n), jnp.float32)
   extra = (temperature.astype(jnp.float32),) if with_mass else ()
   extra += (thresholds.astype(jnp.float32),) if filters else ()
+  if candidates:
+    extra += (filter_params[0].astype(jnp.int32), filter_params[1].astype(jnp.float32))
   i32 = jax.ShapeDtypeStruct((r, n), jnp.int32)
+  out_shape = (f32, f32, i32) if with_mass else (f32, i32)
+  if candidates:
+    out_shape += (jax.ShapeDtypeStruct((r, n, candidates), jnp.float32),)
   return pl.pallas_call(
     functools.partial(
       _partials_kernel,
@@ -210,8 +288,10 @@ def block_partials(
       blocks=n,
       with_mass=with_mass,
       skip_last=skip_last,
+      candidates=candidates,
+      all_random=all_random,
     ),
-    out_shape=(f32, f32, i32) if with_mass else (f32, i32),
+    out_shape=out_shape,
     grid=(r, pl.cdiv(n, per_program)),
     interpret=interpret,
     compiler_params=params,
@@ -242,3 +322,228 @@ def combine_partials(m, mass, first, t):
   log_norm = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
   argmax = jnp.min(jnp.where(m == top, first, jnp.int32(2**31 - 1)), axis=-1)
   return top[..., 0], log_norm, argmax, log_mass
+
+
+# ----------------------------------------------------------------------------
+# Top-k / top-p thresholds from the candidates, on the GPU, with no run-time branch outside a kernel
+# ----------------------------------------------------------------------------
+
+
+def _largest_key(enough):
+  """The largest uint32 u with enough(u), bit by bit from the top (32 steps); enough must not turn on again as u
+  grows. 0 when nothing is enough (the callers check)."""
+
+  def step(i, ans):
+    trial = ans | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+    return jnp.where(enough(trial), trial, ans)
+
+  return jax.lax.fori_loop(0, 32, step, jnp.uint32(0))
+
+
+def _search(count_at, mass_at, total, top_k, top_p, k_on, p_on):
+  """(kth, thr) of one row from counts and masses of its scaled values (`thresholds`' sorted search, exactly).
+
+  count_at(u): tokens whose ordered key is >= u. mass_at(u, kth): the mass of the
+  tokens >= kth whose key is >= u. The top-k value is the largest value with at
+  least k tokens at or above it; the top-p value the largest whose tokens (within
+  the top-k set) hold at least top_p of that set's mass (none: the whole top-k set).
+  """
+  # The branches take -inf as an operand, computed (a select) so that it is a value: Triton's scf.if yields
+  # values, not literals.
+  off = jnp.where(k_on, jnp.float32(-jnp.inf), jnp.float32(-jnp.inf))
+  kth = jax.lax.cond(
+    k_on,
+    lambda off: from_ordered_key(_largest_key(lambda u: count_at(u) >= top_k)),
+    lambda off: off,
+    off,
+  )
+
+  def top_p_value(off):
+    target = top_p * jnp.where(k_on, mass_at(jnp.uint32(0), kth), total)
+    key = _largest_key(lambda u: mass_at(u, kth) >= target)
+    return jnp.where(mass_at(key, kth) >= target, from_ordered_key(key), off)
+
+  pth = jax.lax.cond(p_on, top_p_value, lambda off: off, off)
+  return kth, jnp.where(p_on, jnp.maximum(kth, pth), kth)
+
+
+def _thresholds_kernel(
+  t_ref,
+  top_k_ref,
+  top_p_ref,
+  cand_ref,
+  x_ref,
+  m_in,
+  mass_in,
+  thr_ref,
+  m_ref,
+  mass_ref,
+  *,
+  vocab,
+  block,
+  blocks,
+  nbp,
+  positions,
+  candidates,
+  all_random,
+):
+  del m_in, mass_in  # read through their aliases m_ref and mass_ref
+  r = pl.program_id(0)
+  b = r // positions
+  t_raw, top_k, top_p = t_ref[b], top_k_ref[b], top_p_ref[b]
+  active = filters_on(top_k, top_p, t_raw, vocab, all_random)
+  pair = jnp.arange(2, dtype=jnp.int32)
+
+  @pl.when(~active)
+  def _():
+    store(thr_ref, (r, pl.ds(0, 2)), jnp.where(pair == 0, 0.0, -jnp.inf))
+
+  @pl.when(active)
+  def _():
+    t = jnp.where(t_raw < GREEDY_TEMPERATURE, 1.0, t_raw)
+    ids = jnp.arange(nbp, dtype=jnp.int32)
+    slots = jnp.arange(candidates, dtype=jnp.int32)
+    live = ids < blocks
+    m = load(m_ref, (r, pl.ds(0, nbp)), live, -jnp.inf)
+    mass = load(mass_ref, (r, pl.ds(0, nbp)), live, 0.0)
+    top = jnp.max(m)
+    # Scaled values in the frame of the row's max (never above 0: no overflow at any temperature).
+    frame = lambda x: jnp.where(x > -jnp.inf, scaled(x, t, top), -jnp.inf)
+    total = jnp.sum(jnp.where(mass > 0, mass * jnp.exp(frame(m)), 0.0))
+    k_on, p_on = (top_k > 0) & (top_k < vocab), top_p < 1.0
+
+    cand = load(
+      cand_ref, (r, pl.ds(0, nbp), pl.ds(0, candidates)), live[:, None] & (slots < candidates)[None], -jnp.inf
+    )
+    s = frame(cand)
+    keys, e = ordered_key(s), jnp.exp(s)
+    # A token outside the candidates is at most its block's c-th largest: at most `floor`.
+    floor = jnp.max(jnp.where(slots[None, :] == candidates - 1, s, -jnp.inf))
+    kth, thr = _search(
+      lambda u: jnp.sum((keys >= u).astype(jnp.int32)),
+      lambda u, kth: jnp.sum(jnp.where((s >= kth) & (keys >= u), e, 0.0)),
+      total,
+      top_k,
+      top_p,
+      k_on,
+      p_on,
+    )
+    # The candidates hold every token at or above a threshold above the floor (top-p's mass also needs the
+    # top-k set whole); a row with nothing above -inf has nothing to filter.
+    exact = jnp.where(k_on, kth > floor, thr > floor) | (top == -jnp.inf)
+
+    @pl.when(exact)
+    def _():
+      kept = s >= thr
+      m_kept = jnp.max(jnp.where(kept, cand, -jnp.inf), axis=1)
+      mass_kept = jnp.sum(jnp.where(kept, jnp.exp(scaled(cand, t, m_kept[:, None])), 0.0), axis=1)
+      store(m_ref, (r, pl.ds(0, nbp)), m_kept, mask=live)
+      store(mass_ref, (r, pl.ds(0, nbp)), mass_kept, mask=live)
+      store(thr_ref, (r, pl.ds(0, 2)), jnp.where(pair == 0, jnp.where(top > -jnp.inf, top, 0.0), thr))
+
+    @pl.when(~exact)
+    def _():  # rare: the same search over the whole row, a pass over it per step
+      cols = jnp.arange(block, dtype=jnp.int32)
+
+      def scaled_block(j):
+        x = load(x_ref, (r, pl.ds(j * block, block)), j * block + cols < vocab, -jnp.inf).astype(jnp.float32)
+        x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+        return x, frame(x)
+
+      def count_row(u):
+        add = lambda j, acc: acc + jnp.sum((ordered_key(scaled_block(j)[1]) >= u).astype(jnp.int32))
+        return jax.lax.fori_loop(0, blocks, add, jnp.int32(0))
+
+      def mass_row(u, kth):
+        def add(j, acc):
+          sx = scaled_block(j)[1]
+          return acc + jnp.sum(jnp.where((sx >= kth) & (ordered_key(sx) >= u), jnp.exp(sx), 0.0))
+
+        return jax.lax.fori_loop(0, blocks, add, jnp.float32(0.0))
+
+      _, thr_row = _search(count_row, mass_row, total, top_k, top_p, k_on, p_on)
+
+      def fix_block(j, carry):
+        x, sx = scaled_block(j)
+        kept = jnp.where(sx >= thr_row, x, -jnp.inf)
+        m_j = jnp.max(kept)
+        mass_j = jnp.sum(jnp.where(kept > -jnp.inf, jnp.exp(scaled(kept, t, m_j)), 0.0))
+        store(m_ref, (r, pl.ds(j, 1)), m_j[None])
+        store(mass_ref, (r, pl.ds(j, 1)), mass_j[None])
+        return carry
+
+      jax.lax.fori_loop(0, blocks, fix_block, jnp.int32(0))
+      store(thr_ref, (r, pl.ds(0, 2)), jnp.where(pair == 0, top, thr_row))
+
+
+@functools.partial(jax.jit, static_argnames=("positions", "block", "all_random", "interpret"))
+def block_thresholds(
+  logits,
+  temperature,
+  top_k,
+  top_p,
+  m,
+  mass,
+  cand,
+  *,
+  positions: int,
+  block: int = DEFAULT_BLOCK,
+  all_random: bool = False,
+  interpret: bool = False,
+):
+  """Top-k/top-p thresholds of every row, and its block partials redone for the kept tokens, in one kernel.
+
+  A row whose request filters nothing (`filters_on`) writes (0, -inf) and
+  returns: the batch needs no run-time branch outside the kernel. A filtering
+  row searches its candidates (`block_partials(candidates=c)`) by bisection on
+  the values' bit patterns: the top-k value, then the top-p value, exactly as
+  `thresholds`' sorted search defines them (ties kept), in the frame of the
+  row's max. Where a threshold is not above every block's c-th largest value,
+  the candidates may miss kept tokens, and the row repeats the search over its
+  whole vocabulary (exact; a pass per step, so slow, and rare for top-k in the
+  tens and language-model top-p). Its (m, mass) partials are then those of the
+  kept tokens: `block_partials` with these thresholds would give the same.
+
+  Args:
+    logits: [R, V], R = B * positions; temperature f32[B]; top_k int32[B]; top_p f32[B].
+    m, mass: f32[R, n] from `block_partials` (no thresholds); cand: f32[R, n, c] from it.
+    positions, block, all_random: static, as given to `block_partials`; interpret: Pallas's interpreter.
+
+  Returns:
+    (thresholds f32[R, 2] = (shift, thr): keep x iff scaled(x, t, shift) >= thr; m f32[R, n]; mass f32[R, n]).
+
+  Example:
+    >>> m, mass, first, cand = block_partials(x, t, None, (k, p), positions=5, candidates=8)
+    >>> thresholds, m, mass = block_thresholds(x, t, k, p, m, mass, cand, positions=5)
+  """
+  r, v = logits.shape
+  n, candidates = cand.shape[1], cand.shape[2]
+  kernel = functools.partial(
+    _thresholds_kernel,
+    vocab=v,
+    block=block,
+    blocks=n,
+    nbp=pow2(n),
+    positions=positions,
+    candidates=candidates,
+    all_random=all_random,
+  )
+  params = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
+  f32 = jax.ShapeDtypeStruct((r, n), jnp.float32)
+  return pl.pallas_call(
+    kernel,
+    out_shape=(jax.ShapeDtypeStruct((r, 2), jnp.float32), f32, f32),
+    grid=(r,),
+    input_output_aliases={5: 1, 6: 2},
+    interpret=interpret,
+    compiler_params=params,
+    name="sampler_thresholds",
+  )(
+    temperature.astype(jnp.float32),
+    top_k.astype(jnp.int32),
+    top_p.astype(jnp.float32),
+    cand,
+    logits,
+    m,
+    mass,
+  )

@@ -590,14 +590,14 @@ def _bisect_batch(scaled, top_k, top_p, min_p, shards):
   return thr.reshape(lead), lse.reshape(lead)
 
 
-def _ordered(x):
+def ordered_key(x):
   """uint32 keys in the order of the float32 values (-inf lowest, +inf highest)."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   return jnp.where(bits >> 31 == 1, ~bits, bits | np.uint32(1 << 31))
 
 
-def _from_ordered(u):
-  """Inverse of `_ordered`."""
+def from_ordered_key(u):
+  """Inverse of `ordered_key`."""
   bits = jnp.where(u >> 31 == 1, u & np.uint32(0x7FFFFFFF), ~u)
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -630,7 +630,7 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
     (thr, lse) f32[R].
   """
   v = shards.vocab
-  u = _ordered(x)
+  u = ordered_key(x)
   m = shards.max(jnp.max(x, axis=-1))
   e = jnp.exp(x - m[:, None])
   k_on = (top_k > 0) & (top_k < v)
@@ -638,7 +638,7 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
   count_at_least = lambda t: shards.sum(jnp.sum((u >= t[:, None]).astype(jnp.int32), axis=-1))
   kth = jax.lax.cond(
     shards.any(k_on),
-    lambda: jnp.where(k_on, _from_ordered(_largest_key(count_at_least, lambda n: n >= top_k, m.shape)), -jnp.inf),
+    lambda: jnp.where(k_on, from_ordered_key(_largest_key(count_at_least, lambda n: n >= top_k, m.shape)), -jnp.inf),
     lambda: jnp.full(m.shape, -jnp.inf, jnp.float32),
   )
   in_top_k = x >= kth[:, None]
@@ -650,7 +650,7 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
     mass_at_least = lambda t: shards.sum(jnp.sum(jnp.where(in_top_k & (u >= t[:, None]), e, 0.0), axis=-1))
     key = _largest_key(mass_at_least, lambda w: w >= target, m.shape)
     found = mass_at_least(key) >= target  # else rounding left the total under top_p: keep the top-k set
-    return jnp.where(found, _from_ordered(key), -jnp.inf)
+    return jnp.where(found, from_ordered_key(key), -jnp.inf)
 
   pth = jax.lax.cond(shards.any(p_on), top_p_value, lambda: jnp.full(m.shape, -jnp.inf, jnp.float32))
   thr = jnp.where(p_on, jnp.maximum(kth, pth), kth)

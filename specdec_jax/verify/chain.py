@@ -160,17 +160,18 @@ def rejection_sample(
       host copy, which at batch 1 costs more than the work. The same
       distribution as without the flag.
     kernels: static; "xla", "pallas" or "auto" (default): which program runs.
-      "pallas" is `verify.fused`: three or four Pallas kernels with the random
-      numbers drawn inside them (several times faster at batch 1 to 64 on a
-      GPU; elsewhere Pallas's interpreter runs them, for tests), and for
-      all_greedy a program that reads a bonus row only where every draft was
-      accepted. It covers method "token" without logprobs, a logit bias or
-      penalties, min-p or a split vocabulary (all_greedy: without logprobs,
-      bias, penalties or a split), and raises ValueError for the rest.
-      "auto" takes "pallas" on a GPU where it covers the call (all_greedy:
-      from 64 rows), else "xla". Both draw from the same distribution with
-      different random streams: one key gives other, equally distributed,
-      tokens under each; greedy tokens are the same.
+      "pallas" is `verify.fused`: up to four Pallas kernels with the random
+      numbers drawn inside them and no run-time branch outside a kernel
+      (built for batch 1 to 64 on a GPU; elsewhere Pallas's interpreter runs
+      them, for tests), and for all_greedy a program that reads a bonus row
+      only where every draft was accepted. It covers methods "token" and
+      "block" without logprobs, a logit bias or penalties, min-p or a split
+      vocabulary (all_greedy: without logprobs, bias, penalties or a split),
+      and raises ValueError for the rest. "auto" takes "pallas" on a GPU
+      where it covers the call, except for all_greedy (XLA's argmax program
+      measured as fast), else "xla". Both draw from the same distribution
+      with different random streams: one key gives other, equally
+      distributed, tokens under each; greedy tokens are the same.
 
   Returns:
     RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
@@ -280,7 +281,6 @@ def rejection_sample(
     method=method,
     sharded=shards is not None,
     kernels=kernels,
-    batch=b,
   )
   program = functools.partial(_rejection_sample, plan=plan, shards=shards)
   if shards is None:
@@ -596,6 +596,7 @@ def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, plan
       n,
       greedy_rows=plan.greedy_rows,
       no_filters=params.no_filters,
+      method=plan.method,
       interpret=interpret,
     )
     return RejectionOutput(token_ids=ids, num_accepted=num_accepted, num_emitted=num_emitted)

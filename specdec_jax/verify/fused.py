@@ -1,17 +1,24 @@
-"""`rejection_sample` in three Pallas kernels: the program `kernels="pallas"` runs (the default on a GPU).
+"""`rejection_sample` in Pallas kernels: the program `kernels="pallas"` runs (the default on a GPU).
 
 The XLA program (`chain`) reads the logits close to the memory floor at large
 batch, but at the batches speculation runs at (B = 1 to 64) its time is its
 number of kernels: random bits, gathers, small reductions and run-time
 branches, each a microsecond or more. This program has at most four kernels
-and no run-time branch unless some row filters:
+and no run-time branch outside them:
 
     1. `block_partials`: one read of target_logits [B, K+1, V]; per block of
-       tokens, the kept tokens' max, mass and first argmax.
-    2. (with draft probabilities) `_residual_kernel`, grid (B, blocks): the
+       tokens, the max, mass and first argmax (and, for rows whose top-k or
+       top-p is on, the block's largest logits: the filter's candidates).
+    2. (unless no_filters) `block_thresholds`, grid (B*(K+1),): a row that
+       filters nothing writes (0, -inf) and returns; a filtering row finds its
+       top-k/top-p threshold from the candidates (or, rarely, its whole row)
+       and redoes its partials for the kept tokens.
+    3. (with draft probabilities) `_residual_kernel`, grid (B, blocks): the
        acceptance again, then block j's mass of the residual max(p_s - q_s, 0)
-       at each row's stopping position s.
-    3. `_draw_kernel`, grid (B,): each row combines its partials (normaliser,
+       at each row's stopping position s. Block verification
+       (`_block_residual_kernel`) computes max(w_i p_i - q_i, 0) at every
+       position i < n instead: their sums are the stop probabilities' R_i.
+    4. `_draw_kernel`, grid (B,): each row combines its partials (normaliser,
        argmax, block masses), gathers its K draft logits (and draft
        probabilities), accepts or rejects them, picks a block by its mass and
        draws the recovered or bonus token inside it (two-stage Gumbel-max).
@@ -21,10 +28,6 @@ The random numbers come from the row's key inside the kernels
 its key and its inputs only. The distribution is the XLA program's; the
 random stream is not, so the same key gives other (equally distributed)
 tokens than `kernels="xla"`.
-
-Rows whose top-k or top-p removes tokens get their thresholds from the XLA
-search (`thresholds.threshold_and_lse`) under one run-time `lax.cond`, which
-the no-filters promise removes; the kernels then keep the tokens above them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from jax.experimental import pallas as pl
 from specdec_jax.sampling.block_stats import (
   DEFAULT_BLOCK,
   block_partials,
+  block_thresholds,
   combine_partials,
   load,
   log_exponential,
@@ -50,12 +54,14 @@ from specdec_jax.sampling.block_stats import (
   threefry2x32,
 )
 from specdec_jax.sampling.params import GREEDY_TEMPERATURE, SamplingParams
-from specdec_jax.sampling.thresholds import filter_active, shift_non_finite_rows, threshold_and_lse
 
 _INT_MAX = 2**31 - 1
 # Counter words (c0) of the kernels' random numbers, one per use; far from the small counters
 # `jax.random` itself gives a key, so that a key reused there draws other numbers.
 _ACCEPT, _BLOCK, _TOKEN = (0xA5A50001, 0xA5A50002, 0xA5A50003)
+# Largest logits per block that the top-k/top-p search keeps (block_stats.block_thresholds): with blocks
+# of 2048 tokens, a top-k of up to about 100 or a top-p set of similar size is settled from them.
+FILTER_CANDIDATES = 8
 # A block whose residual keeps under this fraction of its mass (rounding of p - p(d)) counts as empty.
 _EMPTY_BLOCK = 1e-6
 
@@ -72,6 +78,7 @@ class _Dims(NamedTuple):
   filters: bool  # shift and thr are inputs (else 0 and -inf: nothing filtered)
   all_drafts: bool  # every row has K drafts (no num_draft_tokens input)
   fold: bool  # one key for the batch: row b's is fold_in(key, b), made in the kernels
+  block_method: bool = False  # method "block" (block verification) instead of "token"
 
 
 class _Row(NamedTuple):
@@ -97,6 +104,7 @@ class _Acceptance(NamedTuple):
   log_mass_s: jax.Array  # f32[nbp]: each block's log-mass at s, in the same frame
   shift_s: jax.Array  # f32
   thr_s: jax.Array  # f32
+  log_w_s: jax.Array  # f32: block verification's log w_s (0 for method "token")
 
 
 def _row(b, refs, dims: _Dims) -> _Row:
@@ -118,11 +126,25 @@ def _shift_thr(refs, b, at, dims: _Dims):
   return refs["thresholds"][b, at, 0], refs["thresholds"][b, at, 1]
 
 
-def _accept(b, row: _Row, refs, dims: _Dims) -> _Acceptance:
-  """Row b's acceptance, from the partials and K gathered logits (and draft probabilities).
+class _Scores(NamedTuple):
+  """Row b's positions as vectors over 0..K (padded to k1p): their statistics and the drafts' scores."""
+
+  top: jax.Array  # f32: the largest kept logit
+  log_norm: jax.Array  # f32: log-normaliser in that frame (-inf: nothing above -inf)
+  argmax: jax.Array  # int32
+  shift: jax.Array  # f32 (or a scalar 0 without filters)
+  thr: jax.Array  # f32 (or a scalar -inf)
+  draft: jax.Array  # int32: draft i at position i (-1 at K and beyond)
+  usable: jax.Array  # bool: draft i is a token id in [0, V) and i < n
+  log_p: jax.Array  # f32: log p_i(d_i) under the processed target
+  log_q: jax.Array  # f32: log q_i(d_i) (0 without draft probabilities)
+
+
+def _scores(b, row: _Row, refs, dims: _Dims) -> _Scores:
+  """Every position's statistics from the partials, and the K drafts' gathered logits (and draft probabilities).
 
   Vectorised over positions: a reduction inside a kernel synchronises its
-  warps, so the few here are the ones the rule needs (s, and what is read at s).
+  warps, so the few here are the ones the rule needs.
   """
   k, k1 = dims.k, dims.k + 1
   rows = jnp.arange(dims.k1p, dtype=jnp.int32)
@@ -151,14 +173,75 @@ def _accept(b, row: _Row, refs, dims: _Dims) -> _Acceptance:
     x = jnp.where(rows == i, refs["logits"][b, i, idx].astype(jnp.float32), x)
     if dims.draft_probs:
       q = jnp.where(rows == i, refs["draft_probs"][b, i, idx].astype(jnp.float32), q)
-  valid = (draft >= 0) & (draft < dims.vocab)
+  usable = (draft >= 0) & (draft < dims.vocab) & (rows < row.n)
   x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-  has_mass = log_norm > -jnp.inf
-  log_p = jnp.where((scaled(x, row.t, shift) >= thr) & has_mass, scaled(x, row.t, top) - log_norm, -jnp.inf)
+  log_p = jnp.where(
+    (scaled(x, row.t, shift) >= thr) & (log_norm > -jnp.inf), scaled(x, row.t, top) - log_norm, -jnp.inf
+  )
   log_q = jnp.log(jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0))  # NaN, inf, negative count as 0
-  log_u = jnp.log(open_uniform(threefry2x32(*row.seed, jnp.uint32(_ACCEPT), rows.astype(jnp.uint32))[0]))
-  ok = jnp.where(row.greedy, (draft == argmax) & has_mass, log_u + log_q < log_p) & valid & (rows < row.n)
-  s = jnp.min(jnp.where(ok, dims.k1p, rows))  # the first position that does not accept (n at the latest)
+  return _Scores(top, log_norm, argmax, shift, thr, draft, usable, log_p, log_q)
+
+
+def _at(vector, i):
+  """vector[i] for a traced i (a masked reduction: Triton has no dynamic indexing of a register vector)."""
+  rows = jnp.arange(vector.shape[0], dtype=jnp.int32)
+  if jnp.issubdtype(vector.dtype, jnp.integer):
+    return jnp.max(jnp.where(rows == i, vector, jnp.iinfo(vector.dtype).min))
+  return jnp.max(jnp.where(rows == i, vector, -jnp.inf))
+
+
+def _block_log_weights(sc: _Scores, dims: _Dims):
+  """log w_j over positions 0..K: w_0 = 1, w_j = min(w_{j-1} p(d_{j-1}) / q(d_{j-1}), 1) (`verify.block`'s rule)."""
+  rows = jnp.arange(dims.k1p, dtype=jnp.int32)
+  ratio = jnp.where(
+    sc.usable & (sc.log_p > -jnp.inf), jnp.where(sc.log_q > -jnp.inf, sc.log_p - sc.log_q, jnp.inf), -jnp.inf
+  )
+  log_w = jnp.where(rows == 0, 0.0, -jnp.inf)
+  prev = jnp.float32(0.0)
+  for j in range(dims.k):  # K is small and static
+    prev = jnp.where(prev > -jnp.inf, jnp.minimum(prev + _at(ratio, j), 0.0), -jnp.inf)
+    log_w = jnp.where(rows == j + 1, prev, log_w)
+  return log_w
+
+
+def _block_stop(b, row: _Row, sc: _Scores, log_w, u, refs, dims: _Dims):
+  """tau: the largest j in 1..n with u_j <= h_j, else 0 (block verification's accepted drafts)."""
+  rows = jnp.arange(dims.k1p, dtype=jnp.int32)
+  w = jnp.exp(log_w)
+  if dims.draft_probs:  # R_j from the residual pass's block masses
+    tile = (b, pl.ds(0, dims.k1p), pl.ds(0, dims.nbp))
+    live = (rows[:, None] < dims.k) & (jnp.arange(dims.nbp, dtype=jnp.int32)[None, :] < dims.blocks)
+    r = jnp.sum(load(refs["residual"], tile, live, 0.0), axis=1)
+  else:  # q_j one-hot at d_j: R_j = w_j (1 - p_j(d_j))
+    r = w * (1.0 - jnp.exp(sc.log_p))
+  inner = jnp.where(r > 0, r / (r + (1.0 - w)), 0.0)
+  h = jnp.where(rows < row.n, inner, jnp.where(rows == row.n, w, 0.0))
+  return jnp.max(jnp.where((rows >= 1) & (rows <= dims.k) & (u <= h), rows, 0))
+
+
+def _accept(b, row: _Row, refs, dims: _Dims) -> _Acceptance:
+  """Row b's acceptance (the stopping position s) and what its draw reads at s."""
+  k, k1 = dims.k, dims.k + 1
+  rows = jnp.arange(dims.k1p, dtype=jnp.int32)
+  cols = jnp.arange(dims.nbp, dtype=jnp.int32)
+  sc = _scores(b, row, refs, dims)
+  has_mass = sc.log_norm > -jnp.inf
+  uniforms = lambda counters: open_uniform(threefry2x32(*row.seed, jnp.uint32(_ACCEPT), counters.astype(jnp.uint32))[0])
+  first_stop = lambda ok: jnp.min(jnp.where(ok & sc.usable, dims.k1p, rows))  # n at the latest
+  if dims.block_method:
+    log_w = _block_log_weights(sc, dims)
+    # h_j meets the uniform that decides draft j-1 under "token": with one draft the two rules draw alike.
+    s = jnp.where(
+      row.greedy,
+      first_stop((sc.draft == sc.argmax) & has_mass),
+      _block_stop(b, row, sc, log_w, uniforms(rows - 1), refs, dims),
+    )
+    log_w_s = jnp.where(row.greedy, 0.0, _at(log_w, s))
+  else:
+    s = first_stop(
+      jnp.where(row.greedy, (sc.draft == sc.argmax) & has_mass, jnp.log(uniforms(rows)) + sc.log_q < sc.log_p)
+    )
+    log_w_s = jnp.float32(0.0)
   # Row s's own partials, read again (from cache) rather than picked out of the tile.
   at = (b * k1 + s, pl.ds(0, dims.nbp))
   live = cols < dims.blocks
@@ -176,32 +259,38 @@ def _accept(b, row: _Row, refs, dims: _Dims) -> _Acceptance:
     rejected=s < row.n,
     draft_s=jnp.where(valid_s, draft_s, 0),
     valid_s=valid_s,
-    log_p_s=jnp.max(jnp.where(rows == s, log_p, -jnp.inf)),
+    log_p_s=_at(sc.log_p, s),
     top_s=top_s,
     log_norm_s=log_norm_s,
     argmax_s=argmax_s,
     log_mass_s=log_mass_s,
     shift_s=shift_s,
     thr_s=thr_s,
+    log_w_s=log_w_s,
   )
 
 
-def _stop_block_log_p(b, j, row: _Row, acc: _Acceptance, refs, dims: _Dims, read):
-  """Token ids and log p_s of block j of row b's stopping row (-inf: removed, masked, past V)."""
+def _block_log_p(b, j, pos, t, shift, thr, top, log_norm, refs, dims: _Dims, read):
+  """Token ids and log p of block j of row b's position `pos` (-inf: removed, masked, past V)."""
   cols = j * dims.block + jnp.arange(dims.block, dtype=jnp.int32)
-  x = load(refs["logits"], (b, acc.s, pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & read, -jnp.inf)
+  x = load(refs["logits"], (b, pos, pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & read, -jnp.inf)
   x = jnp.where(jnp.isnan(x.astype(jnp.float32)), -jnp.inf, x.astype(jnp.float32))
-  kept = scaled(x, row.t, acc.shift_s) >= acc.thr_s
-  return cols, jnp.where(kept, scaled(x, row.t, acc.top_s) - acc.log_norm_s, -jnp.inf)
+  kept = scaled(x, t, shift) >= thr
+  return cols, jnp.where(kept, scaled(x, t, top) - log_norm, -jnp.inf)
 
 
-def _residual_log_p(j, cols, log_p, b, acc: _Acceptance, refs, dims: _Dims, read):
-  """log max(p_s - q_s, 0) over block j (draft probabilities; s < K since the row rejected there)."""
-  at = jnp.minimum(acc.s, dims.k - 1)
+def _stop_block_log_p(b, j, row: _Row, acc: _Acceptance, refs, dims: _Dims, read):
+  """Token ids and log p_s of block j of row b's stopping row."""
+  return _block_log_p(b, j, acc.s, row.t, acc.shift_s, acc.thr_s, acc.top_s, acc.log_norm_s, refs, dims, read)
+
+
+def _residual_log_p(j, cols, log_p, b, pos, log_w, refs, dims: _Dims, read):
+  """log max(w p - q, 0) over block j of position `pos` < K (draft probabilities; w = 1 for method "token")."""
+  at = jnp.minimum(pos, dims.k - 1)
   q = load(refs["draft_probs"], (b, at, pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & read, 0.0)
   q = q.astype(jnp.float32)
   q = jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
-  return jnp.log(jnp.maximum(jnp.exp(log_p) - q, 0.0))
+  return jnp.log(jnp.maximum(jnp.exp(log_p + log_w) - q, 0.0))
 
 
 def _residual_kernel(*refs_and_out, names, dims: _Dims):
@@ -212,8 +301,30 @@ def _residual_kernel(*refs_and_out, names, dims: _Dims):
   acc = _accept(b, row, refs, dims)
   read = acc.rejected & ~row.greedy  # only rejected random rows need their residual
   cols, log_p = _stop_block_log_p(b, j, row, acc, refs, dims, read)
-  res = jnp.exp(_residual_log_p(j, cols, log_p, b, acc, refs, dims, read))
+  res = jnp.exp(_residual_log_p(j, cols, log_p, b, acc.s, acc.log_w_s, refs, dims, read))
   store(out_ref, (b, pl.ds(j, 1)), jnp.where(read, jnp.sum(jnp.where(cols < dims.vocab, res, 0.0)), 0.0)[None])
+
+
+def _block_residual_kernel(*refs_and_out, names, dims: _Dims):
+  """Block verification: block j's mass of max(w_i p_i - q_i, 0) at every position i < n of row b.
+
+  The sums over blocks are R_i (the stop probabilities); at the stopping
+  position tau < n they are also the residual's block masses for the draw.
+  """
+  refs = dict(zip(names, refs_and_out[:-1]))
+  out_ref = refs_and_out[-1]
+  b, j = pl.program_id(0), pl.program_id(1)
+  row = _row(b, refs, dims)
+  sc = _scores(b, row, refs, dims)
+  log_w = _block_log_weights(sc, dims)
+  for pos in range(dims.k):
+    i = jnp.int32(pos)  # a traced index for the loads and stores
+    read = ~row.greedy & (i < row.n)
+    shift, thr = (_at(sc.shift, i), _at(sc.thr, i)) if dims.filters else (sc.shift, sc.thr)
+    cols, log_p = _block_log_p(b, j, i, row.t, shift, thr, _at(sc.top, i), _at(sc.log_norm, i), refs, dims, read)
+    res = jnp.exp(_residual_log_p(j, cols, log_p, b, i, _at(log_w, i), refs, dims, read))
+    mass = jnp.where(read, jnp.sum(jnp.where(cols < dims.vocab, res, 0.0)), 0.0)
+    store(out_ref, (b, i, pl.ds(j, 1)), mass[None])
 
 
 def _draw_kernel(*refs_and_out, names, dims: _Dims):
@@ -225,7 +336,8 @@ def _draw_kernel(*refs_and_out, names, dims: _Dims):
   blocks = jnp.arange(dims.nbp, dtype=jnp.int32)
   p_mass = acc.log_mass_s - acc.log_norm_s  # log of each block's probability under p_s
   if dims.draft_probs:
-    res = load(refs["residual"], (b, pl.ds(0, dims.nbp)), blocks < dims.blocks, 0.0)
+    at = (b, jnp.minimum(acc.s, dims.k - 1), pl.ds(0, dims.nbp)) if dims.block_method else (b, pl.ds(0, dims.nbp))
+    res = load(refs["residual"], at, blocks < dims.blocks, 0.0)
     use_residual = acc.rejected & (jnp.max(res) > 0)  # an empty residual (rounding) draws from p_s
     log_mass = jnp.where(use_residual, jnp.log(res), p_mass)
   else:
@@ -242,7 +354,7 @@ def _draw_kernel(*refs_and_out, names, dims: _Dims):
   read = ~row.greedy & (acc.log_norm_s > -jnp.inf)
   cols, log_p = _stop_block_log_p(b, chosen, row, acc, refs, dims, read)
   if dims.draft_probs:
-    residual = _residual_log_p(chosen, cols, log_p, b, acc, refs, dims, read & use_residual)
+    residual = _residual_log_p(chosen, cols, log_p, b, acc.s, acc.log_w_s, refs, dims, read & use_residual)
     log_w = jnp.where(use_residual, residual, log_p)
   else:
     log_w = jnp.where(use_residual & (cols == acc.draft_s), -jnp.inf, log_p)
@@ -258,25 +370,6 @@ def _draw_kernel(*refs_and_out, names, dims: _Dims):
   store(emitted_ref, (pl.ds(b, 1),), acc.s[None] + 1)
 
 
-def _filter_thresholds(logits, params: SamplingParams, greedy):
-  """f32[B, K+1, 2]: (shift, thr) of every position; 0 and -inf unless the row's top-k/top-p removes tokens.
-
-  The search is the XLA program's (the same kept sets), run only if some row filters; one
-  array, so that the branch that skips it writes one constant.
-  """
-  b, k1, v = logits.shape
-  plain = lambda x: jnp.broadcast_to(jnp.array([0.0, -jnp.inf], jnp.float32), (b, k1, 2))
-  on = filter_active(params, v, greedy=greedy)
-  top_k, top_p = jnp.where(on, params.top_k, 0), jnp.where(on, params.top_p, 1.0)
-
-  def search(x):
-    thr, lse = threshold_and_lse(x, params.temperature, top_k, top_p)
-    shift, thr, _ = shift_non_finite_rows(x, params.temperature, top_k, top_p, thr, lse)
-    return jnp.stack([shift, jnp.where(on[:, None], thr, -jnp.inf)], axis=-1)
-
-  return jax.lax.cond(jnp.any(on), search, plain, logits)
-
-
 def _seeds(keys, b: int):
   """(uint32 words, fold): one key's [2] words, folded with each row index inside the kernels (fold=True),
   or the rows' keys [B, 2]. The default generator's keys are their own words; others are drawn from."""
@@ -290,7 +383,7 @@ def _seeds(keys, b: int):
   return jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32))(keys), False
 
 
-@functools.partial(jax.jit, static_argnames=("greedy_rows", "no_filters", "block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("greedy_rows", "no_filters", "method", "block", "candidates", "interpret"))
 def fused_chain(
   draft,
   logits,
@@ -301,10 +394,12 @@ def fused_chain(
   *,
   greedy_rows: str,
   no_filters: bool,
+  method: str = "token",
   block: int = DEFAULT_BLOCK,
+  candidates: int = FILTER_CANDIDATES,
   interpret: bool = False,
 ):
-  """Token verification of `rejection_sample` (method "token") in Pallas kernels; see the module docstring.
+  """`rejection_sample`'s verification (method "token" or "block") in Pallas kernels; see the module docstring.
 
   Args:
     draft: int32[B, K], K >= 1; logits: float[B, K+1, V]; params: SamplingParams (no min-p);
@@ -312,7 +407,9 @@ def fused_chain(
     or None for K drafts in every row.
     greedy_rows: "per_row" (temperature-0 rows are greedy) or "none" (all_random).
     no_filters: static promise that no row filters (no run-time branch at all).
+    method: static; "token" or "block" (block verification, as `rejection_sample`'s).
     block: static tokens per block (a power of two).
+    candidates: static largest logits kept per block for the top-k/top-p search (a power of two).
     interpret: run the kernels in Pallas's interpreter (any backend).
 
   Returns:
@@ -338,26 +435,50 @@ def fused_chain(
     filters=not no_filters,
     all_drafts=n is None,
     fold=fold,
+    block_method=method == "block",
   )
   temperature = params.temperature.astype(jnp.float32)
   inputs = dict(draft=draft, temperature=temperature, seed=seed, logits=logits)
   if n is not None:
     inputs["n"] = n
-  thresholds = ()
+  flat = logits.reshape(b * k1, v)
   if dims.filters:
-    greedy = jnp.zeros((b,), jnp.bool_) if dims.all_random else params.is_greedy
-    inputs["thresholds"] = _filter_thresholds(logits, params, greedy)
-    thresholds = (inputs["thresholds"],)
-  inputs["m"], inputs["mass"], inputs["first"] = block_partials(
-    logits.reshape(b * k1, v), temperature, *thresholds, positions=k1, block=block, interpret=interpret
-  )
+    filter_params = (params.top_k, params.top_p)
+    m, mass, first, cand = block_partials(
+      flat,
+      temperature,
+      None,
+      filter_params,
+      positions=k1,
+      block=block,
+      interpret=interpret,
+      candidates=candidates,
+      all_random=dims.all_random,
+    )
+    thresholds, m, mass = block_thresholds(
+      flat,
+      temperature,
+      *filter_params,
+      m,
+      mass,
+      cand,
+      positions=k1,
+      block=block,
+      all_random=dims.all_random,
+      interpret=interpret,
+    )
+    inputs["thresholds"] = thresholds.reshape(b, k1, 2)
+  else:
+    m, mass, first = block_partials(flat, temperature, positions=k1, block=block, interpret=interpret)
+  inputs["m"], inputs["mass"], inputs["first"] = m, mass, first
   if draft_probs is not None:
     inputs["draft_probs"] = draft_probs
   compiler = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
   if draft_probs is not None:
+    kernel = _block_residual_kernel if dims.block_method else _residual_kernel
     inputs["residual"] = pl.pallas_call(
-      functools.partial(_residual_kernel, names=tuple(inputs), dims=dims),
-      out_shape=jax.ShapeDtypeStruct((b, blocks), jnp.float32),
+      functools.partial(kernel, names=tuple(inputs), dims=dims),
+      out_shape=jax.ShapeDtypeStruct((b, k, blocks) if dims.block_method else (b, blocks), jnp.float32),
       grid=(b, blocks),
       interpret=interpret,
       compiler_params=compiler,

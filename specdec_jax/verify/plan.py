@@ -46,9 +46,6 @@ CHUNK_OR_ROW_DRAW = "chunk_or_row"  # the chunk draw, or the row draw for filter
 ROW_DRAW = "row"  # read the stopping row once; an empty residual is redrawn under `_if_any_residual_empty`
 ROW_DRAW_WITH_FALLBACK = "row_with_fallback"  # the row draw, the fallback's masses from the same pass: no branch
 
-# kernels="auto" on a GPU takes `verify.fused.fused_greedy` for all-greedy batches from this many rows.
-GREEDY_PALLAS_MIN_BATCH = 64
-
 
 class SamplerPath(NamedTuple):
   """One row of the path table: a path of `rejection_sample`, when it is taken, what it reads."""
@@ -106,7 +103,7 @@ _PATHS = (
   ),
   SamplerPath(
     "pallas greedy",
-    'all_greedy=True with kernels="pallas", or "auto" on a GPU from 64 rows',
+    'all_greedy=True with kernels="pallas"',
     "the argmax of positions 0..K-1; a bonus row only where every draft was accepted",
   ),
   SamplerPath(
@@ -229,7 +226,6 @@ def chain_plan(
   method: str = "token",
   sharded: bool = False,
   kernels: str = "xla",
-  batch: int = 1,
 ) -> SamplerPlan:
   """The `SamplerPlan` of one `rejection_sample` call, from its static switches and static facts.
 
@@ -240,7 +236,6 @@ def chain_plan(
     draft_probs: draft probabilities are given.
     all_greedy, all_random, logprobs, method, kernels: as for `rejection_sample`.
     sharded: the vocabulary is split over devices (`vocab_parallel.VocabShards`).
-    batch: B (kernels="auto" runs an all-greedy batch on Pallas from GREEDY_PALLAS_MIN_BATCH rows).
 
   Returns:
     SamplerPlan.
@@ -269,9 +264,9 @@ def chain_plan(
   uncovered = pallas_uncovered(params, logprobs, method, sharded, greedy=greedy_only)
   if kernels == "pallas" and uncovered:
     raise ValueError(f"rejection_sample: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")
-  # "auto": the Pallas program on a GPU; for greedy batches only from GREEDY_PALLAS_MIN_BATCH rows, where
-  # skipping unused bonus rows pays (below it, XLA's argmax is one kernel).
-  auto = jax.default_backend() == "gpu" and (not greedy_only or batch >= GREEDY_PALLAS_MIN_BATCH)
+  # "auto": the Pallas program on a GPU, except for all-greedy batches: there XLA's argmax program
+  # measured as fast (bench/RESULTS.md, "The sampler at small batch").
+  auto = jax.default_backend() == "gpu" and not greedy_only
   use_pallas = not uncovered and (kernels == "pallas" or (kernels == "auto" and auto))
   return SamplerPlan(
     verifier=verifier,
@@ -294,12 +289,10 @@ def pallas_uncovered(
   greedy: the all_greedy program (`fused_greedy`), which ignores method and min-p.
 
   Example:
-    >>> pallas_uncovered(SamplingParams.create(1.0), None, "block", False)
-    'method="block"'
+    >>> pallas_uncovered(SamplingParams.create(1.0), None, "token", True)
+    'a vocabulary split over devices'
   """
   missing = []
-  if method != "token" and not greedy:
-    missing.append(f'method="{method}"')
   if logprobs is not None:
     missing.append(f'logprobs="{logprobs}"')
   if params.has_logit_bias or params.has_penalties:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from specdec_jax import SamplingParams, rejection_sample
-from specdec_jax.verify import block, chain
+from specdec_jax.verify import block, chain, fused
 from tests.support.stats import ALPHA, assert_gof, chisquare_gof
 
 V = 3
@@ -197,7 +197,7 @@ def _outcome_index(k):
   return _OUTCOMES[k]
 
 
-def _sample_round(p, q, k, n_rows, seed, with_probs, num_draft=None, greedy_rows=0):
+def _sample_round(p, q, k, n_rows, seed, with_probs, num_draft=None, greedy_rows=0, kernels="auto"):
   """Draws drafts from q in NumPy, builds the round's inputs, runs rejection_sample(method="block")."""
   rng = np.random.default_rng(seed)
   drafts = np.zeros((n_rows, k), np.int32)
@@ -216,6 +216,7 @@ def _sample_round(p, q, k, n_rows, seed, with_probs, num_draft=None, greedy_rows
     draft_probs=jnp.asarray(probs, jnp.float32) if with_probs else None,
     num_draft_tokens=None if num_draft is None else jnp.asarray(num_draft),
     method="block",
+    kernels=kernels,
   )
   return drafts, np.asarray(out.token_ids), np.asarray(out.num_emitted)
 
@@ -232,9 +233,9 @@ def _round_law_fixed_n(p, q, k, n, with_probs):
   return law
 
 
-def _gof(p, q, k, n_per_row, with_probs, seed, rows=12000):
+def _gof(p, q, k, n_per_row, with_probs, seed, rows=12000, kernels="auto"):
   idx = _outcome_index(k)
-  drafts, ids, emitted = _sample_round(p, q, k, rows, seed, with_probs, num_draft=n_per_row)
+  drafts, ids, emitted = _sample_round(p, q, k, rows, seed, with_probs, num_draft=n_per_row, kernels=kernels)
   results = []
   for n in sorted(set(n_per_row.tolist())):
     sel = n_per_row == n
@@ -283,9 +284,48 @@ def test_sampler_block_planted_rule_fails_the_same_check(monkeypatch):
   assert min(r.pvalue for r in results) < ALPHA, results
 
 
-def test_block_with_greedy_rows_keeps_them_greedy():
+# The Pallas program (verify.fused, run by Pallas's interpreter here, a grid program at a time): the same law,
+# its own random stream. The fast test takes 1500 rows with draft probabilities (the block residual pass);
+# the slow ones 6000 rows, both kinds of draft, and a planted rule that fails the same check.
+PALLAS_FAST_ROWS = 1500
+PALLAS_SLOW_ROWS = 6000
+
+
+def test_pallas_block_round_matches_the_exact_law():
+  p, q = make_models(seed=11, depth=4)
+  n = np.arange(PALLAS_FAST_ROWS) % 4
+  assert_gof(_gof(p, q, 3, n, True, seed=6, rows=PALLAS_FAST_ROWS, kernels="pallas"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_pallas_block_round_matches_the_exact_law_slow(with_probs):
+  p, q = make_models(seed=11, depth=4)
+  n = np.arange(PALLAS_SLOW_ROWS) % 4
+  assert_gof(_gof(p, q, 3, n, with_probs, seed=7, rows=PALLAS_SLOW_ROWS, kernels="pallas"))
+
+
+@pytest.mark.slow
+def test_pallas_block_planted_rule_fails_the_same_check(monkeypatch):
+  # Uniforms raised to the 4th power: each stop probability is met more often, so blocks run too long.
+  p, q = make_models(seed=11, depth=4)
+  n = np.full(PALLAS_SLOW_ROWS, 3)
+  original = fused._block_stop
+  planted = lambda b, row, sc, log_w, u, refs, dims: original(b, row, sc, log_w, u**4, refs, dims)
+  monkeypatch.setattr(fused, "_block_stop", planted)
+  jax.clear_caches()
+  try:
+    results = _gof(p, q, 3, n, True, seed=6, rows=PALLAS_SLOW_ROWS, kernels="pallas")
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  assert min(r.pvalue for r in results) < ALPHA, results
+
+
+@pytest.mark.parametrize("kernels", ["auto", "pallas"])
+def test_block_with_greedy_rows_keeps_them_greedy(kernels):
   p, q = make_models(seed=3, depth=4)
-  drafts, ids, emitted = _sample_round(p, q, 3, 64, seed=1, with_probs=True, greedy_rows=32)
+  drafts, ids, emitted = _sample_round(p, q, 3, 64, seed=1, with_probs=True, greedy_rows=32, kernels=kernels)
   logits = np.log(np.stack([[p[tuple(drafts[b, :j])] for j in range(4)] for b in range(32)]))
   t = logits.argmax(-1)
   for b in range(32):
@@ -312,14 +352,15 @@ def test_block_accepts_more_than_token_in_the_sampler():
   assert acc["block"] > acc["token"] + 0.05, acc
 
 
-def test_block_without_draft_probs_is_token_when_one_draft():
+@pytest.mark.parametrize("kernels", ["auto", "pallas"])
+def test_block_without_draft_probs_is_token_when_one_draft(kernels):
   """K=1 (and n=1 rows): the block rule is the token rule; with the same keys, the same outputs."""
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(256, 2, 50)), jnp.float32)
   drafts = jnp.asarray(rng.integers(0, 50, size=(256, 1)), jnp.int32)
   params = SamplingParams.create(jnp.full(256, 0.8), top_k=20)
-  a = rejection_sample(drafts, logits, params, jax.random.key(3), method="token")
-  b = rejection_sample(drafts, logits, params, jax.random.key(3), method="block")
+  a = rejection_sample(drafts, logits, params, jax.random.key(3), method="token", kernels=kernels)
+  b = rejection_sample(drafts, logits, params, jax.random.key(3), method="block", kernels=kernels)
   np.testing.assert_array_equal(a.token_ids, b.token_ids)
 
 

@@ -42,6 +42,7 @@ def all_plans():
     method,
     v,
     sharded,
+    kernels,
   ) in itertools.product(
     (False, True),
     (False, True),
@@ -53,6 +54,7 @@ def all_plans():
     ("token", "block"),
     VOCABS,
     (False, True),
+    ("xla", "pallas"),
   ):
     if all_greedy and all_random:
       continue
@@ -69,21 +71,27 @@ def all_plans():
       method=method,
       v=v,
       sharded=sharded,
+      kernels=kernels,
     )
-    yield (
-      switches,
-      plan.chain_plan(
-        _params(min_p, options, no_filters),
-        vocab=v,
-        local_vocab=v // 2 if sharded else v,
-        draft_probs=draft_probs,
-        all_greedy=all_greedy,
-        all_random=all_random,
-        logprobs=logprobs,
-        method=method,
-        sharded=sharded,
-      ),
+    make = lambda: plan.chain_plan(
+      _params(min_p, options, no_filters),
+      vocab=v,
+      local_vocab=v // 2 if sharded else v,
+      draft_probs=draft_probs,
+      all_greedy=all_greedy,
+      all_random=all_random,
+      logprobs=logprobs,
+      method=method,
+      sharded=sharded,
+      kernels=kernels,
     )
+    if kernels == "pallas" and plan.pallas_uncovered(
+      _params(min_p, options, no_filters), logprobs, method, sharded, greedy=all_greedy
+    ):
+      with pytest.raises(ValueError, match="kernels='pallas' does not cover"):
+        make()
+      continue
+    yield switches, make()
 
 
 PLANS = list(all_plans())
@@ -112,6 +120,13 @@ def test_plans_are_hashable_and_equal_for_equal_switches():
 @pytest.mark.parametrize("switches, p", PLANS[::7])
 def test_plan_invariants(switches, p):
   names = set(p.paths())
+  if switches["kernels"] == "pallas":
+    # The Pallas programs: one greedy program, or the fused one, with the filter search unless promised away.
+    if switches["all_greedy"]:
+      assert names == {"pallas greedy"} and not p.uses_random_numbers
+    else:
+      assert names == ({"pallas"} if switches["no_filters"] else {"pallas", "pallas threshold search"})
+    return
   if switches["all_greedy"]:
     # The greedy program: no exponential, no random numbers, no statistics pass, no draw.
     assert p.verifier == plan.GREEDY_VERIFIER and not p.uses_random_numbers
@@ -139,7 +154,7 @@ def test_every_plan_in_the_enumeration_is_checked():
   # The parametrised invariants sample the plans; here every plan gets the cheap ones.
   for switches, p in PLANS:
     if switches["all_greedy"]:
-      assert not p.uses_random_numbers and p.paths()[0] == "greedy"
+      assert not p.uses_random_numbers and p.paths()[0] == ("greedy" if p.kernels == "xla" else "pallas greedy")
     if switches["no_filters"] and p.stats is not None:
       assert "threshold search" not in p.paths() and "overflow redo" not in p.paths()
 
