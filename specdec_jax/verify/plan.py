@@ -98,8 +98,9 @@ _PATHS = (
   SamplerPath("bias / penalties", "params carry a logit bias or penalties", "+ the [B, V] state, fused into reads"),
   SamplerPath(
     "pallas",
-    'kernels="pallas", or "auto" on a GPU (method "token", no logprobs, penalties, min-p or split)',
-    "one pass leaving per-block partials; + the stopping rows' blocks (draft probs); one block per row",
+    'kernels="pallas", or "auto" on a GPU (no logprobs, penalties, min-p or split)',
+    "one pass leaving per-block partials; + the stopping rows' logits and probs (draft probs; block"
+    " verification: every position below n); one block per row",
   ),
   SamplerPath(
     "pallas greedy",
@@ -108,8 +109,8 @@ _PATHS = (
   ),
   SamplerPath(
     "pallas threshold search",
-    "the pallas path, some row has top-k or top-p (run time; not under no_filters)",
-    "+ the threshold search's passes (as the XLA program's)",
+    "the pallas path, not under no_filters (a kernel; a row that filters nothing returns at once)",
+    "the filtering rows' candidates (8 a block); their whole rows when the candidates cannot settle them",
   ),
   SamplerPath("logprobs processed", 'logprobs="processed"', "gathers only (the sampler's statistics)"),
   SamplerPath(

@@ -234,7 +234,8 @@ def _run_pallas(name, rows, seed, block=None):
   return np.asarray(ids), np.asarray(accepted), n, draft, t
 
 
-FAST_CASES = ("draft_probs", "ngram_no_draft_probs", "ragged_rows_mixed_batch", "temperature_top_k_top_p_ties")
+# draft_probs over one block runs in the slow set: its fast test is over several blocks (below).
+FAST_CASES = ("ngram_no_draft_probs", "ragged_rows_mixed_batch", "temperature_top_k_top_p_ties")
 
 
 @pytest.mark.parametrize("name", FAST_CASES)
@@ -266,6 +267,7 @@ def test_lossless_chisquare_slow(name, block):
   stats.assert_gof(_check_case(CASES[name], *_run_pallas(name, SLOW_ROWS, seed=5, block=block)))
 
 
+@pytest.mark.slow
 def test_planted_bias_is_rejected(monkeypatch):
   # Acceptance tests against u^0.7 instead of u (too generous): the same check must fail.
   jax.clear_caches()
