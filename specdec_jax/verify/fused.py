@@ -183,10 +183,8 @@ def _scores(b, row: _Row, refs, dims: _Dims) -> _Scores:
 
 
 def _at(vector, i):
-  """vector[i] for a traced i (a masked reduction: Triton has no dynamic indexing of a register vector)."""
+  """vector[i] of a float vector for a traced i (a masked max: Triton has no dynamic indexing of registers)."""
   rows = jnp.arange(vector.shape[0], dtype=jnp.int32)
-  if jnp.issubdtype(vector.dtype, jnp.integer):
-    return jnp.max(jnp.where(rows == i, vector, jnp.iinfo(vector.dtype).min))
   return jnp.max(jnp.where(rows == i, vector, -jnp.inf))
 
 

@@ -42,9 +42,9 @@ from tests.support.lowering import cuda_module_text
 from tests.verify.test_chain import CASES, K, V, _case_inputs, _check_case
 
 # Rows per chi-square run in the default set: the interpreter runs a grid program at a time.
-# 6000 rows, 8 bins: position 0 detects TV >= 0.034 at alpha = 1e-3 with 80% power
+# 1000 rows, 8 bins: position 0 detects TV >= 0.082 at alpha = 1e-3 with 80% power
 # (stats.detectable_deviation); the slow set runs 40,000 rows (TV >= 0.013).
-FAST_ROWS = 1500
+FAST_ROWS = 1000
 SLOW_ROWS = 40_000
 
 
