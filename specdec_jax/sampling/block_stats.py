@@ -329,38 +329,53 @@ def combine_partials(m, mass, first, t):
 # ----------------------------------------------------------------------------
 
 
-def _largest_key(enough):
-  """The largest uint32 u with enough(u), bit by bit from the top (32 steps); enough must not turn on again as u
-  grows. 0 when nothing is enough (the callers check)."""
+def _largest_key(weight, enough):
+  """The largest uint32 u with enough(weight(u)), bit by bit from the top: 32 steps. weight must not increase
+  with u. 0 when nothing is enough (the callers check)."""
 
   def step(i, ans):
     trial = ans | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
-    return jnp.where(enough(trial), trial, ans)
+    return jnp.where(enough(weight(trial)), trial, ans)
 
   return jax.lax.fori_loop(0, 32, step, jnp.uint32(0))
 
 
-def _search(count_at, mass_at, total, top_k, top_p, k_on, p_on):
+def _largest_key_radix16(weight, enough):
+  """`_largest_key` four bits a step: weight takes the 16 trial keys of a step at once (a vector), so a
+  search that reads the row for every weighing reads it 8 times instead of 32."""
+  digits = jnp.arange(16, dtype=jnp.int32)
+
+  def step(i, ans):
+    shift = (28 - 4 * i).astype(jnp.uint32)
+    ok = enough(weight(ans | jnp.left_shift(digits.astype(jnp.uint32), shift)))  # true for a prefix of digits
+    return ans | jnp.left_shift(jnp.max(jnp.where(ok, digits, 0)).astype(jnp.uint32), shift)
+
+  return jax.lax.fori_loop(0, 8, step, jnp.uint32(0))
+
+
+def _search(count_at, mass_at, total, top_k, top_p, k_on, p_on, largest_key=_largest_key):
   """(kth, thr) of one row from counts and masses of its scaled values (`thresholds`' sorted search, exactly).
 
   count_at(u): tokens whose ordered key is >= u. mass_at(u, kth): the mass of the
   tokens >= kth whose key is >= u. The top-k value is the largest value with at
   least k tokens at or above it; the top-p value the largest whose tokens (within
   the top-k set) hold at least top_p of that set's mass (none: the whole top-k set).
+  largest_key: `_largest_key`, or `_largest_key_radix16` (count_at and mass_at then
+  also take a vector of keys).
   """
   # The branches take -inf as an operand, computed (a select) so that it is a value: Triton's scf.if yields
   # values, not literals.
   off = jnp.where(k_on, jnp.float32(-jnp.inf), jnp.float32(-jnp.inf))
   kth = jax.lax.cond(
     k_on,
-    lambda off: from_ordered_key(_largest_key(lambda u: count_at(u) >= top_k)),
+    lambda off: from_ordered_key(largest_key(count_at, lambda n: n >= top_k)),
     lambda off: off,
     off,
   )
 
   def top_p_value(off):
     target = top_p * jnp.where(k_on, mass_at(jnp.uint32(0), kth), total)
-    key = _largest_key(lambda u: mass_at(u, kth) >= target)
+    key = largest_key(lambda u: mass_at(u, kth), lambda w: w >= target)
     return jnp.where(mass_at(key, kth) >= target, from_ordered_key(key), off)
 
   pth = jax.lax.cond(p_on, top_p_value, lambda off: off, off)
@@ -450,18 +465,23 @@ def _thresholds_kernel(
         x = jnp.where(jnp.isnan(x), -jnp.inf, x)
         return x, frame(x)
 
-      def count_row(u):
-        add = lambda j, acc: acc + jnp.sum((ordered_key(scaled_block(j)[1]) >= u).astype(jnp.int32))
-        return jax.lax.fori_loop(0, blocks, add, jnp.int32(0))
+      # Each weighing is a pass over the row: 16 trial keys a pass (`_largest_key_radix16`).
+      def over_row(weigh, u):
+        """Sum of weigh(scaled block, keys >= u) over the blocks; u a key or a vector of keys."""
+        ge = (lambda keys: keys >= u) if u.ndim == 0 else (lambda keys: keys[None, :] >= u[:, None])
+        add = lambda j, acc: acc + weigh(scaled_block(j)[1], ge, u.ndim)
+        return jax.lax.fori_loop(0, blocks, add, jnp.zeros(u.shape, jnp.float32))
+
+      count_row = lambda u: over_row(lambda sx, ge, d: jnp.sum(ge(ordered_key(sx)).astype(jnp.float32), axis=d), u)
 
       def mass_row(u, kth):
-        def add(j, acc):
-          sx = scaled_block(j)[1]
-          return acc + jnp.sum(jnp.where((sx >= kth) & (ordered_key(sx) >= u), jnp.exp(sx), 0.0))
+        def mass(sx, ge, d):
+          w = jnp.where(sx >= kth, jnp.exp(sx), 0.0)
+          return jnp.sum(jnp.where(ge(ordered_key(sx)), w if d == 0 else w[None, :], 0.0), axis=d)
 
-        return jax.lax.fori_loop(0, blocks, add, jnp.float32(0.0))
+        return over_row(mass, u)
 
-      _, thr_row = _search(count_row, mass_row, total, top_k, top_p, k_on, p_on)
+      _, thr_row = _search(count_row, mass_row, total, top_k, top_p, k_on, p_on, _largest_key_radix16)
 
       def fix_block(j, carry):
         x, sx = scaled_block(j)
@@ -500,8 +520,9 @@ def block_thresholds(
   `thresholds`' sorted search defines them (ties kept), in the frame of the
   row's max. Where a threshold is not above every block's c-th largest value,
   the candidates may miss kept tokens, and the row repeats the search over its
-  whole vocabulary (exact; a pass per step, so slow, and rare for top-k in the
-  tens and language-model top-p). Its (m, mass) partials are then those of the
+  whole vocabulary (exact; 16 trial values weighed per pass over the row, up
+  to 19 passes, so slow, and rare for top-k in the tens and language-model
+  top-p). Its (m, mass) partials are then those of the
   kept tokens: `block_partials` with these thresholds would give the same.
 
   Args:
