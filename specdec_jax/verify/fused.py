@@ -381,6 +381,19 @@ def _seeds(keys, b: int):
   return jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32))(keys), False
 
 
+def _call(kernel, inputs: dict, dims: _Dims, out_shape, grid, name: str, interpret: bool):
+  """One of this module's kernels on `inputs` (the kernel reads them by name), with the compiler settings they share."""
+  compiler = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(
+    functools.partial(kernel, names=tuple(inputs), dims=dims),
+    out_shape=out_shape,
+    grid=grid,
+    interpret=interpret,
+    compiler_params=compiler,
+    name=name,
+  )(*inputs.values())
+
+
 @functools.partial(jax.jit, static_argnames=("greedy_rows", "no_filters", "method", "block", "candidates", "interpret"))
 def fused_chain(
   draft,
@@ -471,26 +484,14 @@ def fused_chain(
   inputs["m"], inputs["mass"], inputs["first"] = m, mass, first
   if draft_probs is not None:
     inputs["draft_probs"] = draft_probs
-  compiler = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
   if draft_probs is not None:
+    shape = (b, k, blocks) if dims.block_method else (b, blocks)
     kernel = _block_residual_kernel if dims.block_method else _residual_kernel
-    inputs["residual"] = pl.pallas_call(
-      functools.partial(kernel, names=tuple(inputs), dims=dims),
-      out_shape=jax.ShapeDtypeStruct((b, k, blocks) if dims.block_method else (b, blocks), jnp.float32),
-      grid=(b, blocks),
-      interpret=interpret,
-      compiler_params=compiler,
-      name="sampler_residual_masses",
-    )(*inputs.values())
+    residual = jax.ShapeDtypeStruct(shape, jnp.float32)
+    inputs["residual"] = _call(kernel, inputs, dims, residual, (b, blocks), "sampler_residual_masses", interpret)
   i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-  return pl.pallas_call(
-    functools.partial(_draw_kernel, names=tuple(inputs), dims=dims),
-    out_shape=(jax.ShapeDtypeStruct((b, k1), jnp.int32), i32, i32),
-    grid=(b,),
-    interpret=interpret,
-    compiler_params=compiler,
-    name="sampler_accept_and_draw",
-  )(*inputs.values())
+  ids = jax.ShapeDtypeStruct((b, k1), jnp.int32)
+  return _call(_draw_kernel, inputs, dims, (ids, i32, i32), (b,), "sampler_accept_and_draw", interpret)
 
 
 # ----------------------------------------------------------------------------
@@ -595,22 +596,9 @@ def fused_greedy(draft, logits, n, *, block: int = DEFAULT_BLOCK, interpret: boo
   inputs["m"], inputs["first"] = block_partials(
     logits.reshape(b * k1, v), None, positions=k1, block=block, interpret=interpret, skip_last=True
   )
-  compiler = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
   parts = (jax.ShapeDtypeStruct((b, blocks), jnp.float32), jax.ShapeDtypeStruct((b, blocks), jnp.int32))
-  inputs["bonus_m"], inputs["bonus_first"] = pl.pallas_call(
-    functools.partial(_greedy_bonus_kernel, names=tuple(inputs), dims=dims),
-    out_shape=parts,
-    grid=(b, blocks),
-    interpret=interpret,
-    compiler_params=compiler,
-    name="sampler_greedy_bonus",
-  )(*inputs.values())
+  bonus = _call(_greedy_bonus_kernel, inputs, dims, parts, (b, blocks), "sampler_greedy_bonus", interpret)
+  inputs["bonus_m"], inputs["bonus_first"] = bonus
   i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-  return pl.pallas_call(
-    functools.partial(_greedy_emit_kernel, names=tuple(inputs), dims=dims),
-    out_shape=(jax.ShapeDtypeStruct((b, k1), jnp.int32), i32, i32),
-    grid=(b,),
-    interpret=interpret,
-    compiler_params=compiler,
-    name="sampler_greedy_emit",
-  )(*inputs.values())
+  ids = jax.ShapeDtypeStruct((b, k1), jnp.int32)
+  return _call(_greedy_emit_kernel, inputs, dims, (ids, i32, i32), (b,), "sampler_greedy_emit", interpret)
