@@ -262,7 +262,7 @@ def chain_plan(
     else:
       draw = ROW_DRAW
   greedy_only = verifier == GREEDY_VERIFIER
-  uncovered = pallas_uncovered(params, logprobs, method, sharded, greedy=greedy_only)
+  uncovered = pallas_uncovered(params, logprobs, sharded, greedy=greedy_only)
   if kernels == "pallas" and uncovered:
     raise ValueError(f"rejection_sample: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")
   # "auto": the Pallas program on a GPU, except for all-greedy batches: there XLA's argmax program
@@ -282,15 +282,13 @@ def chain_plan(
   )
 
 
-def pallas_uncovered(
-  params: SamplingParams, logprobs: str | None, method: str, sharded: bool, *, greedy: bool = False
-) -> str:
+def pallas_uncovered(params: SamplingParams, logprobs: str | None, sharded: bool, *, greedy: bool = False) -> str:
   """What of a call the Pallas programs (`verify.fused`) do not cover, in words; "" when they cover it all.
 
-  greedy: the all_greedy program (`fused_greedy`), which ignores method and min-p.
+  Both verification methods are covered. greedy: the all_greedy program (`fused_greedy`), which ignores min-p.
 
   Example:
-    >>> pallas_uncovered(SamplingParams.create(1.0), None, "token", True)
+    >>> pallas_uncovered(SamplingParams.create(1.0), None, True)
     'a vocabulary split over devices'
   """
   missing = []

@@ -86,7 +86,7 @@ def all_plans():
       kernels=kernels,
     )
     if kernels == "pallas" and plan.pallas_uncovered(
-      _params(min_p, options, no_filters), logprobs, method, sharded, greedy=all_greedy
+      _params(min_p, options, no_filters), logprobs, sharded, greedy=all_greedy
     ):
       with pytest.raises(ValueError, match="kernels='pallas' does not cover"):
         make()
