@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from specdec_jax.sampling.params import GREEDY_TEMPERATURE
-from specdec_jax.sampling.thresholds import from_ordered_key, ordered_key
+from specdec_jax.sampling.thresholds import from_ordered_key, largest_key, ordered_key
 
 try:  # the Triton back end of Pallas (GPU); the interpreter needs only its load/store
   from jax.experimental.pallas import triton as plgpu
@@ -329,19 +329,8 @@ def combine_partials(m, mass, first, t):
 # ----------------------------------------------------------------------------
 
 
-def _largest_key(weight, enough):
-  """The largest uint32 u with enough(weight(u)), bit by bit from the top: 32 steps. weight must not increase
-  with u. 0 when nothing is enough (the callers check)."""
-
-  def step(i, ans):
-    trial = ans | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
-    return jnp.where(enough(weight(trial)), trial, ans)
-
-  return jax.lax.fori_loop(0, 32, step, jnp.uint32(0))
-
-
 def _largest_key_radix16(weight, enough):
-  """`_largest_key` four bits a step: weight takes the 16 trial keys of a step at once (a vector), so a
+  """`thresholds.largest_key` four bits a step: weight takes the 16 trial keys of a step at once (a vector), so a
   search that reads the row for every weighing reads it 8 times instead of 32."""
   digits = jnp.arange(16, dtype=jnp.int32)
 
@@ -353,14 +342,14 @@ def _largest_key_radix16(weight, enough):
   return jax.lax.fori_loop(0, 8, step, jnp.uint32(0))
 
 
-def _search(count_at, mass_at, total, top_k, top_p, k_on, p_on, largest_key=_largest_key):
+def _search(count_at, mass_at, total, top_k, top_p, k_on, p_on, largest_key=largest_key):
   """(kth, thr) of one row from counts and masses of its scaled values (`thresholds`' sorted search, exactly).
 
   count_at(u): tokens whose ordered key is >= u. mass_at(u, kth): the mass of the
   tokens >= kth whose key is >= u. The top-k value is the largest value with at
   least k tokens at or above it; the top-p value the largest whose tokens (within
   the top-k set) hold at least top_p of that set's mass (none: the whole top-k set).
-  largest_key: `_largest_key`, or `_largest_key_radix16` (count_at and mass_at then
+  largest_key: `thresholds.largest_key` (bit by bit), or `_largest_key_radix16` (count_at and mass_at then
   also take a vector of keys).
   """
   # The branches take -inf as an operand, computed (a select) so that it is a value: Triton's scf.if yields

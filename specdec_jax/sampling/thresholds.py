@@ -602,11 +602,17 @@ def from_ordered_key(u):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _largest_key(weight_at_least, enough, shape):
+def largest_key(weight_at_least, enough, shape=()):
   """The largest uint32 t [shape] with enough(weight_at_least(t)), bit by bit from the top: 32 steps, exact.
 
-  weight_at_least(t) must not increase with t; rows where even t = 0 is not
-  enough get 0 (the caller checks).
+  enough(weight_at_least(t)) must hold for the t below some bound and fail
+  above it (a weight that does not increase with t, and a lower limit on it);
+  rows where even t = 0 is not enough get 0 (the caller checks). Plain
+  jax.numpy: the Pallas threshold kernel (`block_stats.block_thresholds`) runs
+  it too, on scalars.
+
+  Example:
+    >>> largest_key(lambda t: t, lambda w: w <= 7)   # 7
   """
 
   def step(i, ans):
@@ -638,7 +644,7 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
   count_at_least = lambda t: shards.sum(jnp.sum((u >= t[:, None]).astype(jnp.int32), axis=-1))
   kth = jax.lax.cond(
     shards.any(k_on),
-    lambda: jnp.where(k_on, from_ordered_key(_largest_key(count_at_least, lambda n: n >= top_k, m.shape)), -jnp.inf),
+    lambda: jnp.where(k_on, from_ordered_key(largest_key(count_at_least, lambda n: n >= top_k, m.shape)), -jnp.inf),
     lambda: jnp.full(m.shape, -jnp.inf, jnp.float32),
   )
   in_top_k = x >= kth[:, None]
@@ -648,7 +654,7 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
 
   def top_p_value():
     mass_at_least = lambda t: shards.sum(jnp.sum(jnp.where(in_top_k & (u >= t[:, None]), e, 0.0), axis=-1))
-    key = _largest_key(mass_at_least, lambda w: w >= target, m.shape)
+    key = largest_key(mass_at_least, lambda w: w >= target, m.shape)
     found = mass_at_least(key) >= target  # else rounding left the total under top_p: keep the top-k set
     return jnp.where(found, from_ordered_key(key), -jnp.inf)
 
