@@ -33,7 +33,7 @@ Cases:
 
 How it times (see bench/common.py): N iterations run inside ONE jitted
 `lax.fori_loop` (no dispatch overhead). Each iteration runs the case once on
-each of n (2 to 8) separate preallocated logits buffers (and draft probs),
+each of n (2 to 32) separate preallocated logits buffers (and draft probs),
 together well above the 50 MB L2 of an H100 where memory allows
 (`--rotate-mb`), so inputs come from HBM, not from cache; the reported time is
 per sampler call. The buffers are separate arguments (materialised, like a
@@ -380,6 +380,10 @@ def parse_args(argv=None):
     "slice over its bandwidth) (default 1: no mesh)",
   )
   p.add_argument(
+    "--trace",
+    help="also profile each case (jax.profiler, 10 loop iterations) into this folder and record its kernels per call",
+  )
+  p.add_argument(
     "--out",
     default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
     help="output directory (default bench/out)",
@@ -468,6 +472,9 @@ def run_case(name, b, v, args, inputs, bandwidth):
     warns.append("all buffers together are under 2x L2: inputs may partly come from cache")
   if ms < 0.8 * floor_ms:
     warns.append("faster than the floor: inputs may be cached")
+  trace = (
+    trace_case(compiled, carry, operands, n_buf, os.path.join(args.trace, f"{name}_B{b}_V{v}")) if args.trace else None
+  )
   return {
     "case": name,
     "B": b,
@@ -495,7 +502,30 @@ def run_case(name, b, v, args, inputs, bandwidth):
     "hlo_ok": not (missing or unexpected),
     "materialized": materialized,
     "warnings": warns,
+    **({"trace": trace} if trace else {}),
   }
+
+
+TRACE_ITERS = 10
+
+
+def trace_case(compiled, carry, operands, n_buf: int, trace_dir: str) -> dict:
+  """The kernels of one sampler call: a jax.profiler trace of TRACE_ITERS loop iterations (n_buf calls each),
+  grouped by kernel name, per call. The loop's own ops (the checksum, the key fold) are included."""
+  from bench.step_profile import profile_trace  # the trace reader (imports the model code: only when asked)
+
+  calls = TRACE_ITERS * n_buf
+  rows, summary, error = profile_trace(lambda: compiled(0, TRACE_ITERS, carry, *operands), trace_dir, calls)
+  if error:
+    tqdm.write(f"  trace failed: {error}")
+    return {"error": error}
+  for r in rows[:8]:
+    tqdm.write(f"  {r['per_step']:4.1f} x {r['us_per_step'] / max(r['per_step'], 1e-9):7.2f} us  {r['kernel'][:90]}")
+  tqdm.write(
+    f"  per call: {summary['launches_per_step']:.1f} kernels, {summary['kernel_us_per_step']:.1f} us in kernels, "
+    f"{summary['span_us_per_step']:.1f} us first start to last end"
+  )
+  return {"per_call": summary, "kernels": rows[:20]}
 
 
 def ratios(results):
@@ -634,8 +664,9 @@ def main(argv=None):
   bar = tqdm(total=len(grid) * len(args.cases), desc="sampler", unit="case", disable=not sys.stderr.isatty())
   for b, v in grid:
     buf_bytes = b * (args.k + 1) * v * 4
-    # Separate buffers, unrolled in each iteration: at most 8 (compile time).
-    n_buf = min(8, max(2, math.ceil(args.rotate_mb * 2**20 / buf_bytes)))
+    # Separate buffers, unrolled in each iteration: at most 32 (compile time), so that small batches
+    # too read from memory, not from L2.
+    n_buf = min(32, max(2, math.ceil(args.rotate_mb * 2**20 / buf_bytes)))
     stack_bytes = n_buf * (buf_bytes + (b * args.k * v * 4 if with_dp else 0))
     need = stack_bytes + 8 * buf_bytes  # the stacks, plus room for sort/softmax temporaries
     if mem is not None and need > 0.85 * mem:

@@ -15,12 +15,14 @@ Checks (each a line in OUT/sampler_gpu_check.json; the script exits 1 if one fai
   kept_sets                `block_thresholds` keeps the tokens `thresholds.threshold_and_lse` keeps
                            (top-k 50 and top-p 0.9; top-p alone; a flat row whose top-p set the candidates
                            cannot settle; top-k 1000), every row, up to tokens within rounding of a threshold
+  greedy_vs_xla            all_greedy=True on the Pallas program gives the XLA program's tokens, row for row
   chisquare                the lossless cases of tests/verify/test_chain.py (alpha 1e-3 per position)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from specdec_jax import SamplingParams
+from specdec_jax import SamplingParams, rejection_sample
 from specdec_jax.sampling.block_stats import block_partials, block_thresholds, scaled
 from specdec_jax.sampling.params import row_keys
 from specdec_jax.sampling.thresholds import threshold_and_lse
@@ -108,6 +110,28 @@ def kept_sets(v: int, b: int):
   return out
 
 
+def greedy_vs_xla(v: int, b: int):
+  """{label: (rows whose tokens equal the XLA greedy program's, rows)}: `fused_greedy` compiled, with NaN logits,
+  a position with nothing above -inf, ragged draft counts and rows that accept every draft (bonus rows read)."""
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(b, K + 1, v)).astype(np.float32)
+  x[0, 1, 5] = np.nan
+  x[1, 2] = -np.inf
+  x = jnp.asarray(x)
+  best = np.asarray(jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), -1))[:, :K]
+  draft = np.where((np.arange(b) % 2 == 0)[:, None], best, rng.integers(0, v, (b, K))).astype(np.int32)
+  n = jnp.asarray(rng.integers(0, K + 1, b), jnp.int32)
+  params = SamplingParams.create(jnp.zeros((b,), jnp.float32))
+  # Under jit: an eager call rejects NaN logits, a jitted one counts them as -inf.
+  sample = lambda kernels, d, x, n: (
+    rejection_sample(d, x, params, jax.random.key(0), num_draft_tokens=n, all_greedy=True, kernels=kernels).token_ids
+  )
+  run = lambda kernels: jax.jit(functools.partial(sample, kernels))(jnp.asarray(draft), x, n)
+  equal = int(np.sum(np.all(np.asarray(run("xla")) == np.asarray(run("pallas" if ON_GPU else "xla")), -1)))
+  print("greedy_vs_xla", f"B={b} V={v}", f"{equal}/{b}", flush=True)
+  return {f"B={b} V={v}": (equal, b)}
+
+
 def chisquare(rows: int):
   """{case: (smallest p-value, positions tested)} through rejection_sample(kernels="pallas")."""
   import tests.verify.test_chain as tc
@@ -136,12 +160,15 @@ def main(argv=None):
   report = {"info": {**common.device_info(), "command": " ".join(sys.argv)}}
   report["compiled_vs_interpreter"] = {}
   report["kept_sets"] = {}
+  report["greedy_vs_xla"] = {}
   for v, b in shapes:
+    report["greedy_vs_xla"].update(greedy_vs_xla(v, b))
     report["compiled_vs_interpreter"].update(compiled_vs_interpreter(v, b, seeds=1 if quick else 3))
     report["kept_sets"].update(kept_sets(v, b))
   report["chisquare"] = chisquare(1500 if quick else 200_000)
   failed = [f"compiled_vs_interpreter {k}" for k, (e, n) in report["compiled_vs_interpreter"].items() if e != n]
   failed += [f"kept_sets {k}" for k, (e, n) in report["kept_sets"].items() if e != n]
+  failed += [f"greedy_vs_xla {k}" for k, (e, n) in report["greedy_vs_xla"].items() if e != n]
   failed += [f"chisquare {k}" for k, (pv, _) in report["chisquare"].items() if pv < 1e-3]
   report["failed"] = failed
   report["seconds"] = round(time.time() - t0, 1)

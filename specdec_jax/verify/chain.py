@@ -281,6 +281,7 @@ def rejection_sample(
     method=method,
     sharded=shards is not None,
     kernels=kernels,
+    batch=b,
   )
   program = functools.partial(_rejection_sample, plan=plan, shards=shards)
   if shards is None:

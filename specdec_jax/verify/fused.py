@@ -54,14 +54,30 @@ from specdec_jax.sampling.block_stats import (
   threefry2x32,
 )
 from specdec_jax.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from specdec_jax.sampling.reductions import greedy_argmax
 
 _INT_MAX = 2**31 - 1
 # Counter words (c0) of the kernels' random numbers, one per use; far from the small counters
 # `jax.random` itself gives a key, so that a key reused there draws other numbers.
 _ACCEPT, _BLOCK, _TOKEN = (0xA5A50001, 0xA5A50002, 0xA5A50003)
-# Largest logits per block that the top-k/top-p search keeps (block_stats.block_thresholds): with blocks
-# of 2048 tokens, a top-k of up to about 100 or a top-p set of similar size is settled from them.
-FILTER_CANDIDATES = 8
+
+
+def filter_candidates(blocks: int) -> int:
+  """Largest logits per block that the top-k/top-p search keeps (`block_stats.block_thresholds`).
+
+  A row's kept set is settled from them while no block holds all c of its
+  candidates inside the set, else the row searches its whole vocabulary (slow).
+  The kept tokens fall into blocks about at random (balls in bins): with 8 a
+  block over 64 blocks or more (V = 151936 with blocks of 2048) and 16 over
+  fewer (V = 49152, 32000), about 1% of rows or fewer with a top-k of 100 fall
+  back, and almost none with a top-k of 50. Each candidate costs a pass over its block.
+
+  Example:
+    >>> filter_candidates(75), filter_candidates(24)   # V = 151936, 49152: (8, 16)
+  """
+  return 8 if blocks >= 64 else 16
+
+
 # A block whose residual keeps under this fraction of its mass (rounding of p - p(d)) counts as empty.
 _EMPTY_BLOCK = 1e-6
 
@@ -303,26 +319,56 @@ def _residual_kernel(*refs_and_out, names, dims: _Dims):
   store(out_ref, (b, pl.ds(j, 1)), jnp.where(read, jnp.sum(jnp.where(cols < dims.vocab, res, 0.0)), 0.0)[None])
 
 
-def _block_residual_kernel(*refs_and_out, names, dims: _Dims):
-  """Block verification: block j's mass of max(w_i p_i - q_i, 0) at every position i < n of row b.
+# Tokens a block-verification residual program holds per position at once: its positions of logits and
+# draft probabilities as one 2-D tile of (positions x _RESIDUAL_TILE) values.
+_RESIDUAL_TILE = 1024
+# Below this many (row, block) programs the GPU has idle SMs: block verification's residual then takes one
+# position per program instead of all of a row's.
+_FEW_PROGRAMS = 128
 
+
+def _pick(vector, pos):
+  """vector[pos] for a vector of traced indices `pos` (a masked max per entry, as `_at`)."""
+  idx = jnp.arange(vector.shape[0], dtype=jnp.int32)
+  return jnp.max(jnp.where(pos[:, None] == idx[None, :], vector[None, :], -jnp.inf), axis=1)
+
+
+def _block_residual_kernel(*refs_and_out, names, dims: _Dims, rows: int):
+  """Block verification: block j's mass of max(w_i p_i - q_i, 0) at positions i < n of row b.
+
+  Program (b, g, j) takes positions g * rows .. (g + 1) * rows - 1 as 2-D tiles
+  (positions x tokens), so that their loads are issued together; `rows` is
+  every position (k1p) when the batch gives the GPU enough programs, else 1.
   The sums over blocks are R_i (the stop probabilities); at the stopping
   position tau < n they are also the residual's block masses for the draw.
   """
   refs = dict(zip(names, refs_and_out[:-1]))
   out_ref = refs_and_out[-1]
-  b, j = pl.program_id(0), pl.program_id(1)
+  b, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   row = _row(b, refs, dims)
   sc = _scores(b, row, refs, dims)
-  log_w = _block_log_weights(sc, dims)
-  for pos in range(dims.k):
-    i = jnp.int32(pos)  # a traced index for the loads and stores
-    read = ~row.greedy & (i < row.n)
-    shift, thr = (_at(sc.shift, i), _at(sc.thr, i)) if dims.filters else (sc.shift, sc.thr)
-    cols, log_p = _block_log_p(b, j, i, row.t, shift, thr, _at(sc.top, i), _at(sc.log_norm, i), refs, dims, read)
-    res = jnp.exp(_residual_log_p(j, cols, log_p, b, i, _at(log_w, i), refs, dims, read))
-    mass = jnp.where(read, jnp.sum(jnp.where(cols < dims.vocab, res, 0.0)), 0.0)
-    store(out_ref, (b, i, pl.ds(j, 1)), mass[None])
+  pos = g * rows + jnp.arange(rows, dtype=jnp.int32)
+  read = (pos < dims.k) & (pos < row.n) & ~row.greedy  # positions whose residual the rule needs
+  col = lambda v: _pick(v, pos)[:, None]  # per-position scalars against a tile's tokens
+  log_w = col(_block_log_weights(sc, dims))
+  top, log_norm = col(sc.top), col(sc.log_norm)
+  shift, thr = (col(sc.shift), col(sc.thr)) if dims.filters else (sc.shift, sc.thr)
+  tile = min(_RESIDUAL_TILE, dims.block)
+  mass = jnp.zeros((rows,), jnp.float32)
+  for start in range(0, dims.block, tile):  # static: block / tile tiles
+    cols = j * dims.block + start + jnp.arange(tile, dtype=jnp.int32)
+    at = (b, pl.ds(g * rows, rows), pl.ds(j * dims.block + start, tile))
+    ok = read[:, None] & (cols < dims.vocab)[None, :]
+    x = load(refs["logits"], at, ok, -jnp.inf).astype(jnp.float32)
+    q = load(refs["draft_probs"], at, ok, 0.0).astype(jnp.float32)
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    q = jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
+    kept = scaled(x, row.t, shift) >= thr
+    # exp(log p + log w) - q, rounded as the draw kernel's `_residual_log_p` rounds it
+    wp = jnp.where(kept, jnp.exp(scaled(x, row.t, top) - log_norm + log_w), 0.0)
+    mass = mass + jnp.sum(jnp.where(ok, jnp.maximum(wp - q, 0.0), 0.0), axis=1)
+  out = (b, pl.ds(g * rows, rows), pl.ds(j, 1))
+  store(out_ref, out, jnp.where(read, mass, 0.0)[:, None], mask=(pos < dims.k)[:, None])
 
 
 def _draw_kernel(*refs_and_out, names, dims: _Dims):
@@ -407,7 +453,7 @@ def fused_chain(
   no_filters: bool,
   method: str = "token",
   block: int = DEFAULT_BLOCK,
-  candidates: int = FILTER_CANDIDATES,
+  candidates: int | None = None,
   interpret: bool = False,
 ):
   """`rejection_sample`'s verification (method "token" or "block") in Pallas kernels; see the module docstring.
@@ -420,7 +466,8 @@ def fused_chain(
     no_filters: static promise that no row filters (no run-time branch at all).
     method: static; "token" or "block" (block verification, as `rejection_sample`'s).
     block: static tokens per block (a power of two).
-    candidates: static largest logits kept per block for the top-k/top-p search (a power of two).
+    candidates: static largest logits kept per block for the top-k/top-p search (a power of two; None:
+      `filter_candidates`).
     interpret: run the kernels in Pallas's interpreter (any backend).
 
   Returns:
@@ -463,7 +510,7 @@ def fused_chain(
       positions=k1,
       block=block,
       interpret=interpret,
-      candidates=candidates,
+      candidates=candidates or filter_candidates(blocks),
       all_random=dims.all_random,
     )
     thresholds, m, mass = block_thresholds(
@@ -485,10 +532,14 @@ def fused_chain(
   if draft_probs is not None:
     inputs["draft_probs"] = draft_probs
   if draft_probs is not None:
-    shape = (b, k, blocks) if dims.block_method else (b, blocks)
-    kernel = _block_residual_kernel if dims.block_method else _residual_kernel
+    if dims.block_method:  # every position's residual
+      rows = dims.k1p if b * blocks >= _FEW_PROGRAMS else 1
+      kernel = functools.partial(_block_residual_kernel, rows=rows)
+      shape, grid = (b, k, blocks), (b, pl.cdiv(k, rows), blocks)
+    else:  # the stopping position's
+      kernel, shape, grid = _residual_kernel, (b, blocks), (b, blocks)
     residual = jax.ShapeDtypeStruct(shape, jnp.float32)
-    inputs["residual"] = _call(kernel, inputs, dims, residual, (b, blocks), "sampler_residual_masses", interpret)
+    inputs["residual"] = _call(kernel, inputs, dims, residual, grid, "sampler_residual_masses", interpret)
   i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
   ids = jax.ShapeDtypeStruct((b, k1), jnp.int32)
   return _call(_draw_kernel, inputs, dims, (ids, i32, i32), (b,), "sampler_accept_and_draw", interpret)
@@ -500,22 +551,16 @@ def fused_chain(
 
 
 def _greedy_verdict(b, refs, dims: _Dims):
-  """(s, bonus): row b's accepted drafts from the argmax partials of positions 0..K-1, and whether its
-  token comes from the unread bonus row K (every one of n = K drafts accepted)."""
-  k, k1 = dims.k, dims.k + 1
+  """(s, bonus, argmax_s): row b's accepted drafts from the argmax of positions 0..K-1, whether its token
+  comes from the unread bonus row K (every one of n = K drafts accepted), and the argmax at s otherwise."""
+  k = dims.k
   rows = jnp.arange(dims.k1p, dtype=jnp.int32)
-  cols = jnp.arange(dims.nbp, dtype=jnp.int32)
-  tile = (pl.ds(b * k1, dims.k1p), pl.ds(0, dims.nbp))
-  ok = (rows[:, None] < k) & (cols[None, :] < dims.blocks)
-  m = load(refs["m"], tile, ok, -jnp.inf)
-  top = jnp.max(m, axis=1, keepdims=True)
-  argmax = jnp.min(jnp.where(m == top, load(refs["first"], tile, ok, _INT_MAX), _INT_MAX), axis=1)
-  draft = jnp.full((dims.k1p,), -1, jnp.int32)
-  for i in range(k):
-    draft = jnp.where(rows == i, refs["draft"][b, i], draft)
+  top = load(refs["best"], (b, pl.ds(0, dims.k1p)), rows < k, -jnp.inf)
+  argmax = load(refs["argmax"], (b, pl.ds(0, dims.k1p)), rows < k, 0)
+  draft = load(refs["draft"], (b, pl.ds(0, dims.k1p)), rows < k, -1)
   n = jnp.int32(k) if dims.all_drafts else jnp.minimum(jnp.maximum(refs["n"][b], 0), k)
   # A position without any logit above -inf accepts nothing (its "argmax" 0 is no choice).
-  agree = (draft == argmax) & (top[:, 0] > -jnp.inf) & (rows < n)
+  agree = (draft == argmax) & (top > -jnp.inf) & (rows < n)
   s = jnp.min(jnp.where(agree, dims.k1p, rows))
   return s, (s == k), jnp.max(jnp.where(rows == s, argmax, -_INT_MAX))
 
@@ -556,9 +601,10 @@ def _greedy_emit_kernel(*refs_and_out, names, dims: _Dims):
 
 @functools.partial(jax.jit, static_argnames=("block", "interpret"))
 def fused_greedy(draft, logits, n, *, block: int = DEFAULT_BLOCK, interpret: bool = False):
-  """Greedy verification (`all_greedy=True`) in three Pallas kernels, reading a bonus row only when it is used.
+  """Greedy verification (`all_greedy=True`) that reads a bonus row only when it is used.
 
-  The argmax of positions 0..K-1 first (no exponential); a row's bonus row K is
+  XLA's argmax of positions 0..K-1 first (one variadic reduction, close to the
+  memory floor; no exponential), then two Pallas kernels: a row's bonus row K is
   read only if it accepted all K drafts, so a batch that rejects early reads
   about K/(K+1) of the logits. The tokens are the XLA program's, bit for bit
   (first index on ties, NaN as -inf, a position with nothing above -inf accepts
@@ -593,9 +639,8 @@ def fused_greedy(draft, logits, n, *, block: int = DEFAULT_BLOCK, interpret: boo
   inputs = dict(draft=draft, logits=logits)
   if n is not None:
     inputs["n"] = n
-  inputs["m"], inputs["first"] = block_partials(
-    logits.reshape(b * k1, v), None, positions=k1, block=block, interpret=interpret, skip_last=True
-  )
+  argmax, best = greedy_argmax(logits[:, :k])  # [B, K] each; the slice fuses into the reduction's read
+  inputs["argmax"], inputs["best"] = argmax, best.astype(jnp.float32)
   parts = (jax.ShapeDtypeStruct((b, blocks), jnp.float32), jax.ShapeDtypeStruct((b, blocks), jnp.int32))
   bonus = _call(_greedy_bonus_kernel, inputs, dims, parts, (b, blocks), "sampler_greedy_bonus", interpret)
   inputs["bonus_m"], inputs["bonus_first"] = bonus

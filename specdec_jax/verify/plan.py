@@ -104,13 +104,13 @@ _PATHS = (
   ),
   SamplerPath(
     "pallas greedy",
-    'all_greedy=True with kernels="pallas"',
-    "the argmax of positions 0..K-1; a bonus row only where every draft was accepted",
+    'all_greedy=True with kernels="pallas", or "auto" on a GPU from 8 rows',
+    "XLA's argmax of positions 0..K-1; a bonus row only where every draft was accepted",
   ),
   SamplerPath(
     "pallas threshold search",
     "the pallas path, not under no_filters (a kernel; a row that filters nothing returns at once)",
-    "the filtering rows' candidates (8 a block); their whole rows when the candidates cannot settle them",
+    "the filtering rows' candidates (8 or 16 a block); their whole rows when the candidates cannot settle them",
   ),
   SamplerPath("logprobs processed", 'logprobs="processed"', "gathers only (the sampler's statistics)"),
   SamplerPath(
@@ -215,6 +215,10 @@ class SamplerPlan:
     return tuple(names)
 
 
+# Under kernels="auto", all-greedy batches of at least this many rows take the Pallas greedy program.
+PALLAS_GREEDY_MIN_ROWS = 8
+
+
 def chain_plan(
   params: SamplingParams,
   *,
@@ -227,6 +231,7 @@ def chain_plan(
   method: str = "token",
   sharded: bool = False,
   kernels: str = "xla",
+  batch: int = 0,
 ) -> SamplerPlan:
   """The `SamplerPlan` of one `rejection_sample` call, from its static switches and static facts.
 
@@ -237,6 +242,8 @@ def chain_plan(
     draft_probs: draft probabilities are given.
     all_greedy, all_random, logprobs, method, kernels: as for `rejection_sample`.
     sharded: the vocabulary is split over devices (`vocab_parallel.VocabShards`).
+    batch: B, the rows (under kernels="auto", all-greedy batches of fewer than
+      `PALLAS_GREEDY_MIN_ROWS` keep XLA's argmax program).
 
   Returns:
     SamplerPlan.
@@ -265,9 +272,9 @@ def chain_plan(
   uncovered = pallas_uncovered(params, logprobs, sharded, greedy=greedy_only)
   if kernels == "pallas" and uncovered:
     raise ValueError(f"rejection_sample: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")
-  # "auto": the Pallas program on a GPU, except for all-greedy batches: there XLA's argmax program
-  # measured as fast (bench/RESULTS.md, "The sampler at small batch").
-  auto = jax.default_backend() == "gpu" and not greedy_only
+  # "auto": the Pallas programs on a GPU, except for the smallest all-greedy batches, where XLA's argmax
+  # program is as fast or a microsecond faster (bench/RESULTS.md, "The sampler at small batch").
+  auto = jax.default_backend() == "gpu" and not (greedy_only and batch < PALLAS_GREEDY_MIN_ROWS)
   use_pallas = not uncovered and (kernels == "pallas" or (kernels == "auto" and auto))
   return SamplerPlan(
     verifier=verifier,

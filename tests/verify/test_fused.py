@@ -19,6 +19,7 @@ bench/RESULTS.md), so these tests check the kernels' logic:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.extend.random
@@ -368,6 +369,31 @@ def test_a_row_depends_on_neither_its_neighbours_nor_their_filters():
   np.testing.assert_array_equal(run(_take(calm, perm), perm), a[perm])
 
 
+@pytest.mark.parametrize("filters", (False, True))
+def test_block_residual_layouts_give_the_same_tokens(monkeypatch, filters):
+  """Block verification's residual pass takes all of a row's positions per program, or one when the batch has few
+  (row, block) programs: the two layouts compute the same masses, so the same tokens for the same keys."""
+  b = 48
+  draft, logits, q = _mixed_problem(2, b=b, k=4, v=40)
+  t = np.tile(np.float32([1.0, 0.0, 0.8, 1.2]), b // 4)
+  top_k, top_p = (np.tile([0, 5, 0], b // 3), np.tile(np.float32([1.0, 1.0, 0.7]), b // 3)) if filters else (0, 1.0)
+  params = SamplingParams.create(t, top_k=top_k, top_p=top_p)
+  runs = {}
+  for few in (0, 10**9):  # every program all positions; every program one position
+    monkeypatch.setattr(fused, "_FEW_PROGRAMS", few)
+    jax.clear_caches()  # fused_chain's trace depends on the constant
+    sample = functools.partial(
+      fused.fused_chain, greedy_rows="per_row", no_filters=False, method="block", block=8, interpret=True
+    )
+    runs[few] = [
+      np.asarray(sample(draft, logits, params, key, q, None)[0]) for key in jax.random.split(jax.random.key(7), 3)
+    ]
+  jax.clear_caches()
+  for a, b in zip(runs[0], runs[10**9]):
+    np.testing.assert_array_equal(a, b)
+  assert len({r.tobytes() for r in runs[0]}) > 1  # the keys matter: the rows are not all decided alike
+
+
 def _take(params, rows):
   return dataclasses.replace(params, **{f: getattr(params, f)[rows] for f in ("temperature", "top_k", "top_p")})
 
@@ -385,10 +411,10 @@ def test_triton_lowering(draft_probs):
   args = [s((b, k), jnp.int32), s((b, k + 1, v), jnp.float32), s((b,), jnp.float32)]
   args += [s((b, k, v), jnp.float32)] if draft_probs else []
 
-  def sample(d, x, t, *q):
+  def sample(d, x, t, *q, method="token"):
     params = SamplingParams.create(t, top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32))
     return fused.fused_chain(
-      d, x, params, jax.random.key(0), q[0] if q else None, None, greedy_rows="per_row", no_filters=False
+      d, x, params, jax.random.key(0), q[0] if q else None, None, greedy_rows="per_row", no_filters=False, method=method
     )
 
   text = cuda_module_text(jax.jit(sample), args)
@@ -396,8 +422,11 @@ def test_triton_lowering(draft_probs):
   names += ["sampler_residual_masses"] if draft_probs else []
   for name in names:
     assert name in text, f"expected the {name} kernel as a Triton custom call"
+  if draft_probs:  # block verification's residual pass, all positions per program (2 x 75 programs)
+    block = cuda_module_text(jax.jit(functools.partial(sample, method="block")), args)
+    assert "sampler_residual_masses" in block
   greedy = cuda_module_text(jax.jit(lambda d, x: fused.fused_greedy(d, x, None)), args[:2])
-  for name in ("sampler_block_partials", "sampler_greedy_bonus", "sampler_greedy_emit"):
+  for name in ("sampler_greedy_bonus", "sampler_greedy_emit"):  # after XLA's argmax of positions 0..K-1
     assert name in greedy
 
 
@@ -443,3 +472,13 @@ def test_auto_is_the_xla_program_off_a_gpu():
     "pallas",
     "pallas threshold search",
   )
+
+
+def test_auto_on_a_gpu_keeps_xla_argmax_only_for_the_smallest_greedy_batches(monkeypatch):
+  monkeypatch.setattr(plan.jax, "default_backend", lambda: "gpu")
+  greedy = SamplingParams.greedy(1)
+  kernels = lambda b, **kw: plan.chain_plan(greedy, vocab=4096, local_vocab=4096, kernels="auto", batch=b, **kw).kernels
+  small = plan.PALLAS_GREEDY_MIN_ROWS - 1
+  assert kernels(small, all_greedy=True) == "xla"
+  assert kernels(plan.PALLAS_GREEDY_MIN_ROWS, all_greedy=True) == "pallas"
+  assert kernels(small) == "pallas"  # a batch that may sample takes the Pallas program at any size
