@@ -25,12 +25,18 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from specdec_jax.sampling.params import GREEDY_TEMPERATURE
-from specdec_jax.sampling.thresholds import from_ordered_key, largest_key, ordered_key
+from specdec_jax.sampling.thresholds import from_ordered_key, largest_key, ordered_key, top_k_on, top_k_or_top_p_on
 
 try:  # the Triton back end of Pallas (GPU); the interpreter needs only its load/store
   from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover - a jax without Pallas's Triton module
   plgpu = None
+
+
+def compiler_params(interpret: bool, num_warps: int = 4):
+  """The Triton settings the sampler's kernels share; None in the interpreter or without Pallas's Triton module."""
+  return None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+
 
 # Tokens per block of a pass: a power of two (Triton's tensors are), large enough that a block's three
 # partials cost little next to its tokens, small enough that B=1 still gives dozens of programs.
@@ -130,7 +136,7 @@ def filters_on(top_k, top_p, t_raw, vocab: int, all_random: bool):
   Example:
     >>> filters_on(jnp.int32(50), jnp.float32(1.0), jnp.float32(0.8), 1000, False)   # True
   """
-  on = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+  on = top_k_or_top_p_on(top_k, top_p, vocab)
   return on if all_random else on & (t_raw >= GREEDY_TEMPERATURE)
 
 
@@ -154,19 +160,15 @@ def top_values(x, cols, count: int):
 
 
 def _partials_kernel(
-  x_ref, *refs, vocab, block, positions, filters, per_program, blocks, with_mass, skip_last, candidates, all_random
+  x_ref, *refs, vocab, block, positions, filters, per_program, blocks, with_mass, candidates, all_random
 ):
   if with_mass:
     temperature_ref, *refs = refs
   thresholds_ref, *refs = refs if filters else (None, *refs)
   if candidates:
-    top_k_ref, top_p_ref, *refs = refs
-  if candidates:
-    *refs, cand_ref = refs
+    top_k_ref, top_p_ref, *refs, cand_ref = refs
   m_ref, s_ref, a_ref = refs if with_mass else (refs[0], None, refs[1])
   r = pl.program_id(0)
-  # skip_last: the last position of every request is not read (its partials are garbage).
-  wanted = (r % positions != positions - 1) if skip_last else True
   if with_mass:
     temperature = temperature_ref[r // positions]
     t = jnp.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
@@ -178,7 +180,7 @@ def _partials_kernel(
   for step in range(per_program):  # unrolled: every block's loads are issued before the first reduction
     j = pl.program_id(1) * per_program + step
     cols = j * block + jnp.arange(block, dtype=jnp.int32)
-    x = load(x_ref, (r, pl.ds(j * block, block)), (cols < vocab) & (j < blocks) & wanted, -jnp.inf)
+    x = load(x_ref, (r, pl.ds(j * block, block)), (cols < vocab) & (j < blocks), -jnp.inf)
     x = x.astype(jnp.float32)
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)  # a NaN logit is a masked token
     kept = jnp.where(scaled(x, t, shift) >= thr, x, -jnp.inf) if filters else x
@@ -200,7 +202,7 @@ def _partials_kernel(
 
 @functools.partial(
   jax.jit,
-  static_argnames=("positions", "block", "interpret", "num_warps", "skip_last", "candidates", "all_random"),
+  static_argnames=("positions", "block", "interpret", "num_warps", "candidates", "all_random"),
 )
 def block_partials(
   logits,
@@ -212,7 +214,6 @@ def block_partials(
   block: int = DEFAULT_BLOCK,
   interpret: bool = False,
   num_warps: int = 4,
-  skip_last: bool = False,
   candidates: int = 0,
   all_random: bool = False,
 ):
@@ -241,7 +242,6 @@ def block_partials(
     positions: static rows per request.
     block: static tokens per block, a power of two.
     interpret: run in Pallas's interpreter (any backend; tests).
-    skip_last: static; rows at the last position of a request are not read (their partials are garbage).
     filter_params: (top_k int32[B], top_p f32[B]), with `candidates` > 0 (needs a temperature).
     candidates: static c, a power of two (0: none).
     all_random: static; requests at temperature 0 count as random (`rejection_sample(all_random=True)`).
@@ -267,7 +267,7 @@ def block_partials(
   # Blocks per program: one while programs are few (small batch: every SM busy), up to 8 when they are
   # many, so that a program has several loads in flight and the grid fewer programs to schedule.
   per_program = int(min(8, max(1, r * n // 1024)))
-  params = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+  params = compiler_params(interpret, num_warps)
   f32 = jax.ShapeDtypeStruct((r, n), jnp.float32)
   extra = (temperature.astype(jnp.float32),) if with_mass else ()
   extra += (thresholds.astype(jnp.float32),) if filters else ()
@@ -287,7 +287,6 @@ def block_partials(
       per_program=per_program,
       blocks=n,
       with_mass=with_mass,
-      skip_last=skip_last,
       candidates=candidates,
       all_random=all_random,
     ),
@@ -414,7 +413,7 @@ def _thresholds_kernel(
     # Scaled values in the frame of the row's max (never above 0: no overflow at any temperature).
     frame = lambda x: jnp.where(x > -jnp.inf, scaled(x, t, top), -jnp.inf)
     total = jnp.sum(jnp.where(mass > 0, mass * jnp.exp(frame(m)), 0.0))
-    k_on, p_on = (top_k > 0) & (top_k < vocab), top_p < 1.0
+    k_on, p_on = top_k_on(top_k, vocab), top_p < 1.0
 
     cand = load(
       cand_ref, (r, pl.ds(0, nbp), pl.ds(0, candidates)), live[:, None] & (slots < candidates)[None], -jnp.inf
@@ -538,7 +537,7 @@ def block_thresholds(
     candidates=candidates,
     all_random=all_random,
   )
-  params = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
+  params = compiler_params(interpret)
   f32 = jax.ShapeDtypeStruct((r, n), jnp.float32)
   return pl.pallas_call(
     kernel,

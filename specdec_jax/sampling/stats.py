@@ -38,6 +38,7 @@ from specdec_jax.sampling.thresholds import (
   filter_active,
   shift_non_finite_rows,
   threshold_and_lse,
+  top_k_or_top_p_on,
 )
 from specdec_jax.sampling.vocab_parallel import any_rows, take_vocab
 
@@ -183,7 +184,7 @@ def _if_any_row_filters(filters_on, shards, filtered, plain, *operands):
 
 def _filter_pass_index(params: SamplingParams, greedy, vocab_size: int, shards) -> jax.Array:
   """Run-time choice among (PLAIN_PASS, MIN_P_PASS, FILTERED_PASS): 2 if a row has top-k/top-p, 1 if min-p only."""
-  top_on = (((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1.0)) & ~greedy
+  top_on = top_k_or_top_p_on(params.top_k, params.top_p, vocab_size) & ~greedy
   min_p_on = (params.min_p > 0) & ~greedy
   return jnp.where(any_rows(top_on, shards), 2, jnp.where(any_rows(min_p_on, shards), 1, 0))
 

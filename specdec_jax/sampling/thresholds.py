@@ -87,6 +87,24 @@ def shift_non_finite_rows(
   return jax.lax.cond(any_rows(redo, shards), fix, lambda raw: ShiftedStats(jnp.zeros_like(lse), thr, lse), logits)
 
 
+def top_k_on(top_k, vocab_size: int):
+  """bool, top_k's shape: the top-k values that may remove tokens (0, and any k >= V, keep every token).
+
+  Example:
+    >>> top_k_on(jnp.array([0, 5, 100]), 100)   # [False, True, False]
+  """
+  return (top_k > 0) & (top_k < vocab_size)
+
+
+def top_k_or_top_p_on(top_k, top_p, vocab_size: int):
+  """bool: top-k or top-p may remove tokens (`filter_active`'s rule before min-p and greedy rows).
+
+  Example:
+    >>> top_k_or_top_p_on(jnp.array([0, 0]), jnp.array([1.0, 0.9]), 100)   # [False, True]
+  """
+  return top_k_on(top_k, vocab_size) | (top_p < 1.0)
+
+
 def filter_active(params: SamplingParams, vocab_size: int, *, greedy: jax.Array | None = None) -> jax.Array:
   """bool[B]: the rows whose top-k, top-p or min-p may remove tokens (the one "filters active" predicate).
 
@@ -105,7 +123,7 @@ def filter_active(params: SamplingParams, vocab_size: int, *, greedy: jax.Array 
   """
   if params.no_filters:  # the static promise: nothing filters, whatever the fields hold
     return jnp.zeros(params.temperature.shape, jnp.bool_)
-  on = ((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1.0)
+  on = top_k_or_top_p_on(params.top_k, params.top_p, vocab_size)
   if params.min_p is not None:
     on = on | (params.min_p > 0)
   return on & ~(params.is_greedy if greedy is None else greedy)
@@ -162,7 +180,7 @@ def _threshold_from_sorted(xs, top_k, top_p, v, total_mass=None, m=None, *, min_
   """
   c = xs.shape[-1]
   m = xs[..., 0] if m is None else m
-  k_on = _bcast((top_k > 0) & (top_k < v), xs[..., 0])
+  k_on = _bcast(top_k_on(top_k, v), xs[..., 0])
   p_on = _bcast(top_p < 1.0, xs[..., 0])
   k = _bcast(jnp.clip(top_k, 1, c), xs[..., 0])
   kth = jnp.where(k_on, jnp.take_along_axis(xs, (k - 1)[..., None], axis=-1)[..., 0], -jnp.inf)
@@ -325,7 +343,7 @@ def _threshold_from_candidates(flat, floor, *, top_k, top_p, v, total, m, min_p)
   """
   cand = -jnp.sort(-flat, axis=-1)
   thr, kth, kept_mass = _threshold_from_sorted(cand, top_k, top_p, v, total, m, min_p=min_p)
-  k_on = _bcast((top_k > 0) & (top_k < v), thr)
+  k_on = _bcast(top_k_on(top_k, v), thr)
   p_on = _bcast(top_p < 1.0, thr)
   kth_exact = (_bcast(top_k, thr) <= cand.shape[-1]) & (kth > floor)
   if min_p is None:
@@ -639,7 +657,7 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
   u = ordered_key(x)
   m = shards.max(jnp.max(x, axis=-1))
   e = jnp.exp(x - m[:, None])
-  k_on = (top_k > 0) & (top_k < v)
+  k_on = top_k_on(top_k, v)
   p_on = top_p < 1.0
   count_at_least = lambda t: shards.sum(jnp.sum((u >= t[:, None]).astype(jnp.int32), axis=-1))
   kth = jax.lax.cond(

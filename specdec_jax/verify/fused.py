@@ -44,10 +44,10 @@ from specdec_jax.sampling.block_stats import (
   block_partials,
   block_thresholds,
   combine_partials,
+  compiler_params,
   load,
   log_exponential,
   open_uniform,
-  plgpu,
   pow2,
   scaled,
   store,
@@ -284,13 +284,26 @@ def _accept(b, row: _Row, refs, dims: _Dims) -> _Acceptance:
   )
 
 
+def _log_p(x, t, shift, thr, top, log_norm):
+  """log p of loaded logits x under the processed target (-inf: removed or NaN); the statistics broadcast
+  against x (scalars, or a column per position of a 2-D tile)."""
+  x = x.astype(jnp.float32)
+  x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+  return jnp.where(scaled(x, t, shift) >= thr, scaled(x, t, top) - log_norm, -jnp.inf)
+
+
+def _residual(log_p, log_w, q):
+  """max(w p - q, 0) from log p, log w and loaded draft probabilities q (NaN, inf, negative count as 0)."""
+  q = q.astype(jnp.float32)
+  q = jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
+  return jnp.maximum(jnp.exp(log_p + log_w) - q, 0.0)
+
+
 def _block_log_p(b, j, pos, t, shift, thr, top, log_norm, refs, dims: _Dims, read):
   """Token ids and log p of block j of row b's position `pos` (-inf: removed, masked, past V)."""
   cols = j * dims.block + jnp.arange(dims.block, dtype=jnp.int32)
   x = load(refs["logits"], (b, pos, pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & read, -jnp.inf)
-  x = jnp.where(jnp.isnan(x.astype(jnp.float32)), -jnp.inf, x.astype(jnp.float32))
-  kept = scaled(x, t, shift) >= thr
-  return cols, jnp.where(kept, scaled(x, t, top) - log_norm, -jnp.inf)
+  return cols, _log_p(x, t, shift, thr, top, log_norm)
 
 
 def _stop_block_log_p(b, j, row: _Row, acc: _Acceptance, refs, dims: _Dims, read):
@@ -302,9 +315,7 @@ def _residual_log_p(j, cols, log_p, b, pos, log_w, refs, dims: _Dims, read):
   """log max(w p - q, 0) over block j of position `pos` < K (draft probabilities; w = 1 for method "token")."""
   at = jnp.minimum(pos, dims.k - 1)
   q = load(refs["draft_probs"], (b, at, pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & read, 0.0)
-  q = q.astype(jnp.float32)
-  q = jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
-  return jnp.log(jnp.maximum(jnp.exp(log_p + log_w) - q, 0.0))
+  return jnp.log(_residual(log_p, log_w, q))
 
 
 def _residual_kernel(*refs_and_out, names, dims: _Dims):
@@ -359,14 +370,9 @@ def _block_residual_kernel(*refs_and_out, names, dims: _Dims, rows: int):
     cols = j * dims.block + start + jnp.arange(tile, dtype=jnp.int32)
     at = (b, pl.ds(g * rows, rows), pl.ds(j * dims.block + start, tile))
     ok = read[:, None] & (cols < dims.vocab)[None, :]
-    x = load(refs["logits"], at, ok, -jnp.inf).astype(jnp.float32)
-    q = load(refs["draft_probs"], at, ok, 0.0).astype(jnp.float32)
-    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-    q = jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0)
-    kept = scaled(x, row.t, shift) >= thr
-    # exp(log p + log w) - q, rounded as the draw kernel's `_residual_log_p` rounds it
-    wp = jnp.where(kept, jnp.exp(scaled(x, row.t, top) - log_norm + log_w), 0.0)
-    mass = mass + jnp.sum(jnp.where(ok, jnp.maximum(wp - q, 0.0), 0.0), axis=1)
+    log_p = _log_p(load(refs["logits"], at, ok, -jnp.inf), row.t, shift, thr, top, log_norm)
+    res = _residual(log_p, log_w, load(refs["draft_probs"], at, ok, 0.0))  # as the draw kernel rounds it
+    mass = mass + jnp.sum(jnp.where(ok, res, 0.0), axis=1)
   out = (b, pl.ds(g * rows, rows), pl.ds(j, 1))
   store(out_ref, out, jnp.where(read, mass, 0.0)[:, None], mask=(pos < dims.k)[:, None])
 
@@ -429,13 +435,12 @@ def _seeds(keys, b: int):
 
 def _call(kernel, inputs: dict, dims: _Dims, out_shape, grid, name: str, interpret: bool):
   """One of this module's kernels on `inputs` (the kernel reads them by name), with the compiler settings they share."""
-  compiler = None if interpret or plgpu is None else plgpu.CompilerParams(num_warps=4, num_stages=1)
   return pl.pallas_call(
     functools.partial(kernel, names=tuple(inputs), dims=dims),
     out_shape=out_shape,
     grid=grid,
     interpret=interpret,
-    compiler_params=compiler,
+    compiler_params=compiler_params(interpret),
     name=name,
   )(*inputs.values())
 
