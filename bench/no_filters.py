@@ -2,13 +2,15 @@
 
 Times `sample_tokens` on [B, V] and `rejection_sample` on [B, K+1, V] (with and
 without draft probabilities), T=1 rows, inside a jitted `fori_loop` (no
-dispatch in the figure), for three programs: the default one (run-time
+dispatch in the figure): the default program on rows that filter nothing and
+on rows with top-k 50 / top-p 0.9, `no_filters=True`, and `no_filters=True,
+all_random=True`, under each of `--kernels` (XLA's program has run-time
 branches on the filters, the overflow redo, an empty residual and an
-all-greedy batch), `no_filters=True`, and `no_filters=True, all_random=True`
-(no branch at all). With `--trace DIR`, each cell's costliest kernels.
+all-greedy batch; the Pallas programs decide inside their kernels). With
+`--trace DIR`, each cell's costliest kernels.
 
 Usage (GPU):
-    PYTHONPATH=. python3 bench/no_filters.py --out $OUT/nf --batch-sizes 1,8 --ks 2,3 --trace /tmp/trace
+    PYTHONPATH=. python3 bench/no_filters.py --out $OUT/nf --batch-sizes 1,8 --ks 2,3 --kernels xla,pallas
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from specdec_jax.sampling.sample import sample_tokens  # noqa: E402
 
 PROGRAMS = {
   "default": {},
+  "default, top-k 50 / top-p 0.9": {"filtering": True},  # the same program; its rows filter
   "no_filters": {"no_filters": True},
   "no_filters+all_random": {"no_filters": True, "all_random": True},
 }
 
 
-# Set from --kernels: which program `rejection_sample` runs.
+# Set per cell from --kernels: which program the samplers run.
 OPTIONS = {"kernels": "auto"}
 
 
@@ -58,7 +61,8 @@ def _sample_step(flags):
   flags = {n: f for n, f in flags.items() if n != "all_random"}  # sample_tokens has no all_random
 
   def step(i, acc, logits, probs, draft, params, key):
-    return acc + sample_tokens(logits[:, 0], params, jax.random.fold_in(key, i), **flags)[0].sum()
+    key = jax.random.fold_in(key, i)
+    return acc + sample_tokens(logits[:, 0], params, key, kernels=OPTIONS["kernels"], **flags)[0].sum()
 
   return step
 
@@ -68,7 +72,9 @@ def cell(kind, b, k, v, with_probs, flags, *, target_s, repeats, trace_dir=None)
   logits = jax.random.normal(key, (b, k + 1, v), jnp.float32) * 3
   probs = jax.nn.softmax(jax.random.normal(jax.random.key(1), (b, k, v)) * 3, axis=-1)
   draft = jax.random.randint(jax.random.key(2), (b, k), 0, v, jnp.int32)
-  params = SamplingParams.create(jnp.ones((b,), jnp.float32))
+  flags = dict(flags)
+  filtering = flags.pop("filtering", False)
+  params = SamplingParams.create(jnp.ones((b,), jnp.float32), *((50, 0.9) if filtering else ()))
   step = _sample_step(flags) if kind == "sample_tokens" else _rejection_step(k, with_probs, flags)
   loop = common.timed_loop(step)
   ops = (logits, probs, draft, params, key)
@@ -85,30 +91,35 @@ def main(argv=None):
   ap.add_argument("--out", required=True)
   ap.add_argument("--batch-sizes", default="1,8")
   ap.add_argument("--ks", default="2,3")
-  ap.add_argument("--vocab", type=int, default=49152)
+  ap.add_argument("--vocab", default="49152", help="a comma list of vocabulary sizes")
   ap.add_argument("--target-ms", type=float, default=50.0)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--trace", help="profile every cell into this directory (kernels in the JSON)")
-  ap.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto", help="rejection_sample's kernels=")
+  ap.add_argument("--kernels", default="auto", help="the samplers' kernels=, a comma list of auto, xla, pallas")
   ap.add_argument("--no-sample-tokens", action="store_true", help="time rejection_sample only")
+  ap.add_argument("--no-rejection-sample", action="store_true", help="time sample_tokens only")
   args = ap.parse_args(argv)
-  OPTIONS["kernels"] = args.kernels
+  kernel_sets = args.kernels.split(",")
+  if not set(kernel_sets) <= {"auto", "xla", "pallas"}:
+    ap.error(f"--kernels: a comma list of auto, xla, pallas; got {args.kernels!r}")
   os.makedirs(args.out, exist_ok=True)
   rows = []
-  for b in map(int, args.batch_sizes.split(",")):
-    cells = ([] if args.no_sample_tokens else [("sample_tokens", 1, False)]) + [
-      ("rejection_sample", k, wp) for k in map(int, args.ks.split(",")) for wp in (True, False)
-    ]
+  for v, b in ((v, b) for v in map(int, args.vocab.split(",")) for b in map(int, args.batch_sizes.split(","))):
+    cells = [] if args.no_sample_tokens else [("sample_tokens", 1, False)]
+    if not args.no_rejection_sample:
+      cells += [("rejection_sample", k, wp) for k in map(int, args.ks.split(",")) for wp in (True, False)]
     for kind, k, with_probs in cells:
-      for name, flags in PROGRAMS.items():
+      for kernels, (name, flags) in ((kn, p) for kn in kernel_sets for p in PROGRAMS.items()):
         if kind == "sample_tokens" and name == "no_filters+all_random":
           continue
-        trace = os.path.join(args.trace, f"{kind}_b{b}_k{k}_{with_probs}_{name}") if args.trace else None
+        OPTIONS["kernels"] = kernels
+        tag = f"{kind}_v{v}_b{b}_k{k}_{with_probs}_{kernels}_{name}".replace(" ", "").replace("/", "")
+        trace = os.path.join(args.trace, tag) if args.trace else None
         r = cell(
           kind,
           b,
           k,
-          args.vocab,
+          v,
           with_probs,
           flags,
           target_s=args.target_ms / 1e3,
@@ -118,14 +129,18 @@ def main(argv=None):
         rows.append(
           {
             "kind": kind,
+            "V": v,
             "B": b,
             "K": k if kind != "sample_tokens" else None,
             "draft_probs": with_probs,
             "program": name,
+            "kernels": kernels,
             **r,
           }
         )
-        print(f"B={b} {kind:16s} K={k} probs={with_probs!s:5s} {name:22s} {r['us']:8.1f} us", flush=True)
+        print(
+          f"V={v} B={b} {kind:16s} K={k} probs={with_probs!s:5s} {kernels:6s} {name:30s} {r['us']:8.1f} us", flush=True
+        )
   with open(os.path.join(args.out, "no_filters.json"), "w") as f:
     json.dump(
       {

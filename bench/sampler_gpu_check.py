@@ -1,10 +1,11 @@
 """Checks the sampler's Pallas program on a GPU, where the tests cannot: the compiled kernels against Pallas's
 interpreter, the in-kernel top-k/top-p search against the XLA search, and chi-square runs through
-`rejection_sample(kernels="pallas")`.
+`rejection_sample(kernels="pallas")` and `sample_tokens(kernels="pallas")`.
 
 The tests run the same kernel code in the interpreter on a CPU, and lower it to
 Triton for a CUDA target; only a GPU compiles and runs it. Run this first on a
-GPU after changing `specdec_jax/verify/fused.py` or `specdec_jax/sampling/block_stats.py`:
+GPU after changing `specdec_jax/verify/fused.py`, `specdec_jax/sampling/fused_sample.py` or
+`specdec_jax/sampling/block_stats.py`:
 
     PYTHONPATH=. python3 bench/sampler_gpu_check.py --out $OUT
     PYTHONPATH=. python3 bench/sampler_gpu_check.py --quick        # CPU: small shapes, the same checks
@@ -17,6 +18,9 @@ Checks (each a line in OUT/sampler_gpu_check.json; the script exits 1 if one fai
                            cannot settle; top-k 1000), every row, up to tokens within rounding of a threshold
   greedy_vs_xla            all_greedy=True on the Pallas program gives the XLA program's tokens, row for row
   chisquare                the lossless cases of tests/verify/test_chain.py (alpha 1e-3 per position)
+  sample_tokens            `sample_tokens(kernels="pallas")` compiled against the interpreter (tokens row for
+                           row, log-probabilities within 1e-5), and its groups of tests/sampling/test_sample.py
+                           by chi-square (alpha 1e-3)
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import numpy as np
 from bench import common
 from specdec_jax import SamplingParams, rejection_sample
 from specdec_jax.sampling.block_stats import block_partials, block_thresholds, scaled
+from specdec_jax.sampling.fused_sample import fused_sample_tokens
 from specdec_jax.sampling.params import row_keys
+from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.sampling.thresholds import threshold_and_lse
 from specdec_jax.verify.fused import fused_chain
 
@@ -149,6 +155,42 @@ def chisquare(rows: int):
   return out
 
 
+def sample_tokens_checks(v: int, b: int, rows: int):
+  """{label: (passed, of)}: compiled against interpreted `fused_sample_tokens` (greedy, filtering, NaN and empty
+  rows), and the chi-square groups of tests/sampling/test_sample.py through `sample_tokens(kernels="pallas")`."""
+  import tests.sampling.test_sample as ts
+
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(b, v)).astype(np.float32) * 3
+  x[0, 7] = np.nan
+  x[1] = -np.inf
+  x = jnp.asarray(x)
+  t = np.where(np.arange(b) % 3 == 0, 0.0, np.linspace(0.5, 1.5, b)).astype(np.float32)
+  out = {}
+  for top_k, top_p in ((0, 1.0), (50, 0.9), (0, 0.8)):
+    params = SamplingParams.create(t, top_k=top_k, top_p=top_p)
+    run = lambda interpret: fused_sample_tokens(x, params, jax.random.key(0), no_filters=False, interpret=interpret)
+    (tok_c, lp_c), (tok_i, lp_i) = run(not ON_GPU), run(True)
+    same = np.all(np.isclose(np.asarray(lp_c), np.asarray(lp_i), atol=1e-5), -1)  # (-inf equals -inf)
+    equal = int(np.sum((np.asarray(tok_c) == np.asarray(tok_i)) & same))
+    label = f"compiled vs interpreter top_k={top_k} top_p={top_p} B={b} V={v}"
+    out[label] = (equal, b)
+    print("sample_tokens", label, f"{equal}/{b}", flush=True)
+  sample = ts.sample_tokens_jit
+  ts.sample_tokens_jit = jax.jit(functools.partial(sample_tokens, kernels="pallas"), static_argnames=("all_greedy",))
+  try:
+    results = ts._check_sample_groups(rows, seed=4)
+    passed = sum(r.pvalue >= 1e-3 for r in results)
+  except AssertionError as e:
+    print("sample_tokens chisquare failed:", e, flush=True)
+    passed, results = 0, [None] * 3
+  finally:
+    ts.sample_tokens_jit = sample
+  out[f"chisquare groups, {rows} rows each"] = (passed, len(results))
+  print("sample_tokens chisquare", f"{passed}/{len(results)}", flush=True)
+  return out
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="small shapes (CPU)")
@@ -166,10 +208,14 @@ def main(argv=None):
     report["compiled_vs_interpreter"].update(compiled_vs_interpreter(v, b, seeds=1 if quick else 3))
     report["kept_sets"].update(kept_sets(v, b))
   report["chisquare"] = chisquare(1500 if quick else 200_000)
+  report["sample_tokens"] = {}
+  for v, b in shapes:
+    report["sample_tokens"].update(sample_tokens_checks(v, b * 4, rows=3000 if quick else 200_000))
   failed = [f"compiled_vs_interpreter {k}" for k, (e, n) in report["compiled_vs_interpreter"].items() if e != n]
   failed += [f"kept_sets {k}" for k, (e, n) in report["kept_sets"].items() if e != n]
   failed += [f"greedy_vs_xla {k}" for k, (e, n) in report["greedy_vs_xla"].items() if e != n]
   failed += [f"chisquare {k}" for k, (pv, _) in report["chisquare"].items() if pv < 1e-3]
+  failed += [f"sample_tokens {k}" for k, (e, n) in report["sample_tokens"].items() if e != n]
   report["failed"] = failed
   report["seconds"] = round(time.time() - t0, 1)
   os.makedirs(args.out, exist_ok=True)

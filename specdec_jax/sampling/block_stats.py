@@ -107,6 +107,55 @@ def log_exponential(bits):
   return jnp.log(-jnp.log1p(-w))
 
 
+def gumbel_pick(log_w, ids, live, seed, counter: int):
+  """The first id of max(log w - log E) over the live entries: an id drawn with probability ~ w (Gumbel-max).
+
+  E ~ Exponential(1) per entry from the row's key and (counter, id), so the
+  same row, counter and id always get the same noise. With no live entry of
+  weight > 0 it returns the smallest id whose score ties at -inf.
+
+  Args:
+    log_w: f32[n] log-weights (-inf: never drawn while another has weight); ids: int32[n] their ids;
+    live: bool[n], entries that take part; seed: the row's (uint32, uint32) key (`row_seed`);
+    counter: static uint32 counter word, one per use.
+
+  Example:
+    >>> gumbel_pick(jnp.log(jnp.array([0.2, 0.8])), jnp.arange(2), jnp.ones(2, bool), seed, 7)   # 1 w.p. 0.8
+  """
+  noise = log_exponential(threefry2x32(*seed, jnp.uint32(counter), ids.astype(jnp.uint32))[0])
+  score = jnp.where(live, log_w - noise, -jnp.inf)
+  return jnp.min(jnp.where(score == jnp.max(score), ids, jnp.int32(2**31 - 1)))
+
+
+def key_words(keys, b: int):
+  """(uint32 words, fold) of the kernels' keys: one typed key's [2] words, folded with each row index inside
+  the kernels (fold=True, as `row_keys` folds), or the rows' keys [B, 2]. The default generator's keys are
+  their own words; other generators' keys are drawn from.
+
+  Args:
+    keys: a typed key [] or [B]; b: B.
+
+  Example:
+    >>> words, fold = key_words(jax.random.key(0), 4)   # (uint32[2], True)
+  """
+  threefry = "threefry" in str(jax.random.key_impl(keys))
+  if keys.ndim == 0 and threefry:
+    return jax.random.key_data(keys), True
+  if keys.ndim == 0:
+    keys = jax.vmap(lambda i: jax.random.fold_in(keys, i))(jnp.arange(b, dtype=jnp.int32))
+  if threefry:
+    return jax.random.key_data(keys), False
+  return jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32))(keys), False
+
+
+def row_seed(words_ref, b, fold: bool):
+  """Row b's threefry key (uint32, uint32) inside a kernel, from `key_words`' output
+  (fold: jax.random.fold_in(key, b) of the default generator, bit for bit)."""
+  if fold:
+    return threefry2x32(words_ref[0], words_ref[1], jnp.uint32(0), b.astype(jnp.uint32))
+  return words_ref[b, 0], words_ref[b, 1]
+
+
 def load(ref, idx, mask, other):
   """Masked load (nothing fetched where the mask is off; `other` there, which the interpreter needs)."""
   return plgpu.load(ref.at[idx], mask=mask, other=other)
@@ -119,6 +168,35 @@ def store(ref, idx, value, mask=None):
 def scaled(x, t, shift):
   """(x - shift) / t with x == shift mapping to 0 (+inf - +inf included): `reductions.scale_logits`' rule."""
   return jnp.where(x == shift, 0.0, (x - shift) / t)
+
+
+def processed_log_p(x, t, shift, thr, top, log_norm):
+  """log p of loaded logits x under the processed distribution (-inf: removed or NaN), from a position's
+  (shift, thr) and its `combine_partials` (top, log_norm); they broadcast against x (scalars, or a column per
+  position of a 2-D tile).
+
+  Example:
+    >>> log_p = processed_log_p(x, t, shift, thr, top, log_norm)   # x: a block of one row's logits
+  """
+  x = x.astype(jnp.float32)
+  x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+  return jnp.where(scaled(x, t, shift) >= thr, scaled(x, t, top) - log_norm, -jnp.inf)
+
+
+def filter_candidates(blocks: int) -> int:
+  """Largest logits per block that the top-k/top-p search keeps (`block_thresholds`).
+
+  A row's kept set is settled from them while no block holds all c of its
+  candidates inside the set, else the row searches its whole vocabulary (slow).
+  The kept tokens fall into blocks about at random (balls in bins): with 8 a
+  block over 64 blocks or more (V = 151936 with blocks of 2048) and 16 over
+  fewer (V = 49152, 32000), about 1% of rows or fewer with a top-k of 100 fall
+  back, and almost none with a top-k of 50. Each candidate costs a pass over its block.
+
+  Example:
+    >>> filter_candidates(75), filter_candidates(24)   # V = 151936, 49152: (8, 16)
+  """
+  return 8 if blocks >= 64 else 16
 
 
 def filters_on(top_k, top_p, t_raw, vocab: int, all_random: bool):
@@ -437,7 +515,7 @@ def _thresholds_kernel(
 
     @pl.when(exact)
     def _():
-      kept = s >= thr
+      kept = (s >= thr) & (cand > -jnp.inf)  # a row with nothing above -inf keeps nothing (mass 0)
       m_kept = jnp.max(jnp.where(kept, cand, -jnp.inf), axis=1)
       mass_kept = jnp.sum(jnp.where(kept, jnp.exp(scaled(cand, t, m_kept[:, None])), 0.0), axis=1)
       store(m_ref, (r, pl.ds(0, nbp)), m_kept, mask=live)

@@ -502,6 +502,22 @@ def row_keys(key, batch_size: int, where: str = "key") -> jax.Array:
   raise ValueError(f"{where}: expected one key or a batch of B={batch_size} keys, got key batch shape {typed.shape}")
 
 
+def single_key(key) -> jax.Array | None:
+  """The typed key of a call given one key (typed, or raw uint32[2]); None for a batch of keys.
+
+  The Pallas samplers fold one key with each row index inside their kernels
+  (as `row_keys` does), which saves a kernel at small batch.
+
+  Example:
+    >>> single_key(jax.random.key(0)).shape, single_key(jax.random.split(jax.random.key(0), 4))
+    ((), None)
+  """
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key) if key.ndim == 1 else None
+  return key if key is not None and key.ndim == 0 else None
+
+
 # ----------------------------------------------------------------------------
 # Input checks (eager) and the value rule for draft probabilities (under jit)
 # ----------------------------------------------------------------------------

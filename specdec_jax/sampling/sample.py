@@ -18,12 +18,14 @@ from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling.draws import (
   categorical_with_empty,
 )
+from specdec_jax.sampling.fused_sample import fused_sample_tokens, pallas_uncovered
 from specdec_jax.sampling.params import (
   SamplingParams,
   check_logits_values,
   check_params,
   check_promises,
   row_keys,
+  single_key,
 )
 from specdec_jax.sampling.penalties import (
   PenaltyState,
@@ -35,6 +37,8 @@ from specdec_jax.sampling.reductions import (
 )
 from specdec_jax.sampling.stats import log_probs_from_stats, position_stats, requested_log_probs
 from specdec_jax.sampling.vocab_parallel import row_spec, sharded_call, shards_for, take_vocab
+
+KERNELS = ("auto", "xla", "pallas")
 
 
 def process_logits(logits: jax.Array, params: SamplingParams, penalty_state: PenaltyState | None = None) -> jax.Array:
@@ -85,6 +89,7 @@ def sample_tokens(
   no_filters: bool = False,
   penalty_state: PenaltyState | None = None,
   logprobs: str | None = None,
+  kernels: str = "auto",
 ):
   """Plain sampling of one token per row, plus the distribution it came from.
 
@@ -133,6 +138,7 @@ def sample_tokens(
     >>> params = SamplingParams.create(0.8, min_p=0.05, repetition_penalty=1.1)
     >>> tok, logp, lp = sample_tokens(logits, params, key, penalty_state=state, logprobs="processed")
     >>> tok, logp = sample_tokens(logits, SamplingParams.create(1.0), key, no_filters=True)  # branch-free
+    >>> tok, logp = sample_tokens(logits, SamplingParams.create(1.0, top_k=50), key, kernels="xla")  # XLA's program
   """
   where = "sample_tokens"
   if logits.ndim != 2:
@@ -145,10 +151,20 @@ def sample_tokens(
   check_promises(where, params, v, all_greedy=all_greedy, no_filters=no_filters or params.no_filters)
   if no_filters:
     params = params.promise_no_filters()
+  if kernels not in KERNELS:
+    raise ValueError(f"{where}: kernels must be one of {KERNELS}, got {kernels!r}")
   steps = penalty_params(params, penalty_state, b, v, where)
   keys = None if all_greedy else row_keys(key, b)
-  body = functools.partial(_sample_tokens, all_greedy=all_greedy, logprobs=logprobs)
   shards = shards_for(v, b)
+  uncovered = "" if all_greedy else pallas_uncovered(steps, logprobs, shards is not None)
+  if kernels == "pallas" and uncovered:
+    raise ValueError(f"{where}: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")
+  on_gpu = jax.default_backend() == "gpu"
+  if not all_greedy and not uncovered and (kernels == "pallas" or (kernels == "auto" and on_gpu)):
+    single = single_key(key)  # one key: the kernel folds it with each row index itself
+    keys = keys if single is None else single
+    return fused_sample_tokens(logits, steps, keys, no_filters=steps.no_filters, interpret=not on_gpu)
+  body = functools.partial(_sample_tokens, all_greedy=all_greedy, logprobs=logprobs)
   if shards is None:  # (a vocabulary that does not split into whole chunks: XLA moves the data)
     return auto_axes_if_explicit(functools.partial(body, shards=None))(logits, steps, keys, penalty_state)
   # Each device samples from its rows and its slice of the vocabulary (see `rejection_sample`).

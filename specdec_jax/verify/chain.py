@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling import draws, penalties, reductions, thresholds, vocab_parallel
-from specdec_jax.sampling.params import SamplingParams, check_promises, row_keys, valid_probs
+from specdec_jax.sampling.params import SamplingParams, check_promises, row_keys, single_key, valid_probs
 from specdec_jax.sampling.stats import PositionStats, position_stats, requested_log_probs
 from specdec_jax.verify import block, fused
 from specdec_jax.verify.checks import check_chain_values, check_verifier_args
@@ -261,10 +261,7 @@ def rejection_sample(
     keys = None
   else:
     keys = row_keys(key, b, f"{where}: key")
-    single = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    if not jnp.issubdtype(single.dtype, jax.dtypes.prng_key):
-      single = jax.random.wrap_key_data(single) if single.ndim == 1 else None
-    single = single if single is not None and single.ndim == 0 else None
+    single = single_key(key)
   shards = vocab_parallel.shards_for(v, b)
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).

@@ -45,10 +45,14 @@ from specdec_jax.sampling.block_stats import (
   block_thresholds,
   combine_partials,
   compiler_params,
+  filter_candidates,
+  gumbel_pick,
+  key_words,
   load,
-  log_exponential,
   open_uniform,
   pow2,
+  processed_log_p,
+  row_seed,
   scaled,
   store,
   threefry2x32,
@@ -60,22 +64,6 @@ _INT_MAX = 2**31 - 1
 # Counter words (c0) of the kernels' random numbers, one per use; far from the small counters
 # `jax.random` itself gives a key, so that a key reused there draws other numbers.
 _ACCEPT, _BLOCK, _TOKEN = (0xA5A50001, 0xA5A50002, 0xA5A50003)
-
-
-def filter_candidates(blocks: int) -> int:
-  """Largest logits per block that the top-k/top-p search keeps (`block_stats.block_thresholds`).
-
-  A row's kept set is settled from them while no block holds all c of its
-  candidates inside the set, else the row searches its whole vocabulary (slow).
-  The kept tokens fall into blocks about at random (balls in bins): with 8 a
-  block over 64 blocks or more (V = 151936 with blocks of 2048) and 16 over
-  fewer (V = 49152, 32000), about 1% of rows or fewer with a top-k of 100 fall
-  back, and almost none with a top-k of 50. Each candidate costs a pass over its block.
-
-  Example:
-    >>> filter_candidates(75), filter_candidates(24)   # V = 151936, 49152: (8, 16)
-  """
-  return 8 if blocks >= 64 else 16
 
 
 # A block whose residual keeps under this fraction of its mass (rounding of p - p(d)) counts as empty.
@@ -128,11 +116,7 @@ def _row(b, refs, dims: _Dims) -> _Row:
   small = temperature < GREEDY_TEMPERATURE
   greedy = jnp.bool_(False) if dims.all_random else small
   n = jnp.int32(dims.k) if dims.all_drafts else jnp.minimum(jnp.maximum(refs["n"][b], 0), dims.k)
-  if dims.fold:  # jax.random.fold_in(key, b) of the default generator, bit for bit
-    seed = threefry2x32(refs["seed"][0], refs["seed"][1], jnp.uint32(0), b.astype(jnp.uint32))
-  else:
-    seed = (refs["seed"][b, 0], refs["seed"][b, 1])
-  return _Row(jnp.where(small, 1.0, temperature), greedy, n, seed)
+  return _Row(jnp.where(small, 1.0, temperature), greedy, n, row_seed(refs["seed"], b, dims.fold))
 
 
 def _shift_thr(refs, b, at, dims: _Dims):
@@ -284,14 +268,6 @@ def _accept(b, row: _Row, refs, dims: _Dims) -> _Acceptance:
   )
 
 
-def _log_p(x, t, shift, thr, top, log_norm):
-  """log p of loaded logits x under the processed target (-inf: removed or NaN); the statistics broadcast
-  against x (scalars, or a column per position of a 2-D tile)."""
-  x = x.astype(jnp.float32)
-  x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-  return jnp.where(scaled(x, t, shift) >= thr, scaled(x, t, top) - log_norm, -jnp.inf)
-
-
 def _residual(log_p, log_w, q):
   """max(w p - q, 0) from log p, log w and loaded draft probabilities q (NaN, inf, negative count as 0)."""
   q = q.astype(jnp.float32)
@@ -303,7 +279,7 @@ def _block_log_p(b, j, pos, t, shift, thr, top, log_norm, refs, dims: _Dims, rea
   """Token ids and log p of block j of row b's position `pos` (-inf: removed, masked, past V)."""
   cols = j * dims.block + jnp.arange(dims.block, dtype=jnp.int32)
   x = load(refs["logits"], (b, pos, pl.ds(j * dims.block, dims.block)), (cols < dims.vocab) & read, -jnp.inf)
-  return cols, _log_p(x, t, shift, thr, top, log_norm)
+  return cols, processed_log_p(x, t, shift, thr, top, log_norm)
 
 
 def _stop_block_log_p(b, j, row: _Row, acc: _Acceptance, refs, dims: _Dims, read):
@@ -370,7 +346,7 @@ def _block_residual_kernel(*refs_and_out, names, dims: _Dims, rows: int):
     cols = j * dims.block + start + jnp.arange(tile, dtype=jnp.int32)
     at = (b, pl.ds(g * rows, rows), pl.ds(j * dims.block + start, tile))
     ok = read[:, None] & (cols < dims.vocab)[None, :]
-    log_p = _log_p(load(refs["logits"], at, ok, -jnp.inf), row.t, shift, thr, top, log_norm)
+    log_p = processed_log_p(load(refs["logits"], at, ok, -jnp.inf), row.t, shift, thr, top, log_norm)
     res = _residual(log_p, log_w, load(refs["draft_probs"], at, ok, 0.0))  # as the draw kernel rounds it
     mass = mass + jnp.sum(jnp.where(ok, res, 0.0), axis=1)
   out = (b, pl.ds(g * rows, rows), pl.ds(j, 1))
@@ -398,9 +374,7 @@ def _draw_kernel(*refs_and_out, names, dims: _Dims):
     w_res = jnp.where(w_res > _EMPTY_BLOCK * w, w_res, 0.0)
     use_residual = acc.rejected & acc.valid_s & (jnp.max(w_res) > 0)
     log_mass = jnp.where(use_residual, jnp.log(w_res), p_mass)
-  noise = log_exponential(threefry2x32(*row.seed, jnp.uint32(_BLOCK), blocks.astype(jnp.uint32))[0])
-  score = jnp.where(blocks < dims.blocks, log_mass - noise, -jnp.inf)
-  chosen = jnp.min(jnp.where(score == jnp.max(score), blocks, _INT_MAX))
+  chosen = gumbel_pick(log_mass, blocks, blocks < dims.blocks, row.seed, _BLOCK)
   read = ~row.greedy & (acc.log_norm_s > -jnp.inf)
   cols, log_p = _stop_block_log_p(b, chosen, row, acc, refs, dims, read)
   if dims.draft_probs:
@@ -408,9 +382,7 @@ def _draw_kernel(*refs_and_out, names, dims: _Dims):
     log_w = jnp.where(use_residual, residual, log_p)
   else:
     log_w = jnp.where(use_residual & (cols == acc.draft_s), -jnp.inf, log_p)
-  noise = log_exponential(threefry2x32(*row.seed, jnp.uint32(_TOKEN), cols.astype(jnp.uint32))[0])
-  score = jnp.where(cols < dims.vocab, log_w - noise, -jnp.inf)
-  token = jnp.min(jnp.where(score == jnp.max(score), cols, _INT_MAX))
+  token = gumbel_pick(log_w, cols, cols < dims.vocab, row.seed, _TOKEN)
   final = jnp.where(row.greedy, acc.argmax_s, jnp.where(acc.log_norm_s > -jnp.inf, token, 0))
   pos = jnp.arange(dims.k1p, dtype=jnp.int32)
   drafts = load(refs["draft"], (b, pl.ds(0, dims.k1p)), pos < dims.k, 0)
@@ -418,19 +390,6 @@ def _draw_kernel(*refs_and_out, names, dims: _Dims):
   store(ids_ref, (b, pl.ds(0, dims.k1p)), ids, mask=pos < dims.k + 1)
   store(accepted_ref, (pl.ds(b, 1),), acc.s[None])
   store(emitted_ref, (pl.ds(b, 1),), acc.s[None] + 1)
-
-
-def _seeds(keys, b: int):
-  """(uint32 words, fold): one key's [2] words, folded with each row index inside the kernels (fold=True),
-  or the rows' keys [B, 2]. The default generator's keys are their own words; others are drawn from."""
-  threefry = "threefry" in str(jax.random.key_impl(keys))
-  if keys.ndim == 0 and threefry:
-    return jax.random.key_data(keys), True
-  if keys.ndim == 0:
-    keys = jax.vmap(lambda i: jax.random.fold_in(keys, i))(jnp.arange(b, dtype=jnp.int32))
-  if threefry:
-    return jax.random.key_data(keys), False
-  return jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32))(keys), False
 
 
 def _call(kernel, inputs: dict, dims: _Dims, out_shape, grid, name: str, interpret: bool):
@@ -485,7 +444,7 @@ def fused_chain(
   b, k1, v = logits.shape
   k = k1 - 1
   blocks = pl.cdiv(v, block)
-  seed, fold = _seeds(keys, b)
+  seed, fold = key_words(keys, b)
   dims = _Dims(
     k=k,
     vocab=v,

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 
+from specdec_jax.sampling.fused_sample import pallas_uncovered
 from specdec_jax.sampling.params import SamplingParams
 from specdec_jax.sampling.reductions import chunk_size
 from specdec_jax.sampling.stats import FILTERED_PASS, MIN_P_PASS, NO_FILTERS_PASS, PLAIN_PASS, StatsPlan, stats_plan
@@ -287,24 +288,3 @@ def chain_plan(
     greedy_rows="all" if all_greedy else "none" if all_random else "per_row",
     kernels="pallas" if use_pallas else "xla",
   )
-
-
-def pallas_uncovered(params: SamplingParams, logprobs: str | None, sharded: bool, *, greedy: bool = False) -> str:
-  """What of a call the Pallas programs (`verify.fused`) do not cover, in words; "" when they cover it all.
-
-  Both verification methods are covered. greedy: the all_greedy program (`fused_greedy`), which ignores min-p.
-
-  Example:
-    >>> pallas_uncovered(SamplingParams.create(1.0), None, True)
-    'a vocabulary split over devices'
-  """
-  missing = []
-  if logprobs is not None:
-    missing.append(f'logprobs="{logprobs}"')
-  if params.has_logit_bias or params.has_penalties:
-    missing.append("a logit bias or penalties")
-  if params.min_p is not None and not greedy:
-    missing.append("min-p")
-  if sharded:
-    missing.append("a vocabulary split over devices")
-  return ", ".join(missing)

@@ -368,6 +368,19 @@ def test_a_row_depends_on_neither_its_neighbours_nor_their_filters():
   np.testing.assert_array_equal(run(_take(calm, perm), perm), a[perm])
 
 
+@pytest.mark.parametrize("draft_probs", (False, True))
+def test_a_filtering_row_with_nothing_above_minus_inf_emits_token_zero(draft_probs):
+  """Under jit (eagerly it raises): no distribution, so no draft is accepted and the token is 0, as in XLA's
+  program, also when the row's top-k is on (its threshold search once counted the -inf candidates as mass)."""
+  draft, logits, q = _mixed_problem()
+  logits = logits.at[0].set(-jnp.inf)
+  params = SamplingParams.create(np.ones(6, np.float32), top_k=[5, 0, 5, 0, 0, 0])
+  sample = jax.jit(lambda *a: rejection_sample(*a, draft_probs=q if draft_probs else None, kernels="pallas"))
+  out = sample(draft, logits, params, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(out.token_ids[0]), [0, -1, -1, -1])
+  assert int(out.num_accepted[0]) == 0
+
+
 @pytest.mark.parametrize("filters", (False, True))
 def test_block_residual_layouts_give_the_same_tokens(monkeypatch, filters):
   """Block verification's residual pass takes all of a row's positions per program, or one when the batch has few
