@@ -260,17 +260,31 @@ def divergence(outs, plain_outs, names) -> dict:
   }
 
 
+# --modes: how the rows sample. T=1 rows take the default sampler program, or promise no_filters.
+MODES = {
+  "greedy": ("greedy", {"all_greedy": True}),
+  "t1": ("t1", {}),
+  "t1_no_filters": ("t1", {"no_filters": True}),
+}
+
+
 def generate_section(model, eagle, kernels: str, spec: ModelSpec, args, prompts, report, save, budget) -> None:
+  for mode in args.modes:
+    generate_mode(model, eagle, kernels, spec, args, prompts, report, save, budget, mode)
+
+
+def generate_mode(model, eagle, kernels: str, spec: ModelSpec, args, prompts, report, save, budget, mode) -> None:
   names = list(prompts["names"])
   calls = [
     (jnp.asarray(prompts["tokens"][i : i + 1]), jnp.asarray(prompts["lengths"][i : i + 1])) for i in range(len(names))
   ]
-  params, key, _ = bd.mode_setup("greedy", 1, args.seed)
-  kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=spec.eos_ids, all_greedy=True)
+  setup, flags = MODES[mode]
+  params, key, _ = bd.mode_setup(setup, 1, args.seed)
+  kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=spec.eos_ids, **flags)
   lookup = PromptLookupDrafter(bd.LOOKUP_NGRAMS)
   plain_outs = None
   for cfg in configurations(args, eagle is not None):
-    label = f"kernels={kernels} {cfg['config']}"
+    label = f"kernels={kernels} {mode} {cfg['config']}"
     if budget.over(f"generate {label}"):
       continue
     if cfg["drafter"] == "plain":
@@ -288,8 +302,8 @@ def generate_section(model, eagle, kernels: str, spec: ModelSpec, args, prompts,
       error(report, f"generate {label}", e)
       continue
     stats = bd.stats_summary(outs)
-    row = {"kernels": kernels, **cfg, **stats, **timing, "tok_s": stats["tokens"] / timing["median_s"]}
-    if cfg["drafter"] == "plain":
+    row = {"kernels": kernels, "mode": mode, **cfg, **stats, **timing, "tok_s": stats["tokens"] / timing["median_s"]}
+    if cfg["drafter"] == "plain" and mode == "greedy":
       plain_outs = outs
       row["greedy_ids"], row["texts"] = {}, {}
       for name, o in zip(names, outs):
@@ -298,11 +312,11 @@ def generate_section(model, eagle, kernels: str, spec: ModelSpec, args, prompts,
         row["texts"][name] = prompts["tokenizer"].decode(ids)[:300]
     elif plain_outs is not None:
       row["divergence"] = divergence(outs, plain_outs, names)
-    upsert(report["generate"], row, ("kernels", "config"))
+    upsert(report["generate"], row, ("kernels", "mode", "config"))
     finish(report)
     d = row.get("divergence")
     print(
-      f"generate kernels={kernels:<6} {cfg['config']:<14} {row['tok_s']:9.1f} tok/s  {row['tokens']} tokens  "
+      f"generate kernels={kernels:<6} {mode:<13} {cfg['config']:<14} {row['tok_s']:9.1f} tok/s  {row['tokens']} tokens  "
       f"mean_len {bd._fmt(row['mean_accepted_length'], '.2f')}"
       + (f"  differ {d['rows_differ']}/{d['rows']} {d['first_diff'] or ''}" if d else "")
       + f"  (first sweep {timing['first_call_s']:.1f}s)",
@@ -333,14 +347,22 @@ def error(report, what: str, e: Exception) -> None:
 
 
 def finish(report) -> None:
-  """Speed-ups over the best plain generate of all kernels values, and over the same kernels value's."""
-  plains = {r["kernels"]: r["tok_s"] for r in report["generate"] if r["drafter"] == "plain"}
-  best = max(plains.values(), default=None)
-  report["best_plain"] = {"kernels": max(plains, key=plains.get), "tok_s": best} if best else None
+  """Speed-ups over the best plain generate of all kernels values, and over the same kernels value's (both in
+  the row's mode; rows of runs before --modes are greedy)."""
+  mode = lambda r: r.get("mode", "greedy")  # noqa: E731
+  plains = {(r["kernels"], mode(r)): r["tok_s"] for r in report["generate"] if r["drafter"] == "plain"}
+  best_of = {}
+  for (kernels, m), tok_s in plains.items():
+    if tok_s > best_of.get(m, (None, 0.0))[1]:
+      best_of[m] = (kernels, tok_s)
+  best_greedy = best_of.get("greedy")
+  report["best_plain"] = {"kernels": best_greedy[0], "tok_s": best_greedy[1]} if best_greedy else None
+  report["best_plain_by_mode"] = {m: {"kernels": k, "tok_s": t} for m, (k, t) in best_of.items()}
   summary = {}
   for r in report["generate"]:
+    best = best_of.get(mode(r), (None, None))[1]
     r["speedup"] = r["tok_s"] / best if best else None
-    same = plains.get(r["kernels"])
+    same = plains.get((r["kernels"], mode(r)))
     r["speedup_same_kernels"] = r["tok_s"] / same if same else None
     if r.get("divergence"):
       s = summary.setdefault(r["kernels"], {"rows": 0, "rows_differ": 0})
@@ -353,8 +375,8 @@ def finish(report) -> None:
 
 def differ_cell(r):
   d = r.get("divergence")
-  if d is None:
-    return "-" if r["drafter"] == "plain" else "?"
+  if d is None:  # plain rows are the reference; sampled rows have none
+    return "-" if r["drafter"] == "plain" or r.get("mode", "greedy") != "greedy" else "?"
   if d["identical"]:
     return "none"
   return f"{d['rows_differ']}/{d['rows']}@" + ",".join(f"{k}:{v}" for k, v in d["first_diff"].items())
@@ -372,6 +394,7 @@ STEP_COLUMNS = [
 ]
 GENERATE_COLUMNS = [
   ("kernels", "kernels", 8, "s"),
+  ("mode", lambda r: r.get("mode", "greedy"), 14, "s"),
   ("config", "config", 14, "s"),
   ("tok/s", "tok_s", 9, ".1f"),
   ("speedup", "speedup", 8, ".2f"),
@@ -401,17 +424,18 @@ def plot_tokens(report, path, title):
   plt = _pyplot() if rows else None
   if plt is None:
     return None
-  configs = list(dict.fromkeys(r["config"] for r in rows))
+  label = lambda r: r["config"] if r.get("mode", "greedy") == "greedy" else f"{r['config']} ({r['mode']})"  # noqa: E731
+  configs = list(dict.fromkeys(label(r) for r in rows))
   kernels = list(dict.fromkeys(r["kernels"] for r in rows))
   width = 0.8 / len(kernels)
   fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(configs) + 3), 4))
   for j, k in enumerate(kernels):
-    ys = [next((r["tok_s"] for r in rows if r["kernels"] == k and r["config"] == c), np.nan) for c in configs]
+    ys = [next((r["tok_s"] for r in rows if r["kernels"] == k and label(r) == c), np.nan) for c in configs]
     ax.bar(np.arange(len(configs)) + (j - (len(kernels) - 1) / 2) * width, ys, width, label=f"kernels={k}")
   if report.get("best_plain"):
     ax.axhline(report["best_plain"]["tok_s"], color="k", lw=0.8, ls="--", label="best plain")
   ax.set_xticks(np.arange(len(configs)), configs, rotation=30, ha="right")
-  ax.set_ylabel("tokens/s (B=1, greedy)")
+  ax.set_ylabel("tokens/s (B=1)")
   ax.set_title(title, fontsize=9)
   ax.legend(fontsize=8)
   fig.tight_layout()
@@ -455,6 +479,12 @@ def parse_args(argv=None):
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
   ap.add_argument("--kernels", type=strs, help="comma list of xla, pallas (default xla,pallas; quick xla)")
   ap.add_argument("--sections", type=strs, default=("step", "generate"), help="comma list of step, generate")
+  ap.add_argument(
+    "--modes",
+    type=strs,
+    default=("greedy",),
+    help=f"generate section: comma list of {', '.join(MODES)} (default greedy)",
+  )
   ap.add_argument("--max-new-tokens", type=int, help="default 256; quick 16")
   ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (the default without a GPU)")
   ap.add_argument("--prompts", type=strs, help=f"comma list of {', '.join(PROMPT_NAMES)} (default all; quick 2)")
@@ -498,6 +528,7 @@ def parse_args(argv=None):
       setattr(args, name, value)
   for flag, values, allowed in (
     ("--kernels", args.kernels, ("xla", "pallas")),
+    ("--modes", args.modes, tuple(MODES)),
     ("--sections", args.sections, ("step", "generate")),
   ):
     bad = [v for v in values if v not in allowed]
@@ -615,7 +646,7 @@ def main(argv=None):
     bd.print_table(
       report["generate"],
       GENERATE_COLUMNS,
-      f"Greedy tokens/s at B=1 over {len(report['prompts'])} prompts (speedup: over the best plain; same-k: over "
+      f"Tokens/s at B=1 over {len(report['prompts'])} prompts (speedup: over the best plain of the mode; same-k: over "
       "plain of the same kernels; differ: prompts whose tokens differ from plain's @ first differing position)",
     )
   for k, s in report["divergence_summary"].items():
