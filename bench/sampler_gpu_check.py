@@ -207,6 +207,8 @@ def main(argv=None):
     report["greedy_vs_xla"].update(greedy_vs_xla(v, b))
     report["compiled_vs_interpreter"].update(compiled_vs_interpreter(v, b, seeds=1 if quick else 3))
     report["kept_sets"].update(kept_sets(v, b))
+  # B=1: few (row, block) programs (block verification's residual then takes one position per program)
+  report["compiled_vs_interpreter"].update(compiled_vs_interpreter(shapes[0][0], 1, seeds=2 if quick else 12))
   report["chisquare"] = chisquare(1500 if quick else 200_000)
   report["sample_tokens"] = {}
   for v, b in shapes:
