@@ -50,8 +50,9 @@ K = 4
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def compiled_vs_interpreter(v: int, b: int, seeds: int):
-  """{label: "equal/rows"} over token/block x draft probabilities x filters."""
+def compiled_vs_interpreter(v: int, b: int, seeds: int, greedy_rows=("per_row",)):
+  """{label: "equal/rows"} over token/block x draft probabilities x filters (x greedy_rows: "none" is
+  all_random=True, where the rows at temperature 0 sample too)."""
   rng = np.random.default_rng(2)
   logits = jnp.asarray(rng.normal(size=(b, K + 1, v)) * 3, jnp.float32)
   q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, K, v)) * 3, jnp.float32), -1)
@@ -60,7 +61,7 @@ def compiled_vs_interpreter(v: int, b: int, seeds: int):
   n = jnp.asarray(rng.integers(0, K + 1, b), jnp.int32)
   t = np.where(np.arange(b) % 3 == 0, 0.0, 1.0).astype(np.float32)  # a third of the rows greedy
   out = {}
-  for method in ("token", "block"):
+  for method, rows_kind in ((m, g) for m in ("token", "block") for g in greedy_rows):
     for with_q in (False, True):
       for top_k, top_p in ((0, 1.0), (50, 0.9), (0, 0.8)):
         params = SamplingParams.create(t, top_k=top_k, top_p=top_p)
@@ -74,13 +75,14 @@ def compiled_vs_interpreter(v: int, b: int, seeds: int):
             keys,
             q if with_q else None,
             n,
-            greedy_rows="per_row",
+            greedy_rows=rows_kind,
             no_filters=False,
             method=method,
             interpret=interpret,
           )[0]
           equal += int(np.sum(np.all(np.asarray(run(not ON_GPU)) == np.asarray(run(True)), -1)))
         label = f"{method} draft_probs={with_q} top_k={top_k} top_p={top_p} B={b} V={v}"
+        label += " all_random" if rows_kind == "none" else ""
         out[label] = (equal, seeds * b)
         print("compiled_vs_interpreter", label, f"{equal}/{seeds * b}", flush=True)
   return out
@@ -207,8 +209,11 @@ def main(argv=None):
     report["greedy_vs_xla"].update(greedy_vs_xla(v, b))
     report["compiled_vs_interpreter"].update(compiled_vs_interpreter(v, b, seeds=1 if quick else 3))
     report["kept_sets"].update(kept_sets(v, b))
-  # B=1: few (row, block) programs (block verification's residual then takes one position per program)
-  report["compiled_vs_interpreter"].update(compiled_vs_interpreter(shapes[0][0], 1, seeds=2 if quick else 12))
+  # B=1: few (row, block) programs (block verification's residual then takes one position per program);
+  # all_random too
+  report["compiled_vs_interpreter"].update(
+    compiled_vs_interpreter(shapes[0][0], 1, seeds=2 if quick else 12, greedy_rows=("per_row", "none"))
+  )
   report["chisquare"] = chisquare(1500 if quick else 200_000)
   report["sample_tokens"] = {}
   for v, b in shapes:

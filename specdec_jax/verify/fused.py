@@ -114,7 +114,8 @@ class _Acceptance(NamedTuple):
 def _row(b, refs, dims: _Dims) -> _Row:
   temperature = refs["temperature"][b]
   small = temperature < GREEDY_TEMPERATURE
-  greedy = jnp.bool_(False) if dims.all_random else small
+  # all_random: never greedy, as a traced value (Triton cannot lower `~` of a literal, which `~greedy` would be)
+  greedy = small & False if dims.all_random else small
   n = jnp.int32(dims.k) if dims.all_drafts else jnp.minimum(jnp.maximum(refs["n"][b], 0), dims.k)
   return _Row(jnp.where(small, 1.0, temperature), greedy, n, row_seed(refs["seed"], b, dims.fold))
 

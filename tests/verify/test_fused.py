@@ -415,9 +415,11 @@ def _take(params, rows):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("greedy_rows", ("per_row", "none"))
 @pytest.mark.parametrize("draft_probs", (False, True))
-def test_triton_lowering(draft_probs):
-  """The kernels lower to Triton IR for a CUDA target (what the GPU compiles); no GPU needed for this step."""
+def test_triton_lowering(draft_probs, greedy_rows):
+  """The kernels lower to Triton IR for a CUDA target (what the GPU compiles); no GPU needed for this step.
+  greedy_rows "none" is `all_random=True` (the kernels then know no row is greedy)."""
   s = jax.ShapeDtypeStruct
   b, k, v = 2, 4, 151936
   args = [s((b, k), jnp.int32), s((b, k + 1, v), jnp.float32), s((b,), jnp.float32)]
@@ -426,7 +428,15 @@ def test_triton_lowering(draft_probs):
   def sample(d, x, t, *q, method="token"):
     params = SamplingParams.create(t, top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,), jnp.float32))
     return fused.fused_chain(
-      d, x, params, jax.random.key(0), q[0] if q else None, None, greedy_rows="per_row", no_filters=False, method=method
+      d,
+      x,
+      params,
+      jax.random.key(0),
+      q[0] if q else None,
+      None,
+      greedy_rows=greedy_rows,
+      no_filters=False,
+      method=method,
     )
 
   text = cuda_module_text(jax.jit(sample), args)
