@@ -52,6 +52,8 @@ from specdec_jax.sampling.block_stats import (
 )
 from specdec_jax.sampling.params import GREEDY_TEMPERATURE, SamplingParams
 
+# The samplers' `kernels=` values (`sample_tokens`, `rejection_sample`).
+KERNELS = ("auto", "xla", "pallas")
 # Counter words of this program's random numbers (`rejection_sample`'s kernels use others).
 _BLOCK, _TOKEN = (0x5A5A0001, 0x5A5A0002)
 

@@ -18,7 +18,7 @@ from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling.draws import (
   categorical_with_empty,
 )
-from specdec_jax.sampling.fused_sample import fused_sample_tokens, pallas_uncovered
+from specdec_jax.sampling.fused_sample import KERNELS, fused_sample_tokens, pallas_uncovered
 from specdec_jax.sampling.params import (
   SamplingParams,
   check_logits_values,
@@ -37,8 +37,6 @@ from specdec_jax.sampling.reductions import (
 )
 from specdec_jax.sampling.stats import log_probs_from_stats, position_stats, requested_log_probs
 from specdec_jax.sampling.vocab_parallel import row_spec, sharded_call, shards_for, take_vocab
-
-KERNELS = ("auto", "xla", "pallas")
 
 
 def process_logits(logits: jax.Array, params: SamplingParams, penalty_state: PenaltyState | None = None) -> jax.Array:

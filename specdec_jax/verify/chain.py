@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec_jax.mesh import auto_axes_if_explicit
 from specdec_jax.sampling import draws, penalties, reductions, thresholds, vocab_parallel
+from specdec_jax.sampling.fused_sample import KERNELS
 from specdec_jax.sampling.params import SamplingParams, check_promises, row_keys, single_key, valid_probs
 from specdec_jax.sampling.stats import PositionStats, position_stats, requested_log_probs
 from specdec_jax.verify import block, fused
@@ -68,7 +69,6 @@ from specdec_jax.verify.plan import (
 PLACEHOLDER_TOKEN_ID = -1
 LOGPROBS_MODES = (None, "raw", "processed")
 METHODS = ("token", "block")
-KERNELS = ("auto", "xla", "pallas")
 
 
 @jax.tree_util.register_dataclass
