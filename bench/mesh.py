@@ -6,8 +6,9 @@ constraints and (for a split model) a different parameter layout. On a
 this benchmark checks that it is, and times it.
 
 What: a random-weight model shaped like SmolLM2-135M (V=49152, L=30, D=576, 9
-query / 3 KV heads of 64, F=1536; bf16 on GPU, f32 on CPU) and a 2-layer draft
-of the same shape. Two paths, the same calls:
+query / 3 KV heads of 64, F=1536) or, `--shape qwen2.5-coder-1.5b`, like
+Qwen2.5-Coder-1.5B (bench/step_profile.py's SHAPES), bf16 on GPU, f32 on CPU,
+and a 2-layer draft of the same shape. Two paths, the same calls:
 
     today   the models as built, no mesh (what every other benchmark measures);
     mesh    shard(model, make_mesh(--data, --model)) for target and draft,
@@ -35,7 +36,7 @@ Usage (from the repository root; a CPU run is a smoke test, not a figure):
     PYTHONPATH=. python3 bench/mesh.py --out $OUT --batch 8 --data 1 --model 2      # 2 GPUs: TP=2 vs one GPU
     PYTHONPATH=. python3 bench/mesh.py --tiny --batch 2 --max-new-tokens 8 --repeats 1   # CPU smoke test, ~20 s
 
-Output: a table on stdout and JSON, `mesh_<data>x<model>.json` in --out
+Output: a table on stdout and JSON, `mesh_<shape>_<data>x<model>.json` in --out
 (default bench/out/).
 """
 
@@ -57,21 +58,12 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import device_info, has_gpu, hlo_collectives, time_call, time_per_iter, timed_loop
+from bench.step_profile import SHAPES
 from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.models import Transformer, TransformerConfig, make_mesh, shard
 
-SMOLLM2 = {
-  "vocab_size": 49152,
-  "num_layers": 30,
-  "d_model": 576,
-  "num_heads": 9,
-  "num_kv_heads": 3,
-  "head_dim": 64,
-  "d_ff": 1536,
-  "rope_theta": 1e5,
-}
 TINY = {
   "vocab_size": 512,
   "num_layers": 4,
@@ -93,7 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=5, help="timed whole calls per configuration (default 5)")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on GPU, float32 on CPU")
-  ap.add_argument("--tiny", action="store_true", help="a 4-layer model (smoke test), not SmolLM2's shape")
+  ap.add_argument(
+    "--shape", choices=tuple(SHAPES), default="smollm2", help="the random model's shape (default smollm2)"
+  )
+  ap.add_argument("--tiny", action="store_true", help="a 4-layer model (smoke test), not --shape's sizes")
   ap.add_argument(
     "--out",
     default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
@@ -225,7 +220,7 @@ def compiled_programs(target, draft, mesh, b: int, args) -> dict[str, list]:
 
 def main(argv=None):
   args = parse_args(argv)
-  shape = TINY if args.tiny else SMOLLM2
+  shape = TINY if args.tiny else SHAPES[args.shape]
   config = TransformerConfig(**shape, dtype=jnp.dtype(args.dtype))
   target = Transformer(config, rngs=nnx.Rngs(0))
   draft = Transformer(config.replace(num_layers=2), rngs=nnx.Rngs(1))
@@ -234,11 +229,11 @@ def main(argv=None):
   info = device_info()
   print(
     f"{info['device']} x{info['num_devices']}, jax {info['jax']}; mesh data={args.data} x model={args.model}; "
-    f"{'tiny' if args.tiny else 'SmolLM2-135M'} shape, {args.dtype}; target split: {sharded_target.partitioning}"
+    f"{'tiny' if args.tiny else args.shape} shape, {args.dtype}; target split: {sharded_target.partitioning}"
   )
   rows = []
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"mesh_{args.data}x{args.model}.json")
+  path = os.path.join(args.out, f"mesh_{'tiny' if args.tiny else args.shape}_{args.data}x{args.model}.json")
   for b in args.batch:
     today, today_tokens = measure("today", target, draft, None, b, args)
     with jax.set_mesh(mesh):
