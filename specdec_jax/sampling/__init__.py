@@ -10,6 +10,9 @@ The modules, in the order they build on each other:
   - `draws`: drawing a token from unnormalised weights (Gumbel-max over chunks).
   - `stats`: `PositionStats`, what one pass over a position's logits knows (its passes chosen by a
     `StatsPlan` at trace time), and log-probabilities.
+  - `block_stats`: Pallas pieces of the fused programs (per-block statistics, the top-k/top-p search
+    from candidates, random numbers made inside a kernel).
+  - `fused_sample`: `sample_tokens`' Pallas program (`kernels="pallas"`, the default on a GPU).
   - `sample`: `sample_tokens` and `process_logits`.
 
 Processing order for a row (docs/api.md); steps 1-3 only when the request sets
