@@ -485,16 +485,7 @@ def row_keys(key, batch_size: int, where: str = "key") -> jax.Array:
   Example:
     >>> keys = row_keys(jax.random.key(0), 4)   # keys.shape == (4,)
   """
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    typed = key
-  elif key.dtype == jnp.uint32 and key.ndim >= 1 and key.shape[-1] == 2:
-    typed = jax.random.wrap_key_data(key)
-  else:
-    raise ValueError(
-      f"{where} must be a typed PRNG key (jax.random.key) or a raw uint32[2] key, "
-      f"or a batch of B of either; got dtype {key.dtype}, shape {key.shape}"
-    )
+  typed = _typed_key(key, where)
   if typed.ndim == 0:  # int32 row ids also under jax_enable_x64, so keys do not change with it
     return jax.vmap(lambda b: jax.random.fold_in(typed, b))(jnp.arange(batch_size, dtype=jnp.int32))
   if typed.shape == (batch_size,):
@@ -502,8 +493,23 @@ def row_keys(key, batch_size: int, where: str = "key") -> jax.Array:
   raise ValueError(f"{where}: expected one key or a batch of B={batch_size} keys, got key batch shape {typed.shape}")
 
 
+def _typed_key(key, where: str) -> jax.Array:
+  """`key` as a typed key array (raw uint32 [..., 2] keys wrapped); ValueError naming `where` for anything else."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key
+  if key.dtype == jnp.uint32 and key.ndim >= 1 and key.shape[-1] == 2:
+    return jax.random.wrap_key_data(key)
+  raise ValueError(
+    f"{where} must be a typed PRNG key (jax.random.key) or a raw uint32[2] key, "
+    f"or a batch of B of either; got dtype {key.dtype}, shape {key.shape}"
+  )
+
+
 def single_key(key) -> jax.Array | None:
   """The typed key of a call given one key (typed, or raw uint32[2]); None for a batch of keys.
+
+  Called after `row_keys` has checked the key (the same conversion, and the same ValueError otherwise).
 
   The Pallas samplers fold one key with each row index inside their kernels
   (as `row_keys` does), which saves a kernel at small batch.
@@ -512,10 +518,8 @@ def single_key(key) -> jax.Array | None:
     >>> single_key(jax.random.key(0)).shape, single_key(jax.random.split(jax.random.key(0), 4))
     ((), None)
   """
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    key = jax.random.wrap_key_data(key) if key.ndim == 1 else None
-  return key if key is not None and key.ndim == 0 else None
+  typed = _typed_key(key, "key")
+  return typed if typed.ndim == 0 else None
 
 
 # ----------------------------------------------------------------------------

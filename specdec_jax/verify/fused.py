@@ -53,7 +53,6 @@ from specdec_jax.sampling.block_stats import (
   pow2,
   processed_log_p,
   row_seed,
-  scaled,
   store,
   threefry2x32,
 )
@@ -175,10 +174,7 @@ def _scores(b, row: _Row, refs, dims: _Dims) -> _Scores:
     if dims.draft_probs:
       q = jnp.where(rows == i, refs["draft_probs"][b, i, idx].astype(jnp.float32), q)
   usable = (draft >= 0) & (draft < dims.vocab) & (rows < row.n)
-  x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-  log_p = jnp.where(
-    (scaled(x, row.t, shift) >= thr) & (log_norm > -jnp.inf), scaled(x, row.t, top) - log_norm, -jnp.inf
-  )
+  log_p = jnp.where(log_norm > -jnp.inf, processed_log_p(x, row.t, shift, thr, top, log_norm), -jnp.inf)
   log_q = jnp.log(jnp.where(jnp.isfinite(q) & (q > 0), q, 0.0))  # NaN, inf, negative count as 0
   return _Scores(top, log_norm, argmax, shift, thr, draft, usable, log_p, log_q)
 
