@@ -91,14 +91,15 @@ from specdec_jax.models import Transformer  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """What the benchmark needs of a model; `load` and `load_eagle` take (dtype, kernels)."""
+  """What the benchmark needs of a model; `load` takes (dtype, kernels), `load_eagle` (dtype, kernels, path=None)."""
 
   name: str
   title: str
   load: Callable  # -> (Transformer, tokenizers.Tokenizer)
   chat_prompt: Callable[[str], str]
   eos_ids: tuple[int, ...]
-  load_eagle: Callable | None = None  # -> EagleDrafter; None: no head for this model
+  load_eagle: Callable | None = None  # -> EagleDrafter (path None: the shipped head)
+  shipped_eagle: bool = True  # whether path=None finds a head
   note: str | None = None
 
 
@@ -112,7 +113,7 @@ def _smollm2() -> ModelSpec:
     load=lambda dtype, kernels: load_smollm2(dtype, kernels=kernels),
     chat_prompt=smollm2.chat_prompt,
     eos_ids=tuple(smollm2.SMOLLM2_EOS_IDS),
-    load_eagle=lambda dtype, kernels: load_smollm2_eagle(dtype, kernels=kernels),
+    load_eagle=lambda dtype, kernels, path=None: load_smollm2_eagle(dtype, path=path, kernels=kernels),
   )
 
 
@@ -120,14 +121,16 @@ def _qwen2_5_coder() -> ModelSpec:
   from specdec_jax import models  # noqa: PLC0415
   from specdec_jax.models.loaders import qwen2_5_coder  # noqa: PLC0415
 
-  eos = getattr(qwen2_5_coder, "QWEN2_5_CODER_EOS_IDS", None) or models.QWEN2_5_CODER_EOS_IDS
+  shipped = os.path.isfile(qwen2_5_coder.QWEN2_5_CODER_EAGLE_PATH)
   return ModelSpec(
     name="qwen2.5-coder-1.5b",
     title="Qwen2.5-Coder-1.5B-Instruct",
     load=lambda dtype, kernels: models.load_qwen2_5_coder(dtype, kernels=kernels),
     chat_prompt=qwen2_5_coder.chat_prompt,
-    eos_ids=tuple(eos),
-    note="no EAGLE head has been trained for Qwen2.5-Coder-1.5B: the EAGLE rows are skipped",
+    eos_ids=tuple(qwen2_5_coder.QWEN2_5_CODER_EOS_IDS),
+    load_eagle=lambda dtype, kernels, path=None: models.load_qwen2_5_coder_eagle(dtype, path, kernels),
+    shipped_eagle=shipped,
+    note=None if shipped else "no EAGLE head is shipped for Qwen2.5-Coder-1.5B (--eagle PATH names one)",
   )
 
 
@@ -490,6 +493,7 @@ def parse_args(argv=None):
   ap.add_argument("--prompts", type=strs, help=f"comma list of {', '.join(PROMPT_NAMES)} (default all; quick 2)")
   ap.add_argument("--ks", type=ints, help="prompt lookup K (default 2,4,8; quick 2)")
   ap.add_argument("--eagle-ks", type=ints, help="EAGLE chain K (default 2)")
+  ap.add_argument("--eagle", default="", help="an EAGLE head file for the model instead of the shipped one")
   ap.add_argument("--trees", type=strs, help="EAGLE trees, branching factors joined by x (default 3x2x1)")
   ap.add_argument("--repeats", type=int, help="timed sweeps per configuration, median (default 3; quick 1)")
   ap.add_argument("--step-ts", type=ints, help="verification T of the step section (default 3,5,8,16; quick 3)")
@@ -568,6 +572,7 @@ def main(argv=None):
     report = {"model": args.model, "dtype": args.dtype, "step": [], "generate": [], "weights": {}, "errors": []}
   report.setdefault("runs", []).append({"info": info, "config": vars(args)})
   report.update(info=info, model_title=spec.title, eos_ids=list(spec.eos_ids), notes=[n for n in [spec.note] if n])
+  report["eagle"] = args.eagle or None
 
   def save():
     report["skipped_for_time_budget"] = budget.skipped
@@ -597,9 +602,9 @@ def main(argv=None):
           host_weights, first_config = model.to_weights(), model.config
       else:
         model = Transformer.from_weights(first_config.replace(kernels=kernels), host_weights)
-      eagle = (
-        spec.load_eagle(jnp.dtype(args.dtype), kernels) if spec.load_eagle and "generate" in args.sections else None
-      )
+      eagle = None
+      if spec.load_eagle and (spec.shipped_eagle or args.eagle) and "generate" in args.sections:
+        eagle = spec.load_eagle(jnp.dtype(args.dtype), kernels, args.eagle or None)
     except Exception as e:  # noqa: BLE001
       error(report, f"load kernels={kernels}", e)
       save()

@@ -82,6 +82,8 @@ import os
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,10 +93,11 @@ from flax import nnx, serialization
 from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate
-from specdec_jax.models.eagle import EagleDrafter
-from specdec_jax.models.loaders import smollm2
+from specdec_jax.models.eagle import EagleConfig, EagleDrafter
+from specdec_jax.models.loaders import eagle_files, qwen2_5_coder, smollm2
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import coder_prompts  # noqa: E402  (the coder target's prompts)
 from train_draft import CHAT_QUESTIONS, TEMPLATES, TOPICS  # noqa: E402  (the draft model's prompt lists)
 
 MORE_TEMPLATES = [
@@ -277,6 +280,7 @@ def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> l
       batch_size=batch_size,
       key=jax.random.key(seed + 7919 + start),
       max_new_tokens=48,
+      eos=smollm2.SMOLLM2_EOS_IDS,
     )
     for r in range(len(chunk)):
       text = tokenizer.decode(gen[r, : n[r]].tolist()).strip().split("\n")[0].strip().strip('"')
@@ -312,7 +316,7 @@ def all_prompts(
   return prompts[:8] if quick else prompts
 
 
-def generate_padded(target, id_rows, temperatures, *, width, batch_size, key, max_new_tokens):
+def generate_padded(target, id_rows, temperatures, *, width, batch_size, key, max_new_tokens, eos):
   """`generate` on up to batch_size prompts, right-padded to [batch_size, width] (the last row repeated), so every
   call has one shape and one compiled program. Returns NumPy (tokens, lengths) of the real rows."""
   pad = batch_size - len(id_rows)
@@ -327,36 +331,226 @@ def generate_padded(target, id_rows, temperatures, *, width, batch_size, key, ma
     SamplingParams.create(temperatures),
     key,
     max_new_tokens=max_new_tokens,
-    eos_token_id=smollm2.SMOLLM2_EOS_IDS,
+    eos_token_id=eos,
   )
   real = batch_size - pad
   return np.asarray(out.tokens)[:real], np.asarray(out.lengths)[:real]
 
 
-def generate_data(target, tokenizer, prompts, *, samples, gen_tokens, prompt_len, batch_size, seed):
-  """Target continuations: [N, prompt_len + gen_tokens] tokens (right-padded), prompt lengths, lengths."""
-  jobs = [(i, t) for i, p in enumerate(prompts) for t in samples]
-  ids = [tokenizer.encode(p).ids[-prompt_len:] for p in prompts]
-  seq = prompt_len + gen_tokens
-  tokens = np.zeros((len(jobs), seq), np.int32)
-  p_lens, lens, prompt_of = np.zeros(len(jobs), np.int32), np.zeros(len(jobs), np.int32), np.zeros(len(jobs), int)
-  for start in tqdm(range(0, len(jobs), batch_size), desc="target continuations"):
-    batch = jobs[start : start + batch_size]
-    gen, n = generate_padded(
+# ---------------------------------------------------------------------------- targets
+
+
+class Target(NamedTuple):
+  """What the script needs of a target model, and its defaults."""
+
+  name: str
+  file: str  # recorded in the head's JSON
+  vocab_size: int
+  eos: tuple[int, ...]
+  load: Callable  # dtype -> (model, tokenizer); the model's feature_layers are the head's
+  chat: Callable[[str], str]
+  load_head: Callable  # (dtype, path) -> EagleDrafter
+  defaults: dict
+
+
+TARGETS = {
+  "smollm2": Target(
+    name="smollm2",
+    file=smollm2.SMOLLM2_GGUF_FILE,
+    vocab_size=49152,
+    eos=smollm2.SMOLLM2_EOS_IDS,
+    load=smollm2.load_smollm2,
+    chat=smollm2.chat_prompt,
+    load_head=lambda dtype, path: smollm2.load_smollm2_eagle(dtype, path=path),
+    defaults={
+      "out": "specdec_jax/weights/smollm2_eagle.safetensors",
+      "num_layers": 2,
+      "draft_vocab": 8192,
+      "head_d_ff": 0,
+      "samples": "0,1,1,1,1,0.7,0.7",
+      "prompt_len": 128,
+      "gen_batch": 256,
+      "prefill_tokens": 0,
+      "batch_size": 32,
+      "storage_dtype": "float16",
+    },
+  ),
+  "qwen2.5-coder-1.5b": Target(
+    name="qwen2.5-coder-1.5b",
+    file=qwen2_5_coder.QWEN2_5_CODER_FILE,
+    vocab_size=151936,
+    eos=qwen2_5_coder.QWEN2_5_CODER_EOS_IDS,
+    load=lambda dtype: qwen2_5_coder.load_qwen2_5_coder(dtype),
+    chat=qwen2_5_coder.chat_prompt,
+    load_head=lambda dtype, path: qwen2_5_coder.load_qwen2_5_coder_eagle(dtype, path=path),
+    defaults={
+      "out": "specdec_jax/weights/qwen2_5_coder_eagle.safetensors",
+      "num_layers": 1,
+      "draft_vocab": 32768,
+      "head_d_ff": 4096,
+      "samples": "0,1,1,1,1",
+      "prompt_len": 384,
+      "gen_batch": 512,
+      "prefill_tokens": 32768,
+      "batch_size": 16,
+      "storage_dtype": "int8",
+    },
+  ),
+}
+CODE_KINDS = ("implement", "complete", "edit", "tests")
+
+
+def target_prompts(spec: Target, args, tokenizer, target) -> tuple[list[str], list[str]]:
+  """(prompts, kinds) for the target: SmolLM2's chat and code lists, or the coder's (examples/coder_prompts.py)."""
+  if spec.name == "qwen2.5-coder-1.5b":
+    pairs = coder_prompts.coder_prompts(spec.chat, seed=args.seed, max_functions=12 if args.quick else 0)
+    pairs = pairs[:8] if args.quick else pairs
+    return [p for _, p in pairs], [k for k, _ in pairs]
+  extra = []
+  if args.self_questions:
+    topics = TOPICS + EXTRA_TOPICS if args.more_prompts else TOPICS
+    extra = self_questions(
       target,
-      [ids[i] for i, _ in batch],
-      [t for _, t in batch],
-      width=prompt_len,
-      batch_size=batch_size,
-      key=jax.random.key(seed + start),
-      max_new_tokens=gen_tokens,
+      tokenizer,
+      topics[:4] if args.quick else topics,
+      samples=args.self_questions,
+      seed=args.seed,
+      batch_size=args.gen_batch,
     )
-    for r, (i, _) in enumerate(batch):
-      row, pl = start + r, len(ids[i])
-      tokens[row, :pl] = ids[i]
-      tokens[row, pl : pl + n[r]] = gen[r, : n[r]]
-      p_lens[row], lens[row], prompt_of[row] = pl, pl + n[r], i
+    print(
+      f"self-written questions: {len(extra)} kept, e.g. "
+      + " | ".join(q.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for q in extra[:4])
+    )
+  prompts = all_prompts(
+    args.quick,
+    args.seed,
+    more=args.more_prompts,
+    code_questions_per_file=args.code_questions,
+    extra=extra,
+    code_files=args.code_files,
+    code_per_file=args.code_per_file,
+  )
+  return prompts, ["chat" if p.startswith("<|im_start|>") else "complete" for p in prompts]
+
+
+# ---------------------------------------------------------------------------- data
+
+
+BUCKET_WIDTHS = (96, 192, 384, 768)
+
+
+def generation_batches(p_lens, samples, *, prompt_len, batch_size, prefill_tokens):
+  """The continuations (prompt index, temperature) in batches: (first job index, job indices, width, batch size).
+
+  Without `prefill_tokens` every batch has width `prompt_len` and `batch_size` rows (the shipped SmolLM2 head's
+  data). With it, prompts go into a few width buckets and a batch holds at most `prefill_tokens` prompt tokens:
+  the prefill's logits ([B, width, V] float32) are what limit a batch on a large vocabulary.
+  """
+  jobs = np.arange(len(p_lens) * len(samples))
+  if not prefill_tokens:
+    return [(int(s), jobs[s : s + batch_size], prompt_len, batch_size) for s in range(0, len(jobs), batch_size)]
+  widths = [w for w in BUCKET_WIDTHS if w < prompt_len] + [prompt_len]
+  job_width = np.asarray([next(w for w in widths if p_lens[j // len(samples)] <= w) for j in jobs])
+  out = []
+  for w in widths:
+    mine = jobs[job_width == w]
+    b = max(1, min(batch_size, prefill_tokens // w))
+    out += [(int(mine[s]), mine[s : s + b], w, b) for s in range(0, len(mine), b)]
+  return out
+
+
+def save_data(path, data: dict) -> None:
+  """The generated data, compressed and ragged (prompt ids once per prompt, generated ids per continuation)."""
+  tmp = path + ".tmp.npz"
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  np.savez_compressed(tmp, **data)
+  os.replace(tmp, path)
+
+
+def padded_data(data: dict, prompt_len: int, gen_tokens: int):
+  """[N, prompt_len + gen_tokens] right-padded tokens, prompt lengths, lengths, prompt index of the finished jobs."""
+  done = np.flatnonzero(data["job_done"])
+  p_off, g_off = data["prompt_offsets"], data["gen_offsets"]
+  tokens = np.zeros((len(done), prompt_len + gen_tokens), np.int32)
+  p_lens, lens = np.zeros(len(done), np.int32), np.zeros(len(done), np.int32)
+  prompt_of = data["job_prompt"][done]
+  for r, j in enumerate(done):
+    i = prompt_of[r]
+    prompt = data["prompt_ids"][p_off[i] : p_off[i + 1]]
+    gen = data["gen_ids"][g_off[j] : g_off[j + 1]]
+    tokens[r, : len(prompt)] = prompt
+    tokens[r, len(prompt) : len(prompt) + len(gen)] = gen
+    p_lens[r], lens[r] = len(prompt), len(prompt) + len(gen)
   return tokens, p_lens, lens, prompt_of
+
+
+def generate_data(target, spec, prompt_ids, kinds, samples, args, *, deadline, partial_path):
+  """Target continuations of every prompt at every temperature of `samples`, resumable.
+
+  Returns the data dict (see `save_data`), complete or not (`job_done`): with a `partial_path`, finished batches are
+  saved there every minute and when `deadline` (a time.time()) passes, and a later run continues from them.
+  """
+  n_jobs = len(prompt_ids) * len(samples)
+  p_lens = np.asarray([len(p) for p in prompt_ids])
+  data = {
+    "prompt_ids": np.concatenate(prompt_ids).astype(np.int32),
+    "prompt_offsets": np.concatenate([[0], np.cumsum(p_lens)]).astype(np.int64),
+    "kinds": np.asarray(kinds),
+    "job_prompt": np.repeat(np.arange(len(prompt_ids)), len(samples)),
+    "job_temperature": np.tile(np.asarray(samples, np.float32), len(prompt_ids)),
+    "job_done": np.zeros(n_jobs, bool),
+    "gen_ids": np.zeros(0, np.int32),
+    "gen_offsets": np.zeros(n_jobs + 1, np.int64),
+  }
+  gen = [np.zeros(0, np.int32)] * n_jobs
+  if partial_path and os.path.isfile(partial_path):
+    with np.load(partial_path) as old:
+      if not np.array_equal(old["prompt_ids"], data["prompt_ids"]):
+        raise SystemExit(f"{partial_path} was made from other prompts; delete it to start again")
+      data["job_done"] = old["job_done"].copy()
+      for j in np.flatnonzero(data["job_done"]):
+        gen[j] = old["gen_ids"][old["gen_offsets"][j] : old["gen_offsets"][j + 1]]
+    print(f"data: resumed {partial_path}: {int(data['job_done'].sum())} of {n_jobs} continuations done")
+
+  def pack():
+    lengths = np.asarray([len(g) for g in gen])
+    data["gen_offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    data["gen_ids"] = np.concatenate(gen).astype(np.int32) if n_jobs else np.zeros(0, np.int32)
+    return data
+
+  batches = generation_batches(
+    p_lens,
+    samples,
+    prompt_len=args.prompt_len,
+    batch_size=args.gen_batch,
+    prefill_tokens=args.prefill_tokens,
+  )
+  last_save = time.time()
+  todo = [b for b in batches if not data["job_done"][b[1]].all()]
+  for first, jobs, width, b in tqdm(todo, desc="target continuations", mininterval=10):
+    if deadline and time.time() > deadline:
+      break
+    rows, temps = data["job_prompt"][jobs], data["job_temperature"][jobs]
+    tokens, n = generate_padded(
+      target,
+      [prompt_ids[i] for i in rows],
+      temps.tolist(),
+      width=width,
+      batch_size=b,
+      key=jax.random.key(args.seed + first),
+      max_new_tokens=args.gen_tokens,
+      eos=spec.eos,
+    )
+    for r, j in enumerate(jobs):
+      gen[j] = tokens[r, : n[r]].astype(np.int32)
+    data["job_done"][jobs] = True
+    if partial_path and time.time() - last_save > 60:
+      save_data(partial_path, pack())
+      last_save = time.time()
+  pack()
+  if partial_path and not data["job_done"].all():
+    save_data(partial_path, data)
+  return data
 
 
 def draft_vocabulary(tokens, p_lens, lens, size, must_have) -> np.ndarray:
@@ -380,8 +574,10 @@ def save_state(path, drafter, optimizer, rng, step, history) -> None:
     "rng": json.dumps(rng.bit_generator.state),
     "history": json.dumps(history),
   }
-  with open(path, "wb") as f:
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
     f.write(serialization.msgpack_serialize(state))
+  os.replace(tmp, path)
 
 
 def load_state(path, drafter, optimizer, rng) -> tuple[int, list]:
@@ -398,9 +594,51 @@ def load_state(path, drafter, optimizer, rng) -> tuple[int, list]:
   return int(state["step"]), json.loads(state["history"])
 
 
-def main(argv=None):
+def build_drafter(target, *, num_layers, d_ff, vocab, seed) -> EagleDrafter:
+  """An untrained float32 head for `target` (whatever the target's dtype): `EagleDrafter.for_target`'s head with
+  float32 blocks and float32 copies of the target's embedding and head rows."""
+  tc = target.config
+  config = EagleConfig(
+    layers=tc.replace(num_layers=num_layers, feature_layers=(), d_ff=d_ff or tc.d_ff, dtype=jnp.float32),
+    feature_layers=tc.feature_layers,
+    draft_vocab_size=0 if vocab is None else len(vocab),
+  )
+  drafter = EagleDrafter(config, rngs=nnx.Rngs(seed))
+  head = target.embed[...] if tc.tie_embeddings else target.lm_head[...].T
+  drafter.set_target_weights(target.embed[...].astype(jnp.float32), head.astype(jnp.float32), vocab)
+  return drafter
+
+
+def quantized_copy(drafter: EagleDrafter, storage_dtype: str) -> EagleDrafter:
+  """The head as a file of `storage_dtype` would load it (float16 rounding or int8 with per-column scales)."""
+  weights = {}
+  for name, w in drafter.to_weights().items():
+    w = np.asarray(w)
+    if name == "draft_vocab":
+      weights[name] = w
+    elif storage_dtype == "int8" and w.ndim >= 2:
+      q, s = eagle_files.quantize_int8(w)
+      weights[name] = q.astype(np.float32) * s.astype(np.float32)
+    elif storage_dtype == "float32":
+      weights[name] = w.astype(np.float32)
+    else:
+      weights[name] = w.astype(np.float16).astype(np.float32)
+  embed = drafter.embed[...]
+  head_rows = (
+    jnp.zeros_like(embed).at[drafter.draft_vocab[...]].set(drafter.head[...])
+    if (drafter.config.draft_vocab_size)
+    else drafter.head[...]
+  )
+  return EagleDrafter.from_weights(drafter.config, weights, embed=embed, head_rows=head_rows)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--out", default="specdec_jax/weights/smollm2_eagle.safetensors")
+  ap.add_argument("--target", default="smollm2", choices=sorted(TARGETS), help="the model the head drafts for")
+  ap.add_argument("--out", default=None, help="the head's .safetensors (default: the target's shipped path)")
   ap.add_argument("--steps", type=int, default=5000, help="length of the learning-rate schedule")
   ap.add_argument(
     "--stop-at-step",
@@ -408,7 +646,7 @@ def main(argv=None):
     default=0,
     help="stop after this many steps (the schedule still spans --steps; 0 = run them all)",
   )
-  ap.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+  ap.add_argument("--batch-size", type=int, default=None, help="sequences per step (smollm2 32, qwen 16)")
   ap.add_argument("--depth", type=int, default=6, help="unrolled steps (training-time test), >= the K shipped for")
   ap.add_argument("--lr", type=float, default=1e-3)
   ap.add_argument(
@@ -424,15 +662,44 @@ def main(argv=None):
     default=0.0,
     help="AdamW's weight decay (default 0; the shipped heads had optax's default, 1e-4)",
   )
-  ap.add_argument("--num-layers", type=int, default=2, help="decoder blocks of the head")
-  ap.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head scores (0 = all 49152)")
+  ap.add_argument("--num-layers", type=int, default=None, help="decoder blocks of the head (smollm2 2, qwen 1)")
   ap.add_argument(
-    "--samples", default="0,1,1,1,1,0.7,0.7", help="temperatures of the continuations generated per prompt (0 = greedy)"
+    "--head-d-ff", type=int, default=None, help="MLP width of the head's blocks (0 = the target's; qwen 4096)"
   )
+  ap.add_argument(
+    "--draft-vocab", type=int, default=None, help="tokens the head scores (0 = all; smollm2 8192, qwen 32768)"
+  )
+  ap.add_argument(
+    "--loss",
+    default="ce",
+    choices=("ce", "tv", "tv_ce"),
+    help="per-depth loss: soft cross-entropy to the target restricted to the draft vocabulary (ce), total "
+    "variation to the target's full distribution (tv: 1 - acceptance at T=1), or 0.9 tv + 0.1 ce",
+  )
+  ap.add_argument("--samples", default=None, help="temperatures of the continuations generated per prompt (0 = greedy)")
   ap.add_argument("--gen-tokens", type=int, default=256)
-  ap.add_argument("--prompt-len", type=int, default=128)
-  ap.add_argument("--gen-batch", type=int, default=256)
-  ap.add_argument("--checkpoint-every", type=int, default=1000, help="save OUT_checkpoint every N steps (0 = never)")
+  ap.add_argument("--prompt-len", type=int, default=None, help="longest prompt, tokens (smollm2 128, qwen 384)")
+  ap.add_argument("--gen-batch", type=int, default=None, help="rows of a generate call (smollm2 256, qwen 512)")
+  ap.add_argument(
+    "--prefill-tokens",
+    type=int,
+    default=None,
+    help="bucket prompts by length and cap a generate call's prompt tokens (batch x width) at this; prompts "
+    "over --prompt-len are then dropped instead of cut (0 = one width; smollm2 0, qwen 32768)",
+  )
+  ap.add_argument("--eval-rows", type=int, default=1024, help="held-out continuations in each report (0 = all)")
+  ap.add_argument(
+    "--storage-dtype",
+    default=None,
+    choices=eagle_files.STORAGE_DTYPES,
+    help="the saved head's weights (float16 default; int8: per-column scales); both are measured",
+  )
+  ap.add_argument(
+    "--checkpoint-every",
+    type=int,
+    default=1000,
+    help="save OUT_checkpoint.safetensors (float16) every N steps and when training stops (0 = never)",
+  )
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument(
     "--time-limit-s",
@@ -444,12 +711,14 @@ def main(argv=None):
     "--wall-limit-s",
     type=float,
     default=0.0,
-    help="stop training once this many seconds have passed since the start, data generation "
-    "included (0 = no limit), to end inside a lent machine's command limit",
+    help="stop once this many seconds have passed since the start (0 = no limit), data generation included "
+    "(it is saved to --data-cache's .partial.npz and resumed by the next run), to end inside a lent "
+    "machine's command limit",
   )
   ap.add_argument(
     "--data-cache", default="", help="an .npz of the generated data: loaded if it exists, else written after generating"
   )
+  ap.add_argument("--data-only", action="store_true", help="stop once the data is generated (and saved)")
   ap.add_argument(
     "--state",
     default="",
@@ -459,34 +728,34 @@ def main(argv=None):
   ap.add_argument(
     "--more-prompts",
     action="store_true",
-    help="about 2.2x the chat prompts (extra topics and requests); off for the shipped head",
+    help="smollm2: about 2.2x the chat prompts (extra topics and requests); off for the shipped head",
   )
   ap.add_argument(
     "--code-files",
     type=int,
     default=60,
-    help="top-level stdlib modules whose function heads become raw code-completion prompts",
+    help="smollm2: top-level stdlib modules whose function heads become raw code-completion prompts",
   )
-  ap.add_argument("--code-per-file", type=int, default=3, help="code-completion prompts per such module")
+  ap.add_argument("--code-per-file", type=int, default=3, help="smollm2: code-completion prompts per such module")
   ap.add_argument(
     "--code-questions",
     type=int,
     default=0,
-    help="chat questions per top-level stdlib module about its documented functions (0 = none, "
+    help="smollm2: chat questions per top-level stdlib module about its documented functions (0 = none, "
     "as for the shipped head)",
   )
   ap.add_argument(
     "--self-questions",
     type=int,
     default=0,
-    help="questions the target writes itself per topic (T=0.8), added as chat prompts (0 = none)",
+    help="smollm2: questions the target writes itself per topic (T=0.8), added as chat prompts (0 = none)",
   )
   ap.add_argument(
     "--init",
     default="",
     help="start from this head (.safetensors from this script, e.g. the shipped one) instead of random "
     "weights, with a fresh schedule: continued training. Its blocks and draft vocabulary are "
-    "kept (--num-layers and --draft-vocab are then ignored)",
+    "kept (--num-layers, --head-d-ff and --draft-vocab are then ignored)",
   )
   ap.add_argument(
     "--top1-weight",
@@ -497,14 +766,20 @@ def main(argv=None):
   )
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
-  for name in ("code_files", "code_per_file", "code_questions", "self_questions"):
+  spec = TARGETS[args.target]
+  for name, value in spec.defaults.items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  for name in ("code_files", "code_per_file", "code_questions", "self_questions", "prefill_tokens", "eval_rows"):
     if getattr(args, name) < 0:
       ap.error(f"--{name.replace('_', '-')} must be >= 0")
   for name in ("steps", "batch_size", "depth", "num_layers", "gen_tokens", "prompt_len", "gen_batch"):
     if getattr(args, name) < 1:
       ap.error(f"--{name.replace('_', '-')} must be >= 1")
-  if not 0 <= args.draft_vocab <= 49152:
-    ap.error("--draft-vocab must be in [0, 49152]")
+  if args.head_d_ff < 0:
+    ap.error(f"--head-d-ff must be >= 0 (0 = the target's), got {args.head_d_ff}")
+  if not 0 <= args.draft_vocab <= spec.vocab_size:
+    ap.error(f"--draft-vocab must be in [0, {spec.vocab_size}]")
   if args.steps < 2:
     ap.error(f"--steps must be >= 2 (the schedule warms up, then decays), got {args.steps}")
   if not 0 <= args.b1 < 1:
@@ -515,58 +790,59 @@ def main(argv=None):
     ap.error(f"--top1-weight must be a finite number >= 0, got {args.top1_weight}")
   if args.init and not os.path.isfile(args.init):
     ap.error(f"--init {args.init}: no such file (a .safetensors head written by this script)")
-  samples = [float(t) for t in args.samples.split(",")]
+  try:
+    args.samples = [float(t) for t in args.samples.split(",")]
+  except ValueError:
+    ap.error(f"--samples must be comma-separated temperatures, got {args.samples!r}")
+  if not args.samples or any(not (math.isfinite(t) and t >= 0) for t in args.samples):
+    ap.error(f"--samples must be temperatures >= 0, got {args.samples}")
+  if args.data_only and not args.data_cache:
+    ap.error("--data-only needs --data-cache (where the data goes)")
   if args.quick:
     args.steps, args.batch_size, args.gen_tokens, args.prompt_len, args.gen_batch = min(args.steps, 4), 2, 8, 64, 8
-    args.depth, samples, args.draft_vocab = min(args.depth, 3), [0.0, 1.0], min(args.draft_vocab, 512)
+    args.depth, args.samples, args.draft_vocab = min(args.depth, 3), [0.0, 1.0], min(args.draft_vocab, 512)
+    args.prefill_tokens = min(args.prefill_tokens, 8 * 64)
+  return spec, args
+
+
+def main(argv=None):
+  spec, args = parse_args(argv)
+  samples = args.samples
   t_start = time.time()
+  deadline = t_start + args.wall_limit_s - 20 if args.wall_limit_s else 0.0  # 20 s to save what was done
   on_gpu = jax.default_backend() == "gpu"
   target_dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  target, tokenizer = smollm2.load_smollm2(target_dtype)
+  target, tokenizer = spec.load(target_dtype)
+  vocab_size = target.config.vocab_size
 
   if args.data_cache and os.path.isfile(args.data_cache):
-    with np.load(args.data_cache) as data:
-      tokens, p_lens, lens, prompt_of = (data[k] for k in ("tokens", "p_lens", "lens", "prompt_of"))
-      num_prompts = int(data["num_prompts"]) if "num_prompts" in data else int(prompt_of.max()) + 1
+    with np.load(args.data_cache) as f:
+      data = {k: f[k] for k in f.files}
     print(f"data: read {args.data_cache}")
   else:
-    extra = []
-    if args.self_questions:
-      topics = TOPICS + EXTRA_TOPICS if args.more_prompts else TOPICS
-      extra = self_questions(
-        target,
-        tokenizer,
-        topics[:4] if args.quick else topics,
-        samples=args.self_questions,
-        seed=args.seed,
-        batch_size=args.gen_batch,
-      )
+    prompts, kinds = target_prompts(spec, args, tokenizer, target)
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    if args.prefill_tokens:  # bucketed: prompts that do not fit are dropped, not cut
+      keep = [i for i, x in enumerate(ids) if 0 < len(x) <= args.prompt_len]
+      print(f"prompts: {len(keep)} of {len(ids)} fit in {args.prompt_len} tokens")
+      ids, kinds = [ids[i] for i in keep], [kinds[i] for i in keep]
+    else:
+      ids = [x[-args.prompt_len :] for x in ids]
+    partial = args.data_cache + ".partial.npz" if args.data_cache else ""
+    data = generate_data(target, spec, ids, kinds, samples, args, deadline=deadline, partial_path=partial)
+    if not data["job_done"].all():
       print(
-        f"self-written questions: {len(extra)} kept, e.g. "
-        + " | ".join(q.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for q in extra[:4])
+        f"wall-clock limit: {int(data['job_done'].sum())} of {len(data['job_done'])} continuations generated, "
+        f"saved to {partial}; run the same command again to continue"
       )
-    prompts = all_prompts(
-      args.quick,
-      args.seed,
-      more=args.more_prompts,
-      code_questions_per_file=args.code_questions,
-      extra=extra,
-      code_files=args.code_files,
-      code_per_file=args.code_per_file,
-    )
-    num_prompts = len(prompts)
-    tokens, p_lens, lens, prompt_of = generate_data(
-      target,
-      tokenizer,
-      prompts,
-      samples=samples,
-      gen_tokens=args.gen_tokens,
-      prompt_len=args.prompt_len,
-      batch_size=args.gen_batch,
-      seed=args.seed,
-    )
+      return None
     if args.data_cache:
-      np.savez(args.data_cache, tokens=tokens, p_lens=p_lens, lens=lens, prompt_of=prompt_of, num_prompts=num_prompts)
+      save_data(args.data_cache, data)
+      if os.path.isfile(partial):
+        os.remove(partial)
+  tokens, p_lens, lens, prompt_of = padded_data(data, args.prompt_len, args.gen_tokens)
+  num_prompts = len(data["prompt_offsets"]) - 1
+  kinds = data["kinds"][prompt_of]
   held = (prompt_of % 20 == 0) if not args.quick else (np.arange(len(tokens)) % 2 == 0)
   train = ~held
   gen_count = int(np.sum(lens - p_lens))
@@ -574,33 +850,34 @@ def main(argv=None):
     f"data: {num_prompts} prompts, {len(tokens)} continuations, {gen_count} generated tokens "
     f"({time.time() - t_start:.0f}s so far)"
   )
+  if args.data_only:
+    return None
 
   vocab = None
   coverage = 1.0
   init = None
   if args.init:  # continued training: the head's own blocks and draft vocabulary
-    init = smollm2.load_smollm2_eagle(jnp.float32, path=args.init)
+    init = spec.load_head(jnp.float32, args.init)
     args.num_layers = init.config.layers.num_layers
+    args.head_d_ff = init.config.layers.d_ff
     args.draft_vocab = init.config.draft_vocab_size
     vocab = np.asarray(init.draft_vocab[...]) if args.draft_vocab else None
     print(f"init: {args.init} ({args.num_layers} blocks, draft vocabulary {args.draft_vocab or 'all'})")
   if args.draft_vocab and vocab is None:
-    vocab = draft_vocabulary(tokens[train], p_lens[train], lens[train], args.draft_vocab, smollm2.SMOLLM2_EOS_IDS)
+    vocab = draft_vocabulary(tokens[train], p_lens[train], lens[train], args.draft_vocab, spec.eos)
   if vocab is not None:
-    in_vocab = np.zeros(49152, bool)
+    in_vocab = np.zeros(vocab_size, bool)
     in_vocab[vocab] = True
     held_tokens = np.concatenate([r[pl:n] for r, pl, n in zip(tokens[held], p_lens[held], lens[held])])
     coverage = float(np.mean(in_vocab[held_tokens])) if held_tokens.size else 1.0
     print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.3f} of the held-out generated tokens")
 
-  # The head trains in float32 on float32 copies of SmolLM2's embedding and head.
-  f32_target, _ = smollm2.load_smollm2(jnp.float32) if on_gpu else (target, None)
-  drafter = (
-    init
-    if init is not None
-    else EagleDrafter.for_target(f32_target, num_layers=args.num_layers, draft_vocab=vocab, rngs=nnx.Rngs(args.seed))
-  )
-  del f32_target, init
+  # The head trains in float32, on float32 copies of the target's embedding and head.
+  if init is not None:
+    drafter = init
+  else:
+    drafter = build_drafter(target, num_layers=args.num_layers, d_ff=args.head_d_ff, vocab=vocab, seed=args.seed)
+  del init
   depth = args.depth
   schedule = optax.warmup_cosine_decay_schedule(
     0.0, args.lr, min(200, args.steps // 10 + 1), args.steps, args.lr * 0.05
@@ -608,9 +885,9 @@ def main(argv=None):
   adamw = optax.adamw(schedule, b1=args.b1, weight_decay=args.weight_decay)
   optimizer = nnx.Optimizer(drafter, optax.chain(optax.clip_by_global_norm(1.0), adamw), wrt=nnx.Param)
   t_graph, t_state = nnx.split(target)
-  vocab_ids = jnp.asarray(vocab if vocab is not None else np.arange(49152), jnp.int32)
+  vocab_ids = jnp.asarray(vocab if vocab is not None else np.arange(vocab_size), jnp.int32)
   # Where each token sits in the draft vocabulary (-1: outside it), for the --top1-weight term.
-  vocab_pos = jnp.full((49152,), -1, jnp.int32).at[vocab_ids].set(jnp.arange(vocab_ids.shape[0], dtype=jnp.int32))
+  vocab_pos = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids].set(jnp.arange(vocab_ids.shape[0], dtype=jnp.int32))
 
   def target_pass(t_state, batch):
     model = nnx.merge(t_graph, t_state)
@@ -620,14 +897,15 @@ def main(argv=None):
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(features)
 
   def losses(drafter, t_state, batch, p_len, length):
-    """Per-depth soft cross-entropy and teacher-forced agreement on generated tokens."""
+    """Per-depth loss (--loss), teacher-forced agreement and 1-TV on generated tokens."""
     logits, features = target_pass(t_state, batch)
     # Entry p reads (f_p, x_{p+1}) and predicts x_{p+2}, whose target distribution is logits[p+1].
     per_depth = drafter.unrolled_logits(batch[:, 1:-1], features[:, :-2], depth)
     t_logits = logits[:, 1:-1]  # [B, S-2, V]
-    t_logp = jax.nn.log_softmax(t_logits[..., vocab_ids], axis=-1)  # restricted, renormalised
-    t_p = jnp.exp(t_logp)
-    t_full_p = jax.nn.softmax(t_logits, axis=-1)[..., vocab_ids]  # mass the sampler would give these tokens
+    t_lse = jax.nn.logsumexp(t_logits, axis=-1, keepdims=True)
+    t_draft = t_logits[..., vocab_ids]  # [B, S-2, Vd]
+    t_p = jax.nn.softmax(t_draft, axis=-1)  # restricted to the draft vocabulary, renormalised
+    t_full_p = jnp.exp(t_draft - t_lse)  # mass the sampler gives these tokens
     t_top = jnp.argmax(t_logits, axis=-1)
     p = jnp.arange(batch.shape[1] - 2)[None, :]
     predicted = p + 2  # position of the predicted token
@@ -638,20 +916,23 @@ def main(argv=None):
       n = jnp.maximum(jnp.sum(mask), 1.0)
       q_logp = jax.nn.log_softmax(q_logits, axis=-1)
       ce = -jnp.sum(t_p * q_logp, axis=-1)
+      overlap = jnp.sum(jnp.minimum(t_full_p, jnp.exp(q_logp)), axis=-1)
+      loss = {"ce": ce, "tv": 1.0 - overlap, "tv_ce": 0.9 * (1.0 - overlap) + 0.1 * ce}[args.loss]
       if args.top1_weight:  # the target's argmax, where the draft vocabulary has it
         pos_top = vocab_pos[t_top]
         ce_top = -jnp.take_along_axis(q_logp, jnp.maximum(pos_top, 0)[..., None], axis=-1)[..., 0]
-        ce = ce + args.top1_weight * jnp.where(pos_top >= 0, ce_top, 0.0)
+        loss = loss + args.top1_weight * jnp.where(pos_top >= 0, ce_top, 0.0)
       top1 = (vocab_ids[jnp.argmax(q_logits, axis=-1)] == t_top).astype(jnp.float32)
-      overlap = jnp.sum(jnp.minimum(t_full_p, jnp.exp(q_logp)), axis=-1)
-      out.append((jnp.sum(ce * mask) / n, jnp.sum(top1 * mask) / n, jnp.sum(overlap * mask) / n))
+      out.append(
+        (jnp.sum(loss * mask) / n, jnp.sum(top1 * mask) / n, jnp.sum(overlap * mask) / n, jnp.sum(ce * mask) / n)
+      )
     return out
 
   @nnx.jit
   def train_step(drafter, optimizer, t_state, batch, p_len, length):
     def loss_fn(drafter):
       per_depth = losses(drafter, t_state, batch, p_len, length)
-      return sum(ce for ce, _, _ in per_depth) / depth, per_depth
+      return sum(d[0] for d in per_depth) / depth, per_depth
 
     (loss, per_depth), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
     optimizer.update(drafter, grads)
@@ -661,33 +942,44 @@ def main(argv=None):
   def eval_step(drafter, t_state, batch, p_len, length):
     return losses(drafter, t_state, batch, p_len, length)
 
-  def held_out_report():
-    rows = np.flatnonzero(held)
+  def held_out_report(head, rows=None):
+    rows = np.flatnonzero(held) if rows is None else rows
+    if args.eval_rows:
+      rows = rows[: args.eval_rows]
     sums = np.zeros((depth, 3))
     batches = 0
     for s in range(0, len(rows) - args.batch_size + 1, args.batch_size):
       r = rows[s : s + args.batch_size]
-      res = eval_step(drafter, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]))
-      sums += np.asarray([[float(v) for v in d] for d in res])
+      res = eval_step(head, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]))
+      sums += np.asarray([[float(d[3]), float(d[1]), float(d[2])] for d in res])
       batches += 1
     m = sums / max(batches, 1)
     return {
+      "rows": int(batches * args.batch_size),
       "ce": m[:, 0].round(4).tolist(),
       "top1": m[:, 1].round(4).tolist(),
       "one_minus_tv": m[:, 2].round(4).tolist(),
     }
 
+  def reports(head) -> dict:
+    """Held-out agreement over all kinds, and over code and chat prompts apart (a target with both)."""
+    out = {"all": held_out_report(head)}
+    code = np.isin(kinds, CODE_KINDS)
+    if code.any() and (~code).any():
+      out["code"] = held_out_report(head, np.flatnonzero(held & code))
+      out["chat"] = held_out_report(head, np.flatnonzero(held & ~code))
+    return out
+
   def print_report(report, title):
     print(title)
-    for j in range(depth):
-      print(
-        f"  depth {j}: top1 {report['top1'][j]:.3f}  1-TV {report['one_minus_tv'][j]:.3f}  CE {report['ce'][j]:.3f}"
-      )
+    for part, r in report.items():
+      for j in range(depth):
+        print(f"  {part:4s} depth {j}: top1 {r['top1'][j]:.3f}  1-TV {r['one_minus_tv'][j]:.3f}  CE {r['ce'][j]:.3f}")
 
   init_report = None
   if args.init and not (args.state and os.path.isfile(args.state)):
     # The starting head on the same held-out split: the baseline that continued training must beat.
-    init_report = held_out_report()
+    init_report = reports(drafter)
     print_report(init_report, "held-out teacher-forced agreement of the --init head, before training:")
   rng = np.random.default_rng(args.seed)
   train_rows = np.flatnonzero(train)
@@ -696,7 +988,8 @@ def main(argv=None):
   if args.state and os.path.isfile(args.state):
     first, history = load_state(args.state, drafter, optimizer, rng)
     print(f"resumed {args.state} at step {first}")
-  bar = tqdm(range(first, args.steps), desc="training (TTT)", initial=first, total=args.steps)
+  checkpoint = os.path.splitext(args.out)[0] + "_checkpoint.safetensors"
+  bar = tqdm(range(first, args.steps), desc="training (TTT)", initial=first, total=args.steps, mininterval=10)
   t_train = time.time()
   step = first - 1
   for step in bar:
@@ -713,16 +1006,22 @@ def main(argv=None):
     if args.time_limit_s and time.time() - t_train > args.time_limit_s:
       print(f"time limit: stopping after {step + 1} of {args.steps} steps")
       break
-    if args.wall_limit_s and time.time() - t_start > args.wall_limit_s:
+    if deadline and time.time() > deadline - 70:  # the state, the reports and the files take about a minute
       print(f"wall-clock limit: stopping after {step + 1} of {args.steps} steps")
       break
     if args.checkpoint_every and step and step % args.checkpoint_every == 0:
-      smollm2.save_eagle(drafter, os.path.splitext(args.out)[0] + "_checkpoint.safetensors", metadata={"step": step})
+      eagle_files.save_eagle_head(drafter, checkpoint, target=spec.file, metadata={"step": step})
   train_seconds = time.time() - t_train
   if args.state:
     save_state(args.state, drafter, optimizer, rng, step + 1, history)
-  report = held_out_report()
+  if args.checkpoint_every:  # float16 whatever --storage-dtype: what a later --init continues from
+    eagle_files.save_eagle_head(drafter, checkpoint, target=spec.file, metadata={"step": step + 1})
+  report = reports(drafter)
   print_report(report, "held-out teacher-forced agreement by depth:")
+  stored = {}
+  for storage in ("float16", "int8"):  # what each stored form costs in agreement
+    stored[storage] = reports(quantized_copy(drafter, storage))["all"]
+  print(" ".join(f"{k}: top1 {v['top1']} 1-TV {v['one_minus_tv']}" for k, v in stored.items()))
   meta = {
     "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
     "device": jax.devices()[0].device_kind,
@@ -736,6 +1035,7 @@ def main(argv=None):
     "lr": args.lr,
     "b1": args.b1,
     "weight_decay": args.weight_decay,
+    "loss": args.loss,
     "top1_weight": args.top1_weight,
     "init": args.init or None,
     "prompts": num_prompts,
@@ -746,12 +1046,15 @@ def main(argv=None):
     "draft_vocab_coverage": round(coverage, 4),
     "train_seconds": round(train_seconds, 1),
     "total_seconds": round(time.time() - t_start, 1),
-    "held_out": report,
-    "init_held_out": init_report,
+    "held_out": report["all"],
+    "held_out_by_kind": {k: v for k, v in report.items() if k != "all"},
+    "held_out_stored": stored,
+    "init_held_out": None if init_report is None else init_report["all"],
     "history": history,
   }
-  smollm2.save_eagle(drafter, args.out, metadata=meta)
+  eagle_files.save_eagle_head(drafter, args.out, target=spec.file, metadata=meta, storage_dtype=args.storage_dtype)
   print(f"saved {args.out} in {time.time() - t_start:.0f}s (training {train_seconds:.0f}s)")
+  return meta
 
 
 if __name__ == "__main__":

@@ -635,7 +635,15 @@ def read_gguf_cached(path: str, dtype=np.float32, *, cache: bool = True, progres
   return config, weights, tokenizer_json
 
 
-def load_gguf(path: str, dtype: Any = jnp.float32, kernels: str = "xla", *, cache: bool = True, progress: bool = True):
+def load_gguf(
+  path: str,
+  dtype: Any = jnp.float32,
+  kernels: str = "xla",
+  *,
+  feature_layers: tuple[int, ...] = (),
+  cache: bool = True,
+  progress: bool = True,
+):
   """Loads a GGUF checkpoint of the Llama family ("llama", "qwen2") as a `Transformer` and its tokenizer.
 
   Dequantizes every type the `gguf` package reads; the first load of a file
@@ -646,6 +654,8 @@ def load_gguf(path: str, dtype: Any = jnp.float32, kernels: str = "xla", *, cach
     dtype: parameter, activation and KV-cache dtype: float32, bfloat16 or
       float16 (float64 only with `jax_enable_x64`); logits are float32 either way.
     kernels: `TransformerConfig.kernels`: "xla" (default) or "pallas".
+    feature_layers: `TransformerConfig.feature_layers`, the blocks whose outputs
+      an EAGLE-style head reads (default none).
     cache: False skips the cache (reads the GGUF, writes nothing).
     progress: tqdm bars on a cold load.
 
@@ -673,5 +683,6 @@ def load_gguf(path: str, dtype: Any = jnp.float32, kernels: str = "xla", *, cach
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GGUF file not found: {path!r}")
   config, weights, tokenizer_json = read_gguf_cached(path, dtype, cache=cache, progress=progress)
-  model = Transformer.from_weights(config.replace(dtype=dtype, kernels=kernels), weights)
+  config = config.replace(dtype=dtype, kernels=kernels, feature_layers=tuple(feature_layers))
+  model = Transformer.from_weights(config, weights)
   return model, _import_tokenizers().Tokenizer.from_str(tokenizer_json)

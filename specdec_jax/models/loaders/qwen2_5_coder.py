@@ -32,7 +32,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from specdec_jax.models.config import check_kernels
-from specdec_jax.models.loaders import gguf
+from specdec_jax.models.eagle import EagleDrafter
+from specdec_jax.models.loaders import eagle_files, gguf
 from specdec_jax.models.loaders.common import (
   cache_dir,
   chatml,
@@ -53,6 +54,17 @@ QWEN2_5_CODER_PART_VERSION = "0.2.0"
 # <|im_end|> ends a chat turn, <|endoftext|> a document (the GGUF's EOS is 151645).
 # A tuple, so it can be a static jit argument.
 QWEN2_5_CODER_EOS_IDS: tuple[int, ...] = (151645, 151643)
+
+# The target blocks the EAGLE head reads (a low, a middle and a high one of the 28,
+# as EAGLE-3 picks them); `load_qwen2_5_coder` returns a target that returns them.
+QWEN2_5_CODER_FEATURE_LAYERS: tuple[int, ...] = (2, 14, 25)
+
+# The head trained by examples/train_eagle.py --target qwen2.5-coder-1.5b, shipped with the package.
+QWEN2_5_CODER_EAGLE_PATH = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "weights",
+  "qwen2_5_coder_eagle.safetensors",
+)
 
 # Inserted by Qwen2.5's chat template when the conversation has no system turn.
 QWEN2_5_CODER_DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -195,7 +207,9 @@ def load_qwen2_5_coder(
 
   Returns:
     `(model, tokenizer)`: logits `[B, T, 151936]`, the GGUF's token ids (EOS
-    151645 `<|im_end|>`; no BOS is added), and a `tokenizers.Tokenizer`.
+    151645 `<|im_end|>`; no BOS is added), and a `tokenizers.Tokenizer`. The
+    model's `feature_layers` are `QWEN2_5_CODER_FEATURE_LAYERS`, those the EAGLE
+    head from `load_qwen2_5_coder_eagle` reads (they cost nothing unless asked for).
 
   Raises:
     ValueError: `dtype` or `kernels` is not one of the above (before anything is read).
@@ -210,7 +224,60 @@ def load_qwen2_5_coder(
   dtype = model_dtype(dtype)
   check_kernels(kernels, "kernels")
   require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading Qwen2.5-Coder")
-  return gguf.load_gguf(fetch_qwen2_5_coder(progress), dtype, kernels, progress=progress)
+  path = fetch_qwen2_5_coder(progress)
+  return gguf.load_gguf(path, dtype, kernels, feature_layers=QWEN2_5_CODER_FEATURE_LAYERS, progress=progress)
+
+
+def _qwen2_5_coder_head_source(dtype, kernels: str, progress: bool):
+  # The target's config (the head's blocks' shape), embedding and output-head rows [V, D], from the cached GGUF.
+  config, weights, _ = gguf.read_gguf_cached(fetch_qwen2_5_coder(progress), dtype, progress=progress)
+  return config.replace(dtype=dtype, kernels=kernels), weights["embed"], weights["lm_head"].T
+
+
+def load_qwen2_5_coder_eagle(dtype: Any = jnp.float32, path: str | None = None, kernels: str = "xla") -> EagleDrafter:
+  """Loads the EAGLE-3-style head trained for Qwen2.5-Coder-1.5B-Instruct.
+
+  Pass it as `draft` to `speculative_generate` with the target from
+  `load_qwen2_5_coder(dtype)`, whose `feature_layers` match it. The head's
+  blocks are Qwen2 blocks (q/k/v biases) with the MLP width its JSON records;
+  its embedding and output head are the target's, read from the cached GGUF.
+
+  Args:
+    dtype: parameter, activation and KV-cache dtype of the head.
+    path: a `.safetensors` head written by examples/train_eagle.py (float16 or
+      int8); default the shipped `specdec_jax/weights/qwen2_5_coder_eagle.safetensors`.
+    kernels: the head's blocks' `TransformerConfig.kernels`, "xla" or "pallas".
+
+  Returns:
+    An `EagleDrafter` holding the target's embedding and (draft-vocabulary) head rows.
+
+  Raises:
+    FileNotFoundError: the weights or their `.json` are missing (before the target's weights are read).
+    ValueError: the files are not such a head; `dtype` or `kernels` is not one `load_qwen2_5_coder` takes.
+
+  Example:
+    >>> target, tokenizer = load_qwen2_5_coder(jnp.bfloat16)  # doctest: +SKIP
+    >>> head = load_qwen2_5_coder_eagle(jnp.bfloat16)  # doctest: +SKIP
+    >>> out = speculative_generate(target, head, prompts, lengths, params, key,
+    ...                            max_new_tokens=256, num_speculative_tokens=4)  # doctest: +SKIP
+  """
+  dtype = model_dtype(dtype)
+  check_kernels(kernels, "kernels")
+  require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading the Qwen2.5-Coder EAGLE head")
+  shipped = path is None
+  path = QWEN2_5_CODER_EAGLE_PATH if shipped else os.fspath(path)
+  remedy = (
+    "The shipped head comes with the package: reinstall it (or `git checkout -- specdec_jax/weights`), "
+    "or train one with: python examples/train_eagle.py --target qwen2.5-coder-1.5b"
+    if shipped
+    else f"Write it with: python examples/train_eagle.py --target qwen2.5-coder-1.5b --out {path}"
+  )
+  return eagle_files.read_eagle_head(
+    path,
+    lambda: _qwen2_5_coder_head_source(dtype, kernels, progress=True),
+    name="Qwen2.5-Coder EAGLE head",
+    remedy=remedy,
+  )
 
 
 def apply_chat_template(messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.models.config import TransformerConfig, check_kernels
-from specdec_jax.models.eagle import EagleConfig, EagleDrafter
-from specdec_jax.models.loaders import gguf
+from specdec_jax.models.eagle import EagleDrafter
+from specdec_jax.models.loaders import eagle_files, gguf
 from specdec_jax.models.loaders.common import (
   chatml,
   damaged_file_error,
@@ -66,7 +66,6 @@ _DRAFT_FORMAT = "specdec_jax.draft.v1"
 # returns exactly these features.
 SMOLLM2_FEATURE_LAYERS: tuple[int, ...] = (2, 15, 27)
 EAGLE_WEIGHTS_PATH = os.path.join(os.path.dirname(DRAFT_WEIGHTS_PATH), "smollm2_eagle.safetensors")
-_EAGLE_FORMAT = "specdec_jax.eagle.v1"
 
 # ---------------------------------------------------------------------------- target
 
@@ -406,44 +405,19 @@ def save_eagle(
   """Saves an EAGLE head for SmolLM2 as `path` (safetensors) plus its config (`.json` next to it).
 
   Only the drafter's own weights are stored (the embedding and head are
-  SmolLM2's); float16 by default (checked to fit).
+  SmolLM2's); float16 by default (checked to fit). See `eagle_files.save_eagle_head`.
 
   Args:
     drafter: an `EagleDrafter` built by `EagleDrafter.for_target(load_smollm2()[0], ...)`.
     path: destination `.safetensors`; the config goes to the same name with `.json`.
     metadata: extra JSON-serialisable facts to record (training command, figures).
-    storage_dtype: np.float16 (default) or np.float32.
+    storage_dtype: float16 (default), float32 or "int8".
 
   Example:
     >>> save_eagle(drafter, EAGLE_WEIGHTS_PATH, metadata={"steps": 3000})  # doctest: +SKIP
   """
-  save_file = import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
-  storage_dtype = np.dtype(storage_dtype)
-  if storage_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
-    raise ValueError(f"storage_dtype must be float16 or float32, got {storage_dtype}")
-  weights = {}
-  for name, w in drafter.to_weights().items():
-    if name == "draft_vocab":
-      weights[name] = w.astype(np.int32)
-      continue
-    stored = np.asarray(w, np.float32).astype(storage_dtype)
-    if not np.all(np.isfinite(stored)):
-      raise ValueError(f"weights[{name!r}] does not fit in {storage_dtype} (max |w| = {np.abs(w).max()})")
-    weights[name] = stored
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, path)
-  c = drafter.config
-  meta = {
-    "format": _EAGLE_FORMAT,
-    "target": SMOLLM2_GGUF_FILE,
-    "num_layers": c.layers.num_layers,
-    "feature_layers": list(c.feature_layers),
-    "draft_vocab_size": c.draft_vocab_size,
-    **(dict(metadata) if metadata else {}),
-  }
-  with open(_draft_config_path(path), "w") as f:
-    json.dump(meta, f, indent=2)
-    f.write("\n")
+  storage = storage_dtype if isinstance(storage_dtype, str) else np.dtype(storage_dtype).name
+  eagle_files.save_eagle_head(drafter, path, target=SMOLLM2_GGUF_FILE, metadata=metadata, storage_dtype=storage)
 
 
 def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, kernels: str = "xla") -> EagleDrafter:
@@ -476,32 +450,15 @@ def load_smollm2_eagle(dtype: Any = jnp.float32, path: str | None = None, *, ker
   require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading the SmolLM2 EAGLE head")
   shipped = path is None
   path = EAGLE_WEIGHTS_PATH if shipped else path
-  config_path = _draft_config_path(path)
   remedy = (
     "The shipped head comes with the package: reinstall it (or `git checkout -- specdec_jax/weights`), "
     "or retrain it with: python examples/train_eagle.py"
     if shipped
     else f"Write it again with: python examples/train_eagle.py --out {path}"
   )
-  for required in (path, config_path):
-    if not os.path.isfile(required):
-      raise FileNotFoundError(f"SmolLM2 EAGLE head not found: no such file: {required}. {remedy}")
-  what = "SmolLM2 EAGLE head config (JSON)"
-  meta = read_json(config_path, what, remedy)
-  if meta.get("format") != _EAGLE_FORMAT:
-    raise ValueError(f"{config_path}: format {meta.get('format')!r}, expected {_EAGLE_FORMAT!r}. {remedy}")
-  target_config = smollm2_config(dtype).replace(kernels=kernels)
-  try:
-    config = EagleConfig(
-      layers=target_config.replace(num_layers=meta["num_layers"], feature_layers=()),
-      feature_layers=tuple(meta["feature_layers"]),
-      draft_vocab_size=meta["draft_vocab_size"],
-    )
-  except (KeyError, TypeError, ValueError) as e:
-    raise damaged_file_error(config_path, what, e, remedy) from e
-  weights = read_safetensors(path, "SmolLM2 EAGLE head weights (safetensors)", remedy)
-  embed = smollm2_weights()["embed"]
-  try:
-    return EagleDrafter.from_weights(config, weights, embed=embed, head_rows=embed)
-  except ValueError as e:
-    raise damaged_file_error(path, f"EAGLE head weights matching {config_path}", e, remedy) from e
+
+  def target():
+    embed = smollm2_weights()["embed"]  # tied embeddings: the head's rows are the embedding
+    return smollm2_config(dtype).replace(kernels=kernels), embed, embed
+
+  return eagle_files.read_eagle_head(path, target, name="SmolLM2 EAGLE head", remedy=remedy)

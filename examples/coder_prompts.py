@@ -1,0 +1,278 @@
+"""Training prompts for a coding assistant's EAGLE head, built from this Python's standard library.
+
+What a coder model is asked, in five kinds (each prompt is tagged with its kind):
+
+- "implement": write a function from its name, arguments and docstring summary (chat);
+- "complete": raw completion of a standard-library function from the lines above its body (no chat template);
+- "edit": a function's source and a change to make (add type hints, rename, refactor, ...) (chat);
+- "tests": unit tests for a function's source (chat);
+- "chat": questions about library functions and programming topics, and everyday questions (chat).
+
+Everything is deterministic for a given seed and standard library. The benchmark's
+prompts (`held_out_prompts.json`) are left out, and so is the module they use (csv).
+
+Example:
+  >>> prompts = coder_prompts(lambda text: text, seed=0, max_functions=20)  # doctest: +SKIP
+  >>> sorted({kind for kind, _ in prompts})  # doctest: +SKIP
+  ['chat', 'complete', 'edit', 'implement', 'tests']
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import sysconfig
+from collections.abc import Callable
+
+import numpy as np
+
+KINDS = ("implement", "complete", "edit", "tests", "chat")
+
+IMPLEMENT = [
+  "Write a Python function `{sig}` that does this: {summary}",
+  "Implement `{sig}` in Python. It should: {summary}",
+  "Write `{sig}` in Python ({summary}). Include a docstring.",
+  "I need a Python function `{sig}`. {summary} Answer with the code only.",
+]
+EDIT = [
+  "Add type hints to this function and return the whole function:",
+  "Refactor this function to make it easier to read, keeping its behaviour:",
+  "Add a docstring and comments to this function:",
+  "Rename the function to `{new}` and return the whole code:",
+  "Rewrite this function so that it has no nested blocks deeper than two levels:",
+  "Find possible bugs in this function and return a fixed version:",
+  "Convert this function into a method of a small class and show how to call it:",
+  "Make this function raise a ValueError with a clear message on invalid input:",
+]
+TESTS = [
+  "Write pytest unit tests for this function:",
+  "Write unittest test cases for this function, including edge cases:",
+]
+EXPLAIN = [
+  "Explain what this code does, step by step:",
+  "What is the time complexity of this function? Explain.",
+]
+LIBRARY_QUESTIONS = [
+  "In Python's `{module}` module, what does `{name}` do? Give an example.",
+  "How can I use `{module}.{name}` in my own code?",
+  'What does this mean in Python\'s documentation: "{summary}"?',
+]
+PROGRAMMING_TOPICS = [
+  "list comprehensions",
+  "generators",
+  "decorators",
+  "context managers",
+  "async and await",
+  "type hints",
+  "dataclasses",
+  "exceptions",
+  "unit testing",
+  "virtual environments",
+  "regular expressions",
+  "recursion",
+  "binary search",
+  "hash tables",
+  "linked lists",
+  "sorting algorithms",
+  "dynamic programming",
+  "graph traversal",
+  "big-O notation",
+  "SQL joins",
+  "database indexes",
+  "REST APIs",
+  "HTTP status codes",
+  "JSON parsing",
+  "git rebase",
+  "git merge conflicts",
+  "Docker containers",
+  "shell pipelines",
+  "multithreading",
+  "multiprocessing",
+  "memory leaks",
+  "object-oriented design",
+  "inheritance versus composition",
+  "immutability",
+  "functional programming",
+  "logging",
+  "command-line arguments",
+  "file I/O",
+  "string formatting",
+  "floating-point precision",
+  "bit manipulation",
+  "caching",
+  "rate limiting",
+  "code review",
+  "refactoring",
+  "JavaScript promises",
+  "TypeScript interfaces",
+  "Rust ownership",
+  "Go goroutines",
+  "C pointers",
+  "Java generics",
+  "React components",
+  "CSS flexbox",
+  "pandas DataFrames",
+  "NumPy broadcasting",
+  "matrix multiplication",
+  "gradient descent",
+  "tokenization",
+  "unicode",
+  "time zones",
+]
+PROGRAMMING_TEMPLATES = [
+  "Explain {t} with a short code example.",
+  "What are common mistakes with {t}?",
+  "When should I use {t}? Give an example.",
+  "Write a small program that demonstrates {t}.",
+  "Compare two ways of doing {t} and say which you prefer.",
+  "What is {t}? Answer for a beginner.",
+]
+EVERYDAY_TOPICS = [
+  "photosynthesis",
+  "black holes",
+  "the French Revolution",
+  "climate change",
+  "the immune system",
+  "volcanoes",
+  "coffee",
+  "honeybees",
+  "electric cars",
+  "the Roman Empire",
+  "sleep",
+  "chess",
+  "gravity",
+  "vaccines",
+  "recycling",
+  "dinosaurs",
+  "solar panels",
+  "the printing press",
+  "rainbows",
+  "public speaking",
+  "time management",
+  "gardening",
+  "bread baking",
+  "the human heart",
+  "earthquakes",
+  "friendship",
+  "penguins",
+  "hurricanes",
+  "budgeting",
+  "job interviews",
+  "camping",
+  "the ocean tides",
+  "the Olympic Games",
+  "the history of jazz",
+  "birdwatching",
+  "wind turbines",
+]
+EVERYDAY_TEMPLATES = [
+  "Explain {t} in simple terms.",
+  "What are three interesting facts about {t}?",
+  "Write a short paragraph about {t}.",
+  "Give me some tips related to {t}.",
+  "How would you explain {t} to a ten-year-old?",
+]
+SKIP_MODULES = ("csv.py",)  # the benchmark asks how to read a CSV file
+
+
+def _stdlib_files() -> list[str]:
+  root = sysconfig.get_paths()["stdlib"]
+  files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+  skip = (os.sep + "test", "site-packages", "idlelib", "lib2to3", "turtledemo")
+  return [f for f in files if not any(s in f[len(root) :] for s in skip) and os.path.basename(f) not in SKIP_MODULES]
+
+
+def stdlib_functions(max_lines: int = 40) -> list[dict]:
+  """Public functions of the standard library with a docstring: module, name, signature, summary, source, context."""
+  root = sysconfig.get_paths()["stdlib"]
+  found = []
+  for path in _stdlib_files():
+    try:
+      with open(path, encoding="utf-8") as f:
+        text = f.read()
+      tree = ast.parse(text)
+    except (SyntaxError, ValueError, UnicodeDecodeError):
+      continue
+    lines = text.splitlines()
+    module = os.path.splitext(os.path.relpath(path, root))[0].replace(os.sep, ".")
+    for node in ast.walk(tree):
+      if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        continue
+      doc = ast.get_docstring(node)
+      summary = doc.strip().split("\n")[0].strip() if doc else ""
+      if not 20 <= len(summary) <= 200:
+        continue
+      args = [a.arg for a in node.args.args]
+      n_lines = node.end_lineno - node.lineno + 1
+      source = "\n".join(lines[node.lineno - 1 : node.end_lineno]) if n_lines <= max_lines else ""
+      body = node.body[1] if len(node.body) > 1 else None  # the first statement after the docstring
+      head_end = (body.lineno - 1) if body is not None else node.end_lineno
+      found.append(
+        {
+          "module": module,
+          "name": node.name,
+          "sig": f"{node.name}({', '.join(args)})",
+          "summary": summary,
+          "source": _dedent(source),
+          "context": "\n".join(lines[max(0, node.lineno - 12) : head_end]) + "\n",
+        }
+      )
+  return found
+
+
+def _dedent(source: str) -> str:
+  lines = source.splitlines()
+  indent = min((len(x) - len(x.lstrip()) for x in lines if x.strip()), default=0)
+  return "\n".join(x[indent:] for x in lines)
+
+
+def held_out_texts() -> set[str]:
+  """The benchmark's prompts (examples/held_out_prompts.json), never trained on."""
+  with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "held_out_prompts.json")) as f:
+    data = json.load(f)
+  return {p for key in ("questions", "code_tasks", "edit_tasks") for p in data[key]}
+
+
+def coder_prompts(chat: Callable[[str], str], *, seed: int, max_functions: int = 0) -> list[tuple[str, str]]:
+  """(kind, prompt text) pairs, shuffled; `chat(text)` wraps a user message in the model's chat template.
+
+  Each function of the standard library gives one "implement" prompt and, with a
+  short enough body, a "complete", an "edit", and (every other one) a "tests" or
+  an "explain" prompt; library questions, programming topics and everyday topics
+  add the chat prompts.
+
+  Args:
+    chat: the chat template (e.g. `qwen2_5_coder.chat_prompt`).
+    seed: the shuffle and the template choices.
+    max_functions: use only this many functions (0 = all), for quick runs.
+  """
+  rng = np.random.default_rng(seed)
+  functions = stdlib_functions()
+  order = rng.permutation(len(functions))
+  functions = [functions[i] for i in (order[:max_functions] if max_functions else order)]
+  out: list[tuple[str, str]] = []
+
+  def pick(options):
+    return options[int(rng.integers(len(options)))]
+
+  for i, fn in enumerate(functions):
+    out.append(("implement", chat(pick(IMPLEMENT).format(**fn))))
+    out.append(("chat", chat(pick(LIBRARY_QUESTIONS).format(**fn))))
+    if not fn["source"]:
+      continue
+    out.append(("complete", fn["context"]))
+    code = f"```python\n{fn['source']}\n```"
+    out.append(("edit", chat(pick(EDIT).format(new=f"{fn['name']}_v2") + "\n\n" + code)))
+    if i % 2 == 0:
+      out.append(("tests", chat(pick(TESTS) + "\n\n" + code)))
+    else:
+      out.append(("chat", chat(pick(EXPLAIN) + "\n\n" + code)))
+  for t in PROGRAMMING_TOPICS:
+    out += [("chat", chat(tpl.format(t=t))) for tpl in PROGRAMMING_TEMPLATES]
+  for t in EVERYDAY_TOPICS:
+    out += [("chat", chat(tpl.format(t=t))) for tpl in EVERYDAY_TEMPLATES]
+  held = {chat(t) for t in held_out_texts()}
+  out = [(k, p) for k, p in out if p not in held]
+  return [out[i] for i in rng.permutation(len(out))]

@@ -1,0 +1,177 @@
+"""EAGLE head files: a head's own weights (safetensors) and its config (JSON beside it), for any target.
+
+A head file holds only the drafter's own weights (`EagleDrafter.to_weights()`):
+the token embedding and output head are the target's and come from the target
+at load time. The JSON names the target and the head's shape (`num_layers`,
+`feature_layers`, `draft_vocab_size`, and `d_ff` when its MLP is narrower than
+the target's) plus whatever the trainer recorded (command, data, figures).
+
+Storage: float16 (the default), float32, or int8. An int8 file stores each
+matrix `w` [..., in, out] as `round(w / s)` with one float16 scale per output
+column (`s = max |w| / 127` over the input axis, key "NAME.scale"); vectors
+(norms, biases) stay float16. It halves a float16 file; what it costs in
+agreement is measured by the trainer (examples/train_eagle.py reports both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from specdec_jax.models.config import TransformerConfig
+from specdec_jax.models.eagle import EagleConfig, EagleDrafter
+from specdec_jax.models.loaders.common import damaged_file_error, import_optional, read_json, read_safetensors
+
+EAGLE_FORMAT = "specdec_jax.eagle.v1"
+STORAGE_DTYPES = ("float16", "float32", "int8")
+_SCALE = ".scale"
+
+
+def config_path(path: str) -> str:
+  """The JSON config beside a head's `.safetensors` file."""
+  return os.path.splitext(path)[0] + ".json"
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Symmetric int8 with one float16 scale per output column: `w ~= q * scale`.
+
+  Args:
+    w: float [..., in, out] (a stack of matrices keeps its leading axes).
+
+  Returns:
+    `(q int8 [..., in, out], scale float16 [..., 1, out])`; an all-zero column gets scale 1.
+
+  Example:
+    >>> q, s = quantize_int8(np.array([[1.0, -2.0], [0.5, 4.0]], np.float32))
+    >>> q.tolist(), s.astype(np.float32).ravel().tolist()
+    ([[127, -64], [64, 127]], [0.00787353515625, 0.031494140625])
+  """
+  w = np.asarray(w, np.float32)
+  peak = np.max(np.abs(w), axis=-2, keepdims=True)
+  scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float16)
+  q = np.clip(np.rint(w / scale.astype(np.float32)), -127, 127).astype(np.int8)
+  return q, scale
+
+
+def save_eagle_head(
+  drafter: EagleDrafter,
+  path: str,
+  *,
+  target: str,
+  metadata: Mapping[str, Any] | None = None,
+  storage_dtype: str = "float16",
+) -> None:
+  """Writes `drafter`'s own weights to `path` (safetensors) and its config to the `.json` beside it.
+
+  Args:
+    drafter: an `EagleDrafter` (e.g. from `EagleDrafter.for_target`).
+    path: destination `.safetensors`.
+    target: the target's file name, recorded so a loader can refuse a head made for another model.
+    metadata: extra JSON-serialisable facts (training command, data, figures).
+    storage_dtype: "float16" (default), "float32" or "int8" (per-column scales, see the module).
+
+  Raises:
+    ValueError: `storage_dtype` is not one of those, or a weight overflows float16.
+
+  Example:
+    >>> save_eagle_head(drafter, "/tmp/head.safetensors", target="model.gguf", storage_dtype="int8")  # doctest: +SKIP
+  """
+  if storage_dtype not in STORAGE_DTYPES:
+    raise ValueError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {storage_dtype!r}")
+  save_file = import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
+  weights = {}
+  for name, w in drafter.to_weights().items():
+    w = np.asarray(w)
+    if name == "draft_vocab":
+      weights[name] = w.astype(np.int32)
+      continue
+    w = w.astype(np.float32)
+    if storage_dtype == "int8" and w.ndim >= 2:
+      weights[name], weights[name + _SCALE] = quantize_int8(w)
+      continue
+    stored = w.astype(np.float32 if storage_dtype == "float32" else np.float16)
+    if not np.all(np.isfinite(stored)):
+      raise ValueError(f"weights[{name!r}] does not fit in {stored.dtype} (max |w| = {np.abs(w).max()})")
+    weights[name] = stored
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, path)
+  c = drafter.config
+  meta = {
+    "format": EAGLE_FORMAT,
+    "target": target,
+    "num_layers": c.layers.num_layers,
+    "feature_layers": list(c.feature_layers),
+    "draft_vocab_size": c.draft_vocab_size,
+    "d_ff": c.layers.d_ff,
+    "storage_dtype": storage_dtype,
+    **(dict(metadata) if metadata else {}),
+  }
+  with open(config_path(path), "w") as f:
+    json.dump(meta, f, indent=2)
+    f.write("\n")
+
+
+def _dequantized(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  # int8 matrices come with "NAME.scale"; everything else is read as it is.
+  out = {}
+  for name, w in weights.items():
+    if name.endswith(_SCALE):
+      continue
+    scale = weights.get(name + _SCALE)
+    out[name] = w if scale is None else w.astype(np.float32) * scale.astype(np.float32)
+  return out
+
+
+def read_eagle_head(
+  path: str,
+  target: Callable[[], tuple[TransformerConfig, np.ndarray, np.ndarray]],
+  *,
+  name: str,
+  remedy: str,
+) -> EagleDrafter:
+  """Builds an `EagleDrafter` from a head file for a target.
+
+  Args:
+    path: the head's `.safetensors` (its `.json` beside it).
+    target: returns `(config, embed, head_rows)`: the target's config with the
+      head's dtype and kernels (its widths, heads, RoPE and biases are the head's
+      blocks'; `d_ff` comes from the JSON), its embedding and output-head rows
+      [V, D]. Called once the files are found (the target may be slow to read).
+    name: what the head is, for messages ("SmolLM2 EAGLE head").
+    remedy: how to get a good file, appended to every error.
+
+  Raises:
+    FileNotFoundError: the weights or the JSON are missing.
+    ValueError: the files are not an EAGLE head of this shape (one line naming the file).
+
+  Example:
+    >>> head = read_eagle_head(p, lambda: (cfg, e, e), name="my head", remedy="")  # doctest: +SKIP
+  """
+  json_path = config_path(path)
+  for required in (path, json_path):
+    if not os.path.isfile(required):
+      raise FileNotFoundError(f"{name} not found: no such file: {required}. {remedy}")
+  what = f"{name} config (JSON)"
+  meta = read_json(json_path, what, remedy)
+  if meta.get("format") != EAGLE_FORMAT:
+    raise ValueError(f"{json_path}: format {meta.get('format')!r}, expected {EAGLE_FORMAT!r}. {remedy}")
+  target_config, embed, head_rows = target()
+  try:
+    config = EagleConfig(
+      layers=target_config.replace(
+        num_layers=meta["num_layers"], feature_layers=(), d_ff=int(meta.get("d_ff", target_config.d_ff))
+      ),
+      feature_layers=tuple(meta["feature_layers"]),
+      draft_vocab_size=meta["draft_vocab_size"],
+    )
+  except (KeyError, TypeError, ValueError) as e:
+    raise damaged_file_error(json_path, what, e, remedy) from e
+  weights = _dequantized(read_safetensors(path, f"{name} weights (safetensors)", remedy))
+  try:
+    return EagleDrafter.from_weights(config, weights, embed=embed, head_rows=head_rows)
+  except ValueError as e:
+    raise damaged_file_error(path, f"{name} weights matching {json_path}", e, remedy) from e

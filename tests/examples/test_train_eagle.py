@@ -1,0 +1,108 @@
+"""examples/train_eagle.py's data pipeline: bucketed generation batches, resumable generation, the padded data."""
+
+import importlib.util
+import pathlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from tests.support.tiny_transformers import CONFIG, V, unit_target
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def train():
+  sys.path.insert(0, str(EXAMPLES))  # train_eagle imports coder_prompts and train_draft's prompt lists
+  try:
+    spec = importlib.util.spec_from_file_location("examples_train_eagle", EXAMPLES / "train_eagle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.remove(str(EXAMPLES))
+  return module
+
+
+def test_bucketed_batches_hold_every_continuation_once_and_respect_the_token_cap(train):
+  p_lens = np.random.default_rng(0).integers(1, 385, size=300)
+  samples = [0.0, 1.0, 1.0]
+  batches = train.generation_batches(p_lens, samples, prompt_len=384, batch_size=512, prefill_tokens=8192)
+  jobs = np.concatenate([j for _, j, _, _ in batches])
+  assert np.array_equal(np.sort(jobs), np.arange(len(p_lens) * len(samples)))
+  for first, j, width, b in batches:
+    assert first == j[0] and len(j) <= b and b * width <= 8192
+    assert np.all(p_lens[j // len(samples)] <= width) and width in (96, 192, 384)
+  assert {w for _, _, w, _ in batches} == {96, 192, 384}
+  # Without a cap: the shipped SmolLM2 head's batches (consecutive jobs, one width).
+  plain = train.generation_batches(p_lens, samples, prompt_len=128, batch_size=256, prefill_tokens=0)
+  assert [(f, list(j), w, b) for f, j, w, b in plain] == [
+    (s, list(range(s, min(s + 256, 900))), 128, 256) for s in range(0, 900, 256)
+  ]
+
+
+def _setup(train, tmp_path):
+  target = unit_target(CONFIG)
+  rng = np.random.default_rng(1)
+  prompts = [list(rng.integers(0, V, size=n)) for n in (3, 8, 5, 2, 7)]
+  kinds = ["chat", "edit", "chat", "tests", "complete"]
+  spec = types.SimpleNamespace(eos=(3,))
+  args = types.SimpleNamespace(prompt_len=8, gen_tokens=6, gen_batch=4, prefill_tokens=16, seed=0)
+  return target, prompts, kinds, spec, args
+
+
+def test_generation_resumes_where_it_stopped(train, tmp_path):
+  target, prompts, kinds, spec, args = _setup(train, tmp_path)
+  samples = [0.0, 1.0]
+  whole = train.generate_data(target, spec, prompts, kinds, samples, args, deadline=0.0, partial_path="")
+  assert whole["job_done"].all()
+  partial = str(tmp_path / "data.partial.npz")
+  # A deadline already past: nothing is generated, and the (empty) progress is saved.
+  none = train.generate_data(target, spec, prompts, kinds, samples, args, deadline=1.0, partial_path=partial)
+  assert not none["job_done"].any() and pathlib.Path(partial).is_file()
+  # Half done (the first batches), as a cut-off run leaves it: the rest is generated with the same keys.
+  half = dict(whole)
+  done = np.zeros(len(whole["job_done"]), bool)
+  done[:4] = True
+  g = whole["gen_offsets"]
+  half["job_done"] = done
+  half["gen_ids"] = whole["gen_ids"][: g[4]]
+  half["gen_offsets"] = np.concatenate([g[:5], np.full(len(g) - 5, g[4])])
+  train.save_data(partial, half)
+  resumed = train.generate_data(target, spec, prompts, kinds, samples, args, deadline=0.0, partial_path=partial)
+  for key in whole:
+    np.testing.assert_array_equal(resumed[key], whole[key], err_msg=key)
+  # The padded view: each row is its prompt, then its continuation (EOS 3 included), then zeros.
+  tokens, p_lens, lens, prompt_of = train.padded_data(whole, args.prompt_len, args.gen_tokens)
+  assert tokens.shape == (10, 14) and list(prompt_of) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+  for r in range(10):
+    assert list(tokens[r, : p_lens[r]]) == prompts[prompt_of[r]]
+    gen = whole["gen_ids"][whole["gen_offsets"][r] : whole["gen_offsets"][r + 1]]
+    assert list(tokens[r, p_lens[r] : lens[r]]) == list(gen) and not tokens[r, lens[r] :].any()
+    assert 1 <= len(gen) <= args.gen_tokens and (3 not in gen[:-1])
+  assert whole["job_temperature"].tolist() == [0.0, 1.0] * 5  # job j: prompt j // 2 at samples[j % 2]
+
+
+def test_a_partial_file_of_other_prompts_is_refused(train, tmp_path):
+  target, prompts, kinds, spec, args = _setup(train, tmp_path)
+  partial = str(tmp_path / "data.partial.npz")
+  train.generate_data(target, spec, prompts, kinds, [0.0], args, deadline=1.0, partial_path=partial)
+  with pytest.raises(SystemExit, match="other prompts"):
+    train.generate_data(target, spec, prompts[::-1], kinds, [0.0], args, deadline=0.0, partial_path=partial)
+
+
+def test_bad_arguments_are_refused_before_loading(train):
+  for argv in (
+    ["--target", "qwen2.5-coder-1.5b", "--draft-vocab", "200000"],
+    ["--samples", "0,x"],
+    ["--samples", "-1"],
+    ["--data-only"],
+    ["--head-d-ff", "-1"],
+    ["--loss", "kl"],
+  ):
+    with pytest.raises(SystemExit):
+      train.parse_args(argv)
+  spec, args = train.parse_args(["--target", "qwen2.5-coder-1.5b"])
+  assert (args.num_layers, args.draft_vocab, args.head_d_ff, args.storage_dtype) == (1, 32768, 4096, "int8")
+  assert args.out.endswith("qwen2_5_coder_eagle.safetensors") and args.samples == [0.0, 1.0, 1.0, 1.0, 1.0]

@@ -1,0 +1,117 @@
+"""EAGLE head files (`loaders.eagle_files`): float16 and int8 storage, a narrower MLP, and the loaders' errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specdec_jax.models.eagle import EagleDrafter
+from specdec_jax.models.loaders import eagle_files
+from tests.support.tiny_transformers import CONFIG, V, unit_target
+
+pytest.importorskip("safetensors")
+
+# A Qwen2-like tiny target: q/k/v biases and an untied output head.
+QWEN_LIKE = CONFIG.replace(qkv_bias=True, tie_embeddings=False)
+
+
+def _head(d_ff=24, vocab=(0, 3, 5, 7, 9, 11, 15)):
+  target = unit_target(QWEN_LIKE, seed=1)
+  head = EagleDrafter.for_target(target, num_layers=1, d_ff=d_ff, draft_vocab=np.asarray(vocab), rngs=nnx.Rngs(2))
+  return target, head
+
+
+def _logits(head):
+  tokens = jax.random.randint(jax.random.key(3), (2, 5), 0, V)
+  hidden = head.fuse(jax.random.normal(jax.random.key(4), (2, 5, head.config.feature_size)))
+  pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  return np.asarray(head(tokens, hidden, pos, head.init_cache(2, 8))[0])
+
+
+def _source(target, calls):
+  def source():
+    calls.append(1)
+    return target.config, np.asarray(target.embed[...]), np.asarray(target.lm_head[...]).T
+
+  return source
+
+
+def test_quantize_int8_is_within_half_a_step_per_column():
+  w = np.random.default_rng(0).standard_normal((3, 40, 6)).astype(np.float32)
+  w[1, :, 2] = 0.0  # an all-zero column
+  q, scale = eagle_files.quantize_int8(w)
+  assert q.dtype == np.int8 and scale.shape == (3, 1, 6) and scale.dtype == np.float16
+  s = scale.astype(np.float32)
+  err = np.abs(q.astype(np.float32) * s - w)
+  assert np.all(err <= s / 2 + 1e-6)
+  assert np.all(np.abs(q).max(axis=-2) == np.where(np.abs(w).max(axis=-2) > 0, 127, 0))
+
+
+@pytest.mark.parametrize("storage", ["float16", "int8"])
+def test_a_narrow_head_round_trips_through_its_file(tmp_path, storage):
+  target, head = _head()
+  assert head.config.layers.d_ff == 24 != QWEN_LIKE.d_ff
+  path = str(tmp_path / "head.safetensors")
+  eagle_files.save_eagle_head(head, path, target="tiny.gguf", metadata={"steps": 3}, storage_dtype=storage)
+  meta = json.load(open(tmp_path / "head.json"))
+  assert meta["d_ff"] == 24 and meta["storage_dtype"] == storage and meta["steps"] == 3
+  calls = []
+  loaded = eagle_files.read_eagle_head(path, _source(target, calls), name="tiny head", remedy="")
+  assert calls == [1] and loaded.config == head.config
+  np.testing.assert_array_equal(loaded.draft_vocab[...], head.draft_vocab[...])
+  a, b = _logits(head), _logits(loaded)
+  finite = np.isfinite(a)
+  assert np.array_equal(finite, np.isfinite(b))  # the same draft vocabulary
+  # float16 rounds each weight by 2^-11 relative; int8 by up to half a step of 1/127 of a column's largest.
+  tol = 2e-2 if storage == "float16" else 0.25
+  np.testing.assert_allclose(b[finite], a[finite], atol=tol)
+  assert storage == "float16" or np.abs(b[finite] - a[finite]).max() > 1e-4  # int8 is really quantized
+
+
+def test_int8_halves_the_file(tmp_path):
+  _, head = _head(d_ff=256)
+  sizes = {}
+  for storage in ("float16", "int8"):
+    path = tmp_path / f"{storage}.safetensors"
+    eagle_files.save_eagle_head(head, str(path), target="tiny.gguf", storage_dtype=storage)
+    sizes[storage] = path.stat().st_size
+  assert sizes["int8"] < 0.6 * sizes["float16"]
+
+
+def test_missing_or_foreign_files_fail_before_the_target_is_read(tmp_path):
+  target, head = _head()
+  calls = []
+  with pytest.raises(FileNotFoundError, match="no such file"):
+    eagle_files.read_eagle_head(str(tmp_path / "none.safetensors"), _source(target, calls), name="h", remedy="")
+  path = str(tmp_path / "head.safetensors")
+  eagle_files.save_eagle_head(head, path, target="tiny.gguf")
+  meta = json.load(open(tmp_path / "head.json"))
+  json.dump({**meta, "format": "other"}, open(tmp_path / "head.json", "w"))
+  with pytest.raises(ValueError, match="expected 'specdec_jax.eagle.v1'"):
+    eagle_files.read_eagle_head(path, _source(target, calls), name="h", remedy="")
+  assert calls == []
+  with pytest.raises(ValueError, match="storage_dtype"):
+    eagle_files.save_eagle_head(head, path, target="tiny.gguf", storage_dtype="bfloat16")
+
+
+def test_qwen_head_loader_refuses_a_missing_file_at_once(tmp_path):
+  pytest.importorskip("gguf")
+  pytest.importorskip("tokenizers")
+  from specdec_jax.models import load_qwen2_5_coder_eagle  # noqa: PLC0415
+
+  with pytest.raises(FileNotFoundError, match="Qwen2.5-Coder EAGLE head not found"):
+    load_qwen2_5_coder_eagle(path=str(tmp_path / "none.safetensors"))
+  with pytest.raises(ValueError, match="dtype"):
+    load_qwen2_5_coder_eagle(dtype="bf16")
+  with pytest.raises(ValueError, match="kernels"):
+    load_qwen2_5_coder_eagle(kernels="triton")
+
+
+def test_for_target_refuses_a_bad_mlp_width():
+  target = unit_target(QWEN_LIKE)
+  for bad in (0, -4, 2.5, True):
+    with pytest.raises(ValueError, match="d_ff"):
+      EagleDrafter.for_target(target, d_ff=bad, rngs=nnx.Rngs(0))
