@@ -8,6 +8,8 @@
   - `draft_kinds`: the three draft kinds behind one protocol, `DraftKind`.
   - `adapter`: splits a Flax NNX model into a static definition and its arrays, without
     importing Flax or `specdec_jax.models` (models are reached through their call protocol).
+  - `forced`: `speculative_generate_forced`, a benchmark knob that forces every round to
+    accept a fixed number of drafts. NOT LOSSLESS, timing only; not exported here.
 
 Words used throughout, each for one thing:
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from specdec_jax.loop.draft_kinds import Drafts
-from specdec_jax.loop.round import RoundKeys, RoundSetup, Verified, clamp_positions
+from specdec_jax.loop.round import RoundKeys, RoundSetup, Verified, clamp_positions, forced_emission
 from specdec_jax.loop.state import LoopState, arange32, gather_rows
-from specdec_jax.verify.chain import rejection_sample
+from specdec_jax.verify.chain import RejectionOutput, rejection_sample
 
 
 def chain_round(s: LoopState, keys: RoundKeys, setup: RoundSetup) -> Verified:
@@ -62,6 +62,8 @@ def verify_chain(s: LoopState, drafts: Drafts, keys: RoundKeys, setup: RoundSetu
     method=setup.method,
     penalty_state=s.penalties,
   )
+  if setup.forced_accepts is not None:  # the benchmark knob (`specdec_jax.loop.forced`): NOT LOSSLESS
+    out = force_chain(out, drafts.tokens, target_logits, setup.forced_accepts)
   return Verified(
     emitted=out.token_ids,
     num_emitted=out.num_emitted,
@@ -70,3 +72,23 @@ def verify_chain(s: LoopState, drafts: Drafts, keys: RoundKeys, setup: RoundSetu
     draft_carry=drafts.carry,
     features=features,
   )
+
+
+def force_chain(out: RejectionOutput, draft_token_ids, target_logits, accepts: int) -> RejectionOutput:
+  """The verifier's output replaced by a round that accepted `accepts` drafts. Benchmark knob, NOT LOSSLESS.
+
+  Emits d1 .. d_accepts, then the target's own token at position `accepts`
+  (`forced_emission`). Log-probabilities are not forced (the entry point takes none).
+
+  Args:
+    out: `rejection_sample`'s output for the round.
+    draft_token_ids: int32 [B, K] the round's drafts.
+    target_logits: [B, K+1, V] the verification call's logits.
+    accepts: static int in [0, K].
+  """
+  b = draft_token_ids.shape[0]
+  token_ids = forced_emission(
+    draft_token_ids, target_logits[:, accepts], out.token_ids, out.num_accepted == accepts, accepts
+  )
+  num_accepted = jnp.full((b,), accepts, jnp.int32)
+  return RejectionOutput(token_ids=token_ids, num_accepted=num_accepted, num_emitted=num_accepted + 1)

@@ -515,7 +515,49 @@ def speculative_generate(
     ...                            eos_token_id=2, all_greedy=True)
     >>> float(out.stats.mean_accepted_length), out.stats.acceptance_per_position
   """
-  where = "speculative_generate"
+  return _speculative_generate(
+    "speculative_generate",
+    target,
+    draft,
+    prompt_tokens,
+    prompt_lengths,
+    params,
+    key,
+    max_new_tokens=max_new_tokens,
+    num_speculative_tokens=num_speculative_tokens,
+    eos_token_id=eos_token_id,
+    all_greedy=all_greedy,
+    logprobs=logprobs,
+    draft_tree=draft_tree,
+    verification=verification,
+    no_filters=no_filters,
+  )
+
+
+def _speculative_generate(
+  where: str,
+  target,
+  draft,
+  prompt_tokens,
+  prompt_lengths,
+  params,
+  key,
+  *,
+  max_new_tokens,
+  num_speculative_tokens,
+  eos_token_id,
+  all_greedy,
+  logprobs,
+  draft_tree,
+  verification,
+  no_filters,
+  forced_accepts: int | None = None,
+) -> GenerateOutput:
+  """`speculative_generate`'s checks and program call, named `where` in errors.
+
+  `forced_accepts` is the benchmark knob of `specdec_jax.loop.forced` (NOT
+  LOSSLESS), which checks it and calls this; `speculative_generate` never passes it.
+  """
   _check_logprobs(where, logprobs)
   k = num_speculative_tokens
   if not _is_int(k) or k < 1:
@@ -577,6 +619,7 @@ def speculative_generate(
     logprobs=logprobs,
     tree=tree,
     method=verification,
+    forced_accepts=forced_accepts,
   )
 
 
@@ -651,6 +694,7 @@ def _speculative_program(
   logprobs,
   tree,
   method="token",
+  forced_accepts=None,
 ):
   """The body of `speculative_generate`'s jit: models, start, rounds until every row ends, outputs.
 
@@ -662,6 +706,7 @@ def _speculative_program(
     feature_draft: the drafter reads the target's features (EAGLE).
     num_speculative_tokens, max_new_tokens, eos, all_greedy, logprobs, tree, method: as `speculative_generate`
       checked them (tree None for a chain).
+    forced_accepts: None, or the benchmark knob of `specdec_jax.loop.forced` (NOT LOSSLESS).
 
   Returns:
     GenerateOutput, as `speculative_generate` documents it.
@@ -693,6 +738,7 @@ def _speculative_program(
     method=method,
     max_length=max_length,
     end=p + max_new_tokens,
+    forced_accepts=forced_accepts,
   )
   propose_and_verify = chain_round if tree is None else tree_round
 

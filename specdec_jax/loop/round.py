@@ -34,6 +34,7 @@ from specdec_jax.drafts.dynamic_tree import DynamicTree
 from specdec_jax.drafts.static_tree import DraftTree
 from specdec_jax.loop.state import DecodeStats, LoopState, arange32, is_eos, position_keys
 from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.verify.chain import PLACEHOLDER_TOKEN_ID
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,9 @@ class RoundSetup:
     method: "token" or "block" (chain verification).
     max_length: slots of the caches and the token buffer (module docstring).
     end: P + max_new_tokens, the first position no model is called at.
+    forced_accepts: None (every real round), or the benchmark knob of
+      `specdec_jax.loop.forced`: every round accepts exactly this many drafts
+      (NOT LOSSLESS; `forced_emission`).
   """
 
   kind: Any
@@ -65,6 +69,7 @@ class RoundSetup:
   method: str
   max_length: int
   end: int
+  forced_accepts: int | None = None
 
   @property
   def drafts_per_round(self) -> int:
@@ -103,6 +108,29 @@ def round_keys(row_keys, length, all_greedy: bool) -> RoundKeys:
     return RoundKeys(None, None)
   pair = jax.vmap(jax.random.split)(position_keys(row_keys, length))
   return RoundKeys(draft=pair[:, 0], verify=pair[:, 1])
+
+
+def forced_emission(path_tokens, stop_logits, verifier_token_ids, verifier_stopped, accepts: int) -> jax.Array:
+  """int32 [B, D+1]: what a round forced to accept `accepts` drafts emits. Benchmark knob, NOT LOSSLESS.
+
+  The first `accepts` drafts of the path, then the target's own token at the
+  next position, then -1. That token is the verifier's own (recovered or bonus)
+  where the verifier stopped there too (`verifier_stopped`), else the argmax of
+  the target's logits there. Reading the verifier's tokens keeps the verifier
+  in the program (XLA drops work whose result nobody reads), so a forced round
+  costs what a real round costs, plus one argmax over [B, V].
+
+  Args:
+    path_tokens: int32 [B, D]: the drafts along the forced path (a chain's d1 .. dK).
+    stop_logits: [B, V]: the target's logits at the position after the path's `accepts` drafts.
+    verifier_token_ids: int32 [B, D+1]: the verifier's own emission.
+    verifier_stopped: bool [B]: the verifier accepted exactly the forced path's first `accepts` drafts.
+    accepts: static int in [0, D].
+  """
+  b, d = path_tokens.shape
+  own = jnp.where(verifier_stopped, verifier_token_ids[:, accepts], jnp.argmax(stop_logits, axis=-1).astype(jnp.int32))
+  after = jnp.full((b, d - accepts), PLACEHOLDER_TOKEN_ID, jnp.int32)
+  return jnp.concatenate([path_tokens[:, :accepts].astype(jnp.int32), own[:, None], after], axis=1)
 
 
 class Verified(NamedTuple):

@@ -21,10 +21,10 @@ import numpy as np
 
 from specdec_jax.drafts.dynamic_tree import DynamicTree, tree_ancestors
 from specdec_jax.drafts.static_tree import tree_attention_mask
-from specdec_jax.loop.round import RoundKeys, RoundSetup, Verified, clamp_positions
+from specdec_jax.loop.round import RoundKeys, RoundSetup, Verified, clamp_positions, forced_emission
 from specdec_jax.loop.state import LoopState, arange32, gather_rows
 from specdec_jax.sampling import sample, stats
-from specdec_jax.verify.tree import tree_rejection_sample
+from specdec_jax.verify.tree import TreeRejectionOutput, tree_rejection_sample
 
 
 def tree_round(s: LoopState, keys: RoundKeys, setup: RoundSetup) -> Verified:
@@ -50,6 +50,8 @@ def tree_round(s: LoopState, keys: RoundKeys, setup: RoundSetup) -> Verified:
   """
   drafts = propose_tree(s, keys, setup)
   verdict = verify_tree(s, drafts, keys, setup)
+  if setup.forced_accepts is not None:  # the benchmark knob (`specdec_jax.loop.forced`): NOT LOSSLESS
+    verdict = verdict._replace(walk=force_tree(verdict, drafts, setup.tree, setup.forced_accepts))
   return commit_path(s, drafts, verdict, setup)
 
 
@@ -145,6 +147,39 @@ def verify_tree(s: LoopState, drafts: TreeDrafts, keys: RoundKeys, setup: RoundS
     **drafts.verify_kw,
   )
   return TreeVerdict(walk, target_logits, target_cache, features)
+
+
+def force_tree(verdict: TreeVerdict, drafts: TreeDrafts, tree, accepts: int) -> TreeRejectionOutput:
+  """The walk replaced by one that accepted `accepts` nodes of the first-child path. Benchmark knob, NOT LOSSLESS.
+
+  The first-child path of a static tree is the first node of every depth
+  (children are numbered in their parents' order: `DraftTree.parents`); the
+  walk emits its first `accepts` nodes, then the target's own token after them
+  (`forced_emission`). A dynamic tree's first path may end before depth K, so
+  the entry point refuses it.
+
+  Args:
+    verdict: the tree's verification (the verifier's walk and the target's logits [B, N+1, V]).
+    drafts: the tree's proposal (tokens [B, N]).
+    tree: the static `DraftTree`.
+    accepts: static int in [0, K].
+  """
+  walk, b = verdict.walk, drafts.tokens.shape[0]
+  path = np.asarray(tree.level_starts, np.int32)  # [K] the first-child path's nodes, one per depth
+  on_path = jnp.all(walk.accepted_nodes[:, :accepts] == path[None, :accepts], axis=1)
+  verifier_stopped = (walk.num_accepted == accepts) & on_path
+  stop_row = 0 if accepts == 0 else int(path[accepts - 1]) + 1  # logits row 0 is the root's, row j+1 node j's
+  token_ids = forced_emission(
+    drafts.tokens[:, path], verdict.target_logits[:, stop_row], walk.token_ids, verifier_stopped, accepts
+  )
+  nodes = np.where(np.arange(len(path)) < accepts, path, -1).astype(np.int32)
+  num_accepted = jnp.full((b,), accepts, jnp.int32)
+  return TreeRejectionOutput(
+    token_ids=token_ids,
+    accepted_nodes=jnp.broadcast_to(jnp.asarray(nodes), (b, len(path))),
+    num_accepted=num_accepted,
+    num_emitted=num_accepted + 1,
+  )
 
 
 def commit_path(s: LoopState, drafts: TreeDrafts, verdict: TreeVerdict, setup: RoundSetup) -> Verified:

@@ -356,3 +356,26 @@ def test_gguf_parts_split_stash_join_round_trip(tmp_path, monkeypatch, capsys):
   gp.main(["stash", "--part", str(parts / "part00"), "--stash", stash])
   joined = gp.main(["join", "--part", str(parts / "part01"), "--stash", stash])
   assert joined == str(tmp_path / "cache" / gp.QWEN_NAME) and (tmp_path / "cache" / gp.QWEN_NAME).read_bytes() == data
+
+
+@pytest.mark.slow  # a bench script's smoke run (4 s); CI keeps the examples' own runs
+def test_forced_acceptance_smoke_run_forces_every_round(tmp_path):
+  """bench/forced_acceptance.py --quick on the CPU: each forced row emits exactly a + 1 tokens per round."""
+  forced_acceptance = _bench("forced_acceptance")
+  args = ["--quick", "--drafters", "lookup", "--accepts", "0,2", "--repeats", "1", "--out", str(tmp_path), "--no-plot"]
+  report = forced_acceptance.main(args)
+  assert [(r["kind"], r["accepts"]) for r in report["rows"]] == [
+    ("generate", None),
+    ("real", None),
+    ("forced", 0),
+    ("forced", 2),
+  ]
+  for r in report["rows"]:
+    assert r["tokens_per_s"] > 0 and r["tokens"] == 25
+    if r["kind"] == "forced":
+      assert r["tokens_per_round"] == r["accepts"] + 1
+      assert r["accepted_per_position"] == [24 // (r["accepts"] + 1)] * r["accepts"] + [0] * (2 - r["accepts"])
+  assert report["command"].endswith(" ".join(args))
+  assert (tmp_path / "forced_acceptance.json").is_file()
+  with pytest.raises(SystemExit):  # a bad flag is refused before any model is built
+    forced_acceptance.main(["--quick", "--out", str(tmp_path), "--drafters", "nope"])
