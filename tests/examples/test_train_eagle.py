@@ -106,3 +106,22 @@ def test_bad_arguments_are_refused_before_loading(train):
   spec, args = train.parse_args(["--target", "qwen2.5-coder-1.5b"])
   assert (args.num_layers, args.draft_vocab, args.head_d_ff, args.storage_dtype) == (1, 32768, 4096, "int8")
   assert args.out.endswith("qwen2_5_coder_eagle.safetensors") and args.samples == [0.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_more_samples_extend_a_finished_run(train, tmp_path):
+  """A finished run's data, resumed with --samples extended, keeps its continuations and generates only the new."""
+  target, prompts, kinds, spec, args = _setup(train, tmp_path)
+  two = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0], args, deadline=0.0, partial_path="")
+  partial = str(tmp_path / "more.partial.npz")
+  train.save_data(partial, two)
+  three = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0, 1.0], args, deadline=0.0, partial_path=partial)
+  assert three["job_done"].all() and len(three["job_done"]) == 15
+
+  def gen(data, j):
+    return data["gen_ids"][data["gen_offsets"][j] : data["gen_offsets"][j + 1]].tolist()
+
+  for i in range(5):
+    assert [gen(three, 3 * i + t) for t in (0, 1)] == [gen(two, 2 * i + t) for t in (0, 1)]
+    assert three["job_prompt"][3 * i + 2] == i and three["job_temperature"][3 * i + 2] == 1.0
+  with pytest.raises(SystemExit, match="not a prefix"):
+    train.generate_data(target, spec, prompts, kinds, [1.0, 1.0], args, deadline=0.0, partial_path=partial)
