@@ -15,7 +15,9 @@ rest). Under a mesh with Explicit axes (`jax.make_mesh`'s default) every array
 carries its sharding in its type and an ambiguous op (a matmul contracting a
 split axis, a gather from a split table) is an error; `auto_axes_if_explicit`
 runs a whole program with the axes made Auto, which is what the decoding loops
-do.
+do; `sharded_call` runs a per-device program (`jax.shard_map`) under either
+kind of mesh, for the layers that combine per-device values themselves (the
+samplers' vocabulary split, the models' embedding lookup).
 """
 
 from __future__ import annotations
@@ -92,6 +94,31 @@ def auto_axes_if_explicit(fn):
   if mesh.empty or not mesh.explicit_axes:
     return fn
   return jax.sharding.auto_axes(fn, axes=tuple(mesh.explicit_axes), out_sharding=PartitionSpec())
+
+
+def sharded_call(fn, in_specs, out_specs, *, check_vma: bool = True):
+  """`fn` as a `jax.shard_map` over the ambient mesh, for any axis types.
+
+  Under a mesh with Explicit axes the call runs with them made Auto
+  (`jax.sharding.auto_axes`), so inputs laid out otherwise are moved to
+  `in_specs` instead of refused, and the outputs come back as `out_specs`.
+  Layers that combine per-device values by hand use it (the samplers' vocabulary
+  split, the models' vocabulary-parallel embedding lookup).
+
+  Args:
+    fn: the per-device program (sees each input's local block).
+    in_specs, out_specs: `PartitionSpec`s, as for `jax.shard_map`.
+    check_vma: as for `jax.shard_map` (JAX then tracks which values vary over
+      which axes, and transposes collectives correctly under `jax.grad`).
+
+  Example:
+    >>> tokens = sharded_call(program, (P("data", "model"),), P("data"))(logits)  # doctest: +SKIP
+  """
+  program = lambda *args: jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)(*args)
+  mesh = ambient_mesh()
+  if not mesh.explicit_axes:
+    return program
+  return jax.sharding.auto_axes(program, axes=tuple(mesh.explicit_axes), out_sharding=out_specs)
 
 
 def make_mesh(data: int = 1, model: int = 1, *, devices=None) -> jax.sharding.Mesh:

@@ -554,9 +554,7 @@ class EagleDrafter(nnx.Module):
     ctx = AttentionContext.create(
       positions, cache.max_length, c, cache_slots=cache_slots, attention_mask=attention_mask
     )
-    emb = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)
-    if self.partitioning is not None:
-      emb = sharding.constrain_rows(emb)  # whole on the model axis, as in Transformer
+    emb = sharding.embed_lookup(self.embed[...], tokens, self.partitioning)  # as in Transformer
     x = hidden.astype(c.dtype)
     p = self.first.values()
     # The first block as Pallas kernels: the q|k|v kernel norms the embedding and the hidden each on its own.
@@ -648,7 +646,7 @@ class EagleDrafter(nnx.Module):
     b, t = next_tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cos, sin = _rope_tables(positions, c.head_dim, c.rope_theta)
-    emb = jnp.take(self.embed[...], jnp.clip(next_tokens, 0, c.vocab_size - 1), axis=0)
+    emb = sharding.embed_lookup(self.embed[...], next_tokens, self.partitioning)
     first = self.first.values()
     rest = self.rest.values() if c.num_layers > 1 else None
     emb_in = rms_norm(emb, first["input_norm"], c.rms_norm_eps)

@@ -34,7 +34,10 @@ so the logits, `x @ embed.T` (or `x @ lm_head`), come out split over the
 vocabulary, `[B, T, V]` as `P("data", None, "model")`, and go to the sampler
 as they are. The row-parallel matmuls (`wo` where heads are split, `w_down`)
 end in a sum over devices that XLA inserts (an all-reduce of `[B, T, D]`):
-the only collectives of a block; the embedding lookup adds one per call.
+the only collectives of a block. The embedding lookup adds one per call, of
+`[B, T, D]` too: each device reads the tokens in its own rows and a psum
+combines them (`embed_lookup`, an explicit `shard_map`: left to XLA, the
+GPU program gathered the whole table instead).
 
 Heads that do not divide. Attention is split only when both the query heads
 and the KV heads divide by m; otherwise every device keeps all heads (the
@@ -76,11 +79,21 @@ import dataclasses
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 # Re-exported: the axis names and constraints belong to every layer, the models included.
-from specdec_jax.mesh import AXIS_NAMES, DATA_AXIS, MODEL_AXIS, axis_size, constrain, constrain_rows, make_mesh
+from specdec_jax.mesh import (
+  AXIS_NAMES,
+  DATA_AXIS,
+  MODEL_AXIS,
+  axis_size,
+  constrain,
+  constrain_rows,
+  make_mesh,
+  sharded_call,
+)
 
 __all__ = [
   "AXIS_NAMES",
@@ -160,6 +173,51 @@ class Partitioning:
   def logits_spec(self) -> tuple[str | None, ...]:
     """The spec of logits [B, T, V]: rows over "data", the vocabulary over "model" where it is split."""
     return (DATA_AXIS, None, MODEL_AXIS if self.vocab else None)
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array, part: Partitioning | None) -> jax.Array:
+  """The embedding rows of `tokens`: `table[clip(tokens, 0, V - 1)]` [B, T, D], for a model placed as `part`.
+
+  With the table split over the vocabulary (`part.vocab`, under an ambient mesh
+  whose model axis has `part.model_size` > 1 devices) the lookup is written out
+  as a `shard_map`: each device reads the ids in its own rows [lo, lo + V/m),
+  gives zeros for the others, and one psum over "model" of [B, T, D] combines
+  them (rows over "data" where it divides B). Left to itself, XLA may instead
+  all-gather the whole table on every call (on GPU it did: 467 MB for
+  Qwen2.5-Coder-1.5B's [151936, 1536], to read one row a token; see
+  bench/RESULTS.md). Every element has one owner, so the sum is the one-device
+  lookup bit for bit, but for the sign of a zero (an all-reduce adds into
+  +0.0, so a -0.0 entry comes back +0.0, as it did from XLA's own split lookup).
+
+  Otherwise (`part` None, the vocabulary whole, no such mesh) it is the plain
+  `jnp.take`, constrained to rows over "data" when `part` is set.
+
+  Args:
+    table: [V, D] embedding (placed as `part.param_spec("embed")`).
+    tokens: int [B, T]; ids outside [0, V) are clipped into range.
+    part: the model's `partitioning` (None: not sharded).
+
+  Example:
+    >>> x = embed_lookup(self.embed[...], tokens, self.partitioning)  # [B, T, D]  # doctest: +SKIP
+  """
+  v = table.shape[0]
+  ids = jnp.clip(tokens, 0, v - 1)
+  m = axis_size(MODEL_AXIS)
+  if part is None or not part.vocab or m <= 1 or m != part.model_size or v % m:
+    x = jnp.take(table, ids, axis=0)
+    return x if part is None else constrain_rows(x)
+  rows = v // m
+  d = axis_size(DATA_AXIS)
+  split = DATA_AXIS if d > 1 and ids.shape[0] % d == 0 else None
+
+  def lookup(table, ids):  # table [V/m, D]: this device's rows; ids [B or B/d, T]
+    local = ids - jax.lax.axis_index(MODEL_AXIS) * rows
+    mine = (local >= 0) & (local < rows)
+    got = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+    return jax.lax.psum(jnp.where(mine[..., None], got, jnp.zeros((), got.dtype)), MODEL_AXIS)
+
+  call = sharded_call(lookup, (PartitionSpec(MODEL_AXIS, None), PartitionSpec(split, None)), PartitionSpec(split))
+  return call(table, ids)
 
 
 def check_mesh(mesh, where: str = "shard") -> None:
@@ -259,8 +317,6 @@ def relayout(
     ...          fuse_attention=False, fuse_mlp=False)["bk"].shape
     (3,)
   """
-  import jax.numpy as jnp
-
   out = dict(params)
   for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv"))):
     if fused in out and not fuse_attention:

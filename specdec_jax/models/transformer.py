@@ -566,11 +566,9 @@ class Transformer(nnx.Module):
     c = self.config
     if return_features and not c.feature_layers:
       raise ValueError("return_features=True needs TransformerConfig.feature_layers (the blocks to return).")
-    # With a vocabulary-parallel embedding each device looks up the ids in its rows and
-    # XLA sums the partial lookups; the result is whole on the model axis, split by rows.
-    x = jnp.take(self.embed[...], jnp.clip(tokens, 0, c.vocab_size - 1), axis=0)  # [B, T, D]
-    if self.partitioning is not None:
-      x = sharding.constrain_rows(x)
+    # A vocabulary-parallel embedding is read by an explicit shard_map (each device its own rows, then a
+    # psum of [B, T, D]): left to XLA, the GPU program all-gathered the whole table every call.
+    x = sharding.embed_lookup(self.embed[...], tokens, self.partitioning)  # [B, T, D], split by rows
     ctx = AttentionContext.create(
       positions, cache.max_length, c, cache_slots=cache_slots, attention_mask=attention_mask
     )

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax.mesh import DATA_AXIS, MODEL_AXIS, ambient_mesh
+from specdec_jax.mesh import sharded_call as mesh_sharded_call
 from specdec_jax.sampling.reductions import chunk_size
 
 
@@ -145,8 +146,8 @@ def row_spec(shards: VocabShards, ndim: int, vocab_last: bool = False) -> P:
 
 
 def sharded_call(fn, in_specs, out_specs):
-  """`fn` as a `jax.shard_map` over the ambient mesh, with check_vma off (the samplers mix replicated and
-  per-device values by design: every combine above makes them agree).
+  """`fn` as a `jax.shard_map` over the ambient mesh (`specdec_jax.mesh.sharded_call`), with check_vma off
+  (the samplers mix replicated and per-device values by design: every combine above makes them agree).
 
   Under a mesh with Explicit axes the call runs with them made Auto
   (`jax.sharding.auto_axes`), so inputs laid out otherwise are moved to
@@ -155,8 +156,4 @@ def sharded_call(fn, in_specs, out_specs):
   Example:
     >>> tokens = sharded_call(program, (P("data", "model"),), P("data"))(logits)  # doctest: +SKIP
   """
-  program = lambda *args: jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
-  mesh = ambient_mesh()
-  if not mesh.explicit_axes:
-    return program
-  return jax.sharding.auto_axes(program, axes=tuple(mesh.explicit_axes), out_sharding=out_specs)
+  return mesh_sharded_call(fn, in_specs, out_specs, check_vma=False)

@@ -24,7 +24,12 @@ device (no mesh):
     tokens for the same key, on a 2x4 mesh (heads split) and a 1x8 mesh (heads
     replicated: 4 KV heads do not divide by 8);
   - a mesh with Explicit axes (`jax.make_mesh`'s default) gives the same tokens too;
-  - a 1x1 mesh compiles exactly the unsharded programs (op and shape, in order).
+  - a 1x1 mesh compiles exactly the unsharded programs (op and shape, in order);
+  - the vocabulary-parallel embedding lookup (Transformer and EAGLE, 2x4 and
+    1x2 at B=1, T=1) is a shard_map whose one psum of [B/d, T, D] is the
+    program's only explicit collective, with no all-gather of the [V, D]
+    table; it returns one device's rows bit for bit (out-of-range ids, Auto
+    and Explicit meshes, a batch that "data" does not divide), gradient too.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.mesh import make_mesh
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
-from specdec_jax.models.sharding import shard
+from specdec_jax.models.sharding import Partitioning, embed_lookup, shard
 from tests.support.eight_devices import exit_unless_devices, part_arg, run_checks
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
@@ -281,6 +286,97 @@ def check_one_device_mesh():
   return f"{sum(map(len, got))} instructions equal"
 
 
+# A collective instruction of compiled HLO text: (result shape or tuple, opcode, the rest of the line).
+COLLECTIVE = re.compile(
+  r"^\s*(?:ROOT )?%\S+ = (.+?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\((.*)$",
+  flags=re.MULTILINE,
+)
+
+
+def dims(shape: str) -> list[list[int]]:
+  """The dimensions of each array in an HLO shape ("f32[4,6,32]{2,1,0}" or a tuple of them)."""
+  return [[int(n) for n in found.split(",") if n] for found in re.findall(r"\w+\[([\d,]*)\]", shape)]
+
+
+def embedding_programs(mesh, tokens):
+  """{model: (lowered StableHLO text, compiled HLO text)} of the target's and the EAGLE drafter's calls on `mesh`."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  hidden = jnp.zeros((*tokens.shape, CONFIG.d_model), CONFIG.dtype)
+  eagle_call = lambda d, t, h, p: d(t, h, p, d.init_cache(t.shape[0], 16))[0]
+  calls = {
+    "Transformer": (forward, shard(TARGET, mesh), (tokens,)),
+    "EAGLE": (eagle_call, shard(EAGLE, mesh), (tokens, hidden, positions)),
+  }
+  out = {}
+  with jax.set_mesh(mesh):
+    for name, (fn, model, args) in calls.items():
+      placed = [rows(mesh, a) if a.shape[0] % dict(mesh.shape)["data"] == 0 else a for a in args]
+      lowered = jax.jit(fn).lower(model, *placed)
+      out[name] = (lowered.as_text(), lowered.compile().as_text())
+  return out
+
+
+def check_embedding_program():
+  # The vocabulary-parallel lookup is an explicit shard_map: each device reads its own rows [V/m, D] and one
+  # psum of [B/d, T, D] combines them. XLA left to itself all-gathered the whole [V, D] table every call on GPU
+  # (the CPU partitioner happens to pick the per-device lookup, so the compiled CPU program alone cannot tell the
+  # two apart; the lowered program, before XLA partitions it, can: it holds no collective without the shard_map).
+  v, d_model = CONFIG.vocab_size, CONFIG.d_model
+  decode = np.asarray([[5]], np.int32)  # one token of one row: the case measured slow on GPU
+  details = []
+  for (d, m), tokens in (((2, 4), PROMPTS), ((1, 2), decode)):
+    mesh = make_mesh(d, m)
+    b, t = tokens.shape
+    local_rows = b // d if b % d == 0 else b
+    for name, (lowered, compiled) in embedding_programs(mesh, jnp.asarray(tokens)).items():
+      where = f"{name} on {d}x{m}, B={b} T={t}"
+      assert lowered.count("stablehlo.all_reduce") == 1, f"{where}: one explicit all-reduce expected (the lookup's)"
+      assert f"tensor<{v // m}x{d_model}x" in lowered, f"{where}: no per-device [V/m, D] = [{v // m}, {d_model}] table"
+      found = COLLECTIVE.findall(compiled)
+      gathered = [shape for shape, op, _ in found if op in ("all-gather", "all-to-all") and [v, d_model] in dims(shape)]
+      assert not gathered, f"{where}: the [V, D] table is gathered: {gathered}"
+      lookup = [dims(shape) for shape, op, rest in found if op == "all-reduce" and "shard_map" in rest]
+      assert lookup == [[[local_rows, t, d_model]]], f"{where}: the lookup's all-reduces {lookup}"
+      details.append(f"{where}: psum of [{local_rows}, {t}, {d_model}], {len(found)} collectives")
+  # Without a model axis the embedding is whole: the plain lookup, no shard_map, no collective of its own.
+  for name, (lowered, _) in embedding_programs(make_mesh(8, 1), jnp.asarray(PROMPTS)).items():
+    assert "stablehlo.all_reduce" not in lowered, f"{name} on 8x1: an explicit all-reduce"
+  return "; ".join(details)
+
+
+def check_embedding_bits():
+  # The split lookup returns one device's rows bit for bit (ids out of range clipped, as on one device), on
+  # Auto and Explicit meshes, rows split over "data" or not (B=3 does not divide), and its gradient is the
+  # one-device gradient (the shard_map's psum transposes to a per-device scatter-add, counted once).
+  v, d_model = CONFIG.vocab_size, CONFIG.d_model
+  table = jax.random.normal(jax.random.key(11), (v, d_model)).astype(jnp.bfloat16)
+  ids = np.asarray([[3, -1, v, 3 * v, v - 1, 0], [v // 2, 3, 7, v // 4 + 1, -5, 31]] * 4, np.int32)  # [8, 6]
+  reference = lambda tab, x: jnp.take(tab, jnp.clip(x, 0, v - 1), axis=0)
+  weight = jnp.arange(d_model, dtype=jnp.float32)[None, None]  # whole numbers: sums of them are exact in any order
+  meshes = {
+    "2x4": make_mesh(2, 4),
+    "1x8": make_mesh(1, 8),
+    "4x2 Explicit": jax.make_mesh((4, 2), ("data", "model")),
+  }
+  details = []
+  for name, mesh in meshes.items():
+    m = dict(mesh.shape)["model"]
+    part = Partitioning.for_shapes(model_size=m, num_heads=8, num_kv_heads=4, d_ff=64, vocab_size=v)
+    placed = jax.device_put(table, NamedSharding(mesh, P("model", None)))
+    for tokens in (ids, ids[:3]):
+      expected = np.asarray(reference(table, tokens)).view(np.uint16)
+      with jax.set_mesh(mesh):
+        got = np.asarray(jax.jit(lambda tab, x: embed_lookup(tab, x, part))(placed, tokens)).view(np.uint16)
+      assert np.array_equal(got, expected), f"{name}, B={len(tokens)}: the lookup differs from one device's"
+    loss = lambda tab, lookup: jnp.sum(lookup(tab, ids).astype(jnp.float32) * weight)
+    expected = jax.grad(loss)(table.astype(jnp.float32), reference)
+    with jax.set_mesh(mesh):
+      got = jax.jit(jax.grad(loss), static_argnums=1)(placed.astype(jnp.float32), lambda t, x: embed_lookup(t, x, part))
+    assert np.array_equal(np.asarray(got), np.asarray(expected)), f"{name}: the gradient differs from one device's"
+    details.append(name)
+  return "bits and gradients equal on " + ", ".join(details)
+
+
 LOOP_RUNS = (
   "generate greedy",
   "generate sampled",
@@ -306,6 +402,8 @@ def checks(part: str = "all") -> dict:
     "logits qkv_bias": check_bias_logits,
     "loops 2x4": lambda: check_loops(make_mesh(2, 4), FAST_RUNS),
     "1x1 mesh compiles today's program": check_one_device_mesh,
+    "embedding lookup: a psum, not a table all-gather": check_embedding_program,
+    "embedding lookup: bits equal one device's": check_embedding_bits,
   }
   more = {
     "loops 2x4 more": lambda: check_loops(make_mesh(2, 4), [r for r in LOOP_RUNS if r not in FAST_RUNS]),
