@@ -645,26 +645,23 @@ def build_drafter(target, *, num_layers, d_ff, vocab, seed) -> EagleDrafter:
 
 
 def quantized_copy(drafter: EagleDrafter, storage_dtype: str) -> EagleDrafter:
-  """The head as a file of `storage_dtype` would load it (float16 rounding or int8 with per-column scales)."""
-  weights = {}
-  for name, w in drafter.to_weights().items():
-    w = np.asarray(w)
-    if name == "draft_vocab":
-      weights[name] = w
-    elif storage_dtype == "int8" and w.ndim >= 2:
-      q, s = eagle_files.quantize_int8(w)
-      weights[name] = q.astype(np.float32) * s.astype(np.float32)
-    elif storage_dtype == "float32":
-      weights[name] = w.astype(np.float32)
-    else:
-      weights[name] = w.astype(np.float16).astype(np.float32)
-  embed = drafter.embed[...]
-  head_rows = (
-    jnp.zeros_like(embed).at[drafter.draft_vocab[...]].set(drafter.head[...])
-    if (drafter.config.draft_vocab_size)
-    else drafter.head[...]
-  )
-  return EagleDrafter.from_weights(drafter.config, weights, embed=embed, head_rows=head_rows)
+  """The head as a file of `storage_dtype` loads it: float16 rounding, or int8 with one scale per output column.
+
+  The fused projections (q|k|v, gate|up) are their separate matrices side by side on the output axis, so
+  quantizing their columns is what `eagle_files.save_eagle_head` does to the separate ones (a test compares).
+  """
+
+  def stored(w):
+    w = np.asarray(w, np.float32)
+    if storage_dtype == "int8" and w.ndim >= 2:
+      q, scale = eagle_files.quantize_int8(w)
+      return jnp.asarray(q.astype(np.float32) * scale.astype(np.float32), jnp.float32)
+    return jnp.asarray(w.astype(np.float16 if storage_dtype != "float32" else np.float32), jnp.float32)
+
+  copy = nnx.clone(drafter)
+  params = nnx.state(copy, nnx.Param)
+  nnx.update(copy, jax.tree.map(stored, params))
+  return copy
 
 
 # ---------------------------------------------------------------------------- main

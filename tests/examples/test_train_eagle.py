@@ -125,3 +125,27 @@ def test_more_samples_extend_a_finished_run(train, tmp_path):
     assert three["job_prompt"][3 * i + 2] == i and three["job_temperature"][3 * i + 2] == 1.0
   with pytest.raises(SystemExit, match="not a prefix"):
     train.generate_data(target, spec, prompts, kinds, [1.0, 1.0], args, deadline=0.0, partial_path=partial)
+
+
+@pytest.mark.parametrize("storage", ["float16", "int8"])
+def test_the_measured_stored_head_is_the_one_its_file_loads(train, tmp_path, storage):
+  """quantized_copy (what the report measures) gives the logits of the head read back from its file."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from specdec_jax.models.loaders import eagle_files  # noqa: PLC0415
+
+  target = unit_target(CONFIG.replace(qkv_bias=True, tie_embeddings=False))
+  head = train.build_drafter(target, num_layers=2, d_ff=24, vocab=np.asarray([0, 2, 5, 7, 11, 13]), seed=3)
+  path = str(tmp_path / "head.safetensors")
+  eagle_files.save_eagle_head(head, path, target="tiny.gguf", storage_dtype=storage)
+  source = lambda: (target.config.replace(dtype=jnp.float32), target.embed[...], target.lm_head[...].T)  # noqa: E731
+  loaded = eagle_files.read_eagle_head(path, source, name="tiny head", remedy="")
+  measured = train.quantized_copy(head, storage)
+  tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, V)
+  features = jax.random.normal(jax.random.key(2), (2, 6, head.config.feature_size))
+  a, b, c = (m.unrolled_logits(tokens, features, 2) for m in (measured, loaded, head))
+  for x, y, z in zip(a, b, c):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    finite = np.isfinite(np.asarray(z))
+    assert storage == "float16" or np.abs(np.asarray(x)[finite] - np.asarray(z)[finite]).max() > 1e-5
