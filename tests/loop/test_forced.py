@@ -63,7 +63,8 @@ def _forced_reference(target, draft, prompt, accepts, n):
   return out[:n]
 
 
-@pytest.mark.parametrize("accepts", [0, 1, K])
+# CI keeps a=0 and a=1; a=K is also what test_forced_rounds_are_real_rounds_when_the_verifier_agrees runs.
+@pytest.mark.parametrize("accepts", [0, 1, pytest.param(K, marks=pytest.mark.slow)])
 def test_every_round_accepts_exactly_the_forced_count(chain_setup, accepts):
   target, draft, prompts, lengths, params = chain_setup
   out = speculative_generate_forced(
@@ -106,7 +107,7 @@ def test_forced_rounds_are_real_rounds_when_the_verifier_agrees(chain_setup):
   jax.tree.map(np.testing.assert_array_equal, forced, real)
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "model"])
+@pytest.mark.parametrize("drafter", [pytest.param("lookup", marks=pytest.mark.slow), "model"])  # CI: the model
 def test_a_tree_forces_its_first_child_path(drafter):
   # A tree (2, 1, 1)'s first-child path is the chain's proposal (prompt lookup's branch 0; a greedy model's top-1
   # child at every depth), so forcing the tree emits the chain's forced tokens (greedy, float32) and counts the
