@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import json
 import os
@@ -184,8 +185,12 @@ def _stdlib_files() -> list[str]:
   return [f for f in files if not any(s in f[len(root) :] for s in skip) and os.path.basename(f) not in SKIP_MODULES]
 
 
-def stdlib_functions(max_lines: int = 40) -> list[dict]:
-  """Public functions of the standard library with a docstring: module, name, signature, summary, source, context."""
+@functools.cache
+def stdlib_functions(max_lines: int = 40) -> tuple[dict, ...]:
+  """Public functions of the standard library with a docstring: module, name, signature, summary, source, context.
+
+  Parsed once per process (about 3 s); treat the dicts as read-only.
+  """
   root = sysconfig.get_paths()["stdlib"]
   found = []
   for path in _stdlib_files():
@@ -219,7 +224,7 @@ def stdlib_functions(max_lines: int = 40) -> list[dict]:
           "context": "\n".join(lines[max(0, node.lineno - 12) : head_end]) + "\n",
         }
       )
-  return found
+  return tuple(found)
 
 
 def _dedent(source: str) -> str:

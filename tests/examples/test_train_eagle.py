@@ -149,3 +149,21 @@ def test_the_measured_stored_head_is_the_one_its_file_loads(train, tmp_path, sto
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     finite = np.isfinite(np.asarray(z))
     assert storage == "float16" or np.abs(np.asarray(x)[finite] - np.asarray(z)[finite]).max() > 1e-5
+
+
+def test_coder_prompts_are_deterministic_and_leave_the_benchmark_out(train, monkeypatch):
+  coder = train.coder_prompts
+  chat = lambda text: f"<user>{text}</user>"  # noqa: E731
+  first = coder.coder_prompts(chat, seed=0, max_functions=30)
+  assert (
+    first == coder.coder_prompts(chat, seed=0, max_functions=30) != coder.coder_prompts(chat, seed=1, max_functions=30)
+  )
+  assert {k for k, _ in first} == set(coder.KINDS)
+  assert all(p.startswith("<user>") for k, p in first if k != "complete")
+  assert all(not p.startswith("<user>") and "def " in p for k, p in first if k == "complete")
+  # A template that happens to produce a benchmark prompt: it is dropped.
+  question = sorted(coder.held_out_texts())[0]
+  monkeypatch.setattr(coder, "EVERYDAY_TOPICS", [question, "tea"])
+  monkeypatch.setattr(coder, "EVERYDAY_TEMPLATES", ["{t}"])
+  texts = [p for _, p in coder.coder_prompts(chat, seed=0, max_functions=5)]
+  assert chat("tea") in texts and chat(question) not in texts
