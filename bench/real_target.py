@@ -15,7 +15,9 @@ decoding from position P (`--step-prompt-len`, default 256). Each is N calls ins
 the weight bytes a call reads (every parameter, less an untied input embedding, of which it reads one
 row), the KV cache's bytes, and the floor = weight bytes read / the device's copy bandwidth, measured in
 the same run (`common.copy_bandwidth`: bytes read + written per second of `x = x + 1` over 2 GB), with
-step/floor. With kernels=pallas on a GPU it also records whether each call lowers to Triton kernels.
+step/floor. With kernels=pallas on a GPU it also records whether each call lowers to Triton kernels. With an
+EAGLE head: its greedy draft phase of a chain round per K of `--eagle-ks` (`bench/eagle_draft.py`'s
+`draft_phase`), in ms and in target steps.
 
 Section `generate`: B=1 greedy (`all_greedy=True`) on the held-out prompts of examples/held_out_prompts.json
 (`questions` 0-1, `code_tasks` 0-1, `edit_tasks` 0-1, in the model's chat template, padded to one P so
@@ -25,7 +27,9 @@ per kernels value: plain `generate`; `speculative_generate` with `PromptLookupDr
 depth). Per configuration: tokens/s = emitted tokens of the prompts, run one after the other / wall time
 (median of `--repeats` (3) sweeps after one compile sweep), speed-up over the BEST plain generate of all
 kernels values (and over the same kernels value's), mean accepted length (tokens per target pass),
-acceptance, and whether the tokens equal plain greedy's of the same kernels value: the rows (prompts)
+acceptance, the speed-up the component costs predict (mean accepted length / (verification of the round's
+N+1 tokens + the draft phase), in target steps from the step section; prompt lookup's drafting counted as free;
+none for EAGLE trees), and whether the tokens equal plain greedy's of the same kernels value: the rows (prompts)
 that differ, the divergence rate (rows that differ / rows) and each differing row's first differing
 position. In bf16 a T=1 step and a T=K+1 verification round differently, so near-ties may flip, and
 everything after a flip differs. Plain greedy's rows also keep, per prompt, the token ids (to compare
@@ -189,7 +193,7 @@ def pallas_path(model, t: int, cache_len: int) -> bool:
   return "xla.gpu.triton" in call.lower(model, tokens, pos).as_text()
 
 
-def step_section(model, kernels: str, args, bandwidth: float, report, save, budget) -> None:
+def step_section(model, kernels: str, args, bandwidth: float, report, save, budget, eagle=None) -> None:
   p, n = args.step_prompt_len, args.max_new_tokens
   cache_len = p + n + 16
   wb = weight_bytes(model)
@@ -231,6 +235,37 @@ def step_section(model, kernels: str, args, bandwidth: float, report, save, budg
       f"(compile {r['compile_s']:.1f}s)" + ("" if row["pallas_path"] is None else f"  triton {row['pallas_path']}"),
       flush=True,
     )
+    save()
+  if eagle is not None and t_step:
+    draft_phase_rows(eagle, kernels, args, p, cache_len, t_step, report, save, budget)
+
+
+def draft_phase_rows(eagle, kernels, args, p, cache_len, t_step, report, save, budget) -> None:
+  """The EAGLE head's greedy draft phase of a chain round (catch-up call, then K-1 one-entry calls, each with its
+  argmax: `bench/eagle_draft.py`'s `draft_phase`), per K of --eagle-ks, in target steps: a component of the
+  predicted speed-ups (`finish`)."""
+  from bench.eagle_draft import draft_phase  # noqa: PLC0415
+
+  for k in args.eagle_ks:
+    if budget.over(f"draft phase kernels={kernels} K={k}"):
+      continue
+    try:
+      r = draft_phase(
+        eagle,
+        b=1,
+        k=k,
+        mode="greedy",
+        p0=p,
+        cache_len=cache_len,
+        target_s=args.target_ms / 1e3,
+        repeats=args.step_repeats,
+      )
+    except Exception as e:  # noqa: BLE001 - record and go on
+      error(report, f"draft phase kernels={kernels} K={k}", e)
+      continue
+    row = {"kernels": kernels, "K": k, "ms": r["per_iter_s"] * 1e3, "over_step": r["per_iter_s"] / t_step}
+    upsert(report.setdefault("draft_phase", []), row, ("kernels", "K"))
+    print(f"draft phase kernels={kernels:<6} K={k:<3} {row['ms']:8.3f} ms  x{row['over_step']:.2f} of a step")
     save()
 
 
@@ -374,6 +409,31 @@ def finish(report) -> None:
   for s in summary.values():
     s["rate"] = s["rows_differ"] / s["rows"]
   report["divergence_summary"] = summary  # over every speculative configuration of a kernels value
+  for r in report["generate"]:
+    r["predicted_speedup"] = predicted_speedup(r, report, n_prompts=len(report.get("prompts", [])))
+
+
+def predicted_speedup(r, report, n_prompts: int):
+  """Mean accepted length / (verification of N+1 tokens + the draft phase), both in target steps (the step
+  section's figures, interpolated in T; prompt lookup's draft cost taken as 0): the speed-up over plain decoding
+  of the same kernels that the component costs predict. None where a cost is missing (an EAGLE tree's draft
+  phase is not timed) or for plain rows."""
+  mal = r.get("mean_accepted_length")
+  rounds = r.get("target_calls", 0) - n_prompts  # the prefill is a target call too
+  if r["drafter"] == "plain" or not mal or rounds <= 0:
+    return None
+  steps = sorted((s["T"], s["verify_over_step"]) for s in report["step"] if s["kernels"] == r["kernels"])
+  t = r["drafted"] / rounds + 1  # tokens a verification call reads: the round's drafts and the last token
+  if len(steps) < 2 or not steps[0][0] <= t <= steps[-1][0]:
+    return None
+  verify = float(np.interp(t, [a for a, _ in steps], [b for _, b in steps]))
+  draft = 0.0
+  if r["drafter"] == "eagle":
+    phases = {d["K"]: d["over_step"] for d in report.get("draft_phase", []) if d["kernels"] == r["kernels"]}
+    if r.get("tree") or r["K"] not in phases:
+      return None
+    draft = phases[r["K"]]
+  return mal / (verify + draft)
 
 
 def differ_cell(r):
@@ -402,6 +462,7 @@ GENERATE_COLUMNS = [
   ("tok/s", "tok_s", 9, ".1f"),
   ("speedup", "speedup", 8, ".2f"),
   ("same-k", "speedup_same_kernels", 7, ".2f"),
+  ("pred", "predicted_speedup", 6, ".2f"),
   ("mean_len", "mean_accepted_length", 9, ".2f"),
   ("accept", "acceptance", 7, ".2f"),
   ("tokens", "tokens", 7, "d"),
@@ -603,7 +664,7 @@ def main(argv=None):
       else:
         model = Transformer.from_weights(first_config.replace(kernels=kernels), host_weights)
       eagle = None
-      if spec.load_eagle and (spec.shipped_eagle or args.eagle) and "generate" in args.sections:
+      if spec.load_eagle and (spec.shipped_eagle or args.eagle):
         eagle = spec.load_eagle(jnp.dtype(args.dtype), kernels, args.eagle or None)
     except Exception as e:  # noqa: BLE001
       error(report, f"load kernels={kernels}", e)
@@ -628,7 +689,7 @@ def main(argv=None):
       ]
       print(f"prompts {prompts['names']}, lengths {lengths.tolist()}, padded to P={tokens.shape[1]}", flush=True)
     if "step" in args.sections:
-      step_section(model, kernels, args, bandwidth, report, save, budget)
+      step_section(model, kernels, args, bandwidth, report, save, budget, eagle)
     if "generate" in args.sections:
       generate_section(model, eagle, kernels, spec, args, prompts, report, save, budget)
     del model, eagle
