@@ -35,7 +35,7 @@ of `--repeats` calls after a compile call (`bench.common.time_call`,
     PYTHONPATH=. python3 bench/forced_acceptance.py --quick             # CPU smoke run, < 1 min
     PYTHONPATH=. python3 bench/forced_acceptance.py --out $OUT          # GPU: smollm2 shape, K 2,4, B 1,8
     PYTHONPATH=. python3 bench/forced_acceptance.py --shape qwen2.5-coder-1.5b --ks 4 --batch-sizes 1 \\
-      --drafters lookup,eagle --tree-width 2 --out $OUT
+      --drafters lookup,eagle --tree-width 2 --eagle-d-ff 4096 --eagle-draft-vocab 32768 --out $OUT
 
 Writes OUT/forced_acceptance.json (every figure, the device, versions, date and
 command line) and OUT/forced_acceptance.png (tokens/s against mean accepted
@@ -92,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--prompt-len", type=int, help="P (default 64; quick 16)")
   ap.add_argument("--draft-layers", type=int, default=2, help="layers of the `model` drafter (default 2)")
   ap.add_argument("--feature-layers", type=_ints, help="target layers EAGLE reads (default first, middle, last)")
+  ap.add_argument("--eagle-d-ff", type=int, default=0, help="the EAGLE head's MLP width (0 = the target's)")
+  ap.add_argument(
+    "--eagle-draft-vocab", type=int, default=0, help="the EAGLE head's draft vocabulary size (0 = the whole)"
+  )
   ap.add_argument("--repeats", type=int, help="timed calls per configuration, median reported (default 5; quick 2)")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on GPU, float32 on CPU")
   ap.add_argument("--quick", action="store_true", help="tiny model, K=2, B=1, 25 tokens: a CPU smoke run")
@@ -122,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.error("--accepts must be >= 0")
   if args.max_new_tokens < 2 or args.prompt_len < 1 or args.draft_layers < 1:
     ap.error("--max-new-tokens must be >= 2, --prompt-len and --draft-layers >= 1")
+  if args.eagle_d_ff < 0 or args.eagle_draft_vocab < 0:
+    ap.error("--eagle-d-ff and --eagle-draft-vocab must be >= 0 (0: the target's)")
   args.dtype = args.dtype or ("bfloat16" if common.has_gpu() else "float32")
   return args
 
@@ -144,7 +150,13 @@ def build_drafters(args, target: Transformer) -> dict:
       config = target.config.replace(num_layers=args.draft_layers, feature_layers=())
       out[name] = Transformer(config, rngs=nnx.Rngs(args.seed + 1))
     else:
-      out[name] = EagleDrafter.for_target(target, rngs=nnx.Rngs(args.seed + 2))
+      v = target.config.vocab_size
+      vocab = None  # the head's draft vocabulary: any ids will do for timing
+      if args.eagle_draft_vocab:
+        vocab = np.random.default_rng(args.seed).permutation(v)[: args.eagle_draft_vocab]
+      out[name] = EagleDrafter.for_target(
+        target, draft_vocab=vocab, d_ff=args.eagle_d_ff or None, rngs=nnx.Rngs(args.seed + 2)
+      )
   return out
 
 
