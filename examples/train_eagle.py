@@ -1038,7 +1038,7 @@ def main(argv=None):
     if args.time_limit_s and time.time() - t_train > args.time_limit_s:
       print(f"time limit: stopping after {step + 1} of {args.steps} steps")
       break
-    if deadline and time.time() > deadline - 70:  # the state, the reports and the files take about a minute
+    if deadline and time.time() > deadline - 120:  # the state, the reports (their compile) and the files
       print(f"wall-clock limit: stopping after {step + 1} of {args.steps} steps")
       break
     if args.checkpoint_every and step and step % args.checkpoint_every == 0:
