@@ -34,6 +34,7 @@ Measured, per batch size B (default 1, 8, 32):
 Usage (from the repository root; a CPU run is a smoke test, not a figure):
     PYTHONPATH=. python3 bench/mesh.py --out $OUT                                   # one GPU: 1x1 mesh vs no mesh
     PYTHONPATH=. python3 bench/mesh.py --out $OUT --batch 8 --data 1 --model 2      # 2 GPUs: TP=2 vs one GPU
+    PYTHONPATH=. python3 bench/mesh.py --out $OUT --batch 64 --data 2 --per-device  # 2 GPUs: 2 x 64 rows vs 64
     PYTHONPATH=. python3 bench/mesh.py --tiny --batch 2 --max-new-tokens 8 --repeats 1   # CPU smoke test, ~20 s
 
 Output: a table on stdout and JSON, `mesh_<shape>_<data>x<model>.json` in --out
@@ -90,6 +91,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   ap.add_argument("--tiny", action="store_true", help="a 4-layer model (smoke test), not --shape's sizes")
   ap.add_argument(
+    "--per-device",
+    action="store_true",
+    help="B rows per device of the data axis: the mesh runs B x data rows against one device's B (throughput)",
+  )
+  ap.add_argument(
     "--out",
     default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
     help="directory for mesh_<data>x<model>.json (default bench/out, git-ignored)",
@@ -101,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.error(
       f"--data {args.data} x --model {args.model} needs {args.data * args.model} devices, JAX sees {jax.device_count()}"
     )
-  bad = [b for b in args.batch if b % args.data]
+  bad = [] if args.per_device else [b for b in args.batch if b % args.data]
   if bad:
     ap.error(f"every --batch must be a multiple of --data {args.data}, got {bad}")
   args.dtype = args.dtype or ("bfloat16" if has_gpu() else "float32")
@@ -115,7 +121,7 @@ def program_ops(text: str) -> list[tuple[str, str]]:
 
 def prompts(b: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
   """[B, P] int32 repeating a random 16-token segment (prompt lookup finds matches), lengths [B] = P."""
-  rng = np.random.default_rng(b)
+  rng = np.random.default_rng(0)  # row r is the same for every B (--per-device compares the first rows)
   seg = rng.integers(0, vocab, (b, 16))
   tokens = np.tile(seg, (1, PROMPT_LEN // 16)).astype(np.int32)
   return tokens, np.full((b,), PROMPT_LEN, np.int32)
@@ -233,11 +239,13 @@ def main(argv=None):
   )
   rows = []
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"mesh_{'tiny' if args.tiny else args.shape}_{args.data}x{args.model}.json")
+  suffix = "_per_device" if args.per_device else ""
+  path = os.path.join(args.out, f"mesh_{'tiny' if args.tiny else args.shape}_{args.data}x{args.model}{suffix}.json")
   for b in args.batch:
+    mesh_b = b * args.data if args.per_device else b
     today, today_tokens = measure("today", target, draft, None, b, args)
     with jax.set_mesh(mesh):
-      on_mesh, mesh_tokens = measure("mesh", sharded_target, sharded_draft, mesh, b, args)
+      on_mesh, mesh_tokens = measure("mesh", sharded_target, sharded_draft, mesh, mesh_b, args)
     # Only a 1-device mesh can compile to today's program; on more devices the check would cost
     # four more compilations (minutes on a GPU) to say False.
     same_program = (
@@ -248,17 +256,23 @@ def main(argv=None):
         == compiled_programs(sharded_target, sharded_draft, mesh, b, args)
       )
     )
-    same_tokens = all(np.array_equal(today_tokens[k], mesh_tokens[k]) for k in today_tokens)
+    same_tokens = all(np.array_equal(today_tokens[k], mesh_tokens[k][:b]) for k in today_tokens)
     ratios = {k: on_mesh[k]["s"] / today[k]["s"] for k in today}
+    # Tokens/s on the mesh over one device's (with --per-device the mesh decodes data x more rows).
+    throughput = {k: on_mesh[k]["tokens_per_s"] / today[k]["tokens_per_s"] for k in today if "tokens_per_s" in today[k]}
     print(
-      f"  B={b:3d} mesh/today "
+      f"  B={b:3d}{f' (mesh {mesh_b})' if mesh_b != b else ''} time mesh/today "
       + "  ".join(f"{k} {r:5.3f}" for k, r in ratios.items())
+      + "  tokens/s mesh/today "
+      + "  ".join(f"{k} {r:5.2f}" for k, r in throughput.items())
       + f"  same_program {same_program}  same_tokens {same_tokens}",
       flush=True,
     )
     rows.append(
       {
         "batch": b,
+        "mesh_batch": mesh_b,
+        "throughput_ratio": throughput,
         "today": today,
         "mesh": on_mesh,
         "ratio": ratios,
