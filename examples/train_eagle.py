@@ -629,9 +629,10 @@ def load_state(path, drafter, optimizer, rng) -> tuple[int, list]:
   return int(state["step"]), json.loads(state["history"])
 
 
-def build_drafter(target, *, num_layers, d_ff, vocab, seed) -> EagleDrafter:
+def build_drafter(target, *, num_layers, d_ff, vocab, seed, target_rows=None) -> EagleDrafter:
   """An untrained float32 head for `target` (whatever the target's dtype): `EagleDrafter.for_target`'s head with
-  float32 blocks and float32 copies of the target's embedding and head rows."""
+  float32 blocks, holding `target_rows` = (embedding, head rows) [V, D] each, or else float32 copies of the
+  target's own (for a bf16 target: its bf16 values, which is what the head sees at inference on a GPU)."""
   tc = target.config
   config = EagleConfig(
     layers=tc.replace(num_layers=num_layers, feature_layers=(), d_ff=d_ff or tc.d_ff, dtype=jnp.float32),
@@ -639,8 +640,10 @@ def build_drafter(target, *, num_layers, d_ff, vocab, seed) -> EagleDrafter:
     draft_vocab_size=0 if vocab is None else len(vocab),
   )
   drafter = EagleDrafter(config, rngs=nnx.Rngs(seed))
-  head = target.embed[...] if tc.tie_embeddings else target.lm_head[...].T
-  drafter.set_target_weights(target.embed[...].astype(jnp.float32), head.astype(jnp.float32), vocab)
+  if target_rows is None:
+    target_rows = (target.embed[...], target.embed[...] if tc.tie_embeddings else target.lm_head[...].T)
+  embed, head = (jnp.asarray(a, jnp.float32) for a in target_rows)
+  drafter.set_target_weights(embed, head, vocab)
   return drafter
 
 
@@ -908,7 +911,11 @@ def main(argv=None):
   if init is not None:
     drafter = init
   else:
-    drafter = build_drafter(target, num_layers=args.num_layers, d_ff=args.head_d_ff, vocab=vocab, seed=args.seed)
+    # SmolLM2's float32 weights are at hand (the shipped head trained on them); the coder's bf16 ones are used.
+    rows = (smollm2.smollm2_weights()["embed"],) * 2 if spec.name == "smollm2" else None
+    drafter = build_drafter(
+      target, num_layers=args.num_layers, d_ff=args.head_d_ff, vocab=vocab, seed=args.seed, target_rows=rows
+    )
   del init
   depth = args.depth
   schedule = optax.warmup_cosine_decay_schedule(
