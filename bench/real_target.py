@@ -5,7 +5,7 @@ Models (`--model`, a small registry below; the Qwen loader is imported only when
   qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct (`load_qwen2_5_coder`); no EAGLE head: those rows are skipped
 
 Everything runs once per `--kernels` value (`TransformerConfig.kernels`, xla and/or pallas), bf16 on a
-GPU, float32 on a CPU (`--dtype`), B=1.
+GPU, float32 on a CPU (`--dtype`); the step section at B=1, the generate section at `--batch-size` rows a call (1).
 
 Section `step`: the target's T=1 decode step (with its greedy sampling) and its verification calls of T
 tokens (`--step-ts`, default 3,5,8,16; every logit consumed) on a cache of P + max_new_tokens + 16 slots,
@@ -19,7 +19,9 @@ step/floor. With kernels=pallas on a GPU it also records whether each call lower
 EAGLE head: its greedy draft phase of a chain round per K of `--eagle-ks` (`bench/eagle_draft.py`'s
 `draft_phase`), in ms and in target steps.
 
-Section `generate`: B=1 greedy (`all_greedy=True`) on the held-out prompts of examples/held_out_prompts.json
+Section `generate`: `--modes` greedy (`all_greedy=True`, the default), t1, t1_no_filters or mixed (even rows
+greedy, odd rows T=1; B >= 2), `--batch-size` rows a call (the prompts in groups, the last group filled by
+cycling from the first prompt), on the held-out prompts of examples/held_out_prompts.json
 (`questions` 0-1, `code_tasks` 0-1, `edit_tasks` 0-1, in the model's chat template, padded to one P so
 each configuration compiles once), `--max-new-tokens` (256), eos = the model's EOS ids. Configurations
 per kernels value: plain `generate`; `speculative_generate` with `PromptLookupDrafter((3, 2))` at K in
@@ -85,7 +87,7 @@ sys.path.insert(0, REPO)
 from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
 from bench import smollm2 as bs  # noqa: E402
-from specdec_jax import PromptLookupDrafter, generate, speculative_generate  # noqa: E402
+from specdec_jax import PromptLookupDrafter, SamplingParams, generate, speculative_generate  # noqa: E402
 from specdec_jax.models import Transformer  # noqa: E402
 
 # ----------------------------------------------------------------------------
@@ -284,18 +286,46 @@ def configurations(args, has_eagle: bool) -> list[dict]:
   return out
 
 
-def divergence(outs, plain_outs, names) -> dict:
-  """Prompts whose greedy tokens differ from plain greedy's, and each one's first differing position."""
-  per = {name: bs.compare_greedy([o], [p]) for name, o, p in zip(names, outs, plain_outs)}
-  first = {name: c["first_diff_positions"][0] for name, c in per.items() if not c["identical"]}
+def divergence(outs, plain_outs, groups, rows_compared=None) -> dict:
+  """Rows whose greedy tokens differ from plain decoding's, and each one's first differing position.
+
+  outs, plain_outs: one GenerateOutput per call; groups: each call's row labels; rows_compared: the row
+  indices (within a call) to compare (default all; a mixed batch compares its greedy rows).
+  """
+  first, rows, positions = {}, 0, 0
+  for o, p, labels in zip(outs, plain_outs, groups):
+    s, q = np.asarray(o.tokens), np.asarray(p.tokens)
+    for r, label in enumerate(labels):
+      if rows_compared is not None and r not in rows_compared:
+        continue
+      rows += 1
+      d = s[r] != q[r]
+      positions += int(d.sum())
+      if d.any():
+        first[label] = int(np.argmax(d))
   return {
     "identical": not first,
-    "rows": len(names),
+    "rows": rows,
     "rows_differ": len(first),
-    "rate": len(first) / len(names),
+    "rate": len(first) / rows if rows else 0.0,
     "first_diff": first,
-    "positions_differ": sum(c["positions_differ"] for c in per.values()),
+    "positions_differ": positions,
   }
+
+
+def batch_groups(names, b: int) -> list[list[int]]:
+  """The prompts in calls of b rows: consecutive prompts, the last call filled by cycling from the first."""
+  n = len(names)
+  return [[(start + r) % n for r in range(b)] for start in range(0, n, b)]
+
+
+def row_labels(names, group) -> list[str]:
+  """A call's row labels: the prompt's name, with "#2", "#3" ... where a prompt fills a row again."""
+  seen, out = {}, []
+  for i in group:
+    seen[i] = seen.get(i, 0) + 1
+    out.append(names[i] if seen[i] == 1 else f"{names[i]}#{seen[i]}")
+  return out
 
 
 # --modes: how the rows sample. T=1 rows take the default sampler program, or promise no_filters.
@@ -303,7 +333,16 @@ MODES = {
   "greedy": ("greedy", {"all_greedy": True}),
   "t1": ("t1", {}),
   "t1_no_filters": ("t1", {"no_filters": True}),
+  "mixed": ("mixed", {}),  # even rows greedy, odd rows T=1 (needs --batch-size >= 2)
 }
+
+
+def mode_params(setup: str, b: int, seed: int):
+  """(SamplingParams, key) of a call of b rows."""
+  if setup == "mixed":
+    return SamplingParams.create([0.0 if r % 2 == 0 else 1.0 for r in range(b)]), jax.random.key(seed)
+  params, key, _ = bd.mode_setup(setup, b, seed)
+  return params, key
 
 
 def generate_section(model, eagle, kernels: str, spec: ModelSpec, args, prompts, report, save, budget) -> None:
@@ -313,11 +352,13 @@ def generate_section(model, eagle, kernels: str, spec: ModelSpec, args, prompts,
 
 def generate_mode(model, eagle, kernels: str, spec: ModelSpec, args, prompts, report, save, budget, mode) -> None:
   names = list(prompts["names"])
-  calls = [
-    (jnp.asarray(prompts["tokens"][i : i + 1]), jnp.asarray(prompts["lengths"][i : i + 1])) for i in range(len(names))
-  ]
+  index_groups = batch_groups(names, args.batch_size)
+  groups = [row_labels(names, g) for g in index_groups]
+  calls = [(jnp.asarray(prompts["tokens"][g]), jnp.asarray(prompts["lengths"][g])) for g in index_groups]
   setup, flags = MODES[mode]
-  params, key, _ = bd.mode_setup(setup, 1, args.seed)
+  params, key = mode_params(setup, args.batch_size, args.seed)
+  # Greedy rows must equal plain greedy decoding's: every row in greedy mode, the even rows of a mixed batch.
+  compared = None if mode == "greedy" else set(range(0, args.batch_size, 2)) if mode == "mixed" else set()
   kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=spec.eos_ids, **flags)
   lookup = PromptLookupDrafter(bd.LOOKUP_NGRAMS)
   plain_outs = None
@@ -341,16 +382,19 @@ def generate_mode(model, eagle, kernels: str, spec: ModelSpec, args, prompts, re
       continue
     stats = bd.stats_summary(outs)
     row = {"kernels": kernels, "mode": mode, **cfg, **stats, **timing, "tok_s": stats["tokens"] / timing["median_s"]}
-    if cfg["drafter"] == "plain" and mode == "greedy":
+    row["batch_size"] = args.batch_size
+    if cfg["drafter"] == "plain" and compared != set():
       plain_outs = outs
-      row["greedy_ids"], row["texts"] = {}, {}
-      for name, o in zip(names, outs):
-        ids = np.asarray(o.tokens)[0, : int(np.asarray(o.lengths)[0])].tolist()
-        row["greedy_ids"][name] = ids
-        row["texts"][name] = prompts["tokenizer"].decode(ids)[:300]
+      if mode == "greedy":
+        row["greedy_ids"], row["texts"] = {}, {}
+        for labels, o in zip(groups, outs):
+          for r, label in enumerate(labels):
+            ids = np.asarray(o.tokens)[r, : int(np.asarray(o.lengths)[r])].tolist()
+            row["greedy_ids"][label] = ids
+            row["texts"][label] = prompts["tokenizer"].decode(ids)[:300]
     elif plain_outs is not None:
-      row["divergence"] = divergence(outs, plain_outs, names)
-    upsert(report["generate"], row, ("kernels", "mode", "config"))
+      row["divergence"] = divergence(outs, plain_outs, groups, compared)
+    upsert(report["generate"], row, ("kernels", "mode", "config", "batch_size"))
     finish(report)
     d = row.get("divergence")
     print(
@@ -386,8 +430,8 @@ def error(report, what: str, e: Exception) -> None:
 
 def finish(report) -> None:
   """Speed-ups over the best plain generate of all kernels values, and over the same kernels value's (both in
-  the row's mode; rows of runs before --modes are greedy)."""
-  mode = lambda r: r.get("mode", "greedy")  # noqa: E731
+  the row's mode and batch size; rows of runs before --modes are greedy, before --batch-size B=1)."""
+  mode = lambda r: r.get("mode", "greedy") + ("" if r.get("batch_size", 1) == 1 else f" B={r['batch_size']}")  # noqa: E731
   plains = {(r["kernels"], mode(r)): r["tok_s"] for r in report["generate"] if r["drafter"] == "plain"}
   best_of = {}
   for (kernels, m), tok_s in plains.items():
@@ -410,16 +454,17 @@ def finish(report) -> None:
     s["rate"] = s["rows_differ"] / s["rows"]
   report["divergence_summary"] = summary  # over every speculative configuration of a kernels value
   for r in report["generate"]:
-    r["predicted_speedup"] = predicted_speedup(r, report, n_prompts=len(report.get("prompts", [])))
+    rows = len(batch_groups(report.get("prompts", []), r.get("batch_size", 1))) * r.get("batch_size", 1)
+    r["predicted_speedup"] = predicted_speedup(r, report, n_prefills=rows)
 
 
-def predicted_speedup(r, report, n_prompts: int):
+def predicted_speedup(r, report, n_prefills: int):
   """Mean accepted length / (verification of N+1 tokens + the draft phase), both in target steps (the step
   section's figures, interpolated in T; prompt lookup's draft cost taken as 0): the speed-up over plain decoding
   of the same kernels that the component costs predict. None where a cost is missing (an EAGLE tree's draft
   phase is not timed) or for plain rows."""
   mal = r.get("mean_accepted_length")
-  rounds = r.get("target_calls", 0) - n_prompts  # the prefill is a target call too
+  rounds = r.get("target_calls", 0) - n_prefills  # each row's prefill is a target call too
   if r["drafter"] == "plain" or not mal or rounds <= 0:
     return None
   steps = sorted((s["T"], s["verify_over_step"]) for s in report["step"] if s["kernels"] == r["kernels"])
@@ -499,7 +544,7 @@ def plot_tokens(report, path, title):
   if report.get("best_plain"):
     ax.axhline(report["best_plain"]["tok_s"], color="k", lw=0.8, ls="--", label="best plain")
   ax.set_xticks(np.arange(len(configs)), configs, rotation=30, ha="right")
-  ax.set_ylabel("tokens/s (B=1)")
+  ax.set_ylabel(f"tokens/s (B={report.get('runs', [{}])[-1].get('config', {}).get('batch_size', 1)})")
   ax.set_title(title, fontsize=9)
   ax.legend(fontsize=8)
   fig.tight_layout()
@@ -550,6 +595,12 @@ def parse_args(argv=None):
     help=f"generate section: comma list of {', '.join(MODES)} (default greedy)",
   )
   ap.add_argument("--max-new-tokens", type=int, help="default 256; quick 16")
+  ap.add_argument(
+    "--batch-size",
+    type=int,
+    default=1,
+    help="generate section: rows per call (the prompts in groups, the last filled by cycling; default 1)",
+  )
   ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes (the default without a GPU)")
   ap.add_argument("--prompts", type=strs, help=f"comma list of {', '.join(PROMPT_NAMES)} (default all; quick 2)")
   ap.add_argument("--ks", type=ints, help="prompt lookup K (default 2,4,8; quick 2)")
@@ -601,6 +652,10 @@ def parse_args(argv=None):
       ap.error(f"{flag}: unknown {bad}; choose from {allowed}")
   for t in args.trees:
     bs.parse_tree(t)  # fails early on a bad name
+  if args.batch_size < 1:
+    ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
+  if "mixed" in args.modes and args.batch_size < 2:
+    ap.error("--modes mixed needs --batch-size >= 2 (even rows greedy, odd rows T=1)")
   return args
 
 
@@ -697,7 +752,7 @@ def main(argv=None):
 
   finish(report)
   save()
-  title = f"{spec.title} {args.dtype}, B=1 greedy, {args.max_new_tokens} new tokens, {info['device']}"
+  title = f"{spec.title} {args.dtype}, B={args.batch_size}, {args.max_new_tokens} new tokens, {info['device']}"
   pngs = [
     plot_tokens(report, os.path.join(args.out, "real_target_tokens.png"), title),
     plot_step(report, os.path.join(args.out, "real_target_step.png"), title),
@@ -712,7 +767,7 @@ def main(argv=None):
     bd.print_table(
       report["generate"],
       GENERATE_COLUMNS,
-      f"Tokens/s at B=1 over {len(report['prompts'])} prompts (speedup: over the best plain of the mode; same-k: over "
+      f"Tokens/s at B={args.batch_size} over {len(report['prompts'])} prompts (speedup: over the best plain of the mode; same-k: over "
       "plain of the same kernels; differ: prompts whose tokens differ from plain's @ first differing position)",
     )
   for k, s in report["divergence_summary"].items():
