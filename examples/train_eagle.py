@@ -840,6 +840,37 @@ def parse_args(argv):
   return spec, args
 
 
+def load_or_generate_data(spec, args, target, tokenizer, deadline):
+  """The data of --data-cache if it exists, else the target's continuations of the prompts (saved there);
+  None when --wall-limit-s stopped the generation (what was done is in the cache's .partial.npz)."""
+  if args.data_cache and os.path.isfile(args.data_cache):
+    with np.load(args.data_cache) as f:
+      data = {k: f[k] for k in f.files}
+    print(f"data: read {args.data_cache}")
+    return data
+  prompts, kinds = target_prompts(spec, args, tokenizer, target)
+  ids = [tokenizer.encode(p).ids for p in prompts]
+  if args.prefill_tokens:  # bucketed: prompts that do not fit are dropped, not cut
+    keep = [i for i, x in enumerate(ids) if 0 < len(x) <= args.prompt_len]
+    print(f"prompts: {len(keep)} of {len(ids)} fit in {args.prompt_len} tokens")
+    ids, kinds = [ids[i] for i in keep], [kinds[i] for i in keep]
+  else:
+    ids = [x[-args.prompt_len :] for x in ids]
+  partial = args.data_cache + ".partial.npz" if args.data_cache else ""
+  data = generate_data(target, spec, ids, kinds, args.samples, args, deadline=deadline, partial_path=partial)
+  if not data["job_done"].all():
+    print(
+      f"wall-clock limit: {int(data['job_done'].sum())} of {len(data['job_done'])} continuations generated, "
+      f"saved to {partial}; run the same command again to continue"
+    )
+    return None
+  if args.data_cache:
+    save_data(args.data_cache, data)
+    if os.path.isfile(partial):
+      os.remove(partial)
+  return data
+
+
 def main(argv=None):
   spec, args = parse_args(argv)
   samples = args.samples
@@ -850,31 +881,9 @@ def main(argv=None):
   target, tokenizer = spec.load(target_dtype)
   vocab_size = target.config.vocab_size
 
-  if args.data_cache and os.path.isfile(args.data_cache):
-    with np.load(args.data_cache) as f:
-      data = {k: f[k] for k in f.files}
-    print(f"data: read {args.data_cache}")
-  else:
-    prompts, kinds = target_prompts(spec, args, tokenizer, target)
-    ids = [tokenizer.encode(p).ids for p in prompts]
-    if args.prefill_tokens:  # bucketed: prompts that do not fit are dropped, not cut
-      keep = [i for i, x in enumerate(ids) if 0 < len(x) <= args.prompt_len]
-      print(f"prompts: {len(keep)} of {len(ids)} fit in {args.prompt_len} tokens")
-      ids, kinds = [ids[i] for i in keep], [kinds[i] for i in keep]
-    else:
-      ids = [x[-args.prompt_len :] for x in ids]
-    partial = args.data_cache + ".partial.npz" if args.data_cache else ""
-    data = generate_data(target, spec, ids, kinds, samples, args, deadline=deadline, partial_path=partial)
-    if not data["job_done"].all():
-      print(
-        f"wall-clock limit: {int(data['job_done'].sum())} of {len(data['job_done'])} continuations generated, "
-        f"saved to {partial}; run the same command again to continue"
-      )
-      return None
-    if args.data_cache:
-      save_data(args.data_cache, data)
-      if os.path.isfile(partial):
-        os.remove(partial)
+  data = load_or_generate_data(spec, args, target, tokenizer, deadline)
+  if data is None:
+    return None
   tokens, p_lens, lens, prompt_of = padded_data(data, args.prompt_len, args.gen_tokens)
   num_prompts = len(data["prompt_offsets"]) - 1
   kinds = data["kinds"][prompt_of]
