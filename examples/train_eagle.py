@@ -650,20 +650,13 @@ def build_drafter(target, *, num_layers, d_ff, vocab, seed, target_rows=None) ->
 def quantized_copy(drafter: EagleDrafter, storage_dtype: str) -> EagleDrafter:
   """The head as a file of `storage_dtype` loads it: float16 rounding, or int8 with one scale per output column.
 
-  The fused projections (q|k|v, gate|up) are their separate matrices side by side on the output axis, so
-  quantizing their columns is what `eagle_files.save_eagle_head` does to the separate ones (a test compares).
+  The file's own rule (`eagle_files.stored_values`) on the head's parameters. The fused projections (q|k|v,
+  gate|up) are their separate matrices side by side on the output axis, so quantizing their columns is what
+  `eagle_files.save_eagle_head` does to the separate ones (a test compares).
   """
-
-  def stored(w):
-    w = np.asarray(w, np.float32)
-    if storage_dtype == "int8" and w.ndim >= 2:
-      q, scale = eagle_files.quantize_int8(w)
-      return jnp.asarray(q.astype(np.float32) * scale.astype(np.float32), jnp.float32)
-    return jnp.asarray(w.astype(np.float16 if storage_dtype != "float32" else np.float32), jnp.float32)
-
   copy = nnx.clone(drafter)
   params = nnx.state(copy, nnx.Param)
-  nnx.update(copy, jax.tree.map(stored, params))
+  nnx.update(copy, jax.tree.map(lambda w: jnp.asarray(eagle_files.stored_values(np.asarray(w), storage_dtype)), params))
   return copy
 
 
@@ -1068,7 +1061,7 @@ def main(argv=None):
   print_report(report, "held-out teacher-forced agreement by depth:")
   stored = {}
   for storage in ("float16", "int8"):  # what each stored form costs in agreement
-    stored[storage] = reports(quantized_copy(drafter, storage))["all"]
+    stored[storage] = held_out_report(quantized_copy(drafter, storage))
   print(" ".join(f"{k}: top1 {v['top1']} 1-TV {v['one_minus_tv']}" for k, v in stored.items()))
   meta = {
     "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),

@@ -85,18 +85,7 @@ def save_eagle_head(
   save_file = import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
   weights = {}
   for name, w in drafter.to_weights().items():
-    w = np.asarray(w)
-    if name == "draft_vocab":
-      weights[name] = w.astype(np.int32)
-      continue
-    w = w.astype(np.float32)
-    if storage_dtype == "int8" and w.ndim >= 2:
-      weights[name], weights[name + _SCALE] = quantize_int8(w)
-      continue
-    stored = w.astype(np.float32 if storage_dtype == "float32" else np.float16)
-    if not np.all(np.isfinite(stored)):
-      raise ValueError(f"weights[{name!r}] does not fit in {stored.dtype} (max |w| = {np.abs(w).max()})")
-    weights[name] = stored
+    weights.update(_encoded(name, np.asarray(w), storage_dtype))
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, path)
   c = drafter.config
@@ -113,6 +102,30 @@ def save_eagle_head(
   with open(config_path(path), "w") as f:
     json.dump(meta, f, indent=2)
     f.write("\n")
+
+
+def _encoded(name: str, w: np.ndarray, storage_dtype: str) -> dict[str, np.ndarray]:
+  """The file's entries for weight `name`: int32 ids, int8 with "NAME.scale" (matrices, under int8), else float."""
+  if name == "draft_vocab":
+    return {name: w.astype(np.int32)}
+  w = w.astype(np.float32)
+  if storage_dtype == "int8" and w.ndim >= 2:
+    q, scale = quantize_int8(w)
+    return {name: q, name + _SCALE: scale}
+  stored = w.astype(np.float32 if storage_dtype == "float32" else np.float16)
+  if not np.all(np.isfinite(stored)):
+    raise ValueError(f"weights[{name!r}] does not fit in {stored.dtype} (max |w| = {np.abs(w).max()})")
+  return {name: stored}
+
+
+def stored_values(w: np.ndarray, storage_dtype: str) -> np.ndarray:
+  """float32 `w` as a head file of `storage_dtype` gives it back (float16 rounding, or int8 with its scales).
+
+  Example:
+    >>> float(stored_values(np.array([[1.0, -2.0], [0.5, 4.0]]), "int8")[1, 0])  # 64 steps of the column's 1/127
+    0.50390625
+  """
+  return np.asarray(_dequantized(_encoded("w", np.asarray(w), storage_dtype))["w"], np.float32)
 
 
 def _dequantized(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
