@@ -118,7 +118,7 @@ from flax import nnx, serialization
 from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate
-from specdec_jax.models.eagle import EagleConfig, EagleDrafter
+from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.models.loaders import eagle_files, qwen2_5_coder, smollm2
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -630,20 +630,14 @@ def load_state(path, drafter, optimizer, rng) -> tuple[int, list]:
 
 
 def build_drafter(target, *, num_layers, d_ff, vocab, seed, target_rows=None) -> EagleDrafter:
-  """An untrained float32 head for `target` (whatever the target's dtype): `EagleDrafter.for_target`'s head with
-  float32 blocks, holding `target_rows` = (embedding, head rows) [V, D] each, or else float32 copies of the
-  target's own (for a bf16 target: its bf16 values, which is what the head sees at inference on a GPU)."""
-  tc = target.config
-  config = EagleConfig(
-    layers=tc.replace(num_layers=num_layers, feature_layers=(), d_ff=d_ff or tc.d_ff, dtype=jnp.float32),
-    feature_layers=tc.feature_layers,
-    draft_vocab_size=0 if vocab is None else len(vocab),
+  """An untrained float32 head for `target` (`EagleDrafter.for_target` with dtype float32), holding `target_rows`
+  = (embedding, head rows) [V, D] each when given, else float32 copies of the target's own (for a bf16 target: its
+  bf16 values, which is what the head sees at inference on a GPU)."""
+  drafter = EagleDrafter.for_target(
+    target, num_layers=num_layers, draft_vocab=vocab, d_ff=d_ff or None, dtype=jnp.float32, rngs=nnx.Rngs(seed)
   )
-  drafter = EagleDrafter(config, rngs=nnx.Rngs(seed))
-  if target_rows is None:
-    target_rows = (target.embed[...], target.embed[...] if tc.tie_embeddings else target.lm_head[...].T)
-  embed, head = (jnp.asarray(a, jnp.float32) for a in target_rows)
-  drafter.set_target_weights(embed, head, vocab)
+  if target_rows is not None:
+    drafter.set_target_weights(*target_rows, vocab)
   return drafter
 
 

@@ -293,7 +293,14 @@ class EagleDrafter(nnx.Module):
 
   @classmethod
   def for_target(
-    cls, target: Transformer, *, num_layers: int = 1, draft_vocab=None, d_ff: int | None = None, rngs: nnx.Rngs
+    cls,
+    target: Transformer,
+    *,
+    num_layers: int = 1,
+    draft_vocab=None,
+    d_ff: int | None = None,
+    dtype=None,
+    rngs: nnx.Rngs,
   ) -> EagleDrafter:
     """An untrained drafter for `target`: its widths, embedding, output head and feature layers.
 
@@ -304,10 +311,13 @@ class EagleDrafter(nnx.Module):
         the drafter may propose (e.g. the most frequent ones).
       d_ff: the width of the drafter's MLP; None = the target's. A narrower
         MLP makes a smaller, cheaper head (the 1.5B coder's is 8960 wide).
+      dtype: the drafter's dtype; None = the target's. A float32 head for a
+        bf16 target (training) holds float32 copies of its embedding and head.
       rngs: random streams for the drafter's own weights.
 
     Returns:
-      The drafter; its embedding and head hold the target's arrays (no copy).
+      The drafter; its embedding and head hold the target's arrays (no copy
+      unless `dtype` differs from the target's).
       Its blocks are the target's kind: with q/k/v biases iff `target.config.qkv_bias`.
 
     Raises:
@@ -341,7 +351,12 @@ class EagleDrafter(nnx.Module):
           f"got {vocab.dtype} {vocab.shape}."
         )
     config = EagleConfig(
-      layers=tc.replace(num_layers=num_layers, feature_layers=(), d_ff=tc.d_ff if d_ff is None else int(d_ff)),
+      layers=tc.replace(
+        num_layers=num_layers,
+        feature_layers=(),
+        d_ff=tc.d_ff if d_ff is None else int(d_ff),
+        dtype=tc.dtype if dtype is None else dtype,
+      ),
       feature_layers=tc.feature_layers,
       draft_vocab_size=0 if vocab is None else vocab.size,
     )

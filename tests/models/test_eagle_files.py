@@ -115,3 +115,13 @@ def test_for_target_refuses_a_bad_mlp_width():
   for bad in (0, -4, 2.5, True):
     with pytest.raises(ValueError, match="d_ff"):
       EagleDrafter.for_target(target, d_ff=bad, rngs=nnx.Rngs(0))
+
+
+def test_for_target_builds_a_float32_head_for_a_bf16_target():
+  target = unit_target(QWEN_LIKE.replace(dtype=jnp.bfloat16))
+  head = EagleDrafter.for_target(target, d_ff=24, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  assert head.config.layers.dtype == jnp.float32 and head.config.layers.d_ff == 24
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(head, nnx.Param)))
+  np.testing.assert_array_equal(head.embed[...], target.embed[...].astype(jnp.float32))
+  np.testing.assert_array_equal(head.head[...], target.lm_head[...].T.astype(jnp.float32))
+  assert EagleDrafter.for_target(target, rngs=nnx.Rngs(0)).config.layers.dtype == jnp.bfloat16
