@@ -462,10 +462,10 @@ def predicted_speedup(r, report, n_prefills: int):
   """Mean accepted length / (verification of N+1 tokens + the draft phase), both in target steps (the step
   section's figures, interpolated in T; prompt lookup's draft cost taken as 0): the speed-up over plain decoding
   of the same kernels that the component costs predict. None where a cost is missing (an EAGLE tree's draft
-  phase is not timed) or for plain rows."""
+  phase is not timed; the step section times B=1 only, so rows of a larger batch) or for plain rows."""
   mal = r.get("mean_accepted_length")
   rounds = r.get("target_calls", 0) - n_prefills  # each row's prefill is a target call too
-  if r["drafter"] == "plain" or not mal or rounds <= 0:
+  if r["drafter"] == "plain" or r.get("batch_size", 1) != 1 or not mal or rounds <= 0:
     return None
   steps = sorted((s["T"], s["verify_over_step"]) for s in report["step"] if s["kernels"] == r["kernels"])
   t = r["drafted"] / rounds + 1  # tokens a verification call reads: the round's drafts and the last token
