@@ -131,6 +131,16 @@ def damaged_file_remedy(remedy: str) -> Iterator[None]:
     raise DamagedFileError(f"{e} {remedy}") from (e.__cause__ or e)
 
 
+def json_beside(path: str) -> str:
+  """The JSON config beside a weights file: `path` with its extension replaced by `.json`.
+
+  Example:
+    >>> json_beside("weights/head.safetensors")
+    'weights/head.json'
+  """
+  return os.path.splitext(path)[0] + ".json"
+
+
 def read_json(path: str, what: str, remedy: str) -> dict[str, Any]:
   """Reads a JSON object from `path`; unparseable text raises a `DamagedFileError` naming it."""
   try:

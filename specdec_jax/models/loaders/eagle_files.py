@@ -24,16 +24,17 @@ import numpy as np
 
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
-from specdec_jax.models.loaders.common import damaged_file_error, import_optional, read_json, read_safetensors
+from specdec_jax.models.loaders.common import (
+  damaged_file_error,
+  import_optional,
+  json_beside,
+  read_json,
+  read_safetensors,
+)
 
 EAGLE_FORMAT = "specdec_jax.eagle.v1"
 STORAGE_DTYPES = ("float16", "float32", "int8")
 _SCALE = ".scale"
-
-
-def config_path(path: str) -> str:
-  """The JSON config beside a head's `.safetensors` file."""
-  return os.path.splitext(path)[0] + ".json"
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +100,7 @@ def save_eagle_head(
     "storage_dtype": storage_dtype,
     **(dict(metadata) if metadata else {}),
   }
-  with open(config_path(path), "w") as f:
+  with open(json_beside(path), "w") as f:
     json.dump(meta, f, indent=2)
     f.write("\n")
 
@@ -164,7 +165,7 @@ def read_eagle_head(
   Example:
     >>> head = read_eagle_head(p, lambda: (cfg, e, e), name="my head", remedy="")  # doctest: +SKIP
   """
-  json_path = config_path(path)
+  json_path = json_beside(path)
   for required in (path, json_path):
     if not os.path.isfile(required):
       raise FileNotFoundError(f"{name} not found: no such file: {required}. {remedy}")

@@ -35,6 +35,7 @@ from specdec_jax.models.loaders.common import (
   damaged_file_error,
   damaged_file_remedy,
   import_optional,
+  json_beside,
   model_dtype,
   read_json,
   read_safetensors,
@@ -252,10 +253,6 @@ def chat_prompt(text: str, system: str | None = None) -> str:
 # ---------------------------------------------------------------------------- draft
 
 
-def _draft_config_path(path: str) -> str:
-  return os.path.splitext(path)[0] + ".json"
-
-
 def _draft_remedy(path: str, shipped: bool) -> str:
   # How to get a good draft file: the shipped one comes with the package; a user's
   # own came from save_draft / train_draft.py.
@@ -321,7 +318,7 @@ def save_draft(model: Transformer, path: str, *, share_target_embedding: bool, s
     "share_target_embedding": bool(share_target_embedding),
     "config": config.architecture(),
   }
-  with open(_draft_config_path(path), "w") as f:
+  with open(json_beside(path), "w") as f:
     json.dump(meta, f, indent=2)
     f.write("\n")
 
@@ -357,7 +354,7 @@ def load_smollm2_draft(dtype: Any = jnp.float32, path: str | None = None, *, ker
   require_model_extras("safetensors", purpose="Loading the SmolLM2 draft")
   shipped = path is None
   path = DRAFT_WEIGHTS_PATH if shipped else os.fspath(path)
-  config_path = _draft_config_path(path)
+  config_path = json_beside(path)
   for required in (path, config_path):
     if os.path.isfile(required):
       continue
