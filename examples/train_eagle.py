@@ -398,6 +398,7 @@ TARGETS = {
       "prefill_tokens": 0,
       "batch_size": 32,
       "storage_dtype": "float16",
+      "eval_rows": 0,
     },
   ),
   "qwen2.5-coder-1.5b": Target(
@@ -419,6 +420,7 @@ TARGETS = {
       "prefill_tokens": 32768,
       "batch_size": 16,
       "storage_dtype": "int8",
+      "eval_rows": 1024,
     },
   ),
 }
@@ -709,7 +711,9 @@ def parse_args(argv):
     help="bucket prompts by length and cap a generate call's prompt tokens (batch x width) at this; prompts "
     "over --prompt-len are then dropped instead of cut (0 = one width; smollm2 0, qwen 32768)",
   )
-  ap.add_argument("--eval-rows", type=int, default=1024, help="held-out continuations in each report (0 = all)")
+  ap.add_argument(
+    "--eval-rows", type=int, default=None, help="held-out continuations in each report (0 = all; smollm2 0, qwen 1024)"
+  )
   ap.add_argument(
     "--storage-dtype",
     default=None,
