@@ -60,8 +60,10 @@ A long run fits the lent GPU's 10-minute commands by spanning several runs:
 `--data-cache` keeps the generated data and `--state` the training state
 (weights, optimiser, step, data order) between them, and the result is the same
 as one uninterrupted run (checked on a CPU). `--wall-limit-s` ends each command
-in time (data generation included); the shipped head's two commands were the
-one above with `--stop-at-step` replaced by
+in time (data generation included); a command that stops before the schedule's
+end saves the state and writes no report or head (the one that ends it does;
+the head's JSON lists every command and the steps it ran). The shipped head's
+two commands were the one above with `--stop-at-step` replaced by
 
     --wall-limit-s 520 --data-cache /root/eagle/data.npz --state /root/eagle/state.msgpack
 
@@ -466,16 +468,20 @@ def target_prompts(spec: Target, args, tokenizer, target) -> tuple[list[str], li
 BUCKET_WIDTHS = (96, 192, 384, 768)
 
 
-def generation_batches(p_lens, samples, *, prompt_len, batch_size, prefill_tokens):
+def generation_batches(p_lens, samples, *, prompt_len, batch_size, prefill_tokens, done=None):
   """The continuations (prompt index, temperature) in batches: (first job index, job indices, width, batch size).
 
   Without `prefill_tokens` every batch has width `prompt_len` and `batch_size` rows (the shipped SmolLM2 head's
   data). With it, prompts go into a few width buckets and a batch holds at most `prefill_tokens` prompt tokens:
-  the prefill's logits ([B, width, V] float32) are what limit a batch on a large vocabulary.
+  the prefill's logits ([B, width, V] float32) are what limit a batch on a large vocabulary. Jobs marked in
+  `done` ([jobs] bool) are left out: a run cut off after its first batches gets the same remaining batches (and
+  keys), and a run extended with more samples generates only the new ones.
   """
   jobs = np.arange(len(p_lens) * len(samples))
+  if done is not None:
+    jobs = jobs[~done]
   if not prefill_tokens:
-    return [(int(s), jobs[s : s + batch_size], prompt_len, batch_size) for s in range(0, len(jobs), batch_size)]
+    return [(int(jobs[s]), jobs[s : s + batch_size], prompt_len, batch_size) for s in range(0, len(jobs), batch_size)]
   widths = [w for w in BUCKET_WIDTHS if w < prompt_len] + [prompt_len]
   job_width = np.asarray([next(w for w in widths if p_lens[j // len(samples)] <= w) for j in jobs])
   out = []
@@ -561,10 +567,10 @@ def generate_data(target, spec, prompt_ids, kinds, samples, args, *, deadline, p
     prompt_len=args.prompt_len,
     batch_size=args.gen_batch,
     prefill_tokens=args.prefill_tokens,
+    done=data["job_done"],
   )
   last_save = time.time()
-  todo = [b for b in batches if not data["job_done"][b[1]].all()]
-  for first, jobs, width, b in tqdm(todo, desc="target continuations", mininterval=10):
+  for first, jobs, width, b in tqdm(batches, desc="target continuations", mininterval=10):
     if deadline and time.time() > deadline:
       break
     rows, temps = data["job_prompt"][jobs], data["job_temperature"][jobs]
@@ -599,8 +605,9 @@ def draft_vocabulary(tokens, p_lens, lens, size, must_have) -> np.ndarray:
   return np.sort(np.asarray(list(must_have) + order[: size - len(must_have)], np.int32))
 
 
-def save_state(path, drafter, optimizer, rng, step, history) -> None:
-  """Everything a run needs to continue exactly: weights, optimiser, next step, the data order's RNG, history."""
+def save_state(path, drafter, optimizer, rng, step, history, commands) -> None:
+  """Everything a run needs to continue exactly: weights, optimiser, next step, the data order's RNG, history,
+  and the commands of the runs so far (the head's JSON records them all)."""
   arrays = {
     "drafter": nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),
     "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
@@ -610,6 +617,7 @@ def save_state(path, drafter, optimizer, rng, step, history) -> None:
     "step": step,
     "rng": json.dumps(rng.bit_generator.state),
     "history": json.dumps(history),
+    "commands": json.dumps(commands),
   }
   tmp = path + ".tmp"
   with open(tmp, "wb") as f:
@@ -617,8 +625,9 @@ def save_state(path, drafter, optimizer, rng, step, history) -> None:
   os.replace(tmp, path)
 
 
-def load_state(path, drafter, optimizer, rng) -> tuple[int, list]:
-  """Restores `save_state`'s file into drafter, optimizer and rng (in place); returns (next step, history)."""
+def load_state(path, drafter, optimizer, rng) -> tuple[int, list, list]:
+  """Restores `save_state`'s file into drafter, optimizer and rng (in place); returns (next step, history,
+  the earlier runs' commands)."""
   with open(path, "rb") as f:
     state = serialization.msgpack_restore(f.read())
   params = nnx.state(drafter, nnx.Param)
@@ -628,7 +637,7 @@ def load_state(path, drafter, optimizer, rng) -> tuple[int, list]:
   nnx.replace_by_pure_dict(opt, state["optimizer"])
   nnx.update(optimizer, opt)
   rng.bit_generator.state = json.loads(state["rng"])
-  return int(state["step"]), json.loads(state["history"])
+  return int(state["step"]), json.loads(state["history"]), json.loads(state.get("commands", "[]"))
 
 
 def build_drafter(target, *, num_layers, d_ff, vocab, seed, target_rows=None) -> EagleDrafter:
@@ -1022,10 +1031,10 @@ def main(argv=None):
     print_report(init_report, "held-out teacher-forced agreement of the --init head, before training:")
   rng = np.random.default_rng(args.seed)
   train_rows = np.flatnonzero(train)
-  history = []
+  history, commands = [], []
   first = 0
   if args.state and os.path.isfile(args.state):
-    first, history = load_state(args.state, drafter, optimizer, rng)
+    first, history, commands = load_state(args.state, drafter, optimizer, rng)
     print(f"resumed {args.state} at step {first}")
   checkpoint = os.path.splitext(args.out)[0] + "_checkpoint.safetensors"
   bar = tqdm(range(first, args.steps), desc="training (TTT)", initial=first, total=args.steps, mininterval=10)
@@ -1045,16 +1054,24 @@ def main(argv=None):
     if args.time_limit_s and time.time() - t_train > args.time_limit_s:
       print(f"time limit: stopping after {step + 1} of {args.steps} steps")
       break
-    if deadline and time.time() > deadline - 120:  # the state, the reports (their compile) and the files
+    # The margin: the state and checkpoint (a run with --state continues in the next command), else also the
+    # reports (their compile) and the head.
+    if deadline and time.time() > deadline - (30 if args.state else 120):
       print(f"wall-clock limit: stopping after {step + 1} of {args.steps} steps")
       break
     if args.checkpoint_every and step and step % args.checkpoint_every == 0:
       eagle_files.save_eagle_head(drafter, checkpoint, target=spec.file, metadata={"step": step})
   train_seconds = time.time() - t_train
+  command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
+  commands = commands + [{"command": command, "steps": [first, step + 1], "train_seconds": round(train_seconds, 1)}]
   if args.state:
-    save_state(args.state, drafter, optimizer, rng, step + 1, history)
+    save_state(args.state, drafter, optimizer, rng, step + 1, history, commands)
   if args.checkpoint_every:  # float16 whatever --storage-dtype: what a later --init continues from
     eagle_files.save_eagle_head(drafter, checkpoint, target=spec.file, metadata={"step": step + 1})
+  if args.state and deadline and (step + 1 < (args.stop_at_step or args.steps) or time.time() > deadline - 100):
+    # The reports and the head come in the command that ends the schedule with time to spare for them.
+    print(f"state saved at step {step + 1} of {args.steps} in {args.state}: run the same command to continue")
+    return None
   report = reports(drafter)
   print_report(report, "held-out teacher-forced agreement by depth:")
   stored = {}
@@ -1062,7 +1079,8 @@ def main(argv=None):
     stored[storage] = held_out_report(quantized_copy(drafter, storage))
   print(" ".join(f"{k}: top1 {v['top1']} 1-TV {v['one_minus_tv']}" for k, v in stored.items()))
   meta = {
-    "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+    "command": command,
+    "commands": commands,  # every run of a schedule that spanned several (--state), with its steps
     "device": jax.devices()[0].device_kind,
     "jax": jax.__version__,
     "date": time.strftime("%Y-%m-%d"),
@@ -1083,7 +1101,7 @@ def main(argv=None):
     "samples": samples,
     "gen_tokens": args.gen_tokens,
     "draft_vocab_coverage": round(coverage, 4),
-    "train_seconds": round(train_seconds, 1),
+    "train_seconds": round(sum(c["train_seconds"] for c in commands), 1),
     "total_seconds": round(time.time() - t_start, 1),
     "held_out": report["all"],
     "held_out_by_kind": {k: v for k, v in report.items() if k != "all"},

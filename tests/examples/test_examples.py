@@ -7,6 +7,7 @@ to it too.
 """
 
 import importlib.util
+import os
 import pathlib
 
 import jax.numpy as jnp
@@ -72,7 +73,8 @@ def test_custom_model_cache_follows_the_protocol(custom_model):
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
-  """examples/train_eagle.py --quick: 2 steps, then 2 more from --state, equal 4 steps in one run."""
+  """examples/train_eagle.py --quick: 2 steps, then 2 more from --state, equal 4 steps in one run; a run stopped
+  by --wall-limit-s saves its state and no head, and the run that ends the schedule lists both commands."""
   pytest.importorskip("safetensors")
   import sys
 
@@ -91,6 +93,16 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
   half, resumed, straight = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("a", "resumed", "straight"))
   assert all(np.array_equal(resumed[k], straight[k]) for k in straight)
   assert not all(np.array_equal(half[k], straight[k]) for k in straight)  # the last two steps did change them
+
+  # --wall-limit-s already passed: one step, then the state alone; the next command ends the schedule.
+  walled, timed = str(tmp_path / "walled.msgpack"), str(tmp_path / "timed.safetensors")
+  assert train.main(common + ["--wall-limit-s", "1", "--state", walled, "--out", timed]) is None
+  assert not os.path.exists(timed)
+  meta = train.main(common + ["--state", walled, "--out", timed])
+  assert [c["steps"] for c in meta["commands"]] == [[0, 1], [1, 4]]
+  assert "--wall-limit-s 1" in meta["commands"][0]["command"] and "--wall-limit-s" not in meta["command"]
+  timed = load_file(timed)
+  assert all(np.array_equal(timed[k], straight[k]) for k in straight)
 
 
 @pytest.mark.slow

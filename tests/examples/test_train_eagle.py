@@ -108,14 +108,23 @@ def test_bad_arguments_are_refused_before_loading(train):
   assert args.out.endswith("qwen2_5_coder_eagle.safetensors") and args.samples == [0.0, 1.0, 1.0, 1.0, 1.0]
 
 
-def test_more_samples_extend_a_finished_run(train, tmp_path):
+def test_more_samples_extend_a_finished_run(train, tmp_path, monkeypatch):
   """A finished run's data, resumed with --samples extended, keeps its continuations and generates only the new."""
   target, prompts, kinds, spec, args = _setup(train, tmp_path)
   two = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0], args, deadline=0.0, partial_path="")
   partial = str(tmp_path / "more.partial.npz")
   train.save_data(partial, two)
+  rows = []  # the (prompt, temperature) rows each generate call is given
+  real = train.generate_padded
+
+  def counting(target, prompts, temps, **kw):
+    rows.extend(temps)
+    return real(target, prompts, temps, **kw)
+
+  monkeypatch.setattr(train, "generate_padded", counting)
   three = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0, 1.0], args, deadline=0.0, partial_path=partial)
   assert three["job_done"].all() and len(three["job_done"]) == 15
+  assert rows == [1.0] * 5  # only the new sample of each prompt is generated
 
   def gen(data, j):
     return data["gen_ids"][data["gen_offsets"][j] : data["gen_offsets"][j + 1]].tolist()
