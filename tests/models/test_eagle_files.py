@@ -1,6 +1,7 @@
 """EAGLE head files (`loaders.eagle_files`): float16 and int8 storage, a narrower MLP, and the loaders' errors."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +126,30 @@ def test_for_target_builds_a_float32_head_for_a_bf16_target():
   np.testing.assert_array_equal(head.embed[...], target.embed[...].astype(jnp.float32))
   np.testing.assert_array_equal(head.head[...], target.lm_head[...].T.astype(jnp.float32))
   assert EagleDrafter.for_target(target, rngs=nnx.Rngs(0)).config.layers.dtype == jnp.bfloat16
+
+
+def test_the_shipped_coder_head_is_a_small_int8_file_with_its_recipe():
+  """The shipped Qwen2.5-Coder head (no GGUF needed): at most 40 MB, int8 with per-column scales, one block of the
+  target's width with a 4096-wide MLP, a sorted draft vocabulary of 32768 distinct target ids, and the JSON
+  records how it was made (the commands of every run, the seed, the data, the held-out agreement)."""
+  from safetensors.numpy import load_file  # noqa: PLC0415
+
+  from specdec_jax.models.loaders.common import json_beside  # noqa: PLC0415
+  from specdec_jax.models.loaders.qwen2_5_coder import QWEN2_5_CODER_EAGLE_PATH  # noqa: PLC0415
+
+  assert os.path.getsize(QWEN2_5_CODER_EAGLE_PATH) <= 40_000_000
+  with open(json_beside(QWEN2_5_CODER_EAGLE_PATH)) as f:
+    meta = json.load(f)
+  assert meta["format"] == eagle_files.EAGLE_FORMAT and meta["storage_dtype"] == "int8"
+  assert (meta["num_layers"], meta["d_ff"], meta["draft_vocab_size"]) == (1, 4096, 32768)
+  assert meta["feature_layers"] == [2, 14, 25] and meta["seed"] == 0 and meta["steps_done"] == meta["steps"]
+  assert meta["generated_tokens"] >= 20_000_000 and all("train_eagle.py" in c["command"] for c in meta["commands"])
+  assert [c["steps"][0] for c in meta["commands"]] == [0] + [c["steps"][1] for c in meta["commands"][:-1]]
+  assert len(meta["held_out"]["top1"]) == meta["depth"] >= 4
+  w = load_file(QWEN2_5_CODER_EAGLE_PATH)
+  d, f_ = 1536, meta["d_ff"]
+  assert w["fc"].shape == (3 * d, d) and w["fc"].dtype == np.int8 and w["fc.scale"].shape == (1, d)
+  assert w["first.w_gate"].shape == (d, f_) and w["first.w_down"].shape == (f_, d)
+  assert all(w[k].dtype == np.int8 for k in w if k.startswith(("fc", "first.w")) and not k.endswith(".scale"))
+  vocab = w["draft_vocab"]
+  assert vocab.shape == (32768,) and np.all(np.diff(vocab) > 0) and 0 <= vocab[0] and vocab[-1] < 151936

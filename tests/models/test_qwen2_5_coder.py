@@ -98,3 +98,25 @@ def test_prompt_lookup_greedy_equals_plain_greedy_in_float32(qwen):
   lookup = _generate(model, tokenizer, text, 40, draft=PromptLookupDrafter(ngram_size=(3, 2)))
   np.testing.assert_array_equal(lookup, plain)
   assert "return total" in tokenizer.decode(plain.tolist())
+
+
+def test_the_shipped_eagle_head_drafts_losslessly_and_is_accepted(qwen):
+  """The shipped head in float32 on the float32 target: greedy speculative decoding equals plain greedy decoding,
+  and the head's drafts are accepted (more than one token per target call on a coding answer)."""
+  from specdec_jax.models import load_qwen2_5_coder_eagle  # noqa: PLC0415
+
+  model, tokenizer = qwen
+  head = load_qwen2_5_coder_eagle(jnp.float32)
+  assert head.config.feature_layers == model.config.feature_layers == (2, 14, 25)
+  text = "Write a Python function that returns the sum of the squares of a list of numbers. Code only."
+  ids = tokenizer.encode(qwen2_5_coder.chat_prompt(text)).ids
+  tokens, lengths = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
+  common = dict(max_new_tokens=32, eos_token_id=qwen2_5_coder.QWEN2_5_CODER_EOS_IDS, all_greedy=True)
+  plain = generate(model, tokens, lengths, SamplingParams.greedy(1), None, **common)
+  spec = speculative_generate(
+    model, head, tokens, lengths, SamplingParams.greedy(1), None, num_speculative_tokens=4, **common
+  )
+  n = int(plain.lengths[0])
+  assert int(spec.lengths[0]) == n
+  np.testing.assert_array_equal(np.asarray(spec.tokens[0, :n]), np.asarray(plain.tokens[0, :n]))
+  assert float(spec.stats.mean_accepted_length) > 1.5
