@@ -76,6 +76,7 @@ def test_agreement_is_train_eagles_definition(agree, target):
   assert 0 < min(s["one_minus_tv"]) and max(s["one_minus_tv"]) < 1
 
 
+@pytest.mark.slow  # 11 s; test_replay_counts_by_hand keeps the replay rule in the fast subset
 def test_chain_replay_is_what_the_loop_counts(agree, target):
   """A distilled head: the replayed greedy chain's accepted and reached counts per position and its target calls
   equal `speculative_generate`'s stats on the same prompts (ragged, an EOS inside rounds, max_new_tokens), K = 2, 3."""
