@@ -291,8 +291,8 @@ def plot(report: dict, path: str) -> str | None:
     ax.legend(fontsize=7)
   info = report["info"]
   shape = "quick" if report["config"]["quick"] else report["config"]["shape"]
-  fig.suptitle(
-    f"forced acceptance (not lossless; stars: real acceptance): {shape}, {report['config']['dtype']}, "
+  fig.suptitle(  # two lines: one panel is too narrow for the whole title on one
+    f"forced acceptance (not lossless; stars: real acceptance)\n{shape}, {report['config']['dtype']}, "
     f"{report['config']['mode']}, {info['device']}",
     fontsize=9,
   )
