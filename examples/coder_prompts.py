@@ -177,6 +177,154 @@ EVERYDAY_TEMPLATES = [
 ]
 SKIP_MODULES = ("csv.py",)  # the benchmark asks how to read a CSV file
 
+# General-knowledge questions (train_eagle's --more-questions): comparisons, how things work, why things happen,
+# ideas. The shipped head agreed with the target only half the time on such prose. The benchmark's own topics
+# (pets, bicycles, cells, autumn leaves, laws, thank-you notes, rainy weekends) are left out altogether.
+COMPARISONS = [
+  ("tea", "coffee"),
+  ("trains", "planes"),
+  ("renting", "buying a home"),
+  ("e-books", "paper books"),
+  ("running", "swimming"),
+  ("cities", "the countryside"),
+  ("summer", "winter"),
+  ("rivers", "lakes"),
+  ("viruses", "bacteria"),
+  ("weather", "climate"),
+  ("frogs", "toads"),
+  ("crocodiles", "alligators"),
+  ("butter", "margarine"),
+  ("a violin", "a viola"),
+  ("baking", "roasting"),
+  ("stocks", "bonds"),
+  ("the Arctic", "the Antarctic"),
+  ("moths", "butterflies"),
+  ("hurricanes", "tornadoes"),
+  ("wolves", "foxes"),
+  ("a debit card", "a credit card"),
+  ("jam", "jelly"),
+  ("Mars", "Venus"),
+  ("comets", "asteroids"),
+  ("a democracy", "a monarchy"),
+  ("walking", "cycling to work"),
+  ("radio", "podcasts"),
+  ("oil paint", "watercolour"),
+  ("a lake", "a sea"),
+  ("sheep", "goats"),
+  ("rice", "pasta"),
+  ("a novel", "a short story"),
+]
+COMPARISON_TEMPLATES = [
+  "What are the main differences between {a} and {b}?",
+  "Compare {a} and {b}. Which would you choose, and why?",
+  "What do {a} and {b} have in common, and how do they differ?",
+]
+HOW_THINGS = [
+  "a refrigerator",
+  "a microwave oven",
+  "a rainbow",
+  "an airplane wing",
+  "a compass",
+  "a lock and key",
+  "a thermostat",
+  "the internet",
+  "a hot air balloon",
+  "a camera",
+  "a submarine",
+  "a vaccine",
+  "a solar panel",
+  "an elevator",
+  "a piano",
+  "GPS navigation",
+  "a lighthouse",
+  "a touch screen",
+  "a sailboat against the wind",
+  "a battery",
+  "a washing machine",
+  "a parachute",
+  "a dam",
+  "a telescope",
+  "a heat pump",
+  "the human eye",
+  "a credit score",
+  "an election count",
+  "a water filter",
+  "a kite",
+  "a sewing machine",
+  "noise-cancelling headphones",
+  "a wind-up watch",
+  "an escalator",
+  "a fridge magnet",
+]
+HOW_TEMPLATES = [
+  "Explain how {t} works.",
+  "How does {t} work? Keep it short.",
+  "Describe, step by step, how {t} works.",
+]
+WHY_QUESTIONS = [
+  "Why is the sky blue?",
+  "Why do we have seasons?",
+  "Why does bread go stale?",
+  "Why do cats purr?",
+  "Why is the sea salty?",
+  "Why do onions make you cry?",
+  "Why do we dream?",
+  "Why do birds migrate?",
+  "Why does ice float?",
+  "Why do stars twinkle?",
+  "Why do we yawn?",
+  "Why do some people get seasick?",
+  "Why is exercise good for the brain?",
+  "Why do prices rise over time?",
+  "Why do zebras have stripes?",
+  "Why does the moon change shape?",
+  "Why do we need sleep?",
+  "Why do planes leave white trails?",
+  "Why is it colder on a mountain top?",
+  "Why do some metals rust?",
+  "Why do we get goosebumps?",
+  "Why do apples turn brown when cut?",
+  "Why does music give people chills?",
+  "Why do whales sing?",
+  "Why do languages change over time?",
+  "Why is the Dead Sea so easy to float in?",
+]
+IDEA_TOPICS = [
+  "a birthday party for a five-year-old",
+  "a picnic menu",
+  "learning a new language",
+  "saving money on groceries",
+  "a science fair project",
+  "staying focused while studying",
+  "a small balcony garden",
+  "a first date",
+  "decorating a tiny flat",
+  "keeping fit without a gym",
+  "a family road trip",
+  "making new friends in a new city",
+  "a book club's next meeting",
+  "reducing plastic at home",
+  "a school fundraiser",
+  "a relaxing evening routine",
+]
+IDEA_TEMPLATES = [
+  "Give me three ideas for {t}.",
+  "What are five good ideas for {t}?",
+  "I need some suggestions for {t}. What would you recommend?",
+]
+
+
+def general_questions(chat: Callable[[str], str]) -> list[tuple[str, str]]:
+  """("chat", prompt text) pairs of general-knowledge questions (the lists above), in a fixed order, without the
+  benchmark's prompts. train_eagle's --more-questions appends them after `coder_prompts`' list, so data made
+  without them is a prefix of data made with them (and extends)."""
+  texts = [tpl.format(a=a, b=b) for a, b in COMPARISONS for tpl in COMPARISON_TEMPLATES]
+  texts += [tpl.format(t=t) for t in HOW_THINGS for tpl in HOW_TEMPLATES]
+  texts += WHY_QUESTIONS
+  texts += [tpl.format(t=t) for t in IDEA_TOPICS for tpl in IDEA_TEMPLATES]
+  held = held_out_texts()
+  return [("chat", chat(t)) for t in texts if t not in held]
+
 
 def _stdlib_files() -> list[str]:
   root = sysconfig.get_paths()["stdlib"]

@@ -434,6 +434,8 @@ def target_prompts(spec: Target, args, tokenizer, target) -> tuple[list[str], li
   if spec.name == "qwen2.5-coder-1.5b":
     pairs = coder_prompts.coder_prompts(spec.chat, seed=args.seed, max_functions=12 if args.quick else 0)
     pairs = pairs[:8] if args.quick else pairs
+    if args.more_questions:  # appended: data made without them is a prefix of the data with them
+      pairs += coder_prompts.general_questions(spec.chat)[: 4 if args.quick else None]
     return [p for _, p in pairs], [k for k, _ in pairs]
   extra = []
   if args.self_questions:
@@ -538,12 +540,16 @@ def generate_data(target, spec, prompt_ids, kinds, samples, args, *, deadline, p
   gen = [np.zeros(0, np.int32)] * n_jobs
   if partial_path and os.path.isfile(partial_path):
     with np.load(partial_path) as old:
-      if not np.array_equal(old["prompt_ids"], data["prompt_ids"]):
+      # Its prompts may be the first of these (more prompts appended) and its --samples a prefix of these: its
+      # continuations keep their place, the new ones are generated.
+      old_p_off = old["prompt_offsets"]
+      n_old = len(old_p_off) - 1
+      same = n_old <= len(prompt_ids) and np.array_equal(old_p_off, data["prompt_offsets"][: n_old + 1])
+      if not (same and np.array_equal(old["prompt_ids"], data["prompt_ids"][: old_p_off[-1]])):
         raise SystemExit(f"{partial_path} was made from other prompts; delete it to start again")
-      # Its --samples may be a prefix of these: its continuations keep their place, the new ones are generated.
       old_done, old_temps = old["job_done"], old["job_temperature"]
-      per_prompt = len(old_done) // len(prompt_ids)
-      if per_prompt * len(prompt_ids) != len(old_done) or list(old_temps[:per_prompt]) != list(samples[:per_prompt]):
+      per_prompt = len(old_done) // max(n_old, 1)
+      if per_prompt * n_old != len(old_done) or list(old_temps[:per_prompt]) != list(samples[:per_prompt]):
         raise SystemExit(
           f"{partial_path} was made with --samples {old_temps[:per_prompt].tolist()}, not a prefix of {samples}"
         )
@@ -799,6 +805,12 @@ def parse_args(argv):
     help="add this weight times the cross-entropy of the target's argmax (where the draft "
     "vocabulary has it) to each depth's loss: greedy rows accept only the argmax (default 0)",
   )
+  ap.add_argument(
+    "--more-questions",
+    action="store_true",
+    help="qwen: append general-knowledge questions (coder_prompts.general_questions) to the prompts; data made "
+    "without them extends (copy it to --data-cache's .partial.npz)",
+  )
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
   spec = TARGETS[args.target]
@@ -831,6 +843,8 @@ def parse_args(argv):
     ap.error(f"--samples must be comma-separated temperatures, got {args.samples!r}")
   if not args.samples or any(not (math.isfinite(t) and t >= 0) for t in args.samples):
     ap.error(f"--samples must be temperatures >= 0, got {args.samples}")
+  if args.more_questions and spec.name != "qwen2.5-coder-1.5b":
+    ap.error("--more-questions is for --target qwen2.5-coder-1.5b (SmolLM2 has --more-prompts)")
   if args.data_only and not args.data_cache:
     ap.error("--data-only needs --data-cache (where the data goes)")
   if args.quick:

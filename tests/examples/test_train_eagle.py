@@ -100,6 +100,7 @@ def test_bad_arguments_are_refused_before_loading(train):
     ["--data-only"],
     ["--head-d-ff", "-1"],
     ["--loss", "kl"],
+    ["--more-questions"],  # SmolLM2's prompts have --more-prompts
   ):
     with pytest.raises(SystemExit):
       train.parse_args(argv)
@@ -134,6 +135,46 @@ def test_more_samples_extend_a_finished_run(train, tmp_path, monkeypatch):
     assert three["job_prompt"][3 * i + 2] == i and three["job_temperature"][3 * i + 2] == 1.0
   with pytest.raises(SystemExit, match="not a prefix"):
     train.generate_data(target, spec, prompts, kinds, [1.0, 1.0], args, deadline=0.0, partial_path=partial)
+
+
+def test_more_prompts_extend_a_finished_run(train, tmp_path, monkeypatch):
+  """Data of the first prompts, resumed with prompts appended (and a sample more): the old continuations keep their
+  place and only the new jobs are generated; a file of prompts that are not the first ones is refused."""
+  target, prompts, kinds, spec, args = _setup(train, tmp_path)
+  first = train.generate_data(target, spec, prompts[:3], kinds[:3], [0.0, 1.0], args, deadline=0.0, partial_path="")
+  partial = str(tmp_path / "more.partial.npz")
+  train.save_data(partial, first)
+  rows = []
+  real = train.generate_padded
+
+  def counting(target, prompts, temps, **kw):
+    rows.extend(temps)
+    return real(target, prompts, temps, **kw)
+
+  monkeypatch.setattr(train, "generate_padded", counting)
+  more = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0, 1.0], args, deadline=0.0, partial_path=partial)
+  assert more["job_done"].all() and len(more["job_done"]) == 15
+  assert sorted(rows) == [0.0] * 2 + [1.0] * 7  # 3 old prompts' new sample, and 3 samples of 2 new prompts
+
+  def gen(data, j):
+    return data["gen_ids"][data["gen_offsets"][j] : data["gen_offsets"][j + 1]].tolist()
+
+  for i in range(3):
+    assert [gen(more, 3 * i + t) for t in (0, 1)] == [gen(first, 2 * i + t) for t in (0, 1)]
+  with pytest.raises(SystemExit, match="other prompts"):
+    train.generate_data(target, spec, prompts[1:], kinds[1:], [0.0, 1.0], args, deadline=0.0, partial_path=partial)
+
+
+def test_general_questions_are_fixed_and_leave_the_benchmark_out(train, monkeypatch):
+  coder = train.coder_prompts
+  chat = lambda text: f"<user>{text}</user>"  # noqa: E731
+  questions = coder.general_questions(chat)
+  assert questions == coder.general_questions(chat) and len(questions) > 200
+  assert {k for k, _ in questions} == {"chat"} and len({p for _, p in questions}) == len(questions)
+  question = sorted(coder.held_out_texts())[0]
+  monkeypatch.setattr(coder, "WHY_QUESTIONS", [question, "Why is grass green?"])
+  texts = [p for _, p in coder.general_questions(chat)]
+  assert chat("Why is grass green?") in texts and chat(question) not in texts
 
 
 @pytest.mark.parametrize("storage", ["float16", "int8"])
