@@ -85,6 +85,10 @@ prompt tokens. On a large vocabulary the prefill's logits ([B, width, V]
 float32) limit a generate call, so prompts go into width buckets of 96, 192
 and 384 tokens, with at most `--prefill-tokens` prompt tokens a call.
 
+`--more-questions` appends 275 general-knowledge questions (comparisons, how
+things work, why things happen, ideas: the prose the shipped head agreed with
+least), after the other prompts, so the data made without them extends.
+
 The data are saved compressed (prompt ids once, continuations ragged; 22 MB
 for 18.7 M generated tokens). Generation is resumable: with `--data-cache D`
 and `--wall-limit-s`, finished batches go to D.partial.npz every minute and
