@@ -109,13 +109,9 @@ def test_bad_arguments_are_refused_before_loading(train):
   assert args.out.endswith("qwen2_5_coder_eagle.safetensors") and args.samples == [0.0, 1.0, 1.0, 1.0, 1.0]
 
 
-def test_more_samples_extend_a_finished_run(train, tmp_path, monkeypatch):
-  """A finished run's data, resumed with --samples extended, keeps its continuations and generates only the new."""
-  target, prompts, kinds, spec, args = _setup(train, tmp_path)
-  two = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0], args, deadline=0.0, partial_path="")
-  partial = str(tmp_path / "more.partial.npz")
-  train.save_data(partial, two)
-  rows = []  # the (prompt, temperature) rows each generate call is given
+def _count_generated_rows(train, monkeypatch) -> list:
+  """The temperatures of the rows each later generate call is given (generate_padded, counted)."""
+  rows = []
   real = train.generate_padded
 
   def counting(target, prompts, temps, **kw):
@@ -123,15 +119,27 @@ def test_more_samples_extend_a_finished_run(train, tmp_path, monkeypatch):
     return real(target, prompts, temps, **kw)
 
   monkeypatch.setattr(train, "generate_padded", counting)
+  return rows
+
+
+def _gen(data, j) -> list:
+  """Continuation j's generated ids."""
+  return data["gen_ids"][data["gen_offsets"][j] : data["gen_offsets"][j + 1]].tolist()
+
+
+def test_more_samples_extend_a_finished_run(train, tmp_path, monkeypatch):
+  """A finished run's data, resumed with --samples extended, keeps its continuations and generates only the new."""
+  target, prompts, kinds, spec, args = _setup(train, tmp_path)
+  two = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0], args, deadline=0.0, partial_path="")
+  partial = str(tmp_path / "more.partial.npz")
+  train.save_data(partial, two)
+  rows = _count_generated_rows(train, monkeypatch)
   three = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0, 1.0], args, deadline=0.0, partial_path=partial)
   assert three["job_done"].all() and len(three["job_done"]) == 15
   assert rows == [1.0] * 5  # only the new sample of each prompt is generated
 
-  def gen(data, j):
-    return data["gen_ids"][data["gen_offsets"][j] : data["gen_offsets"][j + 1]].tolist()
-
   for i in range(5):
-    assert [gen(three, 3 * i + t) for t in (0, 1)] == [gen(two, 2 * i + t) for t in (0, 1)]
+    assert [_gen(three, 3 * i + t) for t in (0, 1)] == [_gen(two, 2 * i + t) for t in (0, 1)]
     assert three["job_prompt"][3 * i + 2] == i and three["job_temperature"][3 * i + 2] == 1.0
   with pytest.raises(SystemExit, match="not a prefix"):
     train.generate_data(target, spec, prompts, kinds, [1.0, 1.0], args, deadline=0.0, partial_path=partial)
@@ -144,23 +152,13 @@ def test_more_prompts_extend_a_finished_run(train, tmp_path, monkeypatch):
   first = train.generate_data(target, spec, prompts[:3], kinds[:3], [0.0, 1.0], args, deadline=0.0, partial_path="")
   partial = str(tmp_path / "more.partial.npz")
   train.save_data(partial, first)
-  rows = []
-  real = train.generate_padded
-
-  def counting(target, prompts, temps, **kw):
-    rows.extend(temps)
-    return real(target, prompts, temps, **kw)
-
-  monkeypatch.setattr(train, "generate_padded", counting)
+  rows = _count_generated_rows(train, monkeypatch)
   more = train.generate_data(target, spec, prompts, kinds, [0.0, 1.0, 1.0], args, deadline=0.0, partial_path=partial)
   assert more["job_done"].all() and len(more["job_done"]) == 15
   assert sorted(rows) == [0.0] * 2 + [1.0] * 7  # 3 old prompts' new sample, and 3 samples of 2 new prompts
 
-  def gen(data, j):
-    return data["gen_ids"][data["gen_offsets"][j] : data["gen_offsets"][j + 1]].tolist()
-
   for i in range(3):
-    assert [gen(more, 3 * i + t) for t in (0, 1)] == [gen(first, 2 * i + t) for t in (0, 1)]
+    assert [_gen(more, 3 * i + t) for t in (0, 1)] == [_gen(first, 2 * i + t) for t in (0, 1)]
   with pytest.raises(SystemExit, match="other prompts"):
     train.generate_data(target, spec, prompts[1:], kinds[1:], [0.0, 1.0], args, deadline=0.0, partial_path=partial)
 
