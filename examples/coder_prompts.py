@@ -315,7 +315,7 @@ IDEA_TEMPLATES = [
 
 
 def general_questions(chat: Callable[[str], str]) -> list[tuple[str, str]]:
-  """("chat", prompt text) pairs of general-knowledge questions (the lists above), in a fixed order, without the
+  """("question", prompt text) pairs of general-knowledge questions (the lists above), in a fixed order, without the
   benchmark's prompts. train_eagle's --more-questions appends them after `coder_prompts`' list, so data made
   without them is a prefix of data made with them (and extends)."""
   texts = [tpl.format(a=a, b=b) for a, b in COMPARISONS for tpl in COMPARISON_TEMPLATES]
@@ -323,7 +323,7 @@ def general_questions(chat: Callable[[str], str]) -> list[tuple[str, str]]:
   texts += WHY_QUESTIONS
   texts += [tpl.format(t=t) for t in IDEA_TOPICS for tpl in IDEA_TEMPLATES]
   held = held_out_texts()
-  return [("chat", chat(t)) for t in texts if t not in held]
+  return [("question", chat(t)) for t in texts if t not in held]
 
 
 def _stdlib_files() -> list[str]:

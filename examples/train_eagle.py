@@ -87,7 +87,9 @@ and 384 tokens, with at most `--prefill-tokens` prompt tokens a call.
 
 `--more-questions` appends 275 general-knowledge questions (comparisons, how
 things work, why things happen, ideas: the prose the shipped head agreed with
-least), after the other prompts, so the data made without them extends.
+least; kind "question", reported with chat), after the other prompts, so the
+data made without them extends; `--kind-weights question=4` draws their rows
+four times as often in training.
 
 The data are saved compressed (prompt ids once, continuations ragged; 22 MB
 for 18.7 M generated tokens). Generation is resumable: with `--data-cache D`
@@ -615,6 +617,33 @@ def draft_vocabulary(tokens, p_lens, lens, size, must_have) -> np.ndarray:
   return np.sort(np.asarray(list(must_have) + order[: size - len(must_have)], np.int32))
 
 
+def parse_kind_weights(text: str) -> dict[str, float]:
+  """ "question=4,chat=2" -> {"question": 4.0, "chat": 2.0}; ValueError naming the bad entry."""
+  out = {}
+  for item in (x for x in text.split(",") if x):
+    kind, _, value = item.partition("=")
+    try:
+      weight = float(value)
+    except ValueError:
+      weight = -1.0
+    if not kind or not (math.isfinite(weight) and weight > 0):
+      raise ValueError(f"--kind-weights: {item!r} is not KIND=WEIGHT with a weight > 0")
+    out[kind] = weight
+  return out
+
+
+def kind_probabilities(kinds, weights: dict[str, float]):
+  """Each training row's probability of being drawn, its kind's weight (1 if unnamed) over the total; None
+  without weights (uniform draws, as before the option). SystemExit if a named kind has no row."""
+  if not weights:
+    return None
+  missing = sorted(set(weights) - set(np.unique(kinds).tolist()))
+  if missing:
+    raise SystemExit(f"--kind-weights: no training rows of kind {missing} (kinds: {sorted(set(kinds.tolist()))})")
+  w = np.asarray([weights.get(k, 1.0) for k in kinds.tolist()], np.float64)
+  return w / w.sum()
+
+
 def save_state(path, drafter, optimizer, rng, step, history, commands) -> None:
   """Everything a run needs to continue exactly: weights, optimiser, next step, the data order's RNG, history,
   and the commands of the runs so far (the head's JSON records them all)."""
@@ -815,6 +844,12 @@ def parse_args(argv):
     help="qwen: append general-knowledge questions (coder_prompts.general_questions) to the prompts; data made "
     "without them extends (copy it to --data-cache's .partial.npz)",
   )
+  ap.add_argument(
+    "--kind-weights",
+    default="",
+    help="draw training rows of these prompt kinds more (or less) often, e.g. question=4 (the general questions "
+    "of --more-questions); unnamed kinds weigh 1 (default: uniform)",
+  )
   ap.add_argument("--quick", action="store_true", help="tiny smoke run (CPU)")
   args = ap.parse_args(argv)
   spec = TARGETS[args.target]
@@ -847,6 +882,10 @@ def parse_args(argv):
     ap.error(f"--samples must be comma-separated temperatures, got {args.samples!r}")
   if not args.samples or any(not (math.isfinite(t) and t >= 0) for t in args.samples):
     ap.error(f"--samples must be temperatures >= 0, got {args.samples}")
+  try:
+    args.kind_weights = parse_kind_weights(args.kind_weights)
+  except ValueError as e:
+    ap.error(str(e))
   if args.more_questions and spec.name != "qwen2.5-coder-1.5b":
     ap.error("--more-questions is for --target qwen2.5-coder-1.5b (SmolLM2 has --more-prompts)")
   if args.data_only and not args.data_cache:
@@ -1049,6 +1088,7 @@ def main(argv=None):
     print_report(init_report, "held-out teacher-forced agreement of the --init head, before training:")
   rng = np.random.default_rng(args.seed)
   train_rows = np.flatnonzero(train)
+  row_p = kind_probabilities(kinds[train_rows], args.kind_weights)
   history, commands = [], []
   first = 0
   if args.state and os.path.isfile(args.state):
@@ -1059,7 +1099,7 @@ def main(argv=None):
   t_train = time.time()
   step = first - 1
   for step in bar:
-    r = rng.choice(train_rows, args.batch_size, replace=len(train_rows) < args.batch_size)
+    r = rng.choice(train_rows, args.batch_size, replace=len(train_rows) < args.batch_size, p=row_p)
     loss, per_depth = train_step(
       drafter, optimizer, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r])
     )

@@ -101,6 +101,9 @@ def test_bad_arguments_are_refused_before_loading(train):
     ["--head-d-ff", "-1"],
     ["--loss", "kl"],
     ["--more-questions"],  # SmolLM2's prompts have --more-prompts
+    ["--kind-weights", "question"],
+    ["--kind-weights", "question=0"],
+    ["--kind-weights", "=2"],
   ):
     with pytest.raises(SystemExit):
       train.parse_args(argv)
@@ -168,11 +171,27 @@ def test_general_questions_are_fixed_and_leave_the_benchmark_out(train, monkeypa
   chat = lambda text: f"<user>{text}</user>"  # noqa: E731
   questions = coder.general_questions(chat)
   assert questions == coder.general_questions(chat) and len(questions) > 200
-  assert {k for k, _ in questions} == {"chat"} and len({p for _, p in questions}) == len(questions)
+  assert {k for k, _ in questions} == {"question"} and len({p for _, p in questions}) == len(questions)
+  assert "question" not in train.CODE_KINDS  # reported with chat
   question = sorted(coder.held_out_texts())[0]
   monkeypatch.setattr(coder, "WHY_QUESTIONS", [question, "Why is grass green?"])
   texts = [p for _, p in coder.general_questions(chat)]
   assert chat("Why is grass green?") in texts and chat(question) not in texts
+
+
+def test_kind_weights_draw_a_kind_more_often(train):
+  """question=4: a question row is drawn 4 times as often as another row (binomial counts, fixed seed, 5 sigma);
+  no weights: None (the uniform draw the shipped heads used); a named kind without rows is refused."""
+  assert train.parse_kind_weights("question=4,chat=0.5") == {"question": 4.0, "chat": 0.5}
+  kinds = np.asarray(["chat"] * 60 + ["question"] * 20 + ["edit"] * 20)
+  assert train.kind_probabilities(kinds, {}) is None
+  p = train.kind_probabilities(kinds, {"question": 4.0})
+  np.testing.assert_allclose(p.sum(), 1.0)
+  draws = np.random.default_rng(0).choice(len(kinds), 200_000, p=p)
+  share = np.mean(kinds[draws] == "question")  # expected 80 / 160 = 0.5 (uniform: 0.2)
+  assert abs(share - 0.5) < 5 * np.sqrt(0.25 / 200_000)
+  with pytest.raises(SystemExit, match="no training rows"):
+    train.kind_probabilities(kinds, {"tests": 2.0})
 
 
 @pytest.mark.parametrize("storage", ["float16", "int8"])
