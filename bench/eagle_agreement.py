@@ -67,6 +67,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench import common  # noqa: E402
+from specdec_jax.models.loaders.common import json_beside  # noqa: E402
 
 HEAD_DTYPES = ("float32", "bfloat16", "float16")
 EXAMPLES = os.path.join(REPO, "examples")
@@ -340,7 +341,7 @@ def parse_args(argv=None):
   for flag, path in (("--data", args.data), ("--real-target-json", args.real_target_json), ("--head", args.head)):
     if path and not os.path.isfile(path):
       ap.error(f"{flag} {path}: no such file")
-  if args.head and not os.path.isfile(os.path.splitext(args.head)[0] + ".json"):
+  if args.head and not os.path.isfile(json_beside(args.head)):
     ap.error(f"--head {args.head}: its .json (written beside it by examples/train_eagle.py) is missing")
   for name in ("rows", "depth", "k", "bucket"):
     if getattr(args, name) < 1:
@@ -404,6 +405,7 @@ def main(argv=None) -> dict:
   ap, args = parse_args(argv)
   held, bench_rows, loop = load_sequences(ap, args)
   from specdec_jax.models import load_qwen2_5_coder, load_qwen2_5_coder_eagle  # noqa: PLC0415
+  from specdec_jax.models.loaders.qwen2_5_coder import QWEN2_5_CODER_EAGLE_PATH  # noqa: PLC0415
 
   t_start = time.perf_counter()
   info = common.device_info()
@@ -411,8 +413,8 @@ def main(argv=None) -> dict:
   print(f"{info['device']} ({info['platform']}), jax {info['jax']}; target {target_dtype}", flush=True)
   target, _ = load_qwen2_5_coder(jnp.dtype(target_dtype))
   heads = {d: load_qwen2_5_coder_eagle(jnp.dtype(d), args.head or None) for d in args.head_dtypes}
-  head_path = args.head or os.path.join(REPO, "specdec_jax", "weights", "qwen2_5_coder_eagle.safetensors")
-  with open(os.path.splitext(head_path)[0] + ".json") as f:
+  head_path = args.head or QWEN2_5_CODER_EAGLE_PATH
+  with open(json_beside(head_path)) as f:
     head_meta = json.load(f)
   print(f"loaded in {time.perf_counter() - t_start:.0f}s{rss_note()}", flush=True)
   report = {
