@@ -52,6 +52,23 @@ def _next_greedy(model, context):
   return int(_argmax_after(model, tokens, len(context)))
 
 
+def _forced_on_chain_setup(chain_setup, forced_accepts, **kw):
+  """`speculative_generate_forced` on the module's rows (key 0, MAX_NEW tokens, K drafts)."""
+  target, draft, prompts, lengths, params = chain_setup
+  return speculative_generate_forced(
+    target,
+    draft,
+    prompts,
+    lengths,
+    params,
+    jax.random.key(0),
+    forced_accepts=forced_accepts,
+    max_new_tokens=MAX_NEW,
+    num_speculative_tokens=K,
+    **kw,
+  )
+
+
 def _forced_reference(target, draft, prompt, accepts, n):
   """A greedy row of a forced run: the target's first token, then per round `accepts` greedy drafts of the draft
   model, each taken as it is, and the target's argmax after them."""
@@ -67,17 +84,7 @@ def _forced_reference(target, draft, prompt, accepts, n):
 @pytest.mark.parametrize("accepts", [0, 1, pytest.param(K, marks=pytest.mark.slow)])
 def test_every_round_accepts_exactly_the_forced_count(chain_setup, accepts):
   target, draft, prompts, lengths, params = chain_setup
-  out = speculative_generate_forced(
-    target,
-    draft,
-    prompts,
-    lengths,
-    params,
-    jax.random.key(0),
-    forced_accepts=accepts,
-    max_new_tokens=MAX_NEW,
-    num_speculative_tokens=K,
-  )
+  out = _forced_on_chain_setup(chain_setup, accepts)
   check_output(out, MAX_NEW, K)
   st = jax.tree.map(np.asarray, out.stats)
   b, rounds = len(LENGTHS), (MAX_NEW - 1) // (accepts + 1)
@@ -136,36 +143,13 @@ def test_a_tree_forces_its_first_child_path(drafter):
 
 @pytest.mark.parametrize("bad", [-1, K + 1, True, 1.5, "1", None])
 def test_bad_forced_accepts_is_a_value_error_naming_it(chain_setup, bad):
-  target, draft, prompts, lengths, params = chain_setup
   with pytest.raises(ValueError, match="forced_accepts"):
-    speculative_generate_forced(
-      target,
-      draft,
-      prompts,
-      lengths,
-      params,
-      jax.random.key(0),
-      forced_accepts=bad,
-      max_new_tokens=MAX_NEW,
-      num_speculative_tokens=K,
-    )
+    _forced_on_chain_setup(chain_setup, bad)
 
 
 def test_a_dynamic_tree_is_refused(chain_setup):
-  target, draft, prompts, lengths, params = chain_setup
   with pytest.raises(ValueError, match="DynamicTree"):
-    speculative_generate_forced(
-      target,
-      draft,
-      prompts,
-      lengths,
-      params,
-      jax.random.key(0),
-      forced_accepts=1,
-      max_new_tokens=MAX_NEW,
-      num_speculative_tokens=K,
-      draft_tree=DynamicTree(depth=K, top_k=2, num_nodes=4),
-    )
+    _forced_on_chain_setup(chain_setup, 1, draft_tree=DynamicTree(depth=K, top_k=2, num_nodes=4))
 
 
 @pytest.mark.parametrize("fn", [speculative_generate, generate, rejection_sample, tree_rejection_sample])
