@@ -637,9 +637,10 @@ def kind_probabilities(kinds, weights: dict[str, float]):
   without weights (uniform draws, as before the option). SystemExit if a named kind has no row."""
   if not weights:
     return None
-  missing = sorted(set(weights) - set(np.unique(kinds).tolist()))
+  present = set(kinds.tolist())
+  missing = sorted(set(weights) - present)
   if missing:
-    raise SystemExit(f"--kind-weights: no training rows of kind {missing} (kinds: {sorted(set(kinds.tolist()))})")
+    raise SystemExit(f"--kind-weights: no training rows of kind {missing} (kinds: {sorted(present)})")
   w = np.asarray([weights.get(k, 1.0) for k in kinds.tolist()], np.float64)
   return w / w.sum()
 
