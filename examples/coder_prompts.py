@@ -265,7 +265,7 @@ WHY_QUESTIONS = [
   "Why is the sky blue?",
   "Why do we have seasons?",
   "Why does bread go stale?",
-  "Why do cats purr?",
+  "Why do owls hunt at night?",
   "Why is the sea salty?",
   "Why do onions make you cry?",
   "Why do we dream?",
