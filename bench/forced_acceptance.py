@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -60,7 +59,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.decode import FAST_CPU_XLA_FLAGS, enable_compilation_cache, fast_cpu_compiles  # noqa: E402
+from bench.decode import FAST_CPU_XLA_FLAGS, enable_compilation_cache, fast_cpu_compiles, run_generation  # noqa: E402
 from bench.step_profile import SHAPES  # noqa: E402
 from specdec_jax.drafts.lookup import PromptLookupDrafter  # noqa: E402
 from specdec_jax.loop.decoding import generate, speculative_generate  # noqa: E402
@@ -169,19 +168,17 @@ def prompts(b: int, p: int, vocab: int, seed: int):
 
 
 def timed(fn, repeats: int) -> dict:
-  """Compile call, then `repeats` timed calls: median seconds, tokens/s and the stats of the last call."""
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn())
-  compile_s = time.perf_counter() - t0
-  times = common.time_call(fn, repeats=repeats)
-  s = statistics.median(times)
+  """Compile call, then `repeats` timed calls (`bench.decode.run_generation`): median seconds, tokens/s and the
+  stats of the compile call's output (every call computes the same)."""
+  out, timing = run_generation(fn, repeats)
+  s = timing["median_s"]
   st = jax.tree.map(np.asarray, out.stats)
   lengths, calls = np.asarray(out.lengths), st.target_calls
   rounds = int(calls.sum() - len(lengths))  # the prefill's pass is not a round
   return {
     "s": s,
-    "times_s": times,
-    "compile_s": compile_s,
+    "times_s": timing["times_s"],
+    "compile_s": timing["first_call_s"],
     "tokens": int(lengths.sum()),
     "tokens_per_s": float(lengths.sum()) / s,
     "mean_accepted_length": float(out.stats.mean_accepted_length),
