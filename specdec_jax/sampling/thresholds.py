@@ -550,41 +550,43 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   from_candidates = functools.partial(
     _threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m, min_p=min_p
   )
-  # Two rounds of candidates, both narrowed on the device before the gather so that no
-  # gather grows with the vocabulary: the 8, then the 32, largest of every 128.
-  narrowed = []
-  for per_group in (_NARROW_PER_GROUP, 4 * _NARROW_PER_GROUP):
-    if flat.shape[-1] > _NARROW_GROUP:
-      tops2 = group_top(flat, _NARROW_GROUP, per_group)
-      narrowed.append(
-        (tops2.reshape(tops2.shape[:-2] + (-1,)), jnp.maximum(floor, shards.max(jnp.max(tops2[..., -1], axis=-1))))
-      )
-    else:
-      narrowed.append((flat, floor))
-  (cand, cand_floor), (wide, wide_floor) = narrowed
+
+  def narrowed(f, f_floor, per_group):
+    """The `per_group` largest of every _NARROW_GROUP of this device's candidates f [..., C], and their floor.
+
+    Narrowed on the device before the gather, so that no gather grows with the vocabulary."""
+    if f.shape[-1] <= _NARROW_GROUP:
+      return f, f_floor
+    tops2 = group_top(f, _NARROW_GROUP, per_group)
+    return tops2.reshape(tops2.shape[:-2] + (-1,)), jnp.maximum(f_floor, shards.max(jnp.max(tops2[..., -1], axis=-1)))
+
+  cand, cand_floor = narrowed(flat, floor, _NARROW_PER_GROUP)
   thr, lse, exact = from_candidates(shards.gather(cand), cand_floor)
 
-  rows_from_wide_candidates = functools.partial(
-    _rows_from_candidates,
-    floor=wide_floor,
-    row_of=row_of,
-    top_k=top_k,
-    top_p=top_p,
-    v=v,
-    total=total,
-    m=m,
-    min_p=min_p,
-    gather=shards.gather,
-  )
-  if wide is not cand:
-    thr, lse, exact = _redo_rows(
-      exact,
-      (thr, lse, exact),
-      wide,
-      rows_from_wide_candidates,
-      lambda f: from_candidates(shards.gather(f), wide_floor),
-      shards,
-    )
+  if flat.shape[-1] > _NARROW_GROUP:
+    # Rows the 8 largest of every 128 cannot vouch for: from the 32 largest, narrowed inside the branch
+    # for those rows only (a batch whose rows all settle pays nothing for them).
+    wide = 4 * _NARROW_PER_GROUP
+
+    def wide_rows(idx, f):
+      r = row_of(idx)
+      sub, sub_floor = narrowed(f.reshape(-1, f.shape[-1])[idx], floor.reshape(-1)[idx], wide)
+      return _threshold_from_candidates(
+        shards.gather(sub),
+        sub_floor,
+        top_k=top_k[r],
+        top_p=top_p[r],
+        v=v,
+        total=total.reshape(-1)[idx],
+        m=m.reshape(-1)[idx],
+        min_p=None if min_p is None else min_p[r],
+      )
+
+    def wide_batch(f):
+      every, every_floor = narrowed(f, floor, wide)
+      return from_candidates(shards.gather(every), every_floor)
+
+    thr, lse, exact = _redo_rows(exact, (thr, lse, exact), flat, wide_rows, wide_batch, shards)
 
   def bisect_rows(idx, raw):
     r = row_of(idx)

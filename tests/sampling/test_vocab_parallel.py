@@ -87,6 +87,7 @@ CHECKS = (
     )
   ]
   + ["HLO one device: no collective", "HLO one device greedy flag: no exponential, no RNG"]
+  + ["split threshold search: every stage exact, each needed"]
 )
 
 

@@ -99,6 +99,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -561,6 +562,88 @@ def check_greedy_no_random(mesh_name, v=V_HLO):
 
 
 # ----------------------------------------------------------------------------
+# The split threshold search, stage by stage
+# ----------------------------------------------------------------------------
+
+V_STAGES = 65536  # 8192 tokens a device on 1x8: groups of 64, 512 candidates, narrowed per 128 of them
+
+
+def stage_logits() -> tuple[np.ndarray, np.ndarray]:
+  """Rows [R, V_STAGES] whose top-k sets the split search settles at each of its stages, and their k.
+
+  Noise ~N(0, 1) everywhere (below 6); the top tokens score 20 - 0.01 i (i-th of the row's k), all in
+  device 0's slice of 8192 tokens, groups of 64 tokens, candidates narrowed per 32 groups (2048 tokens):
+    0: k=50 spread over the whole vocabulary: the 8 largest of every 128 candidates settle it;
+    1: k=20 at a stride of 128 tokens: 16 in one run of 32 groups, so it needs the 32 largest;
+    2: k=40 at a stride of 32, two per group, all in one run: the 32 largest miss 8: bisection;
+    3: k=10 in one group of 64 (which keeps 4 candidates): bisection.
+  Rows 4.. repeat row 1 (70 rows in all, so that more than 64 rows need the second stage: its
+  whole-batch branch runs too).
+  """
+  rng = np.random.default_rng(11)
+  rows = 70
+  x = rng.standard_normal((rows, V_STAGES)).astype(np.float32)
+  layout = {0: (50, 1301), 1: (20, 128), 2: (40, 32), 3: (10, 1)}
+  ks = np.empty(rows, np.int32)
+  for r in range(rows):
+    k, stride = layout[min(r, 1) if r > 3 else r]
+    x[r, np.arange(k) * stride] = 20.0 - 0.01 * np.arange(k)
+    ks[r] = k
+  return x, ks
+
+
+def _split_search(x, ks, mesh):
+  from specdec_jax.sampling import thresholds
+  from specdec_jax.sampling.vocab_parallel import VocabShards, sharded_call
+
+  shards = VocabShards("model", MESHES["1x8"][1], V_STAGES)
+  t, k, p = jnp.ones(len(ks)), jnp.asarray(ks), jnp.ones(len(ks))  # arrays: the search indexes them by traced rows
+  with jax.set_mesh(mesh):
+    fn = sharded_call(
+      lambda a: thresholds.threshold_and_lse(a, t, k, p, shards=shards), (P(None, "model"),), (P(), P())
+    )
+    return [np.asarray(o) for o in jax.jit(fn)(x)]
+
+
+def check_threshold_stages():
+  """The split search's thresholds equal a full sort's at every stage, and each stage is needed."""
+  from specdec_jax.sampling import thresholds
+
+  x, ks = stage_logits()
+  ones = jnp.ones(len(ks))
+  want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
+  want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
+  mesh = make_mesh(*MESHES["1x8"])
+  thr, lse = _split_search(x, ks, mesh)
+  assert np.array_equal(thr, want_thr), f"thresholds differ in rows {np.nonzero(thr != want_thr)[0][:8]}"
+  ok, err = _close(lse, want_lse)
+  assert ok, f"log-normalisers differ by {err}"
+  # Teeth: without the redo stages only row 0 is right; without the last (bisection over the logits,
+  # the redo whose operand is the device's whole slice) rows 1 and 4.. are still right: the second stage
+  # settled them.
+  redo = thresholds._redo_rows
+  local = V_STAGES // MESHES["1x8"][1]
+  planted = {}
+  for name, skip in (("no redo", lambda op: True), ("no bisection", lambda op: op.shape[-1] == local)):
+    thresholds._redo_rows = lambda ok, results, op, *args, skip=skip, **kw: (
+      results if skip(op) else redo(ok, results, op, *args, **kw)
+    )
+    try:
+      jax.clear_caches()
+      planted[name] = _split_search(x, ks, mesh)[0] != want_thr
+    finally:
+      thresholds._redo_rows = redo
+      jax.clear_caches()
+  wrong = planted["no redo"]
+  assert not wrong[0] and wrong[1:].all(), f"no redo: rows wrong {np.nonzero(wrong)[0][:8]}"
+  wrong = planted["no bisection"]
+  assert wrong[2:4].all() and not wrong[:2].any() and not wrong[4:].any(), (
+    f"no bisection: rows wrong {np.nonzero(wrong)[0][:8]}"
+  )
+  return f"{len(ks)} rows equal a sort; planted: no redo wrongs rows 1.., no bisection rows 2-3 only"
+
+
+# ----------------------------------------------------------------------------
 # The checks
 # ----------------------------------------------------------------------------
 
@@ -641,6 +724,7 @@ def checks(part: str = "all") -> dict:
         check_no_vocab_collective(n, mn)
       )
     out[f"HLO {mesh_name} greedy flag: no exponential, no RNG"] = lambda mn=mesh_name: check_greedy_no_random(mn)
+  out["split threshold search: every stage exact, each needed"] = check_threshold_stages
   out["HLO one device: no collective"] = check_one_device_no_collective
   out["HLO one device greedy flag: no exponential, no RNG"] = lambda: check_greedy_no_random(None, V)
   return out
