@@ -1,44 +1,53 @@
-"""One GPU: the sharded code path on a 1-device mesh costs no more than today's.
+"""The sharded code paths against one device: the same program on a 1-device mesh, the speed-up on several.
 
 `specdec_jax.models.shard` and the mesh support in the loops add sharding
 constraints and (for a split model) a different parameter layout. On a
 1-device mesh nothing is split, so the compiled program should be today's;
-this benchmark checks that it is, and times it.
+on more devices this benchmark measures what each split buys.
 
 What: a random-weight model shaped like SmolLM2-135M (V=49152, L=30, D=576, 9
 query / 3 KV heads of 64, F=1536) or, `--shape qwen2.5-coder-1.5b`, like
 Qwen2.5-Coder-1.5B (bench/step_profile.py's SHAPES), bf16 on GPU, f32 on CPU,
-and a 2-layer draft of the same shape. Two paths, the same calls:
+and a 2-layer draft of the same shape. With `--real` the model itself
+(`bench/real_target.py`'s loaders; the GGUF must be in place) with its shipped
+EAGLE head, on the held-out prompts (examples/held_out_prompts.json, in the
+chat template, cycled to B rows). Paths, the same calls:
 
     today   the models as built, no mesh (what every other benchmark measures);
-    mesh    shard(model, make_mesh(--data, --model)) for target and draft,
-            called under `with jax.set_mesh(mesh):`, inputs placed by rows
-            (NamedSharding P("data", ...)).
+    DxM     shard(model, make_mesh(D, M)) for target and drafts, called under
+            `with jax.set_mesh(mesh):`, inputs placed by rows
+            (NamedSharding P("data", ...)); one path per `--splits` entry
+            (default: `--data` x `--model`).
 
 Measured, per batch size B (default 1, 8, 32):
-  - same_program: the two compiled programs (`generate`, and
-    `speculative_generate` with the draft model) hold the same instructions
-    (opcode and shape, in order; names and metadata ignored).
-    True means equal cost by construction; on a 1-device mesh it should be.
-    (Checked on a 1-device mesh only: a split program differs by design.)
-  - collectives: on the mesh, the collective instructions of one step and
+  - same_program (a 1-device mesh only): the two compiled programs
+    (`generate`, and `speculative_generate` with the draft model) hold the
+    same instructions (opcode and shape, in order; names and metadata ignored).
+  - collectives: on a mesh, the collective instructions of one step and
     one verification call (e.g. a split model's all-reduces), by shape.
   - step / verify: one target call on T=1 and T=K+1 tokens (cache of
     P + max_new_tokens + K + 1 slots), N calls in one jitted fori_loop
-    (bench/common.py `time_per_iter`, median of 5 loops).
-  - generate, speculative (prompt lookup), speculative (draft model): greedy,
-    wall time of one whole call, median of --repeats calls after a compile call.
-  Each row prints mesh/today; the claim holds where every ratio is <= 1.02
-  (run-to-run noise of whole calls is about 1%).
+    (bench/common.py `time_per_iter`, median of 5 loops). With `--trace DIR`,
+    a jax.profiler trace of each: kernel time per call by category, the
+    collectives (NCCL kernels) by kind, per device.
+  - whole calls, greedy, max_new_tokens each row, no EOS (`--drafters`):
+    `generate`; `speculative_generate` with prompt lookup (lookup), the 2-layer
+    draft model (draft_model) or the EAGLE head (eagle, `--real` only), K
+    drafts a round: wall time of one call, median of --repeats after a compile
+    call, tokens/s, and whether the tokens equal today's.
+  `--per-device`: B rows per device of the data axis, so a DxM path decodes
+  B x D rows against today's B (throughput); otherwise both decode B.
+  Each row prints time DxM/today and tokens/s DxM/today.
 
 Usage (from the repository root; a CPU run is a smoke test, not a figure):
     PYTHONPATH=. python3 bench/mesh.py --out $OUT                                   # one GPU: 1x1 mesh vs no mesh
-    PYTHONPATH=. python3 bench/mesh.py --out $OUT --batch 8 --data 1 --model 2      # 2 GPUs: TP=2 vs one GPU
-    PYTHONPATH=. python3 bench/mesh.py --out $OUT --batch 64 --data 2 --per-device  # 2 GPUs: 2 x 64 rows vs 64
+    PYTHONPATH=. python3 bench/mesh.py --out $OUT --batch 1 8 64 --splits 2x1 1x2 --per-device --trace $OUT/tr
+    PYTHONPATH=.:/tmp/site python3 bench/mesh.py --out $OUT --shape qwen2.5-coder-1.5b --real \
+        --batch 1 8 64 --splits 2x1 1x2 --per-device          # the GGUF in place (bench/gguf_parts.py)
     PYTHONPATH=. python3 bench/mesh.py --tiny --batch 2 --max-new-tokens 8 --repeats 1   # CPU smoke test, ~20 s
 
-Output: a table on stdout and JSON, `mesh_<shape>_<data>x<model>.json` in --out
-(default bench/out/).
+Output: a table on stdout and JSON, `mesh_<shape>[_real]_<splits>[_per_device].json`
+in --out (default bench/out/), written after every batch size.
 """
 
 from __future__ import annotations
@@ -47,7 +56,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 
 import jax
@@ -58,7 +66,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import device_info, has_gpu, hlo_collectives, time_call, time_per_iter, timed_loop
+from bench.common import device_info, has_gpu, hlo_collectives, time_per_iter, timed_loop
+from bench.decode import run_generation
 from bench.step_profile import SHAPES
 from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafts.lookup import PromptLookupDrafter
@@ -77,11 +86,28 @@ TINY = {
 PROMPT_LEN = 64
 
 
+DRAFTERS = ("lookup", "draft_model", "eagle")
+
+
+def parse_split(text: str) -> tuple[int, int]:
+  """ "2x1" -> (data=2, model=1)."""
+  try:
+    d, m = (int(x) for x in text.lower().split("x"))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"a split is DATAxMODEL, e.g. 2x1 or 1x2; got {text!r}") from None
+  if d < 1 or m < 1:
+    raise argparse.ArgumentTypeError(f"a split's sizes must be >= 1, got {text!r}")
+  return d, m
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes B (default 1 8 32)")
-  ap.add_argument("--data", type=int, default=1, help="data axis of the mesh (default 1)")
-  ap.add_argument("--model", type=int, default=1, help="model axis of the mesh (default 1)")
+  ap.add_argument("--data", type=int, default=1, help="data axis of the mesh (default 1; see --splits)")
+  ap.add_argument("--model", type=int, default=1, help="model axis of the mesh (default 1; see --splits)")
+  ap.add_argument(
+    "--splits", type=parse_split, nargs="+", help="meshes DATAxMODEL to time against today (default --data x --model)"
+  )
   ap.add_argument("-k", type=int, default=4, help="K, drafts per round (default 4)")
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=5, help="timed whole calls per configuration (default 5)")
@@ -90,26 +116,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--shape", choices=tuple(SHAPES), default="smollm2", help="the random model's shape (default smollm2)"
   )
   ap.add_argument("--tiny", action="store_true", help="a 4-layer model (smoke test), not --shape's sizes")
+  ap.add_argument("--real", action="store_true", help="the real model of --shape and its EAGLE head, real prompts")
+  ap.add_argument(
+    "--drafters",
+    help=f"comma list of {', '.join(DRAFTERS)} (default lookup,draft_model; with --real lookup,eagle)",
+  )
   ap.add_argument(
     "--per-device",
     action="store_true",
     help="B rows per device of the data axis: the mesh runs B x data rows against one device's B (throughput)",
   )
+  ap.add_argument("--trace", help="directory for jax.profiler traces of the step and verification calls")
   ap.add_argument(
     "--out",
     default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
-    help="directory for mesh_<data>x<model>.json (default bench/out, git-ignored)",
+    help="directory for the JSON (default bench/out, git-ignored)",
   )
   args = ap.parse_args(argv)
   if any(b < 1 for b in args.batch) or args.data < 1 or args.model < 1 or args.k < 1 or args.repeats < 1:
     ap.error("--batch, --data, --model, -k and --repeats must be >= 1")
-  if args.data * args.model > jax.device_count():
-    ap.error(
-      f"--data {args.data} x --model {args.model} needs {args.data * args.model} devices, JAX sees {jax.device_count()}"
-    )
-  bad = [] if args.per_device else [b for b in args.batch if b % args.data]
-  if bad:
-    ap.error(f"every --batch must be a multiple of --data {args.data}, got {bad}")
+  if args.real and args.tiny:
+    ap.error("--real loads --shape's model; --tiny is a random 4-layer one")
+  args.splits = args.splits or [(args.data, args.model)]
+  for d, m in args.splits:
+    if d * m > jax.device_count():
+      ap.error(f"split {d}x{m} needs {d * m} devices, JAX sees {jax.device_count()}")
+    bad = [] if args.per_device else [b for b in args.batch if b % d]
+    if bad:
+      ap.error(f"every --batch must be a multiple of the data axis {d} (or use --per-device), got {bad}")
+  args.drafters = tuple(
+    x for x in (args.drafters or ("lookup,eagle" if args.real else "lookup,draft_model")).split(",") if x
+  )
+  unknown = [x for x in args.drafters if x not in DRAFTERS]
+  if unknown:
+    ap.error(f"--drafters: unknown {unknown}; choose from {', '.join(DRAFTERS)}")
+  if "eagle" in args.drafters and not args.real:
+    ap.error("--drafters eagle needs --real (a head of random weights accepts nothing)")
   args.dtype = args.dtype or ("bfloat16" if has_gpu() else "float32")
   return args
 
@@ -127,7 +169,25 @@ def prompts(b: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
   return tokens, np.full((b,), PROMPT_LEN, np.int32)
 
 
-def model_step_loop(model, b: int, t: int, max_length: int):
+def cycled(base: tuple[np.ndarray, np.ndarray], b: int) -> tuple[np.ndarray, np.ndarray]:
+  """b rows of the prompts `base` ([N, P] tokens, [N] lengths), cycling from the first."""
+  rows = np.arange(b) % len(base[0])
+  return base[0][rows], base[1][rows]
+
+
+def real_models(shape: str, dtype):
+  """(target, EAGLE head, (tokens [6, P], lengths [6])): `bench/real_target.py`'s model of `shape`, XLA's blocks."""
+  from bench import real_target as rt  # noqa: PLC0415  (imports the loaders: only with --real)
+  from bench import smollm2 as bs  # noqa: PLC0415
+
+  spec = rt.MODELS[shape]()
+  target, tokenizer = spec.load(dtype, "xla")
+  eagle = spec.load_eagle(dtype, "xla") if spec.shipped_eagle else None
+  texts = [spec.chat_prompt(t) for t in rt.held_out_prompts(rt.PROMPT_NAMES).values()]
+  return target, eagle, bs.encode(tokenizer, texts)
+
+
+def model_step_loop(model, b: int, t: int, max_length: int, prompt_len: int = PROMPT_LEN):
   """`time_per_iter` arguments timing one model call on [B, T] tokens per iteration."""
   graphdef, state = nnx.split(model)
 
@@ -135,7 +195,7 @@ def model_step_loop(model, b: int, t: int, max_length: int):
     cache, acc = carry
     m = nnx.merge(graphdef, state)
     tokens = jnp.full((b, t), i % 7, jnp.int32)  # depends on i: the call cannot be hoisted
-    positions = jnp.broadcast_to(PROMPT_LEN + jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = jnp.broadcast_to(prompt_len + jnp.arange(t, dtype=jnp.int32), (b, t))
     logits, cache = m(tokens, positions, cache)
     return cache, acc + jnp.max(logits[:, -1, :8])
 
@@ -143,9 +203,31 @@ def model_step_loop(model, b: int, t: int, max_length: int):
   return timed_loop(step), (cache, jnp.float32(0)), (state,)
 
 
-def measure(path: str, target, draft, mesh, b: int, args) -> dict:
-  """Timings of one path ("today" or "mesh") at batch b."""
-  tokens, lengths = prompts(b, target.config.vocab_size)
+def trace_loop(r: dict, carry, operands, trace_dir: str) -> dict:
+  """Kernel time of one call of a `time_per_iter` result `r`'s loop, from a jax.profiler trace: per device
+  (summed over devices / their number), by category, and the collectives (NCCL kernels) by kind."""
+  from bench.step_profile import profile_trace  # noqa: PLC0415  (the trace reader: only when asked)
+
+  n = max(1, min(int(r["iters"]), 50))
+  rows, summary, error = profile_trace(lambda: r["compiled"](0, n, carry, *operands), trace_dir, n)
+  if error:
+    return {"error": error}
+  devices = max(1, summary.get("devices", 1))
+  per_device = lambda us: us / devices
+  return {
+    "devices": devices,
+    "kernel_us": per_device(summary["kernel_us_per_step"]),
+    "span_us": summary["span_us_per_step"],
+    "launches": summary["launches_per_step"] / devices,
+    "categories_us": {k: per_device(v) for k, v in summary["categories"].items()},
+    "collectives_us": {k: per_device(v) for k, v in summary.get("collectives", {}).items()},
+    "top": [dict(row, us_per_step=per_device(row["us_per_step"])) for row in rows[:12]],
+  }
+
+
+def measure(path: str, target, drafts: dict, mesh, b: int, args, base_prompts) -> tuple[dict, dict]:
+  """Timings of one path ("today" or a split) at batch b; (results, tokens of each whole call)."""
+  tokens, lengths = cycled(base_prompts, b)
   if mesh is None:
     place = jnp.asarray
   else:
@@ -155,37 +237,42 @@ def measure(path: str, target, draft, mesh, b: int, args) -> dict:
 
   x, n, params = place(tokens), place(lengths), jax.tree.map(place, SamplingParams.greedy(b))
   common = {"max_new_tokens": args.max_new_tokens, "all_greedy": True}
-  calls = {
-    "generate": lambda: generate(target, x, n, params, None, **common),
-    "speculative (prompt lookup)": lambda: speculative_generate(
-      target, PromptLookupDrafter((3, 2)), x, n, params, None, num_speculative_tokens=args.k, **common
-    ),
-    "speculative (draft model)": lambda: speculative_generate(
-      target, draft, x, n, params, None, num_speculative_tokens=args.k, **common
-    ),
-  }
+  calls = {"generate": lambda: generate(target, x, n, params, None, **common)}
+  for name, drafter in drafts.items():
+    calls[f"speculative ({name})"] = lambda d=drafter: speculative_generate(
+      target, d, x, n, params, None, num_speculative_tokens=args.k, **common
+    )
   out = {}
-  max_length = PROMPT_LEN + args.max_new_tokens + args.k + 1
+  p = int(tokens.shape[1])
+  max_length = p + args.max_new_tokens + args.k + 1
   for name, t in (("step", 1), ("verify", args.k + 1)):
-    r = time_per_iter(*model_step_loop(target, b, t, max_length))
+    loop, carry, operands = model_step_loop(target, b, t, max_length, p)
+    r = time_per_iter(loop, carry, operands)
     out[name] = {"s": r["per_iter_s"], "scale": r["scale"]}
     if mesh is not None:  # what crosses devices in one call (a split model's all-reduces, say)
       out[name]["collectives"] = hlo_collectives(r["compiled"].as_text())
+    if args.trace:
+      out[name]["trace"] = trace_loop(r, carry, operands, os.path.join(args.trace, f"{path}_B{b}_{name}"))
   tokens_out = {}
   for name, fn in calls.items():
-    result = jax.block_until_ready(fn())  # compile
-    times = time_call(fn, repeats=args.repeats)
+    result, timing = run_generation(fn, args.repeats)
     tokens_out[name] = np.asarray(result.tokens)
+    emitted = float(np.sum(result.lengths))
     out[name] = {
-      "s": statistics.median(times),
-      "times_s": times,
-      "tokens_per_s": float(np.sum(result.lengths)) / statistics.median(times),
+      "s": timing["median_s"],
+      "times_s": timing["times_s"],
+      "tokens_per_s": emitted / timing["median_s"],
+      "mean_accepted_length": float(result.stats.mean_accepted_length),
     }
   print(f"  {path:5s} B={b:3d}  " + "  ".join(f"{k} {v['s'] * 1e3:8.2f} ms" for k, v in out.items()), flush=True)
   for name in ("step", "verify"):
     if out[name].get("collectives"):
       c = out[name]["collectives"]
       print(f"        {name}: {sum(c.values())} collectives per call ({', '.join(f'{k} x{n}' for k, n in c.items())})")
+    tr = out[name].get("trace")
+    if tr and "error" not in tr:
+      coll = ", ".join(f"{k} {v:.1f} us" for k, v in tr["collectives_us"].items()) or "none"
+      print(f"        {name} trace: {tr['kernel_us']:.1f} us in kernels a device; collectives: {coll}")
   return out, tokens_out
 
 
@@ -224,68 +311,91 @@ def compiled_programs(target, draft, mesh, b: int, args) -> dict[str, list]:
     return lower()
 
 
+def split_name(split: tuple[int, int]) -> str:
+  return f"{split[0]}x{split[1]}"
+
+
 def main(argv=None):
   args = parse_args(argv)
-  shape = TINY if args.tiny else SHAPES[args.shape]
-  config = TransformerConfig(**shape, dtype=jnp.dtype(args.dtype))
-  target = Transformer(config, rngs=nnx.Rngs(0))
-  draft = Transformer(config.replace(num_layers=2), rngs=nnx.Rngs(1))
-  mesh = make_mesh(args.data, args.model)
-  sharded_target, sharded_draft = shard(target, mesh), shard(draft, mesh)
+  name = "tiny" if args.tiny else args.shape
+  if args.real:
+    target, eagle, base_prompts = real_models(args.shape, jnp.dtype(args.dtype))
+    config = target.config
+    if "eagle" in args.drafters and eagle is None:
+      raise SystemExit(f"--drafters eagle: no EAGLE head is shipped for {args.shape}")
+  else:
+    config = TransformerConfig(**(TINY if args.tiny else SHAPES[args.shape]), dtype=jnp.dtype(args.dtype))
+    target, eagle = Transformer(config, rngs=nnx.Rngs(0)), None
+    base_prompts = prompts(max(args.batch) * max(d for d, _ in args.splits), config.vocab_size)
+  drafts = {}
+  for d in args.drafters:
+    if d == "lookup":
+      drafts[d] = PromptLookupDrafter((3, 2))
+    elif d == "draft_model":
+      drafts[d] = Transformer(config.replace(num_layers=2), rngs=nnx.Rngs(1))
+    else:
+      drafts[d] = eagle
+  meshes = {split_name(sp): make_mesh(*sp) for sp in args.splits}
+  sharded = {
+    k: (shard(target, mesh), {d: m if d == "lookup" else shard(m, mesh) for d, m in drafts.items()})
+    for k, mesh in meshes.items()
+  }
   info = device_info()
   print(
-    f"{info['device']} x{info['num_devices']}, jax {info['jax']}; mesh data={args.data} x model={args.model}; "
-    f"{'tiny' if args.tiny else args.shape} shape, {args.dtype}; target split: {sharded_target.partitioning}"
+    f"{info['device']} x{info['num_devices']}, jax {info['jax']}; splits {', '.join(meshes)}; {name} "
+    f"{'(real weights)' if args.real else 'shape'}, {args.dtype}; drafters {', '.join(drafts)}; "
+    + "; ".join(f"{k}: {t.partitioning}" for k, (t, _) in sharded.items())
   )
   rows = []
   os.makedirs(args.out, exist_ok=True)
-  suffix = "_per_device" if args.per_device else ""
-  path = os.path.join(args.out, f"mesh_{'tiny' if args.tiny else args.shape}_{args.data}x{args.model}{suffix}.json")
+  suffix = ("_real" if args.real else "") + "_" + "_".join(meshes) + ("_per_device" if args.per_device else "")
+  path = os.path.join(args.out, f"mesh_{name}{suffix}.json")
   for b in args.batch:
-    mesh_b = b * args.data if args.per_device else b
-    today, today_tokens = measure("today", target, draft, None, b, args)
-    with jax.set_mesh(mesh):
-      on_mesh, mesh_tokens = measure("mesh", sharded_target, sharded_draft, mesh, mesh_b, args)
-    # Only a 1-device mesh can compile to today's program; on more devices the check would cost
-    # four more compilations (minutes on a GPU) to say False.
-    same_program = (
-      None
-      if args.data * args.model > 1
-      else (
-        compiled_programs(target, draft, None, b, args)
-        == compiled_programs(sharded_target, sharded_draft, mesh, b, args)
+    today, today_tokens = measure("today", target, drafts, None, b, args, base_prompts)
+    row = {"batch": b, "today": today, "splits": {}}
+    for k, mesh in meshes.items():
+      data, model = mesh.shape["data"], mesh.shape["model"]
+      mesh_b = b * data if args.per_device else b
+      with jax.set_mesh(mesh):
+        on_mesh, mesh_tokens = measure(k, *sharded[k], mesh, mesh_b, args, base_prompts)
+      # Only a 1-device mesh can compile to today's program; on more devices the check would cost
+      # four more compilations (minutes on a GPU) to say False.
+      same_program = None
+      if data * model == 1 and "draft_model" in drafts:
+        mesh_target, mesh_drafts = sharded[k]
+        same_program = compiled_programs(target, drafts["draft_model"], None, b, args) == compiled_programs(
+          mesh_target, mesh_drafts["draft_model"], mesh, b, args
+        )
+      same_tokens = {c: bool(np.array_equal(today_tokens[c], mesh_tokens[c][:b])) for c in today_tokens}
+      ratios = {c: on_mesh[c]["s"] / today[c]["s"] for c in today}
+      # Tokens/s on the mesh over one device's (with --per-device the mesh decodes data x more rows).
+      throughput = {
+        c: on_mesh[c]["tokens_per_s"] / today[c]["tokens_per_s"] for c in today if "tokens_per_s" in today[c]
+      }
+      print(
+        f"  B={b:3d} {k}{f' (mesh {mesh_b})' if mesh_b != b else ''} time mesh/today "
+        + "  ".join(f"{c} {r:5.3f}" for c, r in ratios.items())
+        + "  tokens/s mesh/today "
+        + "  ".join(f"{c} {r:5.2f}" for c, r in throughput.items())
+        + f"  same_program {same_program}  same_tokens {all(same_tokens.values())}",
+        flush=True,
       )
-    )
-    same_tokens = all(np.array_equal(today_tokens[k], mesh_tokens[k][:b]) for k in today_tokens)
-    ratios = {k: on_mesh[k]["s"] / today[k]["s"] for k in today}
-    # Tokens/s on the mesh over one device's (with --per-device the mesh decodes data x more rows).
-    throughput = {k: on_mesh[k]["tokens_per_s"] / today[k]["tokens_per_s"] for k in today if "tokens_per_s" in today[k]}
-    print(
-      f"  B={b:3d}{f' (mesh {mesh_b})' if mesh_b != b else ''} time mesh/today "
-      + "  ".join(f"{k} {r:5.3f}" for k, r in ratios.items())
-      + "  tokens/s mesh/today "
-      + "  ".join(f"{k} {r:5.2f}" for k, r in throughput.items())
-      + f"  same_program {same_program}  same_tokens {same_tokens}",
-      flush=True,
-    )
-    rows.append(
-      {
-        "batch": b,
+      row["splits"][k] = {
+        "data": data,
+        "model": model,
         "mesh_batch": mesh_b,
-        "throughput_ratio": throughput,
-        "today": today,
         "mesh": on_mesh,
         "ratio": ratios,
+        "throughput_ratio": throughput,
         "same_program": same_program,
         "same_tokens": same_tokens,
-        "no_more_cost": all(r <= 1.02 for r in ratios.values()),
       }
-    )
+    rows.append(row)
     result = {
       "info": info,
-      "args": vars(args),
+      "args": {k: (v if k != "splits" else [split_name(x) for x in v]) for k, v in vars(args).items()},
       "config": {k: str(v) for k, v in vars(config).items()},
-      "partitioning": str(sharded_target.partitioning),
+      "partitioning": {k: str(t.partitioning) for k, (t, _) in sharded.items()},
       "rows": rows,
     }
     with open(path, "w") as f:  # after every batch size: a run cut short keeps what it measured

@@ -511,7 +511,8 @@ TRACE_ITERS = 10
 
 def trace_case(compiled, carry, operands, n_buf: int, trace_dir: str) -> dict:
   """The kernels of one sampler call: a jax.profiler trace of TRACE_ITERS loop iterations (n_buf calls each),
-  grouped by kernel name, per call. The loop's own ops (the checksum, the key fold) are included."""
+  grouped by kernel name, per call (summed over the devices of a split call; `per_call["devices"]` says how
+  many). The loop's own ops (the checksum, the key fold) are included."""
   from bench.step_profile import profile_trace  # the trace reader (imports the model code: only when asked)
 
   calls = TRACE_ITERS * n_buf
@@ -521,8 +522,11 @@ def trace_case(compiled, carry, operands, n_buf: int, trace_dir: str) -> dict:
     return {"error": error}
   for r in rows[:8]:
     tqdm.write(f"  {r['per_step']:4.1f} x {r['us_per_step'] / max(r['per_step'], 1e-9):7.2f} us  {r['kernel'][:90]}")
+  devices = max(1, summary.get("devices", 1))  # a split call's kernels run on every device: sums over them
+  collectives = ", ".join(f"{k} {v / devices:.1f} us" for k, v in summary.get("collectives", {}).items())
   tqdm.write(
-    f"  per call: {summary['launches_per_step']:.1f} kernels, {summary['kernel_us_per_step']:.1f} us in kernels, "
+    f"  per call and device: {summary['launches_per_step'] / devices:.1f} kernels, "
+    f"{summary['kernel_us_per_step'] / devices:.1f} us in kernels (collectives: {collectives or 'none'}), "
     f"{summary['span_us_per_step']:.1f} us first start to last end"
   )
   return {"per_call": summary, "kernels": rows[:20]}

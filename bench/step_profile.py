@@ -322,13 +322,48 @@ def check_against_model(model: Transformer, weights: dict, variants) -> dict:
 # "input_reduce_fusion"; cuBLAS: "sm90_xmma_gemm_...", "nvjet_..."), and attention's own products count as
 # matmul/gemm. The Pallas blocks' kernels go by their names: q|k|v and the MLP are products, the core attention.
 KERNEL_CATEGORIES = (
+  (
+    "collective",
+    (
+      "nccl",
+      "all_reduce",
+      "allreduce",
+      "all_gather",
+      "allgather",
+      "reduce_scatter",
+      "reducescatter",
+      "all_to_all",
+      "alltoall",
+      "collective",
+      "sendrecv",
+    ),
+  ),
   ("scatter/cache write", ("scatter", "dynamic_update_slice", "dynamic-update-slice", "update_slice")),
   ("matmul/gemm", ("fused_attention_qkv", "fused_mlp")),
   ("attention/softmax", ("softmax", "exponential", "attention", "fmha", "flash", "cudnn")),
   ("matmul/gemm", ("gemm", "gemv", "dot", "matmul", "cublas", "cutlass", "xmma", "nvjet", "splitk", "wgmma", "ynn")),
   ("fusion", ("fusion", "loop_", "input_", "wrapped_")),
 )
-CATEGORY_ORDER = ("matmul/gemm", "attention/softmax", "scatter/cache write", "fusion", "other")
+CATEGORY_ORDER = ("matmul/gemm", "attention/softmax", "scatter/cache write", "fusion", "collective", "other")
+# The kind of a collective kernel (NCCL's names: "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", ...), first match wins.
+COLLECTIVE_KINDS = (
+  ("all-reduce", ("allreduce", "all_reduce")),
+  ("all-gather", ("allgather", "all_gather")),
+  ("reduce-scatter", ("reducescatter", "reduce_scatter")),
+  ("all-to-all", ("alltoall", "all_to_all")),
+  ("send/recv", ("sendrecv", "send", "recv", "permute")),
+)
+
+
+def collective_kind(name: str) -> str:
+  """The `COLLECTIVE_KINDS` kind of a collective kernel's name ("other collective" when none matches).
+
+  Example:
+    >>> collective_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+    'all-gather'
+  """
+  low = name.lower()
+  return next((kind for kind, parts in COLLECTIVE_KINDS if any(p in low for p in parts)), "other collective")
 
 
 def kernel_category(name: str) -> str:
@@ -401,7 +436,8 @@ def kernel_rows(trace_dir: str, steps: int, host_fallback: bool = False) -> tupl
     (rows, summary): rows {"kernel", "category", "per_step" (launches), "us_per_step"}; summary {"source"
     ("device" or "host", see `kernel_events`), "kernel_us_per_step" (all kernels' time summed),
     "launches_per_step", "distinct_kernels", "span_us_per_step" (first kernel's start to the last one's end:
-    kernel time plus the gaps between kernels), "categories" {category: us per step}}; ([], {}) without a trace.
+    kernel time plus the gaps between kernels), "categories" {category: us per step}, "devices" (devices with
+    kernels: every sum adds theirs), "collectives" {`collective_kind`: us per step}}; ([], {}) without a trace.
   """
   events = _trace_events(trace_dir)
   if events is None:
@@ -420,13 +456,19 @@ def kernel_rows(trace_dir: str, steps: int, host_fallback: bool = False) -> tupl
   for r in rows:
     categories[r["category"]] += r["us_per_step"]
   span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
+  collectives = defaultdict(float)
+  for r in rows:
+    if r["category"] == "collective":
+      collectives[collective_kind(r["kernel"])] += r["us_per_step"]
   summary = {
+    "devices": len({e.get("pid") for e in kernels}),  # the sums below add every device's kernels
     "source": source,
     "kernel_us_per_step": sum(totals.values()) / steps,
     "launches_per_step": len(kernels) / steps,
     "distinct_kernels": len(rows),
     "span_us_per_step": span / steps,
     "categories": categories,
+    "collectives": dict(collectives),
   }
   return rows, summary
 
