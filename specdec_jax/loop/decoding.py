@@ -37,7 +37,10 @@ Three draft kinds share the round (`specdec_jax.loop.draft_kinds.DraftKind`), on
 On a mesh (`with jax.set_mesh(mesh):`, axes "data" and "model"), the loop
 splits its row-major state (token buffer, lengths, flags) over "data", the
 sharded models split their caches and weights themselves, and a mesh with
-Explicit axes is made Auto for the program (`specdec_jax.mesh`).
+Explicit axes is made Auto for the program (`specdec_jax.mesh`). A mesh that
+splits the rows only (data parallelism) instead runs the one-device program on
+each device's rows (`_on_each_data_device`): every device its own while loop,
+and nothing crosses devices until the outputs.
 
 Nothing is donated: the caches, the token buffer and the statistics are born
 inside the program (XLA updates the while-loop carry in place), and every
@@ -54,6 +57,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from specdec_jax.drafts.dynamic_tree import DynamicTree
 from specdec_jax.drafts.lookup import PromptLookupDrafter
@@ -77,8 +81,8 @@ from specdec_jax.loop.state import (
   start_loop,
 )
 from specdec_jax.loop.tree_round import tree_round
-from specdec_jax.mesh import auto_axes_if_explicit
-from specdec_jax.sampling.params import SamplingParams, check_bias_ids, check_params
+from specdec_jax.mesh import DATA_AXIS, MODEL_AXIS, auto_axes_if_explicit, axis_size, sharded_call
+from specdec_jax.sampling.params import SamplingParams, check_bias_ids, check_params, row_keys
 from specdec_jax.verify.chain import LOGPROBS_MODES, METHODS
 
 __all__ = ["DecodeStats", "GenerateOutput", "generate", "speculative_generate"]
@@ -262,8 +266,10 @@ def generate(
   Many devices: under `with jax.set_mesh(mesh):` (mesh axes "data" and
   "model", see `specdec_jax.models.shard`) the loop keeps its per-row state
   split over "data" and a sharded model splits itself over "model"; with
-  Explicit mesh axes the program runs under `jax.sharding.auto_axes`. Tokens
-  are those of one device (float32 greedy: identical).
+  Explicit mesh axes the program runs under `jax.sharding.auto_axes`. A mesh
+  that splits rows only ("model" of 1 device, "data" dividing B) runs the
+  one-device program on each device's rows, with no communication while
+  decoding. Tokens are those of one device (float32 greedy: identical).
 
   Args:
     target: a model: `init_cache(batch_size, max_length)` and
@@ -344,10 +350,57 @@ def _jit(program, name: str):
   static = tuple(p.name for p in inspect.signature(program).parameters.values() if p.kind is p.KEYWORD_ONLY)
 
   def run(*arrays, **options):
-    return auto_axes_if_explicit(functools.partial(program, **options))(*arrays)
+    fn = functools.partial(program, **options)
+    if _rows_only_split(arrays):
+      return _on_each_data_device(fn, arrays, with_logprobs=options.get("logprobs") is not None)
+    return auto_axes_if_explicit(fn)(*arrays)
 
   run.__name__ = run.__qualname__ = name
   return jax.jit(run, static_argnames=static)
+
+
+def _rows_only_split(arrays) -> bool:
+  """Whether the ambient mesh splits the rows only ("data" over d > 1 devices, no "model" axis above 1) and d
+  divides the batch; `arrays` are a loop program's (models..., prompt_tokens, prompt_lengths, params, key)."""
+  d = axis_size(DATA_AXIS)
+  return d > 1 and axis_size(MODEL_AXIS) == 1 and arrays[-4].shape[0] % d == 0
+
+
+def _on_each_data_device(fn, arrays, *, with_logprobs: bool) -> GenerateOutput:
+  """A loop program `fn(models..., prompt_tokens, prompt_lengths, params, key)` with each device of the "data"
+  axis decoding its own rows as a one-device program (`sharded_call`, a shard_map).
+
+  Data parallelism needs no communication while decoding: each device runs the program one device would run
+  on its B/d rows, with its own `while_loop` (it stops when its rows are done), the models replicated; only
+  the per-position sums of the statistics are added over the devices at the end. Left to XLA's partitioner,
+  the whole-batch loop stopped every device at each step to agree on "any row left" and compiled other
+  fusions than one device's. A single key becomes its per-row keys here (`row_keys`: row b gets
+  `fold_in(key, b)` by its global index), so every row draws what it draws on one device.
+  """
+  *models, tokens, lengths, params, key = arrays
+  keys = None if key is None else row_keys(key, tokens.shape[0])
+  rows = P(DATA_AXIS)
+
+  def local(models, tokens, lengths, params, keys):
+    out = fn(*models, tokens, lengths, params, keys)
+    stats = dataclasses.replace(
+      out.stats,
+      accepted_per_position=jax.lax.psum(out.stats.accepted_per_position, DATA_AXIS),
+      reached_per_position=jax.lax.psum(out.stats.reached_per_position, DATA_AXIS),
+    )
+    return dataclasses.replace(out, stats=stats)
+
+  stats_spec = DecodeStats(
+    target_calls=rows,
+    drafted=rows,
+    accepted=rows,
+    accepted_per_position=P(),
+    usable_drafted=rows,
+    reached_per_position=P(),
+  )
+  out_specs = GenerateOutput(tokens=rows, lengths=rows, stats=stats_spec, logprobs=rows if with_logprobs else None)
+  in_specs = (P(), rows, rows, rows, None if keys is None else rows)
+  return sharded_call(local, in_specs, out_specs, check_vma=False)(models, tokens, lengths, params, keys)
 
 
 def _check_logprobs(where, logprobs):

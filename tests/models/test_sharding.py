@@ -44,12 +44,14 @@ CHECKS = (
   [f"logits {d}x{m}" for d, m in ((1, 8), (2, 4), (4, 2), (8, 1))]
   + ["logits 2x4 scan_layers", "logits qkv_bias"]
   + [f"loops 2x4: {run}" for run in FAST_RUNS]
+  + ["loops 8x1: generate sampled", "8x1: each device decodes its rows, no collective while decoding"]
   + ["1x1 mesh compiles today's program"]
   + ["embedding lookup: a psum, not a table all-gather", "embedding lookup: bits equal one device's"]
 )
 MORE_CHECKS = (
   [f"loops 2x4 more: {run}" for run in LOOP_RUNS if run not in FAST_RUNS]
   + [f"loops 1x8 Explicit: {run}" for run in FAST_RUNS]
+  + [f"loops 8x1 more: {run}" for run in FAST_RUNS if run != "generate sampled"]
   + ["logits qkv_bias scan, 1x8"]
 )
 

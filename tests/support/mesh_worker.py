@@ -246,6 +246,49 @@ def check_loops(mesh, names) -> dict[str, tuple[bool, str]]:
   }
 
 
+def check_rows_only_program():
+  """On a mesh that splits rows only (8x1), each device runs the one-device loop on its rows: the compiled
+  `generate` holds no collective, `speculative_generate` one all-reduce of the two [K] per-position sums
+  (a whole-batch loop would all-reduce "any row left" every iteration)."""
+  from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split  # noqa: PLC0415
+
+  mesh = make_mesh(8, 1)
+  target = shard(TARGET, mesh)
+  target_def, target_arrays = _split(target, "target")
+  static = {"max_new_tokens": NEW, "eos": (), "all_greedy": False, "logprobs": None}
+  with jax.set_mesh(mesh):
+    args = (rows(mesh, PROMPTS), rows(mesh, LENGTHS), jax.tree.map(lambda x: rows(mesh, x), SAMPLED), KEY)
+    plain = _generate_jit.lower(target_arrays, *args, target_def=target_def, **static).compile().as_text()
+    spec = (
+      _speculative_jit.lower(
+        target_arrays,
+        None,
+        *args,
+        target_def=target_def,
+        draft_def=PromptLookupDrafter(2),
+        feature_draft=False,
+        num_speculative_tokens=K,
+        tree=None,
+        **static,
+      )
+      .compile()
+      .as_text()
+    )
+  found = {"generate": collective_shapes(plain), "speculative": collective_shapes(spec)}
+  assert found["generate"] == [], f"generate on 8x1 holds collectives {found['generate']}"
+  assert found["speculative"] and all(s == f"(s32[{K}], s32[{K}])" or s == f"s32[{K}]" for s in found["speculative"]), (
+    f"speculative_generate on 8x1 holds collectives other than the [K] sums: {found['speculative']}"
+  )
+  return f"generate: none; speculative_generate: {found['speculative']}"
+
+
+def collective_shapes(text) -> list[str]:
+  """The result shape (layouts dropped) of every collective instruction of compiled HLO text."""
+  ops = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter|collective-broadcast"
+  found = re.findall(rf"^\s*(?:ROOT )?%\S+ = (.+?) (?:{ops})(?:-start)?\(", text, flags=re.MULTILINE)
+  return [re.sub(r"\{[^}]*\}", "", shape) for shape in found]
+
+
 def program_ops(text):
   """(shape, opcode) of every instruction of compiled HLO text: names and metadata left out."""
   return re.findall(r"^\s*(?:ROOT )?%\S+ = (\S+?) ([a-z][\w-]*)\(", text, flags=re.MULTILINE)
@@ -401,6 +444,8 @@ def checks(part: str = "all") -> dict:
     "logits 2x4 scan_layers": check_scan_logits,
     "logits qkv_bias": check_bias_logits,
     "loops 2x4": lambda: check_loops(make_mesh(2, 4), FAST_RUNS),
+    "loops 8x1": lambda: check_loops(make_mesh(8, 1), ["generate sampled"]),
+    "8x1: each device decodes its rows, no collective while decoding": check_rows_only_program,
     "1x1 mesh compiles today's program": check_one_device_mesh,
     "embedding lookup: a psum, not a table all-gather": check_embedding_program,
     "embedding lookup: bits equal one device's": check_embedding_bits,
@@ -408,6 +453,7 @@ def checks(part: str = "all") -> dict:
   more = {
     "loops 2x4 more": lambda: check_loops(make_mesh(2, 4), [r for r in LOOP_RUNS if r not in FAST_RUNS]),
     "loops 1x8 Explicit": lambda: check_loops(jax.make_mesh((1, 8), ("data", "model")), FAST_RUNS),
+    "loops 8x1 more": lambda: check_loops(make_mesh(8, 1), [r for r in FAST_RUNS if r != "generate sampled"]),
     "logits qkv_bias scan, 1x8": functools.partial(
       check_bias_logits, cases=(((2, 4), True), ((1, 8), False)), with_eagle=False
     ),
