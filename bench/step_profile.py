@@ -321,23 +321,14 @@ def check_against_model(model: Transformer, weights: dict, variants) -> dict:
 # Approximate: a fusion is named after some of its ops (XLA:GPU: "loop_multiply_fusion", "gemm_fusion_dot.3",
 # "input_reduce_fusion"; cuBLAS: "sm90_xmma_gemm_...", "nvjet_..."), and attention's own products count as
 # matmul/gemm. The Pallas blocks' kernels go by their names: q|k|v and the MLP are products, the core attention.
+# NCCL's kernels, and XLA's own collective kernels named after their op (all_reduce_3_fusion, psum_12_0_fusion_1,
+# pmax_...; memcpy32_post closes each all-reduce of a tensor-parallel step), count as collectives.
+COLLECTIVE_NAMES = (
+  "nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter", "all_to_all",
+  "alltoall", "collective", "sendrecv", "psum", "pmax", "pmin", "memcpy32_post",
+)  # fmt: skip
 KERNEL_CATEGORIES = (
-  (
-    "collective",
-    (
-      "nccl",
-      "all_reduce",
-      "allreduce",
-      "all_gather",
-      "allgather",
-      "reduce_scatter",
-      "reducescatter",
-      "all_to_all",
-      "alltoall",
-      "collective",
-      "sendrecv",
-    ),
-  ),
+  ("collective", COLLECTIVE_NAMES),
   ("scatter/cache write", ("scatter", "dynamic_update_slice", "dynamic-update-slice", "update_slice")),
   ("matmul/gemm", ("fused_attention_qkv", "fused_mlp")),
   ("attention/softmax", ("softmax", "exponential", "attention", "fmha", "flash", "cudnn")),
@@ -347,7 +338,7 @@ KERNEL_CATEGORIES = (
 CATEGORY_ORDER = ("matmul/gemm", "attention/softmax", "scatter/cache write", "fusion", "collective", "other")
 # The kind of a collective kernel (NCCL's names: "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", ...), first match wins.
 COLLECTIVE_KINDS = (
-  ("all-reduce", ("allreduce", "all_reduce")),
+  ("all-reduce", ("allreduce", "all_reduce", "psum", "pmax", "pmin", "memcpy32_post")),
   ("all-gather", ("allgather", "all_gather")),
   ("reduce-scatter", ("reducescatter", "reduce_scatter")),
   ("all-to-all", ("alltoall", "all_to_all")),
