@@ -1,12 +1,20 @@
-"""Plots the sampler's scaling over devices from `bench/sampler.py` JSONs run with different --model-devices.
+"""Plots scaling over devices: the sampler's (`bench/sampler.py` JSONs) or the decoding loops' (`bench/mesh.py`).
 
-Each input is one `sampler.json` (or a renamed copy) from the same machine; the
-plot shows each case's time per call against the number of devices the
-vocabulary is split over, beside the ideal (one device's time / M), and the
-fraction of each device's floor.
+Sampler: each input is one `sampler.json` (or a renamed copy) from the same
+machine, run with a different --model-devices; the plot shows each case's time
+per call against the number of devices the vocabulary is split over, beside the
+ideal (one device's time / M), and the fraction of each device's floor.
 
     python bench/plot_scaling.py --out bench/results/multi_gpu_sampler.png \\
         bench/results/multi_gpu_sampler_1dev.json bench/results/multi_gpu_sampler_2dev.json
+
+Loops (`--loops`): each input is a `bench/mesh.py` JSON (`--per-device` runs); one
+panel per model, tokens/s on the mesh over one device's against the rows per
+device, a line per split (DATAxMODEL) and call, with the ideal of data
+parallelism (the number of data devices) dotted.
+
+    python bench/plot_scaling.py --loops --out bench/results/mesh_scaling_h200x2.png \\
+        bench/results/mesh_smollm2_real_b1_b8_h200x2.json bench/results/mesh_smollm2_real_b64_h200x2.json ...
 
 Needs matplotlib (`pip install -e ".[bench]"`).
 """
@@ -32,11 +40,67 @@ def load_rows(paths: list[str]) -> dict[str, dict[int, dict]]:
   return dict(rows)
 
 
+def load_loop_rows(paths: list[str]) -> dict[str, dict[tuple[str, str], dict[int, float]]]:
+  """{model title: {(split, call): {rows per device B: tokens/s on the mesh / one device's}}} over mesh.py JSONs.
+
+  Raises ValueError if two inputs give one (model, split, call, B).
+  """
+  out: dict[str, dict[tuple[str, str], dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+  for path in paths:
+    with open(path) as f:
+      report = json.load(f)
+    a = report["args"]
+    model = ("tiny" if a.get("tiny") else a["shape"]) + (" (real weights)" if a.get("real") else " (random weights)")
+    for row in report["rows"]:
+      for split, res in row["splits"].items():
+        for call, ratio in res["throughput_ratio"].items():
+          line = out[model][(split, call)]
+          if row["batch"] in line:
+            raise ValueError(f"{path}: {model} {split} {call} at B={row['batch']} is in two inputs")
+          line[row["batch"]] = ratio
+  return {m: dict(lines) for m, lines in out.items()}
+
+
+def plot_loops(paths: list[str], out: str) -> None:
+  """The `--loops` figure (see the module docstring) into `out`."""
+  models = load_loop_rows(paths)
+  import matplotlib  # noqa: PLC0415  (a bench extra)
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+  styles = {"generate": "o-", "speculative (lookup)": "s--", "speculative (eagle)": "^-."}
+  for ax, (model, lines) in zip(axes[0], sorted(models.items())):
+    colours = {}
+    for (split, call), by_b in sorted(lines.items()):
+      bs = sorted(by_b)
+      colour = colours.setdefault(split, f"C{len(colours)}")
+      label = f"{split} ({'data' if split.endswith('x1') else 'model'} parallel) {call}"
+      ax.plot(bs, [by_b[b] for b in bs], styles.get(call, "o:"), color=colour, label=label)
+    for split in colours:
+      ax.axhline(int(split.split("x")[0]), color=colours[split], linestyle=":", linewidth=1)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({b for by_b in lines.values() for b in by_b}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set(xlabel="rows per device (B)", ylabel="tokens/s over one GPU's", title=model, ylim=(0, 2.2))
+    ax.legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(out, dpi=100)
+  plt.close(fig)
+  print(f"wrote {out}")
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("inputs", nargs="+", help="sampler.json files (one per --model-devices)")
+  ap.add_argument("inputs", nargs="+", help="sampler.json files (one per --model-devices), or mesh.py JSONs")
+  ap.add_argument("--loops", action="store_true", help="the inputs are bench/mesh.py JSONs: plot the loops")
   ap.add_argument("--out", required=True, help="the PNG to write")
   args = ap.parse_args(argv)
+  if args.loops:
+    plot_loops(args.inputs, args.out)
+    return
   rows = load_rows(args.inputs)
   import matplotlib  # noqa: PLC0415  (a bench extra)
 

@@ -316,6 +316,88 @@ def test_flag_sweep_reads_its_sets_and_plot_scaling_refuses_a_doubled_device_cou
     plot_scaling.load_rows([str(paths[0]), str(paths[0])])
 
 
+def test_step_profile_counts_collectives_per_device_by_kind(tmp_path):
+  """kernel_rows on a two-GPU trace: NCCL's kernels and XLA's own collective kernels (psum_/pmax_ fusions,
+  all_reduce_N_fusion, memcpy32_post) are collectives, by kind, and the devices are counted (sums add both)."""
+  import gzip  # noqa: PLC0415
+  import json  # noqa: PLC0415
+
+  step_profile = _bench("step_profile")
+  meta = []
+  kernels = {
+    "gemm_fusion_dot_4": 10.0,
+    "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": 3.0,
+    "all_reduce_57_fusion_1": 2.0,
+    "psum_394_0_fusion_1": 1.0,
+    "memcpy32_post": 0.5,
+  }
+  events = []
+  for pid in (1, 2):
+    meta += [
+      {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"/device:GPU:{pid - 1}"}},
+      {"ph": "M", "name": "thread_name", "pid": pid, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
+    ]
+    events += [
+      {"ph": "X", "pid": pid, "tid": 7, "ts": 10 * j, "dur": dur, "name": name}
+      for j, (name, dur) in enumerate(kernels.items())
+    ]
+  (tmp_path / "run").mkdir()
+  with gzip.open(tmp_path / "run" / "x.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": meta + events}, f)
+
+  rows, summary = step_profile.kernel_rows(str(tmp_path), steps=1)
+  assert summary["devices"] == 2
+  assert summary["categories"]["collective"] == 2 * (3.0 + 2.0 + 1.0 + 0.5)
+  assert summary["collectives"] == {"all-gather": 6.0, "all-reduce": 7.0}
+  assert summary["categories"]["matmul/gemm"] == 20.0
+  assert step_profile.collective_kind("something_else") == "other collective"
+
+
+def test_plot_scaling_reads_mesh_runs_per_model_split_and_call(tmp_path):
+  """bench/plot_scaling.py --loops: mesh.py JSONs become {model: {(split, call): {B: ratio}}}; a (model, split,
+  call, B) in two inputs is refused."""
+  import json  # noqa: PLC0415
+
+  plot_scaling = _bench("plot_scaling")
+
+  def report(batch, shape="smollm2", real=True):
+    split = {"throughput_ratio": {"generate": 1.5, "speculative (eagle)": 1.6}}
+    return {"args": {"shape": shape, "real": real, "tiny": False}, "rows": [{"batch": batch, "splits": {"2x1": split}}]}
+
+  paths = []
+  for i, rep in enumerate((report(1), report(64), report(1, "qwen2.5-coder-1.5b", False))):
+    paths.append(tmp_path / f"m{i}.json")
+    paths[-1].write_text(json.dumps(rep))
+  got = plot_scaling.load_loop_rows([str(p) for p in paths])
+  assert sorted(got) == ["qwen2.5-coder-1.5b (random weights)", "smollm2 (real weights)"]
+  assert got["smollm2 (real weights)"][("2x1", "generate")] == {1: 1.5, 64: 1.5}
+  with pytest.raises(ValueError, match="two inputs"):
+    plot_scaling.load_loop_rows([str(paths[0]), str(paths[0])])
+
+
+def test_mesh_bench_reads_splits_and_refuses_a_head_on_random_weights(capsys):
+  """bench/mesh.py's --splits parser and its one-line refusals before any model is built."""
+  mesh = _bench("mesh")
+  assert mesh.parse_split("2x1") == (2, 1) and mesh.parse_split("1X2") == (1, 2)
+  for bad in ("2", "2x", "0x1", "axb"):
+    with pytest.raises(Exception, match="split"):
+      mesh.parse_split(bad)
+  args = mesh.parse_args(["--tiny", "--splits", "1x1", "--batch", "2"])
+  assert args.splits == [(1, 1)] and args.drafters == ("lookup", "draft_model")
+  for argv, message in (
+    (["--drafters", "eagle"], "needs --real"),
+    (["--drafters", "nope"], "unknown"),
+    (["--real", "--tiny"], "--real loads"),
+    (["--splits", "1x1", "--batch", "3", "--data", "2"], None),
+  ):
+    if message is None:
+      assert mesh.parse_args(argv).splits == [(1, 1)]  # --splits replaces --data x --model
+      continue
+    with pytest.raises(SystemExit):
+      mesh.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_smollm2_bench_tree_names_round_trip():
   """bench/smollm2.py's --trees names: parse_tree and tree_name are inverses, sampled dynamic trees included."""
   smollm2 = _bench("smollm2")
