@@ -52,6 +52,7 @@ MORE_CHECKS = (
   [f"loops 2x4 more: {run}" for run in LOOP_RUNS if run not in FAST_RUNS]
   + [f"loops 1x8 Explicit: {run}" for run in FAST_RUNS]
   + [f"loops 8x1 more: {run}" for run in FAST_RUNS if run != "generate sampled"]
+  + ["loops 8x1 Explicit: speculative sampled, draft model"]
   + ["logits qkv_bias scan, 1x8"]
 )
 

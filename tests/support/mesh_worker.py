@@ -22,7 +22,11 @@ device (no mesh):
   - loops: `generate` and `speculative_generate` (draft model, prompt lookup,
     EAGLE drafter) give the same greedy tokens, and sampled runs the same
     tokens for the same key, on a 2x4 mesh (heads split) and a 1x8 mesh (heads
-    replicated: 4 KV heads do not divide by 8);
+    replicated: 4 KV heads do not divide by 8), and on an 8x1 mesh (rows only:
+    each device runs the one-device loop on its rows; Auto and Explicit axes);
+  - 8x1: the compiled `generate` holds no collective and `speculative_generate`
+    only the all-reduce of its [K] per-position sums (no collective while
+    decoding);
   - a mesh with Explicit axes (`jax.make_mesh`'s default) gives the same tokens too;
   - a 1x1 mesh compiles exactly the unsharded programs (op and shape, in order);
   - the vocabulary-parallel embedding lookup (Transformer and EAGLE, 2x4 and
@@ -454,6 +458,9 @@ def checks(part: str = "all") -> dict:
     "loops 2x4 more": lambda: check_loops(make_mesh(2, 4), [r for r in LOOP_RUNS if r not in FAST_RUNS]),
     "loops 1x8 Explicit": lambda: check_loops(jax.make_mesh((1, 8), ("data", "model")), FAST_RUNS),
     "loops 8x1 more": lambda: check_loops(make_mesh(8, 1), [r for r in FAST_RUNS if r != "generate sampled"]),
+    "loops 8x1 Explicit": lambda: check_loops(
+      jax.make_mesh((8, 1), ("data", "model")), ["speculative sampled, draft model"]
+    ),
     "logits qkv_bias scan, 1x8": functools.partial(
       check_bias_logits, cases=(((2, 4), True), ((1, 8), False)), with_eagle=False
     ),
