@@ -394,12 +394,20 @@ def _row_index(logits, m):
   return lambda idx: rows[idx]
 
 
-def _rows_from_candidates(idx, cand, floor, *, row_of, top_k, top_p, v, total, m, min_p, gather=lambda a: a):
-  """`_threshold_from_candidates` of the flat rows idx of cand [B, ..., C] (gathered across devices by `gather`)."""
+def _rows_from_candidates(
+  idx, cand, floor, *, row_of, top_k, top_p, v, total, m, min_p, gather=lambda a: a, narrow=None
+):
+  """`_threshold_from_candidates` of the flat rows idx of cand [B, ..., C] (gathered across devices by `gather`).
+
+  `narrow`: None, or (candidates [n, C], floor [n]) -> fewer candidates and their floor, applied to the rows
+  before the gather."""
   r = row_of(idx)
+  sub, sub_floor = cand.reshape(-1, cand.shape[-1])[idx], floor.reshape(-1)[idx]
+  if narrow is not None:
+    sub, sub_floor = narrow(sub, sub_floor)
   return _threshold_from_candidates(
-    gather(cand.reshape(-1, cand.shape[-1])[idx]),
-    floor.reshape(-1)[idx],
+    gather(sub),
+    sub_floor,
     top_k=top_k[r],
     top_p=top_p[r],
     v=v,
@@ -574,19 +582,19 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
     # for those rows only (a batch whose rows all settle pays nothing for them).
     wide = 4 * _NARROW_PER_GROUP
 
-    def wide_rows(idx, f):
-      r = row_of(idx)
-      sub, sub_floor = narrowed(f.reshape(-1, f.shape[-1])[idx], floor.reshape(-1)[idx], wide)
-      return _threshold_from_candidates(
-        shards.gather(sub),
-        sub_floor,
-        top_k=top_k[r],
-        top_p=top_p[r],
-        v=v,
-        total=total.reshape(-1)[idx],
-        m=m.reshape(-1)[idx],
-        min_p=None if min_p is None else min_p[r],
-      )
+    wide_rows = functools.partial(
+      _rows_from_candidates,
+      floor=floor,
+      row_of=row_of,
+      top_k=top_k,
+      top_p=top_p,
+      v=v,
+      total=total,
+      m=m,
+      min_p=min_p,
+      gather=shards.gather,
+      narrow=lambda f, f_floor: narrowed(f, f_floor, wide),
+    )
 
     def wide_batch(f):
       every, every_floor = narrowed(f, floor, wide)
