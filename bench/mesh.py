@@ -35,6 +35,9 @@ Measured, per batch size B (default 1, 8, 32):
     draft model (draft_model) or the EAGLE head (eagle, `--real` only), K
     drafts a round: wall time of one call, median of --repeats after a compile
     call, tokens/s, and whether the tokens equal today's.
+  `--forced-accepts A`: every round accepts A drafts (`speculative_generate_forced`,
+  a benchmark knob, NOT lossless), so random weights time the rounds of a
+  drafter whose mean accepted length is A + 1.
   `--per-device`: B rows per device of the data axis, so a DxM path decodes
   B x D rows against today's B (throughput); otherwise both decode B.
   Each row prints time DxM/today and tokens/s DxM/today.
@@ -53,6 +56,7 @@ in --out (default bench/out/), written after every batch size.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -72,6 +76,7 @@ from bench.step_profile import SHAPES
 from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
+from specdec_jax.loop.forced import speculative_generate_forced
 from specdec_jax.models import Transformer, TransformerConfig, make_mesh, shard
 
 TINY = {
@@ -127,6 +132,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="B rows per device of the data axis: the mesh runs B x data rows against one device's B (throughput)",
   )
   ap.add_argument("--trace", help="directory for jax.profiler traces of the step and verification calls")
+  ap.add_argument("--trace-batches", type=int, nargs="+", help="trace only these batch sizes (default: every --batch)")
+  ap.add_argument(
+    "--forced-accepts",
+    type=int,
+    help="every speculative round accepts this many drafts (speculative_generate_forced: a benchmark knob, NOT "
+    "lossless), so random weights time the rounds of a drafter that accepts that many; tokens are not compared",
+  )
   ap.add_argument(
     "--out",
     default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
@@ -152,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.error(f"--drafters: unknown {unknown}; choose from {', '.join(DRAFTERS)}")
   if "eagle" in args.drafters and not args.real:
     ap.error("--drafters eagle needs --real (a head of random weights accepts nothing)")
+  if args.forced_accepts is not None and not 0 <= args.forced_accepts <= args.k:
+    ap.error(f"--forced-accepts must be in [0, K={args.k}], got {args.forced_accepts}")
   args.dtype = args.dtype or ("bfloat16" if has_gpu() else "float32")
   return args
 
@@ -238,10 +252,13 @@ def measure(path: str, target, drafts: dict, mesh, b: int, args, base_prompts) -
   x, n, params = place(tokens), place(lengths), jax.tree.map(place, SamplingParams.greedy(b))
   common = {"max_new_tokens": args.max_new_tokens, "all_greedy": True}
   calls = {"generate": lambda: generate(target, x, n, params, None, **common)}
+  spec = dict(common, num_speculative_tokens=args.k)
+  if args.forced_accepts is not None:
+    spec_fn = functools.partial(speculative_generate_forced, forced_accepts=args.forced_accepts)
+  else:
+    spec_fn = speculative_generate
   for name, drafter in drafts.items():
-    calls[f"speculative ({name})"] = lambda d=drafter: speculative_generate(
-      target, d, x, n, params, None, num_speculative_tokens=args.k, **common
-    )
+    calls[f"speculative ({name})"] = lambda d=drafter: spec_fn(target, d, x, n, params, None, **spec)
   out = {}
   p = int(tokens.shape[1])
   max_length = p + args.max_new_tokens + args.k + 1
@@ -251,7 +268,7 @@ def measure(path: str, target, drafts: dict, mesh, b: int, args, base_prompts) -
     out[name] = {"s": r["per_iter_s"], "scale": r["scale"]}
     if mesh is not None:  # what crosses devices in one call (a split model's all-reduces, say)
       out[name]["collectives"] = hlo_collectives(r["compiled"].as_text())
-    if args.trace:
+    if args.trace and (args.trace_batches is None or b in args.trace_batches):
       out[name]["trace"] = trace_loop(r, carry, operands, os.path.join(args.trace, f"{path}_B{b}_{name}"))
   tokens_out = {}
   for name, fn in calls.items():
@@ -367,6 +384,8 @@ def main(argv=None):
           mesh_target, mesh_drafts["draft_model"], mesh, b, args
         )
       same_tokens = {c: bool(np.array_equal(today_tokens[c], mesh_tokens[c][:b])) for c in today_tokens}
+      if args.forced_accepts is not None:  # forced rounds emit drafts, not the target's choices
+        same_tokens = {c: v for c, v in same_tokens.items() if not c.startswith("speculative")}
       ratios = {c: on_mesh[c]["s"] / today[c]["s"] for c in today}
       # Tokens/s on the mesh over one device's (with --per-device the mesh decodes data x more rows).
       throughput = {

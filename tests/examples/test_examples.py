@@ -388,6 +388,7 @@ def test_mesh_bench_reads_splits_and_refuses_a_head_on_random_weights(capsys):
     (["--drafters", "eagle"], "needs --real"),
     (["--drafters", "nope"], "unknown"),
     (["--real", "--tiny"], "--real loads"),
+    (["--forced-accepts", "5"], "--forced-accepts must be in [0, K=4]"),
     (["--splits", "1x1", "--batch", "3", "--data", "2"], None),
   ):
     if message is None:
