@@ -81,7 +81,7 @@ from specdec_jax.loop.state import (
   start_loop,
 )
 from specdec_jax.loop.tree_round import tree_round
-from specdec_jax.mesh import DATA_AXIS, MODEL_AXIS, auto_axes_if_explicit, axis_size, sharded_call
+from specdec_jax.mesh import DATA_AXIS, MODEL_AXIS, ambient_mesh, auto_axes_if_explicit, axis_size, sharded_call
 from specdec_jax.sampling.params import SamplingParams, check_bias_ids, check_params, row_keys
 from specdec_jax.verify.chain import LOGPROBS_MODES, METHODS
 
@@ -361,9 +361,13 @@ def _jit(program, name: str):
 
 def _rows_only_split(arrays) -> bool:
   """Whether the ambient mesh splits the rows only ("data" over d > 1 devices, no "model" axis above 1) and d
-  divides the batch; `arrays` are a loop program's (models..., prompt_tokens, prompt_lengths, params, key)."""
+  divides the batch; `arrays` are a loop program's (models..., prompt_tokens, prompt_lengths, params, key).
+
+  Not inside a caller's own shard_map over "data" (a Manual axis): there the program already sees one
+  device's rows."""
   d = axis_size(DATA_AXIS)
-  return d > 1 and axis_size(MODEL_AXIS) == 1 and arrays[-4].shape[0] % d == 0
+  manual = DATA_AXIS in ambient_mesh().manual_axes
+  return d > 1 and not manual and axis_size(MODEL_AXIS) == 1 and arrays[-4].shape[0] % d == 0
 
 
 def _on_each_data_device(fn, arrays, *, with_logprobs: bool) -> GenerateOutput:

@@ -286,6 +286,25 @@ def check_rows_only_program():
   return f"generate: none; speculative_generate: {found['speculative']}"
 
 
+def check_inside_callers_shard_map():
+  """`generate` called inside a caller's own shard_map over "data" (each device its rows already: a Manual axis)
+  runs the one-device program there, and its tokens equal one device's."""
+  mesh = make_mesh(8, 1)
+  graphdef, arrays = nnx.split(TARGET)
+
+  def per_device(arrays, prompts, lengths):
+    model = nnx.merge(graphdef, arrays)
+    params = SamplingParams.greedy(prompts.shape[0])
+    return generate(model, prompts, lengths, params, None, max_new_tokens=NEW, all_greedy=True).tokens
+
+  with jax.set_mesh(mesh):
+    fn = jax.shard_map(per_device, in_specs=(P(), P("data"), P("data")), out_specs=P("data"), check_vma=False)
+    got = np.asarray(jax.jit(fn)(arrays, PROMPTS, LENGTHS))
+  want = reference(["generate greedy"])["generate greedy"]
+  assert np.array_equal(got, want), f"tokens differ: one device {want.tolist()}, inside shard_map {got.tolist()}"
+  return "tokens equal"
+
+
 def collective_shapes(text) -> list[str]:
   """The result shape (layouts dropped) of every collective instruction of compiled HLO text."""
   ops = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter|collective-broadcast"
@@ -450,6 +469,7 @@ def checks(part: str = "all") -> dict:
     "loops 2x4": lambda: check_loops(make_mesh(2, 4), FAST_RUNS),
     "loops 8x1": lambda: check_loops(make_mesh(8, 1), ["generate sampled"]),
     "8x1: each device decodes its rows, no collective while decoding": check_rows_only_program,
+    "8x1: generate inside a caller's shard_map": check_inside_callers_shard_map,
     "1x1 mesh compiles today's program": check_one_device_mesh,
     "embedding lookup: a psum, not a table all-gather": check_embedding_program,
     "embedding lookup: bits equal one device's": check_embedding_bits,
