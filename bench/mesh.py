@@ -27,7 +27,9 @@ Measured, per batch size B (default 1, 8, 32):
     one verification call (e.g. a split model's all-reduces), by shape.
   - step / verify: one target call on T=1 and T=K+1 tokens (cache of
     P + max_new_tokens + K + 1 slots), N calls in one jitted fori_loop
-    (bench/common.py `time_per_iter`, median of 5 loops). With `--trace DIR`,
+    (bench/common.py `time_per_iter`, median of 5 loops); on a mesh that
+    splits rows only, each device's call on its rows inside a shard_map
+    (what the loops run there). With `--trace DIR`,
     a jax.profiler trace of each: kernel time per call by category, the
     collectives (NCCL kernels) by kind, per device.
   - whole calls, greedy, max_new_tokens each row, no EOS (`--drafters`):
@@ -77,6 +79,7 @@ from specdec_jax import SamplingParams, generate, speculative_generate
 from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.loop.decoding import _generate_jit, _speculative_jit, _split
 from specdec_jax.loop.forced import speculative_generate_forced
+from specdec_jax.mesh import axis_size
 from specdec_jax.models import Transformer, TransformerConfig, make_mesh, shard
 
 TINY = {
@@ -201,20 +204,36 @@ def real_models(shape: str, dtype):
   return target, eagle, bs.encode(tokenizer, texts)
 
 
-def model_step_loop(model, b: int, t: int, max_length: int, prompt_len: int = PROMPT_LEN):
-  """`time_per_iter` arguments timing one model call on [B, T] tokens per iteration."""
+def model_step_loop(model, b: int, t: int, max_length: int, prompt_len: int = PROMPT_LEN, rows_only: int = 1):
+  """`time_per_iter` arguments timing one model call on [B, T] tokens per iteration.
+
+  `rows_only` = d > 1 (a mesh that splits rows only): each of the d devices calls the model on its B/d rows
+  inside a shard_map, the program the loops run there (`generate` on such a mesh), with no collective.
+  """
   graphdef, state = nnx.split(model)
 
   def step(i, carry, state):
     cache, acc = carry
     m = nnx.merge(graphdef, state)
-    tokens = jnp.full((b, t), i % 7, jnp.int32)  # depends on i: the call cannot be hoisted
-    positions = jnp.broadcast_to(prompt_len + jnp.arange(t, dtype=jnp.int32), (b, t))
+    rows = cache.k.shape[1]  # this device's rows inside the shard_map
+    tokens = jnp.full((rows, t), i % 7, jnp.int32)  # depends on i: the call cannot be hoisted
+    positions = jnp.broadcast_to(prompt_len + jnp.arange(t, dtype=jnp.int32), (rows, t))
     logits, cache = m(tokens, positions, cache)
     return cache, acc + jnp.max(logits[:, -1, :8])
 
   cache = model.init_cache(b, max_length)
-  return timed_loop(step), (cache, jnp.float32(0)), (state,)
+  if rows_only == 1:
+    return timed_loop(step), (cache, jnp.float32(0)), (state,)
+  cache_spec = jax.tree.map(lambda _: P(None, "data"), cache)  # [L, B, Hkv, S, Dh]: rows on axis 1
+  carry_spec = (cache_spec, P("data"))  # one accumulator a device
+
+  def per_device(i, carry, state):
+    body = lambda c, st: step(i, (c[0], c[1][0]), st)
+    out_specs = (cache_spec, P())
+    cache, acc = jax.shard_map(body, in_specs=(carry_spec, P()), out_specs=out_specs, check_vma=False)(carry, state)
+    return cache, carry[1] + acc  # (the accumulator only keeps the call alive)
+
+  return timed_loop(per_device), (cache, jnp.zeros((rows_only,), jnp.float32)), (state,)
 
 
 def trace_loop(r: dict, carry, operands, trace_dir: str) -> dict:
@@ -263,7 +282,8 @@ def measure(path: str, target, drafts: dict, mesh, b: int, args, base_prompts) -
   p = int(tokens.shape[1])
   max_length = p + args.max_new_tokens + args.k + 1
   for name, t in (("step", 1), ("verify", args.k + 1)):
-    loop, carry, operands = model_step_loop(target, b, t, max_length, p)
+    rows_only = axis_size("data") if mesh is not None and axis_size("model") == 1 else 1
+    loop, carry, operands = model_step_loop(target, b, t, max_length, p, rows_only)
     r = time_per_iter(loop, carry, operands)
     out[name] = {"s": r["per_iter_s"], "scale": r["scale"]}
     if mesh is not None:  # what crosses devices in one call (a split model's all-reduces, say)
