@@ -5,6 +5,7 @@ The modules, in the order they build on each other:
   - `params`: `SamplingParams` (one entry per request) and the checks of concrete values.
   - `reductions`: one-pass (max, sum of exps, argmax) reductions over chunks of the vocabulary.
   - `penalties`: `PenaltyState` and steps 1-3 below (bias, repetition, frequency and presence).
+  - `masks`: packed bitmasks of allowed tokens (`token_bitmask`, structured output), step 3b below.
   - `thresholds`: the top-k / top-p / min-p threshold search (step 4's filters).
   - `vocab_parallel`: the vocabulary split over the "model" axis of a mesh.
   - `draws`: drawing a token from unnormalised weights (Gumbel-max over chunks).
@@ -23,6 +24,7 @@ them, and for greedy rows too:
        tokens, earlier drafts of the round): x / r where x > 0, else x * r
     3. x -= frequency_penalty * count + presence_penalty * (count > 0), count of
        the token among the generated tokens (and earlier drafts; not the prompt)
+    3b. with a `token_bitmask`: x = -inf where the mask disallows the token
     4. greedy: argmax. Random:
        logits / temperature -> keep top_k largest -> renormalise
                             -> keep the smallest most-likely set with mass >= top_p

@@ -58,11 +58,13 @@ KERNELS = ("auto", "xla", "pallas")
 _BLOCK, _TOKEN = (0x5A5A0001, 0x5A5A0002)
 
 
-def pallas_uncovered(params: SamplingParams, logprobs: str | None, sharded: bool, *, greedy: bool = False) -> str:
+def pallas_uncovered(
+  params: SamplingParams, logprobs: str | None, sharded: bool, *, greedy: bool = False, mask: bool = False
+) -> str:
   """What of a sampler call the Pallas programs do not cover, in words; "" when they cover it all.
 
   Shared by `sample_tokens` and `rejection_sample` (`verify.fused`). greedy: an
-  all-greedy program, which ignores min-p.
+  all-greedy program, which ignores min-p. mask: a token_bitmask is given.
 
   Example:
     >>> pallas_uncovered(SamplingParams.create(1.0), None, True)
@@ -77,6 +79,8 @@ def pallas_uncovered(params: SamplingParams, logprobs: str | None, sharded: bool
     missing.append("min-p")
   if sharded:
     missing.append("a vocabulary split over devices")
+  if mask:
+    missing.append("a token_bitmask")
   return ", ".join(missing)
 
 

@@ -19,6 +19,7 @@ from specdec_jax.sampling.draws import (
   categorical_with_empty,
 )
 from specdec_jax.sampling.fused_sample import KERNELS, fused_sample_tokens, pallas_uncovered
+from specdec_jax.sampling.masks import BITS, check_bitmask, masked_view
 from specdec_jax.sampling.params import (
   SamplingParams,
   check_logits_values,
@@ -88,6 +89,7 @@ def sample_tokens(
   penalty_state: PenaltyState | None = None,
   logprobs: str | None = None,
   kernels: str = "auto",
+  token_bitmask=None,
 ):
   """Plain sampling of one token per row, plus the distribution it came from.
 
@@ -118,6 +120,13 @@ def sample_tokens(
       log-probability of each sampled token, "raw" under log_softmax of the
       unmodified logits, "processed" under the distribution it was drawn from
       (for greedy rows: log_softmax of the logits after steps 1-3).
+    token_bitmask: int32 [B, ceil(V/32)] or None: the tokens each row may
+      emit, bit v % 32 of word v // 32 (`sampling.masks`). Applied after steps
+      1-3 and before temperature and the filters, like a -inf bias: a row
+      draws from its law over the allowed tokens, renormalised; greedy rows
+      take the argmax over them. A concrete row that allows no token (or none
+      whose logit is above -inf) is a ValueError; under jit it emits token 0.
+      The Pallas program does not cover it ("auto" takes XLA's).
 
   Returns:
     (tokens int32[B], log_probs f32[B, V]): log_probs is the log of the
@@ -146,6 +155,8 @@ def sample_tokens(
   if logprobs not in (None, "raw", "processed"):
     raise ValueError(f"{where}: logprobs must be None, 'raw' or 'processed', got {logprobs!r}")
   check_logits_values(logits, None, f"{where}: logits")
+  if token_bitmask is not None:
+    token_bitmask = check_bitmask(token_bitmask, (b,), v, where, logits=logits)
   check_promises(where, params, v, all_greedy=all_greedy, no_filters=no_filters or params.no_filters)
   if no_filters:
     params = params.promise_no_filters()
@@ -154,7 +165,10 @@ def sample_tokens(
   steps = penalty_params(params, penalty_state, b, v, where)
   keys = None if all_greedy else row_keys(key, b)
   shards = shards_for(v, b)
-  uncovered = "" if all_greedy else pallas_uncovered(steps, logprobs, shards is not None)
+  if shards is not None and token_bitmask is not None and shards.local % BITS:
+    shards = None  # a device's slice must start at a mask word
+  mask = token_bitmask is not None
+  uncovered = "" if all_greedy else pallas_uncovered(steps, logprobs, shards is not None, mask=mask)
   if kernels == "pallas" and uncovered:
     raise ValueError(f"{where}: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")
   on_gpu = jax.default_backend() == "gpu"
@@ -163,18 +177,19 @@ def sample_tokens(
     keys = keys if single is None else single
     return fused_sample_tokens(logits, steps, keys, no_filters=steps.no_filters, interpret=not on_gpu)
   body = functools.partial(_sample_tokens, all_greedy=all_greedy, logprobs=logprobs)
+  args = (logits, steps, keys, penalty_state, token_bitmask)
   if shards is None:  # (a vocabulary that does not split into whole chunks: XLA moves the data)
-    return auto_axes_if_explicit(functools.partial(body, shards=None))(logits, steps, keys, penalty_state)
+    return auto_axes_if_explicit(functools.partial(body, shards=None))(*args)
   # Each device samples from its rows and its slice of the vocabulary (see `rejection_sample`).
   rows, split = row_spec(shards, 1), row_spec(shards, 2, vocab_last=True)
   out_specs = (rows, split) + ((rows,) if logprobs else ())
   program = functools.partial(body, shards=shards)
-  return sharded_call(
-    program, (split, rows, P() if keys is None else rows, P() if penalty_state is None else split), out_specs
-  )(logits, steps, keys, penalty_state)
+  optional = lambda a: P() if a is None else split
+  in_specs = (split, rows, P() if keys is None else rows, optional(penalty_state), optional(token_bitmask))
+  return sharded_call(program, in_specs, out_specs)(*args)
 
 
-def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs, shards):
+def _sample_tokens(logits, params, keys, penalty_state, token_bitmask, *, all_greedy, logprobs, shards):
   """`sample_tokens` after its checks, on one device or on this device's rows and vocabulary slice."""
   b, v_here = logits.shape  # v_here: this device's tokens under shards
   offset = 0 if shards is None else shards.offset()
@@ -182,6 +197,8 @@ def _sample_tokens(logits, params, keys, penalty_state, *, all_greedy, logprobs,
   x = logits
   if params.has_logit_bias or params.has_penalties:
     x = penalized_view(logits, params, penalty_state, vocab_offset=None if shards is None else offset)
+  if token_bitmask is not None:  # after steps 1-3, before temperature and the filters
+    x = masked_view(x, token_bitmask)
   greedy_tok, best = greedy_argmax(x, shards)
   # float32 constants: weakly typed Python floats would make it float64 under jax_enable_x64.
   one_hot = jnp.where(

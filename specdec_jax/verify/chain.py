@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specdec_jax.mesh import auto_axes_if_explicit
-from specdec_jax.sampling import draws, penalties, reductions, thresholds, vocab_parallel
+from specdec_jax.sampling import draws, masks, penalties, reductions, thresholds, vocab_parallel
 from specdec_jax.sampling.fused_sample import KERNELS
 from specdec_jax.sampling.params import SamplingParams, check_promises, row_keys, single_key, valid_probs
 from specdec_jax.sampling.stats import PositionStats, position_stats, requested_log_probs
@@ -106,6 +106,7 @@ def rejection_sample(
   penalty_state: penalties.PenaltyState | None = None,
   no_filters: bool = False,
   kernels: str = "auto",
+  token_bitmask=None,  # int32 [B, K+1, ceil(V/32)] or None
 ) -> RejectionOutput:
   """Verifies draft tokens against the target, losslessly.
 
@@ -172,6 +173,19 @@ def rejection_sample(
       argmax of all positions is a microsecond faster there), else "xla". Both draw from the same distribution
       with different random streams: one key gives other, equally
       distributed, tokens under each; greedy tokens are the same.
+    token_bitmask: int32 [B, K+1, ceil(V/32)] or None: the tokens allowed at
+      each position, bit v % 32 of word v // 32 (`sampling.masks`; structured
+      output). Applied after the bias and penalties and before temperature and
+      the filters, like a -inf bias: the target's law at a position is its law
+      over the allowed tokens, renormalised; a draft outside the mask is
+      rejected; recovered and bonus tokens are allowed ones; greedy rows take
+      the argmax over allowed tokens (all_greedy stays softmax-free). Read
+      inside the passes over the logits (no masked copy is written). A
+      concrete mask with a used position (<= num_draft_tokens) that allows no
+      token, or none above -inf, is a ValueError; under jit such a position
+      behaves as one whose logits are all -inf (below). Pallas programs do not
+      cover it ("auto" takes XLA's); a vocabulary split needs V/m to be a
+      multiple of 32 (else the one-device program runs).
 
   Returns:
     RejectionOutput(token_ids int32[B, K+1], num_accepted int32[B],
@@ -254,6 +268,9 @@ def rejection_sample(
   if draft_probs is not None:
     draft_probs = jnp.asarray(draft_probs)
   check_chain_values(where, draft_token_ids, num_draft_tokens, target_logits, draft_probs)
+  if token_bitmask is not None:
+    used = jnp.arange(k1)[None, :] <= jnp.clip(num_draft_tokens, 0, k)[:, None]
+    token_bitmask = masks.check_bitmask(token_bitmask, (b, k1), v, where, used=used, logits=target_logits)
   single = None  # one key for the batch (typed), which the Pallas kernels fold with each row index
   if key is None:
     if not all_greedy:
@@ -263,6 +280,8 @@ def rejection_sample(
     keys = row_keys(key, b, f"{where}: key")
     single = single_key(key)
   shards = vocab_parallel.shards_for(v, b)
+  if shards is not None and token_bitmask is not None and shards.local % masks.BITS:
+    shards = None  # a device's slice must start at a mask word
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
   if no_filters:
@@ -279,6 +298,7 @@ def rejection_sample(
     sharded=shards is not None,
     kernels=kernels,
     batch=b,
+    mask=token_bitmask is not None,
   )
   program = functools.partial(_rejection_sample, plan=plan, shards=shards)
   if shards is None:
@@ -292,6 +312,7 @@ def rejection_sample(
     draft_probs,
     None if all_drafts and pallas else num_draft_tokens.astype(jnp.int32),
     penalty_state,
+    token_bitmask,
   )
 
 
@@ -552,11 +573,11 @@ def _with_logprobs(
 
 @functools.partial(jax.jit, static_argnames=("plan", "shards"))
 def _rejection_sample(
-  draft, logits, params, keys, draft_probs, n, penalty_state=None, *, plan: SamplerPlan, shards=None
+  draft, logits, params, keys, draft_probs, n, penalty_state=None, token_bitmask=None, *, plan: SamplerPlan, shards=None
 ):
   program = functools.partial(_program, plan=plan, shards=shards)
   if shards is None:
-    return program(draft, logits, params, keys, draft_probs, n, penalty_state)
+    return program(draft, logits, params, keys, draft_probs, n, penalty_state, token_bitmask)
   # Each device runs the program on its rows and its slice of the vocabulary.
   rows = lambda a, ndim=1: P() if a is None else vocab_parallel.row_spec(shards, ndim)
   vocab = lambda a, ndim: P() if a is None else vocab_parallel.row_spec(shards, ndim, vocab_last=True)
@@ -568,9 +589,10 @@ def _rejection_sample(
     vocab(draft_probs, 3),
     rows(n),
     vocab(penalty_state, 2),
+    vocab(token_bitmask, 3),  # words split like the tokens they cover (V/m is a multiple of 32)
   )
   sharded = vocab_parallel.sharded_call(program, in_specs, rows(draft))
-  return sharded(draft, logits, params, keys, draft_probs, n, penalty_state)
+  return sharded(draft, logits, params, keys, draft_probs, n, penalty_state, token_bitmask)
 
 
 def _if_all_rows_greedy(params, shards, greedy, general, *operands):
@@ -578,7 +600,7 @@ def _if_all_rows_greedy(params, shards, greedy, general, *operands):
   return jax.lax.cond(~vocab_parallel.any_rows(~params.is_greedy, shards), greedy, general, *operands)
 
 
-def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, plan: SamplerPlan, shards):
+def _program(draft, logits, params, keys, draft_probs, n, penalty_state, token_bitmask, *, plan: SamplerPlan, shards):
   """The whole sampler on one device, or on this device's rows and vocabulary slice under `shards`."""
   interpret = jax.default_backend() != "gpu"
   if plan.kernels == "pallas" and plan.verifier == GREEDY_VERIFIER:  # n: None when every row has K drafts
@@ -605,6 +627,8 @@ def _program(draft, logits, params, keys, draft_probs, n, penalty_state, *, plan
     logits = penalties.penalized_view(
       logits, params, penalty_state, draft, vocab_offset=None if shards is None else shards.offset()
     )
+  if token_bitmask is not None:  # after steps 1-3, before temperature and the filters; read by every pass
+    logits = masks.masked_view(logits, token_bitmask)
   b, k1 = logits.shape[:2]
   k = k1 - 1
   n = jnp.clip(n, 0, k)

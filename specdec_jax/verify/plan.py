@@ -233,6 +233,7 @@ def chain_plan(
   sharded: bool = False,
   kernels: str = "xla",
   batch: int = 0,
+  mask: bool = False,
 ) -> SamplerPlan:
   """The `SamplerPlan` of one `rejection_sample` call, from its static switches and static facts.
 
@@ -245,6 +246,7 @@ def chain_plan(
     sharded: the vocabulary is split over devices (`vocab_parallel.VocabShards`).
     batch: B, the rows (under kernels="auto", all-greedy batches of fewer than
       `PALLAS_GREEDY_MIN_ROWS` keep XLA's argmax program).
+    mask: a token_bitmask is given (XLA's program only).
 
   Returns:
     SamplerPlan.
@@ -270,7 +272,7 @@ def chain_plan(
     else:
       draw = ROW_DRAW
   greedy_only = verifier == GREEDY_VERIFIER
-  uncovered = pallas_uncovered(params, logprobs, sharded, greedy=greedy_only)
+  uncovered = pallas_uncovered(params, logprobs, sharded, greedy=greedy_only, mask=mask)
   if kernels == "pallas" and uncovered:
     raise ValueError(f"rejection_sample: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")
   # "auto": the Pallas programs on a GPU, except for the smallest all-greedy batches, where XLA's argmax

@@ -44,6 +44,7 @@ REJECTION = {  # program -> data sets
   "block, n-gram, min_p field": ("mixed", "min-p", "min-p + top-k"),
   "block, draft probs, logprobs=raw": ("mixed", "random", "filtered"),
   "token, draft probs, no_filters": ("mixed",),
+  "token, draft probs, token_bitmask": ("mixed",),
 }
 FILTERED, FILTERED_MESHES = ("filtered", "min-p", "min-p + top-k"), ("1x8", "2x4")
 ON_8X1 = ("greedy flag", "token, n-gram, logprobs=processed", "token, draft probs")

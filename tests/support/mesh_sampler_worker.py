@@ -218,7 +218,18 @@ class Program:
   logprobs: str | None = None
 
 
-def _rejection(method="token", probs=False, logprobs=None, greedy_flag=False, no_filters=False):
+def token_mask(v: int) -> np.ndarray:
+  """int32 [B, K+1, V/32]: a fifth of the tokens disallowed (another fifth at each position and row), each
+  position's favourite token of `data(v)` allowed (so some rows still accept every draft)."""
+  allowed = (np.arange(v)[None, None, :] * 7 + np.arange(K + 1)[None, :, None] * 3 + np.arange(B)[:, None, None]) % 5
+  allowed = allowed != 0
+  favourite = np.argmax(data(v).logits, axis=-1)
+  allowed[np.arange(B)[:, None], np.arange(K + 1)[None, :], favourite] = True
+  # Packed with NumPy (bit v % 32 of little-endian word v // 32): a constant of the traced program.
+  return np.packbits(allowed, axis=-1, bitorder="little").view("<i4")
+
+
+def _rejection(method="token", probs=False, logprobs=None, greedy_flag=False, no_filters=False, masked=False):
   def fn(drafts, logits, params, key, draft_probs, n):
     return rejection_sample(
       drafts,
@@ -231,6 +242,7 @@ def _rejection(method="token", probs=False, logprobs=None, greedy_flag=False, no
       logprobs=logprobs,
       method=method,
       no_filters=no_filters,
+      token_bitmask=token_mask(logits.shape[-1]) if masked else None,
     )
 
   return jax.jit(fn)
@@ -250,6 +262,8 @@ PROGRAMS = {
   "sample_tokens": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, k))),
   # The no_filters programs: one overflow-safe pass (reductions.shifted_chunk_stats) whose partials are gathered.
   "token, draft probs, no_filters": Program("rejection", _rejection(probs=True, no_filters=True), probs=True),
+  # A token_bitmask ([B, K+1, V/32] words, split over "model" like the tokens they cover).
+  "token, draft probs, token_bitmask": Program("rejection", _rejection(probs=True, masked=True), probs=True),
   "sample_tokens no_filters": Program("sample", jax.jit(lambda x, p, k: sample_tokens(x, p, k, no_filters=True))),
 }
 DATASETS = {
@@ -262,6 +276,7 @@ DATASETS = {
   "sample_tokens": ("mixed", "filtered"),
   "token, draft probs, no_filters": ("mixed",),
   "sample_tokens no_filters": ("mixed",),
+  "token, draft probs, token_bitmask": ("mixed",),
 }
 # The data sets with top-k, top-p or min-p run on these meshes only (each top-p run costs seconds on 8 CPU devices).
 FILTERED = ("filtered", "min-p", "min-p + top-k")
