@@ -19,6 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,28 +74,18 @@ def allowed_tokens(bitmask, vocab_size: int) -> jax.Array:
   return bits[..., :vocab_size] == 1
 
 
-def _masked(raw, inner_args, bitmask, *, inner):
-  """The `LogitsView` transform: the inner transform's values (or raw's), -inf where the mask disallows."""
-  x = raw.astype(jnp.float32) if inner is None else inner(raw, *inner_args)
-  allowed = allowed_tokens(bitmask, x.shape[-1])
-  allowed = allowed.reshape(allowed.shape[:1] + (1,) * (x.ndim - allowed.ndim) + allowed.shape[1:])
-  return jnp.where(allowed, x, -jnp.inf)
+@dataclasses.dataclass(frozen=True)
+class _Masked:
+  """The `LogitsView` transform (static, hashable): the inner view's values (or raw's), -inf where the
+  bitmask disallows the token. `inner`: the transform of the view the mask goes over, or None."""
 
-
-class _Composed:
-  """A static, hashable transform: `_masked` over an inner `LogitsView`'s transform (or none)."""
-
-  def __init__(self, inner):
-    self.inner = inner
+  inner: Callable | None
 
   def __call__(self, raw, inner_args, bitmask):
-    return _masked(raw, inner_args, bitmask, inner=self.inner)
-
-  def __eq__(self, other):
-    return isinstance(other, _Composed) and other.inner == self.inner
-
-  def __hash__(self):
-    return hash((_Composed, self.inner))
+    x = raw.astype(jnp.float32) if self.inner is None else self.inner(raw, *inner_args)
+    allowed = allowed_tokens(bitmask, x.shape[-1])
+    allowed = allowed.reshape(allowed.shape[:1] + (1,) * (x.ndim - allowed.ndim) + allowed.shape[1:])
+    return jnp.where(allowed, x, -jnp.inf)
 
 
 def masked_view(logits, bitmask) -> LogitsView:
@@ -107,8 +100,8 @@ def masked_view(logits, bitmask) -> LogitsView:
     >>> view = masked_view(logits, bitmask)      # then sampling.reductions.values(view) inside a reader
   """
   if isinstance(logits, LogitsView):
-    return LogitsView(raw=logits.raw, args=(logits.args, bitmask), fn=_Composed(logits.fn))
-  return LogitsView(raw=logits, args=((), bitmask), fn=_Composed(None))
+    return LogitsView(raw=logits.raw, args=(logits.args, bitmask), fn=_Masked(logits.fn))
+  return LogitsView(raw=logits, args=((), bitmask), fn=_Masked(None))
 
 
 def check_bitmask(bitmask, lead: tuple[int, ...], vocab_size: int, where: str, used=None, logits=None):

@@ -111,6 +111,20 @@ def test_the_mask_applies_before_the_filters():
   assert np.count_nonzero(wrong_order) == 1  # what masking after the filter would have kept
 
 
+def test_the_mask_applies_after_the_logit_bias():
+  """A mask over a view that already carries a logit bias (a composed transform): the bias moves mass among
+  the allowed tokens, and a biased token the mask disallows stays out."""
+  logits = np.zeros((1, 32), np.float32)
+  allowed = np.zeros((1, 32), bool)
+  allowed[0, [1, 2, 3]] = True
+  params = SamplingParams.create([1.0], logit_bias=[{2: 1.0, 5: 10.0}])
+  _, logp = sample_tokens(logits, params, jax.random.key(0), token_bitmask=pack_bitmask(allowed), kernels="xla")
+  p = np.exp(np.asarray(logp[0], np.float64))
+  e = np.exp(1.0)
+  np.testing.assert_allclose(p[[1, 2, 3]], [1 / (2 + e), e / (2 + e), 1 / (2 + e)], rtol=1e-5)
+  assert p[5] == 0.0 and p[[0, 4]].sum() == 0.0
+
+
 def test_sample_tokens_draws_from_the_masked_law():
   logits, allowed, _ = _problem(4)
   x = np.broadcast_to(logits[0], (ROWS, V))
