@@ -19,7 +19,7 @@ from specdec_jax.sampling.draws import (
   categorical_with_empty,
 )
 from specdec_jax.sampling.fused_sample import KERNELS, fused_sample_tokens, pallas_uncovered
-from specdec_jax.sampling.masks import BITS, check_bitmask, masked_view
+from specdec_jax.sampling.masks import check_bitmask, masked_view
 from specdec_jax.sampling.params import (
   SamplingParams,
   check_logits_values,
@@ -164,10 +164,8 @@ def sample_tokens(
     raise ValueError(f"{where}: kernels must be one of {KERNELS}, got {kernels!r}")
   steps = penalty_params(params, penalty_state, b, v, where)
   keys = None if all_greedy else row_keys(key, b)
-  shards = shards_for(v, b)
-  if shards is not None and token_bitmask is not None and shards.local % BITS:
-    shards = None  # a device's slice must start at a mask word
   mask = token_bitmask is not None
+  shards = shards_for(v, b, word_aligned=mask)
   uncovered = "" if all_greedy else pallas_uncovered(steps, logprobs, shards is not None, mask=mask)
   if kernels == "pallas" and uncovered:
     raise ValueError(f"{where}: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec_jax.mesh import DATA_AXIS, MODEL_AXIS, ambient_mesh
 from specdec_jax.mesh import sharded_call as mesh_sharded_call
+from specdec_jax.sampling.masks import BITS
 from specdec_jax.sampling.reductions import chunk_size
 
 
@@ -112,14 +113,17 @@ def take_vocab(x: jax.Array, ids: jax.Array, shards: VocabShards | None) -> jax.
   return jnp.take_along_axis(x, ids, axis=-1) if shards is None else shards.take(x, ids)
 
 
-def shards_for(vocab: int, batch: int) -> VocabShards | None:
+def shards_for(vocab: int, batch: int, *, word_aligned: bool = False) -> VocabShards | None:
   """The `VocabShards` a sampler call uses under the ambient mesh, or None for the single-device program.
 
   None without a mesh, without a "model" axis of more than one device, or when
   the vocabulary does not split into whole chunks per device (V % m != 0 or
   (V / m) % chunk_size(V) != 0; e.g. 151936 and 32000 split over 2, 4 or 8
   devices qualify, 49152 over 2 to 16): then the single-device program runs and
-  XLA moves data as it must. Rows are split over "data" when it divides B.
+  XLA moves data as it must. `word_aligned` (a call with a token_bitmask): each
+  device's slice must also start at a mask word ((V / m) % 32 == 0), so that
+  the words split with the tokens they cover. Rows are split over "data" when
+  it divides B.
 
   Example:
     >>> with jax.set_mesh(make_mesh(1, 4)):  # doctest: +SKIP
@@ -130,7 +134,7 @@ def shards_for(vocab: int, batch: int) -> VocabShards | None:
     return None
   sizes = dict(mesh.shape)
   m = int(sizes.get(MODEL_AXIS, 1))
-  if m <= 1 or vocab % m or (vocab // m) % chunk_size(vocab):
+  if m <= 1 or vocab % m or (vocab // m) % chunk_size(vocab) or (word_aligned and (vocab // m) % BITS):
     return None
   d = int(sizes.get(DATA_AXIS, 1))
   rows = (DATA_AXIS,) if d > 1 and batch % d == 0 else ()

@@ -279,9 +279,7 @@ def rejection_sample(
   else:
     keys = row_keys(key, b, f"{where}: key")
     single = single_key(key)
-  shards = vocab_parallel.shards_for(v, b)
-  if shards is not None and token_bitmask is not None and shards.local % masks.BITS:
-    shards = None  # a device's slice must start at a mask word
+  shards = vocab_parallel.shards_for(v, b, word_aligned=token_bitmask is not None)
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
   if no_filters:

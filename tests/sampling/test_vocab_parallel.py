@@ -229,6 +229,14 @@ def test_split_path_needs_a_model_axis_and_whole_chunks():
   assert 60 % chunk_size(240) != 0
 
 
+def test_a_token_bitmask_splits_only_where_each_slice_starts_at_a_word():
+  """With a token_bitmask the words split with their tokens: V/m must be a multiple of 32 too."""
+  with _on(1, 4):
+    assert vocab_parallel.shards_for(151936, 8, word_aligned=True) is not None  # 37984 = 32 * 1187 a device
+    assert vocab_parallel.shards_for(4 * 1000, 8) is not None  # 1000 tokens a device: whole chunks
+    assert vocab_parallel.shards_for(4 * 1000, 8, word_aligned=True) is None  # but 1000 % 32 != 0
+
+
 def test_rows_split_over_data_only_when_it_divides_the_batch():
   with _on(2, 4):
     assert vocab_parallel.shards_for(32000, 8).row_axes == ("data",)
