@@ -228,10 +228,11 @@ def model_step_loop(model, b: int, t: int, max_length: int, prompt_len: int = PR
   carry_spec = (cache_spec, P("data"))  # one accumulator a device
 
   def per_device(i, carry, state):
-    body = lambda c, st: step(i, (c[0], c[1][0]), st)
-    out_specs = (cache_spec, P())
-    cache, acc = jax.shard_map(body, in_specs=(carry_spec, P()), out_specs=out_specs, check_vma=False)(carry, state)
-    return cache, carry[1] + acc  # (the accumulator only keeps the call alive)
+    def body(c, st):  # this device's rows; its accumulator is a [1] slice of the [d] one
+      cache, acc = step(i, (c[0], c[1][0]), st)
+      return cache, acc[None]
+
+    return jax.shard_map(body, in_specs=(carry_spec, P()), out_specs=carry_spec, check_vma=False)(carry, state)
 
   return timed_loop(per_device), (cache, jnp.zeros((rows_only,), jnp.float32)), (state,)
 
@@ -281,8 +282,8 @@ def measure(path: str, target, drafts: dict, mesh, b: int, args, base_prompts) -
   out = {}
   p = int(tokens.shape[1])
   max_length = p + args.max_new_tokens + args.k + 1
+  rows_only = axis_size("data") if mesh is not None and axis_size("model") == 1 else 1
   for name, t in (("step", 1), ("verify", args.k + 1)):
-    rows_only = axis_size("data") if mesh is not None and axis_size("model") == 1 else 1
     loop, carry, operands = model_step_loop(target, b, t, max_length, p, rows_only)
     r = time_per_iter(loop, carry, operands)
     out[name] = {"s": r["per_iter_s"], "scale": r["scale"]}
