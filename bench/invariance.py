@@ -4,8 +4,9 @@ Greedy speculation equals plain greedy decoding only if the target computes a to
 bits in a one-token step and inside a call of K+1 tokens. On Qwen2.5-Coder-1.5B's Pallas path the EAGLE
 head's greedy outputs parted from plain greedy's on 2 of 6 prompts while prompt lookup's did not; what the
 EAGLE loop does differently is ask the target for its features (`return_features=True`). This script
-compares, after one prefill of a held-out prompt, the logits of the next T tokens (the plain greedy
-continuation) computed four ways: T one-token steps and one T-token call, each with and without features.
+compares the logits of the next T tokens of a held-out prompt's plain greedy continuation computed four ways:
+T one-token steps and one T-token call, each with and without features, from the same cache (one prefill of
+the prompt, then the earlier offsets' T-token calls).
 
 Per kernels value (`--kernels`, default pallas,xla; bf16 on a GPU) it prints and saves, for each pair of
 ways, whether the logits are the same bits, their largest difference, and the first position whose
@@ -57,26 +58,26 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def four_ways(model, prefix, cont, max_length: int) -> dict[str, np.ndarray]:
-  """Logits [T, V] of the tokens `cont` [T] after the context `prefix` [P], computed the four `WAYS`."""
-  call = jax.jit(lambda m, t, p, c: m(t, p, c))
-  call_f = jax.jit(lambda m, t, p, c: m(t, p, c, return_features=True))
-  pos = jnp.arange(len(prefix) + len(cont), dtype=jnp.int32)[None]
-  _, cache = call(model, jnp.asarray(prefix)[None], pos[:, : len(prefix)], model.init_cache(1, max_length))
+# Compiled once a shape: a call's program depends on T and the cache's length, not on the offset or prompt.
+_CALL = jax.jit(lambda m, t, p, c: m(t, p, c))
+_CALL_FEATURES = jax.jit(lambda m, t, p, c: m(t, p, c, return_features=True))
+
+
+def four_ways(model, cache, cont, start: int) -> tuple[dict[str, np.ndarray], object]:
+  """Logits [T, V] of the tokens `cont` [T] at positions start.. after `cache` (the context so far), computed
+  the four `WAYS`; and the cache after the T-token call (the next offset's context)."""
   x = jnp.asarray(cont)[None]
-  tail = pos[:, len(prefix) :]
-  out = {
-    "call": np.asarray(call(model, x, tail, cache)[0][0]),
-    "call+features": np.asarray(call_f(model, x, tail, cache)[0][0]),
-  }
-  for name, fn in (("steps", call), ("steps+features", call_f)):
+  pos = start + jnp.arange(len(cont), dtype=jnp.int32)[None]
+  logits, after = _CALL(model, x, pos, cache)
+  out = {"call": np.asarray(logits[0]), "call+features": np.asarray(_CALL_FEATURES(model, x, pos, cache)[0][0])}
+  for name, fn in (("steps", _CALL), ("steps+features", _CALL_FEATURES)):
     c, rows = cache, []
     for j in range(len(cont)):
-      res = fn(model, x[:, j : j + 1], tail[:, j : j + 1], c)
+      res = fn(model, x[:, j : j + 1], pos[:, j : j + 1], c)
       rows.append(np.asarray(res[0][0, 0]))
       c = res[-1]
     out[name] = np.stack(rows)
-  return out
+  return out, after
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict:
@@ -105,17 +106,22 @@ def main(argv=None):
     if not model.config.feature_layers:
       raise SystemExit(f"{args.model} has no feature_layers: nothing to compare with features")
     results = report["results"][kernels] = {}
-    for name, text in texts.items():
-      ids, n = bs.encode(tokenizer, [text], multiple=1)
+    encoded = {name: bs.encode(tokenizer, [text], multiple=1) for name, text in texts.items()}
+    max_length = max(int(n[0]) for _, n in encoded.values()) + span + 1  # one cache length: one program a way
+    for name, (ids, n) in encoded.items():
       out = generate(
         model, jnp.asarray(ids), jnp.asarray(n), SamplingParams.greedy(1), None, max_new_tokens=span, all_greedy=True
       )
-      full = np.concatenate([ids[0, : n[0]], np.asarray(out.tokens)[0, :span]])
+      p = int(n[0])
+      full = np.concatenate([ids[0, :p], np.asarray(out.tokens)[0, :span]])
+      _, cache = _CALL(
+        model, jnp.asarray(full[:p])[None], jnp.arange(p, dtype=jnp.int32)[None], model.init_cache(1, max_length)
+      )
       rows = []
-      for o in range(args.offsets):
-        p = int(n[0]) + o * args.tokens
-        ways = four_ways(model, full[:p], full[p : p + args.tokens], p + args.tokens + 1)
+      for _ in range(args.offsets):
+        ways, cache = four_ways(model, cache, full[p : p + args.tokens], p)
         rows.append({f"{a} vs {b}": compare(ways[a], ways[b]) for a, b in itertools.combinations(WAYS, 2)})
+        p += args.tokens
       summary = {
         pair: {
           "calls_same_bits": sum(r[pair]["same_bits"] for r in rows),
