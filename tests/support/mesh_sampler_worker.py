@@ -106,6 +106,7 @@ from jax.sharding import PartitionSpec as P
 
 from specdec_jax import SamplingParams, rejection_sample, sample_tokens
 from specdec_jax.mesh import make_mesh
+from specdec_jax.sampling.masks import pack_bitmask
 from specdec_jax.sampling.reductions import chunk_size
 from tests.support.eight_devices import exit_unless_devices, part_arg, run_checks
 
@@ -225,8 +226,8 @@ def token_mask(v: int) -> np.ndarray:
   allowed = allowed != 0
   favourite = np.argmax(data(v).logits, axis=-1)
   allowed[np.arange(B)[:, None], np.arange(K + 1)[None, :], favourite] = True
-  # Packed with NumPy (bit v % 32 of little-endian word v // 32): a constant of the traced program.
-  return np.packbits(allowed, axis=-1, bitorder="little").view("<i4")
+  with jax.ensure_compile_time_eval():  # called while tracing: pack now, a constant of the program
+    return np.asarray(pack_bitmask(allowed))
 
 
 def _rejection(method="token", probs=False, logprobs=None, greedy_flag=False, no_filters=False, masked=False):
