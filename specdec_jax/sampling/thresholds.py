@@ -531,9 +531,8 @@ def threshold_and_lse(
 def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards):
   """`threshold_and_lse` with the vocabulary split over `shards`: each device keeps its own candidates.
 
-  Each device finds the 4 largest values of every group of its slice (groups
-  of one device's size, the slice's last tokens a short group) and narrows
-  them to the 8 largest of every 128 (`group_top`, as on one device);
+  Each device finds the 4 largest values of every group of its slice and
+  narrows them to the 8 largest of every 128 (`group_top`, as on one device);
   only those few hundred candidates per position are gathered, with the
   maxima, floors and masses reduced over the devices. Rows the narrowed
   candidates cannot vouch for are redone from the 32 largest of every 128
@@ -545,15 +544,10 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   """
   scale = functools.partial(_scaled, temperature=temperature)
   v, v_local = shards.vocab, logits.shape[-1]
-  # One device's group size on every slice (per token, a reduction over smaller groups costs more), the
-  # slice's last V/m mod g tokens a short group of their own: no padded copy of the logits.
-  group_size = min(_group_size(v), v_local)
-  whole = v_local - v_local % group_size
-  x = scale(logits)
-  tops, group_mass = group_top(x[..., :whole], group_size, with_sumexp=True)  # [..., G_l, 4], [..., G_l]
-  if whole < v_local:
-    tail, tail_mass = group_top(x[..., whole:], v_local - whole, with_sumexp=True)
-    tops, group_mass = jnp.concatenate([tops, tail], axis=-2), jnp.concatenate([group_mass, tail_mass], axis=-1)
+  want = int(np.clip(v // _NUM_GROUPS, 16, 128))
+  fits = [g for g in range(1, 129) if v_local % g == 0 and g <= 2 * want]
+  group_size = max(fits, key=lambda g: (-abs(np.log(g / want)), g))
+  tops, group_mass = group_top(scale(logits), group_size, with_sumexp=True)  # [..., G_l, 4], [..., G_l]
   flat = tops.reshape(tops.shape[:-2] + (-1,))  # [..., 4 G_l]
   m = shards.max(jnp.max(tops[..., 0], axis=-1))
   floor = shards.max(jnp.max(tops[..., -1], axis=-1))  # tokens outside the candidates are <= this
