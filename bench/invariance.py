@@ -42,7 +42,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", choices=("qwen2.5-coder-1.5b", "smollm2"), default="qwen2.5-coder-1.5b")
   ap.add_argument("--kernels", default="pallas,xla", help="comma list of xla, pallas (default pallas,xla)")
-  ap.add_argument("--prompts", default="question0,question1,code0", help="held-out prompts (default 3)")
+  ap.add_argument(
+    "--prompts",
+    default="question0,question1,code0",
+    help="comma list of held-out prompt names of examples/held_out_prompts.json (question<i>, code<i>, edit<i>)",
+  )
   ap.add_argument("--tokens", type=int, default=5, help="T, the verification call's tokens (default 5: K=4)")
   ap.add_argument("--offsets", type=int, default=8, help="calls per prompt, T tokens apart (default 8)")
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
