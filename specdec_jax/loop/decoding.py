@@ -64,6 +64,7 @@ from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.drafts.static_tree import DraftTree
 from specdec_jax.loop.adapter import ModelDef, merge_model, split_model
 from specdec_jax.loop.chain_round import chain_round
+from specdec_jax.loop.constraint import Constraint, check_grammar
 from specdec_jax.loop.draft_kinds import DraftKind, FeatureDraft, LookupDraft, ModelDraft
 from specdec_jax.loop.round import RoundSetup, commit, kept_tokens, round_keys
 from specdec_jax.loop.state import (
@@ -226,21 +227,25 @@ def _check_context(where, models, p, max_new_tokens):
       )
 
 
-def _check_bias_vocab(where, target, params, prompt_tokens):
-  """Concrete logit-bias ids must be < V, as `sample_tokens` and `rejection_sample` require eagerly.
-
-  Inside the loop's jit they would be ignored silently, so V is found here: from
-  the target's `config.vocab_size`, or else from the shape of one traced call.
-  """
-  ids = params.logit_bias_ids
-  if ids is None or isinstance(ids, jax.core.Tracer):
-    return
+def _target_vocab(target, prompt_tokens) -> int:
+  """The target's V: its `config.vocab_size`, or else the shape of one traced call (nothing runs)."""
   v = getattr(getattr(target, "config", None), "vocab_size", None)
   if v is None:
     b = prompt_tokens.shape[0]
     one = jnp.zeros((b, 1), jnp.int32)
     v = jax.eval_shape(lambda: target(one, one, target.init_cache(b, 2))[0]).shape[-1]
-  check_bias_ids(params, int(v), where)
+  return int(v)
+
+
+def _check_bias_vocab(where, target, params, prompt_tokens):
+  """Concrete logit-bias ids must be < V, as `sample_tokens` and `rejection_sample` require eagerly.
+
+  Inside the loop's jit they would be ignored silently, so V is found here (`_target_vocab`).
+  """
+  ids = params.logit_bias_ids
+  if ids is None or isinstance(ids, jax.core.Tracer):
+    return
+  check_bias_ids(params, _target_vocab(target, prompt_tokens), where)
 
 
 # ----------------------------------------------------------------------------
@@ -260,6 +265,7 @@ def generate(
   all_greedy: bool = False,
   logprobs: str | None = None,
   no_filters: bool = False,
+  grammar=None,
 ) -> GenerateOutput:
   """Plain autoregressive decoding: one target call per token, in one jitted loop.
 
@@ -301,6 +307,21 @@ def generate(
       a GPU saves a device-to-host copy per branch and step. The same
       distribution; draws may differ from the default program's where
       rounding ties two candidates.
+    grammar: None, or a token automaton (structured output;
+      `specdec_jax.loop.constraint.TokenAutomaton`: a pytree with a static
+      `vocab_size` equal to the target's V, `initial_state()` int32 [],
+      `mask(states)` int32 [..., ceil(V/32)] of allowed tokens without EOS,
+      `next_state(states, tokens)` int32 [...] (-1: dead), `accepts(states)`
+      bool [...]). Each row keeps its grammar state in the loop and samples
+      every token, the first included, from the target's law restricted to
+      its state's allowed set (the mask, plus the EOS ids where the state
+      accepts; applied before temperature and the filters) and renormalised;
+      the state then follows the token. A row whose allowed set becomes
+      empty ends after the token that got it there (a complete match with
+      eos_token_id None); one whose initial state allows nothing emits no
+      token (length 0). "processed" logprobs are under the restricted law.
+      Its arrays ride through jit (new tables of the same shapes do not
+      recompile); on a mesh they are replicated.
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens] with -1 after each row's end,
@@ -309,13 +330,16 @@ def generate(
     counts have shape [0]).
 
   Raises:
-    ValueError: on shapes, dtypes, out-of-range values, or a generation longer
-      than the target's `max_length`.
+    ValueError: on shapes, dtypes, out-of-range values, a generation longer
+      than the target's `max_length`, or a grammar without the automaton's
+      methods or of another vocabulary size.
 
   Example:
     >>> out = generate(model, prompts, prompt_lengths, SamplingParams.create([0.0, 0.8]),
     ...                jax.random.key(0), max_new_tokens=32, eos_token_id=2)
     >>> out.tokens[0, :out.lengths[0]]
+    >>> out = generate(model, prompts, prompt_lengths, params, key, max_new_tokens=32, eos_token_id=2,
+    ...                grammar=token_grammar)        # every row's text matches the grammar
   """
   where = "generate"
   _check_logprobs(where, logprobs)
@@ -324,11 +348,14 @@ def generate(
   )
   _check_context(where, [("target", target)], prompt_tokens.shape[1], max_new_tokens)
   _check_bias_vocab(where, target, params, prompt_tokens)
+  if grammar is not None:
+    check_grammar(where, grammar, _target_vocab(target, prompt_tokens))
   if no_filters:
     params = params.promise_no_filters()  # static: every sampling call below reads it
   target_def, target_arrays = _split(target, "target")
   return _generate_jit(
     target_arrays,
+    grammar,
     prompt_tokens,
     prompt_lengths,
     params,
@@ -413,9 +440,21 @@ def _check_logprobs(where, logprobs):
 
 
 def _generate_program(
-  target_arrays, prompt_tokens, prompt_lengths, params, key, *, target_def, max_new_tokens, eos, all_greedy, logprobs
+  target_arrays,
+  grammar,
+  prompt_tokens,
+  prompt_lengths,
+  params,
+  key,
+  *,
+  target_def,
+  max_new_tokens,
+  eos,
+  all_greedy,
+  logprobs,
 ):
   b, p = prompt_tokens.shape
+  constraint = None if grammar is None else Constraint(grammar, eos)
   max_length = p + max_new_tokens + 1
   prompt_lengths = clip_lengths(prompt_lengths, p)
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
@@ -433,6 +472,7 @@ def _generate_program(
     with_features=False,
     where="generate",
     logprobs=logprobs,
+    constraint=constraint,
   )
   rows = arange32(b)
 
@@ -440,8 +480,9 @@ def _generate_program(
     # Each row feeds its last token at its own position: rows advance independently.
     last = gather_rows(s.tokens, s.length - 1)
     logits, cache = t_apply(last[:, None], (s.length - 1)[:, None], s.target_cache)
+    allowed = None if constraint is None else constraint.sampler_masks(s.grammar_state)[0]  # live rows: not empty
     token, _, token_lp = sample_next(
-      logits[:, 0], params, position_keys(start.keys, s.length), all_greedy, s.penalties, logprobs
+      logits[:, 0], params, position_keys(start.keys, s.length), all_greedy, s.penalties, logprobs, allowed
     )
     live = ~s.done
     # Finished rows write nowhere (index max_length is dropped) and stay put.
@@ -454,11 +495,23 @@ def _generate_program(
     length = s.length + live
     done = s.done | (live & (is_eos(token, eos) | (length - prompt_lengths >= max_new_tokens)))
     stats = dataclasses.replace(s.stats, target_calls=s.stats.target_calls + live)
+    grammar_state = None
+    if constraint is not None:  # the state follows the token; a row ends where its allowed set is empty
+      grammar_state = jnp.where(live, constraint.advance(s.grammar_state, token), s.grammar_state)
+      done = done | (live & constraint.ends(grammar_state))
     return dataclasses.replace(
-      s, tokens=buf, length=length, done=done, target_cache=cache, stats=stats, logprobs=lp, penalties=penalties
+      s,
+      tokens=buf,
+      length=length,
+      done=done,
+      target_cache=cache,
+      stats=stats,
+      logprobs=lp,
+      penalties=penalties,
+      grammar_state=grammar_state,
     )
 
-  return loop_outputs(run_loop(body, start.state), prompt_lengths, max_new_tokens)
+  return loop_outputs(run_loop(body, start.state), prompt_lengths, max_new_tokens, start.empty_start)
 
 
 # ----------------------------------------------------------------------------

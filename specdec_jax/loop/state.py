@@ -132,6 +132,8 @@ class LoopState:
       (0 elsewhere), or None when not asked for.
     penalties: the `PenaltyState` of the context (prompt mask, counts of the
       generated tokens) when the parameters carry penalties, else None.
+    grammar_state: int32[B] each row's grammar state after its context
+      (`specdec_jax.loop.constraint`), or None without a grammar.
   """
 
   tokens: jax.Array
@@ -142,6 +144,7 @@ class LoopState:
   stats: DecodeStats
   logprobs: jax.Array | None = None
   penalties: PenaltyState | None = None
+  grammar_state: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -192,6 +195,7 @@ class Start:
   keys: jax.Array | None  # [B] one typed key per row, None for all-greedy programs
   vocab_size: int
   prefill_features: jax.Array | None  # [B, P, F] when the draft reads features
+  empty_start: jax.Array | None = None  # bool [B] with a grammar: the initial state allows nothing (emits nothing)
 
 
 def prefill_inputs(prompt_tokens, prompt_lengths):
@@ -213,13 +217,22 @@ class NextToken(NamedTuple):
   logprob: jax.Array | None  # f32 [B]: its log-probability in the loop's `logprobs` mode, None when not asked for
 
 
-def sample_next(logits, params, keys, all_greedy, penalties, logprobs) -> NextToken:
+def sample_next(logits, params, keys, all_greedy, penalties, logprobs, token_bitmask=None) -> NextToken:
   """One token per row from [B, V] logits.
 
   `penalties` is the context's `PenaltyState` (None without penalties);
-  `logprobs` the loop's mode (None: not asked for).
+  `logprobs` the loop's mode (None: not asked for); `token_bitmask` int32
+  [B, ceil(V/32)] the rows' allowed tokens (None without a grammar).
   """
-  out = sample_tokens(logits, params, keys, all_greedy=all_greedy, penalty_state=penalties, logprobs=logprobs)
+  out = sample_tokens(
+    logits,
+    params,
+    keys,
+    all_greedy=all_greedy,
+    penalty_state=penalties,
+    logprobs=logprobs,
+    token_bitmask=token_bitmask,
+  )
   return NextToken(*out) if logprobs is not None else NextToken(*out, None)
 
 
@@ -238,8 +251,13 @@ def start_loop(
   with_features,
   where,
   logprobs=None,
+  constraint=None,
 ) -> Start:
   """Keys, the target's prefill, the first new token, the token buffer.
+
+  With a `constraint` (`specdec_jax.loop.constraint`) the first token is drawn
+  from the initial state's allowed set and the state follows it; a row whose
+  initial state allows nothing is done at once (`Start.empty_start`).
 
   The prefill feeds the padded prompt at positions arange(P) and samples the
   first new token from the logits at prompt_lengths - 1:
@@ -258,8 +276,12 @@ def start_loop(
   penalties = None
   if params.has_penalties:  # the context's counts, kept by the loop (static: the params' structure)
     penalties = PenaltyState.from_prompt(prompt_tokens, prompt_lengths, logits.shape[-1])
+  grammar_state = first_mask = empty_start = None
+  if constraint is not None:
+    grammar_state = constraint.initial(b)
+    first_mask, empty_start = constraint.sampler_masks(grammar_state)
   first, _, first_lp = sample_next(
-    first_logits, params, position_keys(keys, prompt_lengths), all_greedy, penalties, logprobs
+    first_logits, params, position_keys(keys, prompt_lengths), all_greedy, penalties, logprobs, first_mask
   )
 
   slot = arange32(max_length)[None, :]
@@ -289,6 +311,10 @@ def start_loop(
       reached_per_position=jnp.zeros((0,), jnp.int32),
     ),
   )
+  if constraint is not None:  # the state follows the first token; a row may end by the grammar at once
+    grammar_state = constraint.advance(grammar_state, first)
+    done = state.done | empty_start | constraint.ends(grammar_state)
+    state = dataclasses.replace(state, done=done, grammar_state=grammar_state)
   # Under a mesh, the row-major state lives split by rows over the data axis, as
   # the caches do (the models constrain those); a no-op without a mesh.
   state = dataclasses.replace(
@@ -297,12 +323,23 @@ def start_loop(
     length=constrain_rows(state.length),
     done=constrain_rows(state.done),
     logprobs=None if lp_buf is None else constrain_rows(lp_buf),
+    grammar_state=None if grammar_state is None else constrain_rows(grammar_state),
   )
-  return Start(state=state, keys=keys, vocab_size=logits.shape[-1], prefill_features=out[1] if with_features else None)
+  return Start(
+    state=state,
+    keys=keys,
+    vocab_size=logits.shape[-1],
+    prefill_features=out[1] if with_features else None,
+    empty_start=empty_start,
+  )
 
 
-def loop_outputs(state: LoopState, prompt_lengths, max_new_tokens):
-  """Cuts the generated tokens out of the buffer; -1 after each row's end."""
+def loop_outputs(state: LoopState, prompt_lengths, max_new_tokens, empty_start=None):
+  """Cuts the generated tokens out of the buffer; -1 after each row's end.
+
+  `empty_start`: bool [B] or None, rows that emit nothing (a grammar's initial state allowed no token):
+  their prefill's token is dropped and its target call not counted.
+  """
   buf, s = state.tokens, state.tokens.shape[1]
   i = arange32(max_new_tokens)[None, :]
   gen = jnp.take_along_axis(buf, jnp.minimum(prompt_lengths[:, None] + i, s - 1), axis=1)
@@ -312,7 +349,13 @@ def loop_outputs(state: LoopState, prompt_lengths, max_new_tokens):
   if state.logprobs is not None:
     lp = jnp.take_along_axis(state.logprobs, jnp.minimum(prompt_lengths[:, None] + i, s - 1), axis=1)
     lp = jnp.where(i < lengths[:, None], lp, 0.0)
-  return GenerateOutput(tokens=tokens, lengths=lengths, stats=state.stats, logprobs=lp)
+  stats = state.stats
+  if empty_start is not None:
+    lengths = jnp.where(empty_start, 0, lengths)
+    tokens = jnp.where(empty_start[:, None], PLACEHOLDER_TOKEN_ID, tokens)
+    lp = None if lp is None else jnp.where(empty_start[:, None], 0.0, lp)
+    stats = dataclasses.replace(stats, target_calls=jnp.where(empty_start, 0, stats.target_calls))
+  return GenerateOutput(tokens=tokens, lengths=lengths, stats=stats, logprobs=lp)
 
 
 def run_loop(body, state: LoopState) -> LoopState:

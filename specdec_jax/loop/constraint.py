@@ -1,0 +1,146 @@
+"""Constrained decoding inside the loops: a grammar (a token automaton) and the EOS ids as masks of allowed tokens.
+
+Words used here and in the loops, each for one thing:
+
+  - grammar: the caller's token automaton (`TokenAutomaton`), a pytree whose arrays ride through jit.
+  - grammar state: int32 per row; -1 is the dead state (allows nothing, never accepts, stays dead).
+  - allowed set of a state s: the tokens of `grammar.mask(s)`, plus the loop's EOS ids where
+    `grammar.accepts(s)` (the grammar's masks never hold EOS). A row samples from the target's law over
+    its allowed set (`sampling.masks`: the mask acts as a -inf bias before temperature and the filters).
+  - a row *ends by the grammar* after a token whose state has an empty allowed set: a complete match with
+    nothing more allowed and no EOS id to emit (eos_token_id None), or a dead end of an ill-formed grammar.
+    The token is kept; nothing follows it. A row whose initial state has an empty allowed set emits no
+    token at all (length 0).
+
+A chain round walks the grammar along its drafts; position i of the verifier scores the token after
+d_1 .. d_i, so it reads the allowed set of s_i:
+
+    state:     s_0 --d_1--> s_1 --d_2--> s_2  ...  --d_K--> s_K
+    position:   0            1            2                  K
+    mask:      allowed(s_0)  allowed(s_1) ...                allowed(s_K)
+
+A draft outside allowed(s_{i-1}) is rejected at position i-1, so the positions after it (dead state) are
+never reached; their mask is made all ones (`sampler_masks`) so that no sampler ever sees an empty
+position, which it could only answer with token 0. The same holds for any empty allowed set: the token
+sampled there is cut by `kept_tokens` (the row ends by the grammar before it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdec_jax.sampling.masks import BITS, mask_words
+
+__all__ = ["Constraint", "TokenAutomaton", "check_grammar"]
+
+_METHODS = ("initial_state", "mask", "next_state", "accepts")
+
+
+class TokenAutomaton(Protocol):
+  """What the loops ask of a grammar (a JAX pytree: its arrays are leaves, `vocab_size` static).
+
+  Example:
+    >>> s = grammar.initial_state()                       # int32 []
+    >>> grammar.mask(s[None])                             # int32 [1, ceil(V/32)]: allowed tokens, EOS excluded
+    >>> grammar.next_state(s[None], jnp.array([7]))       # int32 [1]; -1 (dead) for a token not allowed
+    >>> grammar.accepts(s[None])                          # bool [1]: the text so far is a complete match
+  """
+
+  vocab_size: int
+
+  def initial_state(self) -> jax.Array: ...
+
+  def mask(self, states) -> jax.Array: ...
+
+  def next_state(self, states, tokens) -> jax.Array: ...
+
+  def accepts(self, states) -> jax.Array: ...
+
+
+def check_grammar(where: str, grammar, vocab_size: int) -> None:
+  """Refuses (ValueError, naming `grammar`) an object without the protocol's methods or another vocabulary size."""
+  missing = [m for m in _METHODS if not callable(getattr(grammar, m, None))]
+  v = getattr(grammar, "vocab_size", None)
+  if missing or not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+    raise ValueError(
+      f"{where}: grammar must be a token automaton with an int vocab_size and the methods initial_state(), "
+      f"mask(states), next_state(states, tokens), accepts(states); {type(grammar).__name__} lacks "
+      f"{missing or ['an int vocab_size']}"
+    )
+  if int(v) != int(vocab_size):
+    raise ValueError(f"{where}: grammar.vocab_size={int(v)} must equal the target's vocabulary size V={vocab_size}")
+
+
+def _words(ids, vocab_size: int, *, fill: bool = False) -> np.ndarray:
+  """int32 [ceil(V/32)] with the bits of `ids` set (fill: of every id < V), a trace-time constant."""
+  bits = np.zeros(mask_words(vocab_size) * BITS, bool)
+  bits[np.arange(vocab_size) if fill else list(ids)] = True
+  weights = np.left_shift(np.uint64(1), np.arange(BITS, dtype=np.uint64))
+  words = (bits.reshape(-1, BITS) * weights[None, :]).sum(axis=1).astype(np.uint32)
+  return words.view(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+  """A grammar with the loop's (static) EOS ids, as the loops use it inside the program.
+
+  Attributes:
+    grammar: the `TokenAutomaton` (its arrays traced).
+    eos: the EOS ids, allowed where a state accepts.
+  """
+
+  grammar: Any
+  eos: tuple[int, ...]
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self.grammar.vocab_size)
+
+  def initial(self, b: int) -> jax.Array:
+    """int32 [B]: every row's initial state."""
+    return jnp.broadcast_to(jnp.asarray(self.grammar.initial_state(), jnp.int32), (b,))
+
+  def allowed(self, states) -> jax.Array:
+    """int32 [..., W]: the allowed set of each state (bits of ids >= V cleared)."""
+    states = jnp.asarray(states, jnp.int32)
+    ones = (1,) * states.ndim
+    words = jnp.asarray(self.grammar.mask(states), jnp.int32) & _words((), self.vocab_size, fill=True).reshape(
+      ones + (-1,)
+    )
+    if self.eos:
+      eos_words = _words(self.eos, self.vocab_size).reshape(ones + (-1,))
+      words = jnp.where(jnp.asarray(self.grammar.accepts(states), bool)[..., None], words | eos_words, words)
+    return words
+
+  def ends(self, states) -> jax.Array:
+    """bool [...]: the state's allowed set is empty (a row ends by the grammar after reaching it)."""
+    return ~jnp.any(self.allowed(states) != 0, axis=-1)
+
+  def sampler_masks(self, states) -> tuple[jax.Array, jax.Array]:
+    """(int32 [..., W] masks for a sampler, bool [...] empty): the allowed sets, all ones where empty.
+
+    An empty position is never emitted (a rejected draft's successors, a finished row, or a token the
+    row's end cuts), and all ones keeps every sampler's law there well defined.
+    """
+    words = self.allowed(states)
+    empty = ~jnp.any(words != 0, axis=-1)
+    return jnp.where(empty[..., None], jnp.int32(-1), words), empty
+
+  def advance(self, states, tokens) -> jax.Array:
+    """int32 [...]: the states after `tokens`; a token outside [0, V) gives the dead state -1."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    valid = (tokens >= 0) & (tokens < self.vocab_size)
+    nxt = self.grammar.next_state(jnp.asarray(states, jnp.int32), jnp.where(valid, tokens, 0))
+    return jnp.where(valid, jnp.asarray(nxt, jnp.int32), -1)
+
+  def walk(self, states, tokens) -> jax.Array:
+    """int32 [B, K+1]: s_0 = states [B], then the states after each of tokens [B, K] in turn."""
+    out = [jnp.asarray(states, jnp.int32)]
+    for i in range(tokens.shape[1]):
+      out.append(self.advance(out[-1], tokens[:, i]))
+    return jnp.stack(out, axis=1)
