@@ -14,6 +14,7 @@ protocol only; `import specdec_jax` imports neither.
 """
 
 from specdec_jax.drafts import DraftTree, DynamicTree, PromptLookupDrafter
+from specdec_jax.grammar import TokenAutomaton, TokenGrammar
 from specdec_jax.loop import DecodeStats, GenerateOutput, generate, speculative_generate
 from specdec_jax.sampling import PenaltyState, SamplingParams, process_logits, row_keys, sample_tokens
 from specdec_jax.verify import (
@@ -34,6 +35,8 @@ __all__ = [
   "PromptLookupDrafter",
   "RejectionOutput",
   "SamplingParams",
+  "TokenAutomaton",
+  "TokenGrammar",
   "TreeRejectionOutput",
   "generate",
   "process_logits",

@@ -1,0 +1,1 @@
+"""Tests of specdec_jax/grammar."""
