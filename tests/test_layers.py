@@ -17,13 +17,15 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "specdec_jax"
 ALLOWED = {
   "mesh": set(),
   "sampling": {"mesh"},
+  # Grammars as token automata on device: their masks are the sampler's bitmasks.
+  "grammar": {"sampling", "mesh"},
   "verify": {"sampling", "mesh"},
   "drafts": {"verify", "sampling", "mesh"},
   "loop": {"drafts", "verify", "sampling", "mesh"},
   "kernels": set(),
   "models": {"kernels", "mesh"},
   # The package root re-exports the public names of the speculative layers only.
-  "__init__": {"mesh", "sampling", "verify", "drafts", "loop"},
+  "__init__": {"mesh", "sampling", "grammar", "verify", "drafts", "loop"},
 }
 
 
@@ -83,7 +85,7 @@ def _violations(edges):
 def test_every_file_belongs_to_a_known_layer():
   layers = {_file_layer(p) for p in PACKAGE.rglob("*.py")}
   assert layers <= set(ALLOWED), f"files outside the known layers: {sorted(layers - set(ALLOWED))}"
-  for folder in ("sampling", "verify", "drafts", "loop", "kernels", "models"):
+  for folder in ("sampling", "grammar", "verify", "drafts", "loop", "kernels", "models"):
     assert (PACKAGE / folder / "__init__.py").is_file(), folder
 
 
