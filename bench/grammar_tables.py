@@ -40,7 +40,6 @@ FREE = {
   "properties": {"name": {"type": "string"}, "id": {"type": "integer"}, "email": {"type": "string"}},
   "required": ["name", "id"],
 }
-_UNUSED_TOKEN = 5  # llama.cpp's token type "unused"
 
 
 def gguf_vocabulary(path: str):
@@ -52,7 +51,7 @@ def gguf_vocabulary(path: str):
   tokenizer = tokenizer_from_gguf(path)
   vocab_size = len(meta.tokens)
   eos = sorted({i for i in (meta.eos_token_id, meta.padding_token_id, meta.bos_token_id) if i is not None})
-  unused = [i for i, kind in enumerate(meta.token_types) if kind == _UNUSED_TOKEN]
+  unused = meta.unused_token_ids
   vocabulary = outlines_vocabulary(tokenizer, eos_token_ids=eos, vocab_size=vocab_size, exclude_token_ids=unused)
   return vocabulary, vocab_size, eos, time.perf_counter() - start
 

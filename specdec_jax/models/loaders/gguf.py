@@ -317,7 +317,7 @@ def _gguf_version() -> str:
 # ---------------------------------------------------------------------------- tokenizer
 
 # llama.cpp token types (llama_token_type): 3 = control, 4 = user defined.
-_CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4
+_CONTROL_TOKEN, _USER_DEFINED_TOKEN, _UNUSED_TOKEN = 3, 4, 5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -346,6 +346,16 @@ class GGUFTokenizerMetadata:
   padding_token_id: int | None
   add_bos_token: bool
   chat_template: str | None
+
+  @property
+  def unused_token_ids(self) -> tuple[int, ...]:
+    """Ids of llama.cpp's "unused" type (e.g. Qwen2.5's "[PAD...]" fillers): no grammar should allow them.
+
+    Example:
+      >>> read_gguf_tokenizer_metadata(path).unused_token_ids[:2]   # doctest: +SKIP
+      (151665, 151666)
+    """
+    return tuple(i for i, kind in enumerate(self.token_types) if kind == _UNUSED_TOKEN)
 
   @property
   def special_tokens(self) -> tuple[str, ...]:
