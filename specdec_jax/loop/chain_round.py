@@ -37,13 +37,23 @@ def chain_round(s: LoopState, keys: RoundKeys, setup: RoundSetup) -> Verified:
   Example:
     >>> verified = chain_round(state, round_keys(row_keys, state.length, False), setup)  # doctest: +SKIP
   """
-  drafts = setup.kind.propose_chain(s.draft, s, keys.draft, setup.params, all_greedy=setup.all_greedy, end=setup.end)
+  drafts = setup.kind.propose_chain(
+    s.draft, s, keys.draft, setup.params, all_greedy=setup.all_greedy, end=setup.end, constraint=setup.constraint
+  )
   return verify_chain(s, drafts, keys, setup)
 
 
 def verify_chain(s: LoopState, drafts: Drafts, keys: RoundKeys, setup: RoundSetup) -> Verified:
-  """The target scores [t, d1 .. dK] in one call; `rejection_sample` emits 1 .. K+1 tokens."""
+  """The target scores [t, d1 .. dK] in one call; `rejection_sample` emits 1 .. K+1 tokens.
+
+  With a grammar, position i is verified under the allowed set of s_i, the state after d1 .. di
+  (`specdec_jax.loop.constraint`: the walk, and why empty positions get all ones).
+  """
   k = setup.k
+  walk = mask = empty = None
+  if setup.constraint is not None:
+    walk = setup.constraint.walk(s.grammar_state, drafts.tokens)  # [B, K+1]: s_0 .. s_K
+    mask, empty = setup.constraint.sampler_masks(walk)  # [B, K+1, W], [B, K+1]
   last = gather_rows(s.tokens, s.length - 1)
   tokens = jnp.concatenate([last[:, None], drafts.tokens], axis=1)  # [B, K+1]: t, d1 .. dK
   positions = clamp_positions((s.length - 1)[:, None] + arange32(k + 1)[None, :], setup.end)
@@ -61,9 +71,13 @@ def verify_chain(s: LoopState, drafts: Drafts, keys: RoundKeys, setup: RoundSetu
     logprobs=setup.logprobs,
     method=setup.method,
     penalty_state=s.penalties,
+    token_bitmask=mask,
   )
   if setup.forced_accepts is not None:  # the benchmark knob (`specdec_jax.loop.forced`): NOT LOSSLESS
     out = force_chain(out, drafts.tokens, target_logits, setup.forced_accepts)
+  after = ends = None
+  if walk is not None:
+    after, ends = setup.constraint.emitted_states(walk, empty, out.token_ids, out.num_accepted)
   return Verified(
     emitted=out.token_ids,
     num_emitted=out.num_emitted,
@@ -71,6 +85,8 @@ def verify_chain(s: LoopState, drafts: Drafts, keys: RoundKeys, setup: RoundSetu
     target_cache=target_cache,
     draft_carry=drafts.carry,
     features=features,
+    grammar_after=after,
+    grammar_ends=ends,
   )
 
 

@@ -138,6 +138,28 @@ class Constraint:
     nxt = self.grammar.next_state(jnp.asarray(states, jnp.int32), jnp.where(valid, tokens, 0))
     return jnp.where(valid, jnp.asarray(nxt, jnp.int32), -1)
 
+  def emitted_states(self, walk, empty, emitted, num_accepted) -> tuple[jax.Array, jax.Array]:
+    """After a chain's verification: the state after each emitted token, and whether it ends the row.
+
+    The accepted drafts' states are the walk's (s_1 .. s_n); the recovered or bonus token x at n moves s_n
+    to one more state, the only new one.
+
+    Args:
+      walk: int32 [B, K+1] s_0 .. s_K (`walk`); empty: bool [B, K+1] their allowed sets are empty.
+      emitted: int32 [B, K+1] d_1 .. d_n, x, then -1; num_accepted: int32 [B] n.
+
+    Returns:
+      (int32 [B, K+1] the state after emitted token j, bool [B, K+1] its allowed set is empty); entries
+      past n repeat n's.
+    """
+    n = num_accepted.astype(jnp.int32)[:, None]
+    last = jnp.take_along_axis(emitted, n, axis=1)[:, 0]
+    s_last = self.advance(jnp.take_along_axis(walk, n, axis=1)[:, 0], last)
+    j = jnp.arange(walk.shape[1], dtype=jnp.int32)[None, :]
+    after = jnp.where(j < n, jnp.concatenate([walk[:, 1:], walk[:, -1:]], axis=1), s_last[:, None])
+    ends = jnp.where(j < n, jnp.concatenate([empty[:, 1:], empty[:, -1:]], axis=1), self.ends(s_last)[:, None])
+    return after, ends
+
   def walk(self, states, tokens) -> jax.Array:
     """int32 [B, K+1]: s_0 = states [B], then the states after each of tokens [B, K] in turn."""
     out = [jnp.asarray(states, jnp.int32)]

@@ -538,6 +538,7 @@ def speculative_generate(
   draft_tree: tuple[int, ...] | DraftTree | DynamicTree | None = None,
   verification: str = "token",
   no_filters: bool = False,
+  grammar=None,
 ) -> GenerateOutput:
   """Speculative decoding: draft K tokens, verify them in one target call, repeat.
 
@@ -608,6 +609,15 @@ def speculative_generate(
       H200 the flag took SmolLM2 with the EAGLE head (K=2) from 1350 to 1632
       tokens/s. The same distribution; draws may differ from the default
       program's where rounding ties two candidates.
+    grammar: None, or a token automaton, as in `generate` (the same law:
+      lossless under the constraint too; all_greedy float32: the same tokens
+      as `generate(..., grammar=)`). Chains only for now. Each round walks the
+      row's grammar state along the drafts, s_i after d_1 .. d_i, and verifies
+      position i under the allowed set of s_i (a draft the grammar disallows
+      is rejected); the state then follows the emitted tokens. A draft model
+      and a feature drafter draw each draft from their law over the allowed
+      set (renormalised), which is the q the verifier reads; prompt lookup
+      proposes unmasked drafts.
 
   Returns:
     GenerateOutput(tokens int32[B, max_new_tokens], lengths int32[B], stats,
@@ -617,13 +627,17 @@ def speculative_generate(
 
   Raises:
     ValueError: on shapes, dtypes, out-of-range values, mismatched vocabularies
-      or feature layers, or a generation longer than a model's `max_length`.
+      or feature layers, a generation longer than a model's `max_length`, or a
+      grammar with a tree of drafts, without the automaton's methods or of
+      another vocabulary size.
 
   Example:
     >>> out = speculative_generate(target, draft, prompts, prompt_lengths, SamplingParams.greedy(B),
     ...                            None, max_new_tokens=64, num_speculative_tokens=4,
     ...                            eos_token_id=2, all_greedy=True)
     >>> float(out.stats.mean_accepted_length), out.stats.acceptance_per_position
+    >>> out = speculative_generate(target, draft, prompts, prompt_lengths, params, key, max_new_tokens=64,
+    ...                            num_speculative_tokens=4, eos_token_id=2, grammar=token_grammar)
   """
   return _speculative_generate(
     "speculative_generate",
@@ -641,6 +655,7 @@ def speculative_generate(
     draft_tree=draft_tree,
     verification=verification,
     no_filters=no_filters,
+    grammar=grammar,
   )
 
 
@@ -662,6 +677,7 @@ def _speculative_generate(
   verification,
   no_filters,
   forced_accepts: int | None = None,
+  grammar=None,
 ) -> GenerateOutput:
   """`speculative_generate`'s checks and program call, named `where` in errors.
 
@@ -674,12 +690,14 @@ def _speculative_generate(
     raise ValueError(f"{where}: num_speculative_tokens must be an int >= 1, got {k!r}")
   if verification not in METHODS:
     raise ValueError(f"{where}: verification must be one of {METHODS}, got {verification!r}")
-  tree = _check_tree(where, draft_tree, k, target, draft, verification)
+  tree = _check_tree(where, draft_tree, k, target, draft, verification, grammar)
   if tree is not None and isinstance(params, SamplingParams) and (params.has_penalties or params.has_logit_bias):
     raise ValueError(
       f"{where}: draft_tree={draft_tree} with penalties or a logit bias in params is not supported "
       "yet (each node's context is its own root path); use a chain (draft_tree=None)"
     )
+  if grammar is not None and forced_accepts is not None:
+    raise ValueError(f"{where}: grammar is not supported by the forced-acceptance benchmark entry")
   prompt_tokens, prompt_lengths, max_new_tokens, eos = _check_inputs(
     where,
     prompt_tokens,
@@ -697,6 +715,8 @@ def _speculative_generate(
   )
   _check_context(where, checked, prompt_tokens.shape[1], max_new_tokens)
   _check_bias_vocab(where, target, params, prompt_tokens)
+  if grammar is not None:
+    check_grammar(where, grammar, _target_vocab(target, prompt_tokens))
   if no_filters:
     params = params.promise_no_filters()  # static: the draft's sampler and the verifier read it
   target_def, target_arrays = _split(target, "target")
@@ -715,6 +735,7 @@ def _speculative_generate(
   return _speculative_jit(
     target_arrays,
     draft_arrays,
+    grammar,
     prompt_tokens,
     prompt_lengths,
     params,
@@ -740,8 +761,11 @@ def _slots_per_round(tree, k) -> int:
   return max(tree.num_nodes, tree.frontier_slots) if isinstance(tree, DynamicTree) else tree.num_nodes
 
 
-def _check_tree(where, draft_tree, k, target, draft, verification="token") -> DraftTree | DynamicTree | None:
-  """The `DraftTree` or `DynamicTree` of `draft_tree`, None for a chain; refuses a tree the models cannot serve."""
+def _check_tree(
+  where, draft_tree, k, target, draft, verification="token", grammar=None
+) -> DraftTree | DynamicTree | None:
+  """The `DraftTree` or `DynamicTree` of `draft_tree`, None for a chain; refuses a tree the models cannot serve,
+  and any tree with a grammar."""
   if draft_tree is None:
     return None
   if isinstance(draft_tree, list):
@@ -765,6 +789,10 @@ def _check_tree(where, draft_tree, k, target, draft, verification="token") -> Dr
     )
   if tree.is_chain:
     return None
+  if grammar is not None:
+    raise ValueError(
+      f"{where}: grammar with draft_tree={draft_tree} is not supported yet; use a chain (draft_tree=None)"
+    )
   if verification != "token":
     raise ValueError(
       f"{where}: verification={verification!r} verifies chains; draft_tree={draft_tree} is verified "
@@ -789,6 +817,7 @@ def _check_tree(where, draft_tree, k, target, draft, verification="token") -> Dr
 def _speculative_program(
   target_arrays,
   draft_arrays,
+  grammar,
   prompt_tokens,
   prompt_lengths,
   params,
@@ -810,6 +839,7 @@ def _speculative_program(
 
   Args:
     target_arrays, draft_arrays: the models' arrays (`split_model`); draft_arrays is None for prompt lookup.
+    grammar: a token automaton (`specdec_jax.loop.constraint`; chains only), or None.
     prompt_tokens: int32 [B, P]; prompt_lengths: int32 [B] (clipped into [1, P] here).
     params: SamplingParams of batch B; key: a key or [B] keys, None when all_greedy.
     target_def, draft_def: the models' static halves (draft_def is the `PromptLookupDrafter` itself for lookup).
@@ -832,6 +862,7 @@ def _speculative_program(
   # The caches and the buffer: a live row writes slots up to L+N-1 <= P + max_new_tokens + N - 1 (a dynamic
   # tree's drafter: up to L + (K-1)*k - 1). Positions stay below P + max_new_tokens (`clamp_positions`).
   max_length = p + max_new_tokens + _slots_per_round(tree, k) + 1
+  constraint = None if grammar is None else Constraint(grammar, eos)
 
   # Models, as functions inside the program.
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
@@ -849,6 +880,7 @@ def _speculative_program(
     max_length=max_length,
     end=p + max_new_tokens,
     forced_accepts=forced_accepts,
+    constraint=constraint,
   )
   propose_and_verify = chain_round if tree is None else tree_round
 
@@ -867,6 +899,7 @@ def _speculative_program(
     with_features=kind.needs_features,
     where="speculative_generate",
     logprobs=logprobs,
+    constraint=constraint,
   )
   zeros_k = jnp.zeros((k,), jnp.int32)
   state = dataclasses.replace(
@@ -881,7 +914,7 @@ def _speculative_program(
     kept = kept_tokens(s, verified, prompt_lengths, eos=eos, max_new_tokens=max_new_tokens)
     return commit(s, verified, kept, setup, prompt_lengths, eos=eos, max_new_tokens=max_new_tokens)  # and count
 
-  return loop_outputs(run_loop(speculative_round, state), prompt_lengths, max_new_tokens)
+  return loop_outputs(run_loop(speculative_round, state), prompt_lengths, max_new_tokens, start.empty_start)
 
 
 _speculative_jit = _jit(_speculative_program, "_speculative_jit")

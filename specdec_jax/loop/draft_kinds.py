@@ -24,7 +24,11 @@ static options by keyword:
 | `observe`         | nothing                     | nothing              | keeps the target's features      |
 
 `needs_features` tells the round whether the target's verification call must
-return its features. Every model call respects `RoundSetup.end`
+return its features. With a grammar (`constraint`, chains only) a draft model and
+a feature drafter draw each draft from their law over the allowed set of the
+state after the drafts before it, and report that law as the draft's
+probabilities; prompt lookup proposes unmasked drafts, which the verifier
+rejects where the grammar disallows them. Every model call respects `RoundSetup.end`
 (`specdec_jax.loop.round.clamp_positions`).
 """
 
@@ -95,9 +99,9 @@ class DraftKind(Protocol):
     """The carry after the target's prefill."""
 
   def propose_chain(
-    self, carry, state: LoopState, keys, params: SamplingParams, *, all_greedy: bool, end: int
+    self, carry, state: LoopState, keys, params: SamplingParams, *, all_greedy: bool, end: int, constraint=None
   ) -> Drafts:
-    """K drafts in a chain: tokens [B, K], probs [B, K, V] or None."""
+    """K drafts in a chain: tokens [B, K], probs [B, K, V] or None (`constraint`: a grammar, or None)."""
 
   def propose_tree(
     self,
@@ -145,7 +149,8 @@ class LookupDraft:
   def start(self, start: Start, prompt_tokens, max_length):
     return None
 
-  def propose_chain(self, carry, state: LoopState, keys, params, *, all_greedy, end) -> Drafts:
+  def propose_chain(self, carry, state: LoopState, keys, params, *, all_greedy, end, constraint=None) -> Drafts:
+    # Unmasked even with a grammar: a disallowed draft is rejected by the verifier.
     return Drafts(self.drafter.propose(state.tokens, state.length, self.k), None, carry)
 
   def propose_tree(
@@ -192,17 +197,17 @@ class ModelDraft:
     two = jnp.stack([gather_rows(state.tokens, length - 2), gather_rows(state.tokens, length - 1)], axis=1)
     return self.apply(two, clamp_positions(jnp.stack([length - 2, length - 1], axis=1), end), cache)
 
-  def propose_chain(self, cache, state: LoopState, keys, params, *, all_greedy, end) -> Drafts:
+  def propose_chain(self, cache, state: LoopState, keys, params, *, all_greedy, end, constraint=None) -> Drafts:
     length = state.length
-    sample = chain_sampler(state, keys, params, all_greedy=all_greedy)
+    sample = chain_sampler(state, keys, params, all_greedy=all_greedy, constraint=constraint)
     logits, cache = self._first_call(cache, state, end)
-    first, q_first = sample(logits[:, -1], 0)
+    first, q_first = sample(logits[:, -1], 0, grammar_state=state.grammar_state)
 
     def step(cache, token, i):  # d_i at position L-1+i -> logits of d_{i+1}
       logits, cache = self.apply(token[:, None], clamp_positions((length - 1 + i)[:, None], end), cache)
       return cache, logits[:, 0]
 
-    return draft_chain(self.k, cache, first, q_first, step, sample)
+    return draft_chain(self.k, cache, first, q_first, step, sample, constraint, state.grammar_state)
 
   def propose_tree(
     self, cache, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length, end
@@ -311,11 +316,13 @@ class FeatureDraft:
     )
     return CatchUp(logits[:, 0], gather_rows(hidden, carry.fresh - 1), cache)
 
-  def propose_chain(self, carry: FeatureCarry, state: LoopState, keys, params, *, all_greedy, end) -> Drafts:
+  def propose_chain(
+    self, carry: FeatureCarry, state: LoopState, keys, params, *, all_greedy, end, constraint=None
+  ) -> Drafts:
     length, k = state.length, self.k
-    sample = chain_sampler(state, keys, params, all_greedy=all_greedy)
+    sample = chain_sampler(state, keys, params, all_greedy=all_greedy, constraint=constraint)
     first_logits, h, cache = self._catch_up(carry, state, end)
-    first, q_first = sample(first_logits, 0)
+    first, q_first = sample(first_logits, 0, grammar_state=state.grammar_state)
 
     def step(carried, token, i):  # d_i at position L-2+i, reading the hidden that drafted it
       cache, h = carried
@@ -324,7 +331,9 @@ class FeatureDraft:
       )
       return (cache, h[:, 0]), logits[:, 0]
 
-    tokens, probs, (cache, _) = draft_chain(k, (cache, h), first, q_first, step, sample)
+    tokens, probs, (cache, _) = draft_chain(
+      k, (cache, h), first, q_first, step, sample, constraint, state.grammar_state
+    )
     return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
 
   def propose_tree(
@@ -381,33 +390,45 @@ class FeatureDraft:
     return dataclasses.replace(carry, features=features, fresh=jnp.maximum(kept, 1).astype(jnp.int32))
 
 
-def chain_sampler(state: LoopState, keys, params: SamplingParams, *, all_greedy: bool):
-  """`sample(logits [B, V], i, earlier=None) -> (draft i [B], its distribution [B, V] or None)` for one round.
+def chain_sampler(state: LoopState, keys, params: SamplingParams, *, all_greedy: bool, constraint=None):
+  """`sample(logits [B, V], i, earlier=None, grammar_state=None) -> (draft i [B], its distribution [B, V] or
+  None)` for one round.
 
   Draft i (static or traced) uses fold_in(keys[b], i). `earlier`: int32 [B, K]
   drafts 0 .. i-1 of this round (-1 elsewhere), which penalties count as
   context; None for draft 0. Greedy verification ignores draft probabilities,
-  so all-greedy programs get None instead of a [B, K, V] tensor.
+  so all-greedy programs get None instead of a [B, K, V] tensor. With a
+  `constraint`, `grammar_state` int32 [B] is the state after drafts 0 .. i-1:
+  the draft is drawn from the law over its allowed set (all tokens where that
+  set is empty: such a draft is never emitted), and that law is the returned
+  distribution, which the verifier reads as q.
   """
   b = state.length.shape[0]
 
-  def sample(logits, i, earlier=None):
+  def sample(logits, i, earlier=None, grammar_state=None):
     penalties = state.penalties
     if penalties is not None and earlier is not None:
       penalties = penalties.add_tokens(earlier, earlier >= 0)
+    mask = None if constraint is None else constraint.sampler_masks(grammar_state)[0]
     token, log_probs = sample_tokens(
-      logits, params, position_keys(keys, jnp.full((b,), i, jnp.int32)), all_greedy=all_greedy, penalty_state=penalties
+      logits,
+      params,
+      position_keys(keys, jnp.full((b,), i, jnp.int32)),
+      all_greedy=all_greedy,
+      penalty_state=penalties,
+      token_bitmask=mask,
     )
     return token, None if all_greedy else jnp.exp(log_probs)
 
   return sample
 
 
-def draft_chain(k, carry, first, q_first, step, sample):
+def draft_chain(k, carry, first, q_first, step, sample, constraint=None, grammar_state=None):
   """d1 (given) then d2 .. dK by `step(carry, token, i) -> (carry, logits)`, sampled by `sample`.
 
-  `sample(logits, i, earlier)` also gets the round's earlier drafts, int32
-  [B, K] with -1 where none is drafted yet (penalties count them as context).
+  `sample(logits, i, earlier, grammar_state)` also gets the round's earlier drafts, int32
+  [B, K] with -1 where none is drafted yet (penalties count them as context), and with a
+  `constraint` the grammar state after them (`grammar_state`: s_0, the state before d1).
 
   Returns:
     Drafts(tokens int32 [B, K], probs [B, K, V] or None, carry).
@@ -416,13 +437,15 @@ def draft_chain(k, carry, first, q_first, step, sample):
     return Drafts(first[:, None], None if q_first is None else q_first[:, None], carry)
 
   def body(c, i):
-    carry, token, earlier = c
+    carry, token, earlier, *walk = c  # walk: [the grammar state after `token`] with a constraint
     carry, logits = step(carry, token, i)
-    nxt, q = sample(logits, i, earlier)
-    return (carry, nxt, earlier.at[:, i].set(nxt)), (nxt, q)
+    nxt, q = sample(logits, i, earlier, *walk)
+    walk = [constraint.advance(walk[0], nxt)] if walk else []
+    return (carry, nxt, earlier.at[:, i].set(nxt), *walk), (nxt, q)
 
   earlier = jnp.full((first.shape[0], k), -1, jnp.int32).at[:, 0].set(first)
-  (carry, _, _), (ds, qs) = jax.lax.scan(body, (carry, first, earlier), arange32(k)[1:], unroll=True)
+  walk = [] if constraint is None else [constraint.advance(grammar_state, first)]
+  (carry, *_), (ds, qs) = jax.lax.scan(body, (carry, first, earlier, *walk), arange32(k)[1:], unroll=True)
   tokens = jnp.concatenate([first[:, None], ds.T], axis=1)
   probs = None if q_first is None else jnp.concatenate([q_first[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
   return Drafts(tokens, probs, carry)

@@ -48,6 +48,7 @@ def speculative_generate_forced(
   draft_tree: tuple[int, ...] | DraftTree | None = None,
   verification: str = "token",
   no_filters: bool = False,
+  grammar=None,
 ) -> GenerateOutput:
   """`speculative_generate` with every round accepting `forced_accepts` drafts. BENCHMARK ONLY, NOT LOSSLESS.
 
@@ -79,6 +80,8 @@ def speculative_generate_forced(
     draft_tree: None (a chain) or a static tree (a tuple of branching factors
       or a `DraftTree`); a `DynamicTree` is refused (its first-child path may
       end before depth K).
+    grammar: must be None: forced tokens ignore a grammar, so any other value
+      is refused (ValueError).
 
   Returns:
     GenerateOutput, as `speculative_generate` returns it (logprobs None).
@@ -121,4 +124,5 @@ def speculative_generate_forced(
     verification=verification,
     no_filters=no_filters,
     forced_accepts=int(forced_accepts),
+    grammar=grammar,
   )

@@ -56,6 +56,8 @@ class RoundSetup:
     forced_accepts: None (every real round), or the benchmark knob of
       `specdec_jax.loop.forced`: every round accepts exactly this many drafts
       (NOT LOSSLESS; `forced_emission`).
+    constraint: the grammar with the EOS ids (`specdec_jax.loop.constraint.Constraint`;
+      chains only), or None.
   """
 
   kind: Any
@@ -70,6 +72,7 @@ class RoundSetup:
   max_length: int
   end: int
   forced_accepts: int | None = None
+  constraint: Any = None
 
   @property
   def drafts_per_round(self) -> int:
@@ -143,6 +146,8 @@ class Verified(NamedTuple):
     target_cache: the target's cache after the verification call.
     draft_carry: the draft kind's carry after proposing (and, for trees, committing the path).
     features: [B, K+1, F] the target's features of t and the emitted path, or None.
+    grammar_after: int32 [B, K+1] the grammar state after each emitted token, or None without a grammar.
+    grammar_ends: bool [B, K+1] that state allows nothing: the row ends after the token, or None.
   """
 
   emitted: jax.Array
@@ -151,16 +156,19 @@ class Verified(NamedTuple):
   target_cache: Any
   draft_carry: Any
   features: jax.Array | None
+  grammar_after: jax.Array | None = None
+  grammar_ends: jax.Array | None = None
 
 
 def kept_tokens(s: LoopState, verified: Verified, prompt_lengths, *, eos, max_new_tokens) -> jax.Array:
   """int32 [B]: how many emitted tokens each row keeps.
 
-  Up to the first EOS (included) and up to max_new_tokens; finished rows keep nothing.
+  Up to the first EOS (included) or the first token after which the grammar allows nothing (included), and up
+  to max_new_tokens; finished rows keep nothing.
   """
   k1 = verified.emitted.shape[1]
   j = arange32(k1)[None, :]
-  eos_hit = is_eos(verified.emitted, eos) & (j < verified.num_emitted[:, None])
+  eos_hit = _ends_row(verified, eos) & (j < verified.num_emitted[:, None])
   first_eos = jnp.min(jnp.where(eos_hit, j, k1), axis=1)
   room = max_new_tokens - (s.length - prompt_lengths)
   kept = jnp.minimum(jnp.minimum(verified.num_emitted, room), first_eos + 1)
@@ -182,10 +190,14 @@ def commit(
   tokens = s.tokens.at[rows, slots].set(verified.emitted, mode="drop")
   lp = None if s.logprobs is None else s.logprobs.at[rows, slots].set(verified.logprobs, mode="drop")
   length = s.length + kept
-  hit_eos = jnp.any(is_eos(verified.emitted, eos) & (j < kept[:, None]), axis=1)
+  hit_eos = jnp.any(_ends_row(verified, eos) & (j < kept[:, None]), axis=1)
   done = s.done | (live & (hit_eos | (length - prompt_lengths >= max_new_tokens)))
   room = max_new_tokens - (s.length - prompt_lengths)
   penalties = None if s.penalties is None else s.penalties.add_tokens(verified.emitted, j < kept[:, None])
+  grammar_state = s.grammar_state
+  if verified.grammar_after is not None:  # the state after the last kept token
+    after = jnp.take_along_axis(verified.grammar_after, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
+    grammar_state = jnp.where(kept > 0, after, s.grammar_state)
   return LoopState(
     tokens=tokens,
     length=length,
@@ -195,7 +207,14 @@ def commit(
     stats=count(s.stats, setup, live, kept, verified.num_emitted, room),
     logprobs=lp,
     penalties=penalties,
+    grammar_state=grammar_state,
   )
+
+
+def _ends_row(verified: Verified, eos) -> jax.Array:
+  """bool [B, K+1]: the emitted token ends its row: an EOS id, or (with a grammar) its state allows nothing."""
+  hit = is_eos(verified.emitted, eos)
+  return hit if verified.grammar_ends is None else hit | verified.grammar_ends
 
 
 def count(stats: DecodeStats, setup: RoundSetup, live, kept, num_emitted, room) -> DecodeStats:

@@ -17,20 +17,21 @@ from specdec_jax.sampling.masks import pack_bitmask
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TableGrammar:
-  """next_table[s, v]: the state after token v in state s, -1 where v is not allowed; accepting[s]."""
+  """next_table[s, v]: the state after token v in state s, -1 where v is not allowed; accepting[s]; the initial
+  state `start` (a leaf too: another start state does not recompile)."""
 
   next_table: jax.Array  # int32 [S, V]
   accepting: jax.Array  # bool [S]
   vocab_size: int = dataclasses.field(metadata=dict(static=True))
-  start: int = dataclasses.field(default=0, metadata=dict(static=True))
+  start: jax.Array = 0  # int32 []
 
   @classmethod
   def create(cls, next_table, accepting, start=0):
     table = np.asarray(next_table, np.int32)
-    return cls(jnp.asarray(table), jnp.asarray(accepting, bool), vocab_size=table.shape[1], start=start)
+    return cls(jnp.asarray(table), jnp.asarray(accepting, bool), vocab_size=table.shape[1], start=jnp.int32(start))
 
   def initial_state(self):
-    return jnp.int32(self.start)
+    return jnp.asarray(self.start, jnp.int32)
 
   def mask(self, states):
     live = states >= 0
@@ -45,13 +46,15 @@ class TableGrammar:
     return (states >= 0) & self.accepting[jnp.maximum(states, 0)]
 
 
-def random_grammar(seed, vocab_size, num_states=4, density=0.5, accepting=(1, 3)) -> TableGrammar:
-  """Each state allows a random ~density of the tokens (at least 2), each leading to a random state."""
+def random_grammar(seed, vocab_size, num_states=4, density=0.5, accepting=(1, 3), eos=()) -> TableGrammar:
+  """Each state allows a random ~density of the tokens (at least one), each leading to a random state; the `eos`
+  ids never (a grammar's masks hold no EOS: the loop allows it where a state accepts)."""
   r = np.random.default_rng(seed)
   table = r.integers(0, num_states, (num_states, vocab_size))
   allowed = r.random((num_states, vocab_size)) < density
-  allowed[np.arange(num_states), r.integers(0, vocab_size, num_states)] = True
-  allowed[np.arange(num_states), r.integers(0, vocab_size, num_states)] = True
+  for _ in range(2):
+    allowed[np.arange(num_states), r.choice(np.setdiff1d(np.arange(vocab_size), eos), num_states)] = True
+  allowed[:, list(eos)] = False
   acc = np.zeros(num_states, bool)
   acc[list(accepting)] = True
   return TableGrammar.create(np.where(allowed, table, -1), acc)
@@ -70,7 +73,7 @@ def finite_grammar(vocab_size, length, tokens) -> TableGrammar:
 def host_walk(grammar: TableGrammar, row, eos=()) -> tuple[bool, list[int]]:
   """(every token allowed where it came and EOS only where accepting, the states after each token)."""
   table, acc = np.asarray(grammar.next_table), np.asarray(grammar.accepting)
-  s, states = grammar.start, []
+  s, states = int(grammar.start), []
   for t in row:
     if t in eos:
       if not acc[s]:

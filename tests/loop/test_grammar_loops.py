@@ -1,0 +1,413 @@
+"""Tests of the loops' grammar (`generate(..., grammar=)`, `speculative_generate(..., grammar=)`, loop/constraint.py).
+
+The grammar is `TableGrammar` (tests/loop/grammar_fixtures.py), a DFA from a dense table, so these tests do not
+depend on `specdec_jax.grammar`. The fast tests share a few compiled programs: one batch mixes greedy and random
+rows, so one call per loop checks both that every row follows the grammar and that greedy rows of every draft
+kind equal `generate`'s.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.loop import chain_round, constraint, decoding, draft_kinds
+from specdec_jax.loop.decoding import generate, speculative_generate
+from specdec_jax.loop.forced import speculative_generate_forced
+from specdec_jax.sampling.params import SamplingParams
+from specdec_jax.sampling.sample import sample_tokens
+from tests.loop.grammar_fixtures import TableGrammar, finite_grammar, host_walk, random_grammar
+from tests.support.lossless import continuation_logits
+from tests.support.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation, reference_probs
+from tests.support.tiny_lm import TinyLM, make_prompts
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+V, P, MAX_NEW, K = 24, 6, 10, 3
+EOS = 3
+LENGTHS = [6, 3, 1, 5, 2, 6, 4, 1]
+TEMPERATURES = [0.0, 1.0, 0.0, 0.8, 1.0, 0.0, 1.3, 0.9]  # greedy rows 0, 2, 5 beside random ones
+
+
+@pytest.fixture(scope="module")
+def case():
+  """Models, prompts, a grammar whose EOS ends rows, and a finite grammar (5 tokens, then nothing: no EOS)."""
+  target, draft = TinyLM.create(0, V), TinyLM.create(1, V)
+  prompts, lengths = make_prompts(0, V, LENGTHS, P)
+  params = SamplingParams.create(jnp.asarray(TEMPERATURES, jnp.float32))
+  return target, draft, prompts, lengths, params
+
+
+def _run(loop, target, draft, prompts, lengths, params, grammar, eos, key=0, **kw):
+  common = dict(max_new_tokens=MAX_NEW, eos_token_id=eos, grammar=grammar, **kw)
+  k = None if kw.get("all_greedy") else jax.random.key(key)
+  if loop == "generate":
+    return generate(target, prompts, lengths, params, k, **common)
+  drafter = PromptLookupDrafter((2, 1)) if loop == "lookup" else draft
+  return speculative_generate(target, drafter, prompts, lengths, params, k, num_speculative_tokens=K, **common)
+
+
+def _assert_follows(grammar, out, eos, finite_length=None):
+  """Every row is a prefix the grammar allows, EOS only where it accepts; rows end at EOS, at the limit, or
+  where the grammar allows nothing more (a finite grammar's full length)."""
+  eos_ids = () if eos is None else (eos,)
+  tokens, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+  for row, n in zip(tokens, lens):
+    ok, _ = host_walk(grammar, list(row[:n]), eos_ids)
+    assert ok, f"row {row[:n]} leaves the grammar"
+    assert np.all(row[n:] == -1)
+    ended = n == MAX_NEW or (n > 0 and row[n - 1] in eos_ids) or n == finite_length
+    assert ended, f"row {row[:n]} stopped early"
+  np.testing.assert_array_equal(lens, out.stats.accepted + out.stats.target_calls)
+
+
+# ----------------------------------------------------------------------------
+# Every row follows the grammar; greedy rows of every draft kind equal generate's
+# ----------------------------------------------------------------------------
+
+
+def _masked_log_softmax(logits, allowed, temperature):
+  x = np.where(allowed, np.asarray(logits, np.float64) / temperature, -np.inf)
+  top = x.max(-1, keepdims=True)
+  return x - top - np.log(np.sum(np.exp(x - top), -1, keepdims=True))
+
+
+@pytest.mark.parametrize("which", ["eos", pytest.param("finite", marks=pytest.mark.slow)])
+def test_rows_follow_the_grammar_and_greedy_rows_equal_generate(case, which):
+  """Random and greedy rows (one batch, each row its own key) of `generate` and of `speculative_generate` with
+  prompt lookup and a draft model: every row follows the grammar; greedy rows are the same tokens everywhere;
+  `generate`'s "processed" log-probability of the first token is under the target's law over the allowed set.
+  "finite": no EOS id, a grammar of exactly 5 tokens: every row ends after 5 (the grammar allows nothing more)."""
+  target, draft, prompts, lengths, params = case
+  grammar, eos, finite = (
+    (random_grammar(0, V, eos=[EOS]), EOS, None)
+    if which == "eos"
+    else (finite_grammar(V, 5, [1, 5, 7, 9, 20]), None, 5)
+  )
+  outs = {"generate": _run("generate", target, draft, prompts, lengths, params, grammar, eos, logprobs="processed")}
+  outs.update({loop: _run(loop, target, draft, prompts, lengths, params, grammar, eos) for loop in ("lookup", "model")})
+  greedy = np.asarray(TEMPERATURES) == 0.0
+  for loop, out in outs.items():
+    _assert_follows(grammar, out, eos, finite)
+    np.testing.assert_array_equal(np.asarray(out.tokens)[greedy], np.asarray(outs["generate"].tokens)[greedy], loop)
+  if which == "finite":
+    assert np.all(np.asarray(outs["model"].lengths) == 5)
+  assert int(np.sum(outs["model"].stats.accepted)) > 0
+  # The first token's logits: the prefill's at P_b - 1; state 0 allows its table's tokens (and never accepts).
+  b = len(LENGTHS)
+  logits, _ = target(jnp.maximum(prompts, 0), jnp.broadcast_to(jnp.arange(P), prompts.shape), target.init_cache(b, P))
+  first = np.asarray(logits)[np.arange(b), np.asarray(lengths) - 1]
+  allowed = np.asarray(grammar.next_table)[0] >= 0
+  t = np.where(greedy, 1.0, TEMPERATURES)[:, None]  # greedy rows: log_softmax of the masked logits
+  expected = _masked_log_softmax(first, allowed[None, :], t)[np.arange(b), np.asarray(outs["generate"].tokens)[:, 0]]
+  np.testing.assert_allclose(np.asarray(outs["generate"].logprobs)[:, 0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_all_greedy_speculative_equals_generate_and_rows_end_by_the_grammar(case):
+  """all_greedy=True (float32), no EOS id, a grammar of exactly 5 tokens: the draft model's masked greedy drafts,
+  verified under the masks, give generate's tokens, and every row ends after 5 tokens (nothing more allowed).
+  A grammar whose initial state allows nothing (and no EOS) emits no token."""
+  target, draft, prompts, lengths, _ = case
+  grammar, params = finite_grammar(V, 5, [1, 5, 7, 9, 20]), SamplingParams.greedy(len(LENGTHS))
+  plain = _run("generate", target, draft, prompts, lengths, params, grammar, None, all_greedy=True)
+  spec = _run("model", target, draft, prompts, lengths, params, grammar, None, all_greedy=True)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  _assert_follows(grammar, spec, None, finite_length=5)
+  assert np.all(np.asarray(spec.lengths) == 5)
+  # The same tables from their last state (accepting, allows nothing): the same program, no token.
+  empty = TableGrammar(grammar.next_table, grammar.accepting, vocab_size=V, start=jnp.int32(5))
+  out = _run("generate", target, draft, prompts, lengths, params, empty, None, all_greedy=True)
+  assert np.all(np.asarray(out.lengths) == 0) and np.all(np.asarray(out.tokens) == -1)
+  assert np.all(np.asarray(out.stats.target_calls) == 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("loop", ["generate", "lookup", "model"])
+def test_rows_follow_the_grammar_over_seeds(case, loop, seed):
+  target, draft, prompts, lengths, params = case
+  grammar = random_grammar(seed, V, num_states=6, density=0.3, eos=[EOS])
+  _assert_follows(grammar, _run(loop, target, draft, prompts, lengths, params, grammar, EOS, key=seed), EOS)
+
+
+@pytest.mark.slow  # ~10 s: three compiles of the tiny Transformer and its EAGLE drafter
+def test_eagle_rows_follow_the_grammar_and_greedy_equals_generate():
+  from flax import nnx
+
+  from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
+
+  target = Transformer(TransformerConfig.tiny(V, feature_layers=(0, 1)), rngs=nnx.Rngs(0))
+  eagle = EagleDrafter.for_target(target, rngs=nnx.Rngs(2))
+  prompts, lengths = make_prompts(0, V, LENGTHS, P)
+  grammar, b = random_grammar(4, V, eos=[EOS]), len(LENGTHS)
+  greedy = dict(max_new_tokens=MAX_NEW, eos_token_id=EOS, grammar=grammar, all_greedy=True)
+  plain = generate(target, prompts, lengths, SamplingParams.greedy(b), None, **greedy)
+  spec = speculative_generate(
+    target, eagle, prompts, lengths, SamplingParams.greedy(b), None, num_speculative_tokens=K, **greedy
+  )
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  params = SamplingParams.create(jnp.asarray(TEMPERATURES, jnp.float32))
+  out = speculative_generate(
+    target,
+    eagle,
+    prompts,
+    lengths,
+    params,
+    jax.random.key(3),
+    max_new_tokens=MAX_NEW,
+    num_speculative_tokens=K,
+    eos_token_id=EOS,
+    grammar=grammar,
+    logprobs="processed",
+  )
+  _assert_follows(grammar, out, EOS)
+  assert np.all(np.isfinite(np.asarray(out.logprobs)))
+
+
+# ----------------------------------------------------------------------------
+# Exactness: the first 3 tokens against the constrained target's joint law
+# ----------------------------------------------------------------------------
+
+SMALL_V, N_ROWS, TEMPERATURE, TOP_K = 8, 20000, 0.8, 5
+PROMPT = np.array([1, 5, 2, 7])
+
+
+def _stat_case():
+  target, draft = TinyLM.create(10, SMALL_V, logit_scale=1.5), TinyLM.create(11, SMALL_V, logit_scale=1.5)
+  # Each state allows about half the tokens; the masks differ from state to state.
+  grammar = random_grammar(7, SMALL_V, num_states=3, density=0.5, accepting=())
+  return target, draft, grammar
+
+
+def constrained_joint(target, grammar, prompt, top_k=TOP_K, topk_first=False):
+  """p(x1, x2, x3 | prompt) [V^3] of the target restricted to the grammar's allowed sets (float64 reference).
+
+  topk_first: the planted order (top-k on the raw logits, then the mask), for the test's power."""
+  v = SMALL_V
+  logits = continuation_logits(target, prompt)  # [V*V, 3, V], rows x1-major
+  table = np.asarray(grammar.next_table)
+  x1, x2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+  s0 = np.full(v * v, int(grammar.start))
+  s1 = table[s0, x1.reshape(-1)]
+  s2 = np.where(s1 >= 0, table[np.maximum(s1, 0), x2.reshape(-1)], -1)
+  allowed = (
+    np.stack([table[np.maximum(s, 0)] >= 0 for s in (s0, s1, s2)], axis=1)
+    & (np.stack([s0, s1, s2], axis=1) >= 0)[..., None]
+  )
+  allowed |= ~np.any(allowed, axis=-1, keepdims=True)  # unreachable paths: any law (their weight is 0)
+  if topk_first:
+    kth = np.sort(logits, axis=-1)[..., -top_k][..., None]
+    logits = np.where(logits >= kth, logits, -np.inf)
+    top_k = 0
+  probs = reference_probs(np.where(allowed, logits, -np.inf), TEMPERATURE, top_k=top_k)
+  p1 = probs[0, 0]
+  p2 = probs[:, 1].reshape(v, v, v)[:, 0]
+  p3 = probs[:, 2].reshape(v, v, v)
+  return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+
+
+def _first_tokens(loop, target, draft, grammar, key=42):
+  prompts = jnp.asarray(np.tile(PROMPT, (N_ROWS, 1)), jnp.int32)
+  lengths = jnp.full((N_ROWS,), len(PROMPT), jnp.int32)
+  params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
+  drafter = PromptLookupDrafter(1) if loop == "lookup" else draft
+  out = speculative_generate(
+    target,
+    drafter,
+    prompts,
+    lengths,
+    params,
+    jax.random.key(key),
+    max_new_tokens=3,
+    num_speculative_tokens=2,
+    grammar=grammar,
+  )
+  tokens = np.asarray(out.tokens)
+  assert np.all(tokens >= 0)  # every row emits its 3 tokens
+  return tokens @ np.array([SMALL_V**2, SMALL_V, 1]), out
+
+
+def _pvalue(samples, joint):
+  return chisquare_gof(samples, joint).pvalue
+
+
+@pytest.fixture(scope="module")
+def stat_case():
+  target, draft, grammar = _stat_case()
+  return target, draft, grammar, constrained_joint(target, grammar, PROMPT)
+
+
+def _planted(monkeypatch, loop, stat_case, *patches):
+  """The p-value of a run with `patches` ((object, name, value)) in place; the compiled program is dropped on both
+  sides so that the planted bug is traced in and not kept."""
+  target, draft, grammar, joint = stat_case
+  for p in patches:
+    monkeypatch.setattr(*p)
+  decoding._speculative_jit.clear_cache()
+  try:
+    samples, _ = _first_tokens(loop, target, draft, grammar)
+  finally:
+    monkeypatch.undo()
+    decoding._speculative_jit.clear_cache()
+  return _pvalue(samples, joint)
+
+
+def test_sampled_speculative_with_a_draft_model_follows_the_constrained_law(monkeypatch, stat_case):
+  """The first 3 tokens of N = 20000 rows (each its own key, T = 0.8, top-k 5, the drafts masked and their masked
+  law given to the verifier) against the exact constrained joint: chi-square, sparse bins pooled, alpha = 1e-3,
+  fixed seed; it detects (power 0.8) every total-variation shift >= ~0.03. Planted (a): drafts drawn from the
+  masked draft law but the verifier given the unmasked q, must fail it."""
+  target, draft, grammar, joint = stat_case
+  samples, out = _first_tokens("model", target, draft, grammar)
+  result = chisquare_gof(samples, joint, label="draft model, masked drafts")
+  assert_gof(result)
+  assert detectable_deviation(N_ROWS, result.num_bins)[1] < 0.04
+  assert 0.05 < float(out.stats.acceptance_rate) < 0.95
+
+  def unmasked_q(logits, params, key, *, token_bitmask=None, **kw):  # draws masked, reports the unmasked law
+    token, _ = sample_tokens(logits, params, key, token_bitmask=token_bitmask, **kw)
+    return token, sample_tokens(logits, params, key, **kw)[1]
+
+  assert _planted(monkeypatch, "model", stat_case, (draft_kinds, "sample_tokens", unmasked_q)) < ALPHA
+
+
+@pytest.mark.slow
+def test_planted_unmasked_draws_with_a_masked_q_fail(monkeypatch, stat_case):
+  """The converse of (a): drafts drawn from the unmasked law, q reported masked."""
+
+  def masked_q(logits, params, key, *, token_bitmask=None, **kw):
+    token, _ = sample_tokens(logits, params, key, **kw)
+    return token, sample_tokens(logits, params, key, token_bitmask=token_bitmask, **kw)[1]
+
+  assert _planted(monkeypatch, "model", stat_case, (draft_kinds, "sample_tokens", masked_q)) < ALPHA
+
+
+def test_sampled_speculative_with_prompt_lookup_follows_the_constrained_law(monkeypatch, stat_case):
+  """As above, with prompt lookup (unmasked drafts without probabilities)."""
+  target, draft, grammar, joint = stat_case
+  samples, _ = _first_tokens("lookup", target, draft, grammar)
+  assert_gof(chisquare_gof(samples, joint, label="prompt lookup"))
+
+
+@pytest.mark.slow
+def test_planted_state_not_walked_along_the_drafts_fails(monkeypatch, stat_case):
+  """Planted (b): the verifier's masks all taken from s_0 (the state not advanced along the drafts; the draft
+  model's drafts still masked right), must fail."""
+
+  def no_walk(self, states, tokens):
+    return jnp.broadcast_to(states[:, None], (states.shape[0], tokens.shape[1] + 1))
+
+  assert _planted(monkeypatch, "model", stat_case, (constraint.Constraint, "walk", no_walk)) < ALPHA
+
+
+@pytest.mark.slow
+def test_planted_top_k_before_the_mask_fails(monkeypatch, stat_case):
+  """Planted (c): the verifier filters top-k on the raw logits, then masks. The constrained law differs (shown
+  on the references), and the check rejects it."""
+  target, _, grammar, joint = stat_case
+  wrong = constrained_joint(target, grammar, PROMPT, topk_first=True)
+  assert 0.5 * np.abs(wrong - joint).sum() > 0.05
+  real = chain_round.rejection_sample
+
+  def topk_first(draft_token_ids, target_logits, params, *args, **kw):
+    kth = jnp.sort(target_logits, axis=-1)[..., -TOP_K][..., None]
+    return real(draft_token_ids, jnp.where(target_logits >= kth, target_logits, -jnp.inf), params, *args, **kw)
+
+  assert _planted(monkeypatch, "lookup", stat_case, (chain_round, "rejection_sample", topk_first)) < ALPHA
+
+
+# ----------------------------------------------------------------------------
+# Refusals, and the program without a grammar
+# ----------------------------------------------------------------------------
+
+
+def test_refusals_name_grammar(case):
+  target, draft, prompts, lengths, params = case
+  key, common = jax.random.key(0), dict(max_new_tokens=4, num_speculative_tokens=2)
+  grammar = random_grammar(0, V, eos=[EOS])
+  with pytest.raises(ValueError, match=r"grammar with draft_tree=\(2, 1\) is not supported yet"):
+    speculative_generate(target, draft, prompts, lengths, params, key, draft_tree=(2, 1), grammar=grammar, **common)
+  with pytest.raises(ValueError, match="grammar.vocab_size=16 must equal the target's vocabulary size V=24"):
+    generate(target, prompts, lengths, params, key, max_new_tokens=4, grammar=random_grammar(0, 16))
+  with pytest.raises(ValueError, match="grammar.vocab_size=16 must equal"):
+    speculative_generate(target, draft, prompts, lengths, params, key, grammar=random_grammar(0, 16), **common)
+  with pytest.raises(ValueError, match="grammar must be a token automaton"):
+    generate(target, prompts, lengths, params, key, max_new_tokens=4, grammar=object())
+  with pytest.raises(ValueError, match="grammar is not supported by the forced-acceptance"):
+    speculative_generate_forced(
+      target, draft, prompts, lengths, params, key, forced_accepts=1, grammar=grammar, **common
+    )
+
+
+def test_no_grammar_traces_no_automaton_op(case, monkeypatch):
+  """grammar=None builds no `Constraint`, so no automaton op enters the program (its lowered text is the one from
+  before grammars existed: compared by hand against the parent commit for generate and every draft kind)."""
+  target, draft, prompts, lengths, params = case
+
+  def refuse(*_, **__):
+    raise AssertionError("a Constraint was built for grammar=None")
+
+  monkeypatch.setattr(decoding, "Constraint", refuse)
+  kw = dict(max_new_tokens=3, eos_token_id=EOS)
+  key = jax.random.key(0)
+  jax.eval_shape(lambda: generate(target, prompts, lengths, params, key, **kw))
+  for drafter in (draft, PromptLookupDrafter(2)):
+    jax.eval_shape(
+      lambda d=drafter: speculative_generate(target, d, prompts, lengths, params, key, num_speculative_tokens=2, **kw)
+    )
+
+
+# ----------------------------------------------------------------------------
+# A mesh that splits the rows only
+# ----------------------------------------------------------------------------
+
+_MESH_CHECK = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from specdec_jax.loop.decoding import generate
+from specdec_jax.mesh import make_mesh
+from specdec_jax.sampling.params import SamplingParams
+from tests.loop.grammar_fixtures import random_grammar
+from tests.support.tiny_lm import TinyLM, make_prompts
+
+c = json.load(sys.stdin)
+assert len(jax.devices()) == 2
+target = TinyLM.create(0, c["V"])
+prompts, lengths = make_prompts(0, c["V"], c["LENGTHS"], c["P"])
+params = SamplingParams.create(jnp.asarray(c["TEMPERATURES"], jnp.float32))
+with jax.set_mesh(make_mesh(2, 1)):
+  out = generate(target, prompts, lengths, params, jax.random.key(0), max_new_tokens=c["MAX_NEW"],
+                 eos_token_id=c["EOS"], grammar=random_grammar(0, c["V"], eos=[c["EOS"]]), logprobs="processed")
+np.testing.assert_array_equal(out.tokens, np.asarray(c["tokens"]))
+np.testing.assert_allclose(out.logprobs, np.asarray(c["logprobs"]), rtol=1e-5, atol=1e-6)
+print("OK")
+"""
+
+
+def test_rows_only_mesh_gives_one_devices_tokens(case):
+  """Two CPU devices, the rows split over "data" (`_on_each_data_device`): the grammar rides replicated, each
+  device decodes its rows; `generate`'s tokens and log-probabilities equal one device's (per-row keys). The
+  one-device program is the first test's. (`speculative_generate` passes its grammar the same way: both loops go
+  through `_jit`'s `_on_each_data_device`, whose models include the grammar.)"""
+  target, draft, prompts, lengths, params = case
+  grammar = random_grammar(0, V, eos=[EOS])
+  one = _run("generate", target, draft, prompts, lengths, params, grammar, EOS, logprobs="processed")
+  config = dict(V=V, P=P, EOS=EOS, MAX_NEW=MAX_NEW, LENGTHS=LENGTHS, TEMPERATURES=TEMPERATURES)
+  config.update(tokens=np.asarray(one.tokens).tolist(), logprobs=np.asarray(one.logprobs).tolist())
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
+  res = subprocess.run(
+    [sys.executable, "-c", _MESH_CHECK],
+    input=json.dumps(config),
+    capture_output=True,
+    text=True,
+    env=dict(env, JAX_PLATFORMS="cpu"),
+    timeout=300,
+    cwd=ROOT,
+  )
+  assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
