@@ -6,6 +6,8 @@
   - `chain_round` and `tree_round`: the propose and verify steps of one round, for a chain
     and for a tree of drafts.
   - `draft_kinds`: the three draft kinds behind one protocol, `DraftKind`.
+  - `constraint`: a grammar (token automaton, `TokenAutomaton`) as the loops use it: each row's
+    grammar state, the masks of allowed tokens, the walk along a round's drafts.
   - `adapter`: splits a Flax NNX model into a static definition and its arrays, without
     importing Flax or `specdec_jax.models` (models are reached through their call protocol).
   - `forced`: `speculative_generate_forced`, a benchmark knob that forces every round to
@@ -23,6 +25,7 @@ Words used throughout, each for one thing:
     the N nodes of a tree).
   - round: keys -> propose -> verify -> commit -> count, once per `lax.while_loop`
     iteration.
+  - grammar, grammar state, allowed set: see `constraint`.
 """
 
 from specdec_jax.loop.decoding import generate, speculative_generate

@@ -168,10 +168,10 @@ def kept_tokens(s: LoopState, verified: Verified, prompt_lengths, *, eos, max_ne
   """
   k1 = verified.emitted.shape[1]
   j = arange32(k1)[None, :]
-  eos_hit = _ends_row(verified, eos) & (j < verified.num_emitted[:, None])
-  first_eos = jnp.min(jnp.where(eos_hit, j, k1), axis=1)
+  end_hit = _ends_row(verified, eos) & (j < verified.num_emitted[:, None])
+  first_end = jnp.min(jnp.where(end_hit, j, k1), axis=1)
   room = max_new_tokens - (s.length - prompt_lengths)
-  kept = jnp.minimum(jnp.minimum(verified.num_emitted, room), first_eos + 1)
+  kept = jnp.minimum(jnp.minimum(verified.num_emitted, room), first_end + 1)
   return jnp.where(~s.done, kept, 0).astype(jnp.int32)
 
 
@@ -190,8 +190,8 @@ def commit(
   tokens = s.tokens.at[rows, slots].set(verified.emitted, mode="drop")
   lp = None if s.logprobs is None else s.logprobs.at[rows, slots].set(verified.logprobs, mode="drop")
   length = s.length + kept
-  hit_eos = jnp.any(_ends_row(verified, eos) & (j < kept[:, None]), axis=1)
-  done = s.done | (live & (hit_eos | (length - prompt_lengths >= max_new_tokens)))
+  hit_end = jnp.any(_ends_row(verified, eos) & (j < kept[:, None]), axis=1)
+  done = s.done | (live & (hit_end | (length - prompt_lengths >= max_new_tokens)))
   room = max_new_tokens - (s.length - prompt_lengths)
   penalties = None if s.penalties is None else s.penalties.add_tokens(verified.emitted, j < kept[:, None])
   grammar_state = s.grammar_state
