@@ -21,7 +21,7 @@ ALLOWED = {
   "grammar": {"sampling", "mesh"},
   "verify": {"sampling", "mesh"},
   "drafts": {"verify", "sampling", "mesh"},
-  "loop": {"drafts", "verify", "sampling", "mesh"},
+  "loop": {"drafts", "verify", "sampling", "grammar", "mesh"},
   "kernels": set(),
   "models": {"kernels", "mesh"},
   # The package root re-exports the public names of the speculative layers only.

@@ -28,38 +28,18 @@ sampled there is cut by `kept_tokens` (the row ends by the grammar before it).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdec_jax.grammar.automaton import TokenAutomaton
 from specdec_jax.sampling.masks import BITS, mask_words
 
 __all__ = ["Constraint", "TokenAutomaton", "check_grammar"]
 
 _METHODS = ("initial_state", "mask", "next_state", "accepts")
-
-
-class TokenAutomaton(Protocol):
-  """What the loops ask of a grammar (a JAX pytree: its arrays are leaves, `vocab_size` static).
-
-  Example:
-    >>> s = grammar.initial_state()                       # int32 []
-    >>> grammar.mask(s[None])                             # int32 [1, ceil(V/32)]: allowed tokens, EOS excluded
-    >>> grammar.next_state(s[None], jnp.array([7]))       # int32 [1]; -1 (dead) for a token not allowed
-    >>> grammar.accepts(s[None])                          # bool [1]: the text so far is a complete match
-  """
-
-  vocab_size: int
-
-  def initial_state(self) -> jax.Array: ...
-
-  def mask(self, states) -> jax.Array: ...
-
-  def next_state(self, states, tokens) -> jax.Array: ...
-
-  def accepts(self, states) -> jax.Array: ...
 
 
 def check_grammar(where: str, grammar, vocab_size: int) -> None:

@@ -308,7 +308,7 @@ def generate(
       distribution; draws may differ from the default program's where
       rounding ties two candidates.
     grammar: None, or a token automaton (structured output;
-      `specdec_jax.loop.constraint.TokenAutomaton`: a pytree with a static
+      `specdec_jax.TokenAutomaton`: a pytree with a static
       `vocab_size` equal to the target's V, `initial_state()` int32 [],
       `mask(states)` int32 [..., ceil(V/32)] of allowed tokens without EOS,
       `next_state(states, tokens)` int32 [...] (-1: dead), `accepts(states)`
