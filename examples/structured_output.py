@@ -86,19 +86,25 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def load(model: str, dtype, drafter_names):
-  """(target, tokenizer, EOS ids, ids no grammar may allow, {label: drafter}, chat_prompt)."""
+def load(model: str, dtype, drafter_names, kernels: str | None = None):
+  """(target, tokenizer, EOS ids, ids no grammar may allow, {label: drafter}, chat_prompt).
+
+  `kernels`: "xla" or "pallas"; None: Pallas for the coder on a GPU in bfloat16, XLA's blocks otherwise.
+  """
   from specdec_jax import models
   from specdec_jax.models.loaders import qwen2_5_coder, smollm2
   from specdec_jax.models.loaders.gguf import read_gguf_tokenizer_metadata
 
+  if kernels is None:
+    gpu_bf16 = jax.default_backend() == "gpu" and dtype == jnp.bfloat16
+    kernels = "pallas" if gpu_bf16 and model != "smollm2" else "xla"
+  head = None
   if model == "smollm2":
-    target, tokenizer = models.load_smollm2(dtype)
-    path, eos, chat, head = smollm2.smollm2_gguf_path(), smollm2.SMOLLM2_EOS_IDS, smollm2.chat_prompt, None
+    target, tokenizer = models.load_smollm2(dtype, kernels=kernels)
+    path, eos, chat = smollm2.smollm2_gguf_path(), smollm2.SMOLLM2_EOS_IDS, smollm2.chat_prompt
     if "eagle" in drafter_names:
-      head = models.load_smollm2_eagle(dtype)
+      head = models.load_smollm2_eagle(dtype, kernels=kernels)
   else:
-    kernels = "pallas" if jax.default_backend() == "gpu" and dtype == jnp.bfloat16 else "xla"
     target, tokenizer = models.load_qwen2_5_coder(dtype, kernels=kernels)
     path, eos, chat = (
       qwen2_5_coder.fetch_qwen2_5_coder(),

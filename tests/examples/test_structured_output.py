@@ -72,3 +72,22 @@ def test_the_example_runs_on_smollm2_valid_and_identical(demo, capsys):
   constrained = [r for r in rows if "grammar" not in r]
   assert len(constrained) == 3 and all("3/3" in r for r in constrained)
   assert sum(r[-1] == "yes" for r in constrained) == 2
+
+
+@pytest.mark.parametrize(
+  "argv, flag",
+  [
+    (["--batch-sizes", "1,9"], "--batch-sizes"),
+    (["--batch-sizes", "x"], "--batch-sizes"),
+    (["--drafters", "eagle,tree"], "--drafters"),
+    (["--prompts-b1", "0"], "--prompts-b1"),
+    (["--max-new-tokens", "8"], "--max-new-tokens"),
+  ],
+)
+def test_the_bench_refuses_bad_flags_in_one_line(capsys, argv, flag):
+  spec = importlib.util.spec_from_file_location("structured_bench", _SCRIPT.parents[1] / "bench" / "structured.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  with pytest.raises(SystemExit) as e:
+    bench.parse_args([*argv, "--out", "/nonexistent"])
+  assert e.value.code == 2 and flag in capsys.readouterr().err.strip().splitlines()[-1]
