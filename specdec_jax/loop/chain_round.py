@@ -47,13 +47,19 @@ def verify_chain(s: LoopState, drafts: Drafts, keys: RoundKeys, setup: RoundSetu
   """The target scores [t, d1 .. dK] in one call; `rejection_sample` emits 1 .. K+1 tokens.
 
   With a grammar, position i is verified under the allowed set of s_i, the state after d1 .. di
-  (`specdec_jax.loop.constraint`: the walk, and why empty positions get all ones).
+  (`specdec_jax.loop.constraint`: the walk, and why empty positions get all ones). Drafts not drawn from
+  the masked law (prompt lookup) first get the sole token of each single position in their place.
   """
   k = setup.k
   walk = mask = empty = None
   if setup.constraint is not None:
-    walk = setup.constraint.walk(s.grammar_state, drafts.tokens)  # [B, K+1]: s_0 .. s_K
-    mask, empty = setup.constraint.sampler_masks(walk)  # [B, K+1, W], [B, K+1]
+    if setup.kind.masks_drafts:  # masked drafts already are the sole token where one is allowed
+      walk = setup.constraint.walk(s.grammar_state, drafts.tokens)  # [B, K+1]: s_0 .. s_K
+      mask, empty = setup.constraint.sampler_masks(walk)  # [B, K+1, W], [B, K+1]
+    else:
+      tokens, walk, words = setup.constraint.walk_sole(s.grammar_state, drafts.tokens)
+      drafts = drafts._replace(tokens=tokens)
+      mask, empty = setup.constraint.sampler_masks(walk, words)
   last = gather_rows(s.tokens, s.length - 1)
   tokens = jnp.concatenate([last[:, None], drafts.tokens], axis=1)  # [B, K+1]: t, d1 .. dK
   positions = clamp_positions((s.length - 1)[:, None] + arange32(k + 1)[None, :], setup.end)

@@ -23,6 +23,14 @@ A draft outside allowed(s_{i-1}) is rejected at position i-1, so the positions a
 never reached; their mask is made all ones (`sampler_masks`) so that no sampler ever sees an empty
 position, which it could only answer with token 0. The same holds for any empty allowed set: the token
 sampled there is cut by `kept_tokens` (the row ends by the grammar before it).
+
+A *single position* is one whose allowed set holds exactly one token, its *sole token* (an accepting state
+whose mask holds one token is not single where an EOS id is allowed too). Drafts that are not drawn from the
+masked law (prompt lookup) get each single position's sole token in place of their own draft, and the walk
+goes on from it (`walk_sole`): a lookup draft is a deterministic proposal given the context and so is the
+sole token (its q a point mass), and the verifier accepts a point-mass draft d with probability p(d), which
+is 1 at a single position (the masked target law is a point mass there). Masked drafts (a draft model, EAGLE)
+already are the sole token there.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import numpy as np
 from specdec_jax.grammar.automaton import TokenAutomaton
 from specdec_jax.sampling.masks import BITS, mask_words
 
-__all__ = ["Constraint", "TokenAutomaton", "check_grammar"]
+__all__ = ["Constraint", "TokenAutomaton", "check_grammar", "sole_token"]
 
 _METHODS = ("initial_state", "mask", "next_state", "accepts")
 
@@ -101,13 +109,14 @@ class Constraint:
     """bool [...]: the state's allowed set is empty (a row ends by the grammar after reaching it)."""
     return ~jnp.any(self.allowed(states) != 0, axis=-1)
 
-  def sampler_masks(self, states) -> tuple[jax.Array, jax.Array]:
+  def sampler_masks(self, states, words=None) -> tuple[jax.Array, jax.Array]:
     """(int32 [..., W] masks for a sampler, bool [...] empty): the allowed sets, all ones where empty.
 
     An empty position is never emitted (a rejected draft's successors, a finished row, or a token the
-    row's end cuts), and all ones keeps every sampler's law there well defined.
+    row's end cuts), and all ones keeps every sampler's law there well defined. `words`: the states'
+    allowed sets where already at hand (`walk_sole`), else None.
     """
-    words = self.allowed(states)
+    words = self.allowed(states) if words is None else words
     empty = ~jnp.any(words != 0, axis=-1)
     return jnp.where(empty[..., None], jnp.int32(-1), words), empty
 
@@ -146,3 +155,38 @@ class Constraint:
     for i in range(tokens.shape[1]):
       out.append(self.advance(out[-1], tokens[:, i]))
     return jnp.stack(out, axis=1)
+
+  def walk_sole(self, states, tokens) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The walk along drafts `tokens` [B, K] with each single position's sole token in place of its draft.
+
+    Draft i+1 is replaced where allowed(s_i) holds exactly one token, and s_{i+1} follows the draft kept
+    (module docstring: why this is lossless for drafts not drawn from the masked law).
+
+    Returns:
+      (int32 [B, K] the drafts, int32 [B, K+1] s_0 .. s_K along them, int32 [B, K+1, W] allowed(s_0) ..
+      allowed(s_K)), the last for `sampler_masks(walk, words)`: the walk reads each allowed set anyway.
+    """
+    s = jnp.asarray(states, jnp.int32)
+    drafts, walk, words = [], [s], []
+    for i in range(tokens.shape[1]):
+      words.append(self.allowed(s))
+      sole, single = sole_token(words[-1])
+      drafts.append(jnp.where(single, sole, tokens[:, i].astype(jnp.int32)))
+      s = self.advance(s, drafts[-1])
+      walk.append(s)
+    words.append(self.allowed(s))
+    return jnp.stack(drafts, axis=1), jnp.stack(walk, axis=1), jnp.stack(words, axis=1)
+
+
+def sole_token(words) -> tuple[jax.Array, jax.Array]:
+  """(int32 [...] the sole token, bool [...] single) of allowed sets int32 [..., W]; the token is
+  meaningless where not single.
+
+  Read from the words alone (no [..., V] array): the set is single where its words hold one bit in all;
+  that bit's word is the first nonzero one, and, being the only nonzero word there, the OR of all words.
+  """
+  words = jnp.asarray(words, jnp.int32)
+  single = jnp.sum(jax.lax.population_count(words), axis=-1) == 1
+  word_index = jnp.argmax(words != 0, axis=-1).astype(jnp.int32)
+  bit = (BITS - 1) - jax.lax.clz(jnp.bitwise_or.reduce(words, axis=-1))  # -1 for an empty set
+  return word_index * BITS + bit, single

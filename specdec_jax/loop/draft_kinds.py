@@ -27,8 +27,10 @@ static options by keyword:
 return its features. With a grammar (`constraint`, chains only) a draft model and
 a feature drafter draw each draft from their law over the allowed set of the
 state after the drafts before it, and report that law as the draft's
-probabilities; prompt lookup proposes unmasked drafts, which the verifier
-rejects where the grammar disallows them. Every model call respects `RoundSetup.end`
+probabilities (`masks_drafts`); prompt lookup proposes unmasked drafts, which the
+verifier rejects where the grammar disallows them, except where the grammar allows
+one token only: the round puts that token in the draft's place
+(`specdec_jax.loop.constraint`, `Constraint.walk_sole`). Every model call respects `RoundSetup.end`
 (`specdec_jax.loop.round.clamp_positions`).
 """
 
@@ -94,6 +96,7 @@ class DraftKind(Protocol):
   """
 
   needs_features: bool
+  masks_drafts: bool  # with a grammar, drafts come from the masked law (else the round fills in sole tokens)
 
   def start(self, start: Start, prompt_tokens: jax.Array, max_length: int) -> Any:
     """The carry after the target's prefill."""
@@ -142,6 +145,7 @@ class LookupDraft:
   """Prompt lookup: drafts copied from the token buffer, no carry, no probabilities."""
 
   needs_features = False
+  masks_drafts = False
 
   def __init__(self, drafter: PromptLookupDrafter, k: int):
     self.drafter, self.k = drafter, k
@@ -150,7 +154,8 @@ class LookupDraft:
     return None
 
   def propose_chain(self, carry, state: LoopState, keys, params, *, all_greedy, end, constraint=None) -> Drafts:
-    # Unmasked even with a grammar: a disallowed draft is rejected by the verifier.
+    # Unmasked even with a grammar: a disallowed draft is rejected by the verifier, and the round puts the sole
+    # token in place of the draft where one token only is allowed (`verify_chain`).
     return Drafts(self.drafter.propose(state.tokens, state.length, self.k), None, carry)
 
   def propose_tree(
@@ -180,6 +185,7 @@ class ModelDraft:
   """A draft model: its own cache, fed [u, t] then its own K-1 drafts each round."""
 
   needs_features = False
+  masks_drafts = True
 
   def __init__(self, init, apply, k: int, copy=None):
     self.init, self.apply, self.k, self.copy = init, apply, k, copy
@@ -273,6 +279,7 @@ class FeatureDraft:
   """An EAGLE-style drafter: catches up on the target's features, then drafts from its own hiddens."""
 
   needs_features = True
+  masks_drafts = True
 
   def __init__(self, model_def, arrays, b: int, k: int):
     self.model_def, self.arrays, self.b, self.k = model_def, arrays, b, k

@@ -85,3 +85,16 @@ def host_walk(grammar: TableGrammar, row, eos=()) -> tuple[bool, list[int]]:
       return False, states
     states.append(s)
   return True, states
+
+
+def literal_grammar(vocab_size, choices, literal) -> TableGrammar:
+  """Repeats (one of `choices`, then the fixed `literal`): state 0 (accepting) allows the choices, states 1 ..
+  len(literal) each allow one token only, the literal's next one, the last leading back to 0."""
+  n = len(literal)
+  table = np.full((n + 1, vocab_size), -1)
+  table[0, list(choices)] = 1
+  for i, t in enumerate(literal):
+    table[i + 1, t] = (i + 2) % (n + 1)
+  acc = np.zeros(n + 1, bool)
+  acc[0] = True
+  return TableGrammar.create(table, acc)

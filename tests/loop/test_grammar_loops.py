@@ -23,7 +23,7 @@ from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.loop.forced import speculative_generate_forced
 from specdec_jax.sampling.params import SamplingParams
 from specdec_jax.sampling.sample import sample_tokens
-from tests.loop.grammar_fixtures import TableGrammar, finite_grammar, host_walk, random_grammar
+from tests.loop.grammar_fixtures import TableGrammar, finite_grammar, host_walk, literal_grammar, random_grammar
 from tests.support.lossless import continuation_logits
 from tests.support.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation, reference_probs
 from tests.support.tiny_lm import TinyLM, make_prompts
@@ -171,6 +171,74 @@ def test_eagle_rows_follow_the_grammar_and_greedy_equals_generate():
 
 
 # ----------------------------------------------------------------------------
+# Prompt lookup: the sole token of a single position in place of the draft
+# ----------------------------------------------------------------------------
+
+
+def test_walk_sole_puts_sole_tokens_in_place_of_drafts():
+  """Hand-made states: the drafts at single positions are replaced and the walk goes on from the replacement;
+  others are kept (a disallowed draft too: the verifier rejects it). State 5 accepts and its mask holds one
+  token: with an EOS id it allows two (not single), without one it is single."""
+  v = 40  # two words: token 33 sits in word 1
+  table = np.full((7, v), -1)
+  table[0, [1, 2]] = 1  # a free choice
+  table[1, 33] = 2  # single: 33 (word 1, bit 1)
+  table[2, 31] = 3  # single: 31 (bit 31 of word 0: the sign bit)
+  table[3, [4, 6]] = 5
+  table[5, 7] = 6  # accepting, one mask token
+  acc = np.zeros(7, bool)
+  acc[5] = True
+  grammar = TableGrammar.create(table, acc)
+  with_eos, without = constraint.Constraint(grammar, (EOS,)), constraint.Constraint(grammar, ())
+  states = jnp.asarray([0, 1, 5, 5, 6], jnp.int32)
+  drafts = jnp.asarray([[2, 9, 9], [0, 9, 4], [9, 9, 9], [EOS, 9, 9], [9, 9, 9]], jnp.int32)
+
+  @jax.jit  # one program: op by op it takes a second
+  def run(states, drafts):
+    tokens, walk, words = with_eos.walk_sole(states, drafts)
+    masks = (with_eos.sampler_masks(walk, words)[0], with_eos.sampler_masks(walk)[0])
+    every = constraint.sole_token(with_eos.allowed(jnp.arange(-1, 7, dtype=jnp.int32)))
+    return tokens, walk, words, with_eos.allowed(walk), masks, without.walk_sole(states, drafts)[:2], every
+
+  (tokens, walk, words, allowed, masks, (tokens_no_eos, walk_no_eos), (sole, single)) = run(states, drafts)
+  np.testing.assert_array_equal(tokens, [[2, 33, 31], [33, 31, 4], [9, 9, 9], [EOS, 9, 9], [9, 9, 9]])
+  np.testing.assert_array_equal(walk, [[0, 1, 2, 3], [1, 2, 3, 5], [5, -1, -1, -1], [5, -1, -1, -1], [6] + [-1] * 3])
+  np.testing.assert_array_equal(words, allowed)
+  np.testing.assert_array_equal(*masks)
+  np.testing.assert_array_equal(tokens_no_eos[2:4, 0], [7, 7])
+  np.testing.assert_array_equal(walk_no_eos[2:4, :2], [[5, 6], [5, 6]])
+  np.testing.assert_array_equal(single, [False, False, True, True, False, False, False, False])
+  np.testing.assert_array_equal(sole[2:4], [33, 31])
+
+
+def test_prompt_lookup_takes_sole_tokens_as_drafts(case, monkeypatch):
+  """A grammar of a free choice, then a fixed literal of 3 tokens, repeated: greedy rows with prompt lookup equal
+  `generate`'s, random rows follow the grammar, and more drafts are accepted than with the replacement
+  disabled (the round then verifies the lookup's own drafts). Its tables have the shapes of the first test's
+  grammar, so `generate` and the lookup program are that test's where both run in one process."""
+  target, draft, prompts, lengths, params = case
+  grammar = literal_grammar(V, [1, 5, 7, 9, 20], [11, 12, 13])
+  plain = _run("generate", target, draft, prompts, lengths, params, grammar, EOS)
+  sole = _run("lookup", target, draft, prompts, lengths, params, grammar, EOS)
+  monkeypatch.setattr(draft_kinds.LookupDraft, "masks_drafts", True)  # the walk without replacements
+  decoding._speculative_jit.clear_cache()
+  try:
+    own = _run("lookup", target, draft, prompts, lengths, params, grammar, EOS)
+  finally:
+    monkeypatch.undo()
+    decoding._speculative_jit.clear_cache()
+  greedy = np.asarray(TEMPERATURES) == 0.0
+  for out in (sole, own):
+    _assert_follows(grammar, out, EOS)
+    np.testing.assert_array_equal(np.asarray(out.tokens)[greedy], np.asarray(plain.tokens)[greedy])
+  accepted = [int(np.sum(out.stats.accepted)) for out in (sole, own)]
+  print(
+    f"accepted drafts {accepted}, mean accepted length {[float(o.stats.mean_accepted_length) for o in (sole, own)]}"
+  )
+  assert accepted[0] > accepted[1]
+
+
+# ----------------------------------------------------------------------------
 # Exactness: the first 3 tokens against the constrained target's joint law
 # ----------------------------------------------------------------------------
 
@@ -293,6 +361,49 @@ def test_sampled_speculative_with_prompt_lookup_follows_the_constrained_law(monk
   target, draft, grammar, joint = stat_case
   samples, _ = _first_tokens("lookup", target, draft, grammar)
   assert_gof(chisquare_gof(samples, joint, label="prompt lookup"))
+
+
+def _sole_grammar():
+  """3 states over SMALL_V (the shapes of `_stat_case`'s grammar: the same program): state 1 allows token 4 only,
+  reached from state 0 by 1 or 5, so the first 3 tokens meet single positions on many paths."""
+  table = np.full((3, SMALL_V), -1)
+  table[0, [1, 5]], table[0, 2] = 1, 2
+  table[1, 4] = 2
+  table[2, [0, 3, 6, 7]] = [0, 1, 0, 2]
+  return TableGrammar.create(table, np.zeros(3, bool))
+
+
+@pytest.fixture(scope="module")
+def sole_case(stat_case):
+  target, draft, _, _ = stat_case
+  grammar = _sole_grammar()
+  return target, draft, grammar, constrained_joint(target, grammar, PROMPT)
+
+
+def test_sampled_prompt_lookup_with_sole_tokens_follows_the_constrained_law(sole_case):
+  """As above, on a grammar with single positions, whose sole tokens replace the lookup's drafts."""
+  target, draft, grammar, joint = sole_case
+  samples, out = _first_tokens("lookup", target, draft, grammar)
+  assert_gof(chisquare_gof(samples, joint, label="prompt lookup, sole tokens"))
+  assert int(np.sum(out.stats.accepted)) > N_ROWS // 2  # the sole tokens are drafted and accepted
+
+
+@pytest.mark.slow
+def test_planted_sole_token_not_walked_fails(monkeypatch, sole_case):
+  """Planted (d): the sole tokens replace the drafts, but the walk (and so the masks) follows the lookup's own
+  drafts, must fail: here it ends rows early (an accepted sole token's state is the dead one of the draft it
+  replaced), which `_first_tokens` refuses, or else the chi-square rejects."""
+  real = constraint.Constraint.walk_sole
+
+  def walk_own(self, states, tokens):
+    walk = self.walk(states, tokens)
+    return real(self, states, tokens)[0], walk, self.allowed(walk)
+
+  try:
+    pvalue = _planted(monkeypatch, "lookup", sole_case, (constraint.Constraint, "walk_sole", walk_own))
+  except AssertionError:  # rows shorter than 3 tokens
+    return
+  assert pvalue < ALPHA
 
 
 @pytest.mark.slow
