@@ -323,10 +323,11 @@ def compiled_programs(target, draft, mesh, b: int, args) -> dict[str, list]:
   static = {"max_new_tokens": args.max_new_tokens, "eos": (), "all_greedy": True, "logprobs": None}
 
   def lower():
-    plain = _generate_jit.lower(target_arrays, tokens, lengths, params, None, target_def=target_def, **static)
+    plain = _generate_jit.lower(target_arrays, None, tokens, lengths, params, None, target_def=target_def, **static)
     spec = _speculative_jit.lower(
       target_arrays,
       draft_arrays,
+      None,  # no grammar
       tokens,
       lengths,
       params,

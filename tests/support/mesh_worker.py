@@ -262,10 +262,12 @@ def check_rows_only_program():
   static = {"max_new_tokens": NEW, "eos": (), "all_greedy": False, "logprobs": None}
   with jax.set_mesh(mesh):
     args = (rows(mesh, PROMPTS), rows(mesh, LENGTHS), jax.tree.map(lambda x: rows(mesh, x), SAMPLED), KEY)
-    plain = _generate_jit.lower(target_arrays, *args, target_def=target_def, **static).compile().as_text()
+    # None: no grammar (the programs' positional after the models' arrays).
+    plain = _generate_jit.lower(target_arrays, None, *args, target_def=target_def, **static).compile().as_text()
     spec = (
       _speculative_jit.lower(
         target_arrays,
+        None,
         None,
         *args,
         target_def=target_def,
@@ -328,10 +330,11 @@ def check_one_device_mesh():
     t_def, t_arrays = _split(target, "target")
     d_def, d_arrays = _split(draft, "draft")
     static = {"max_new_tokens": NEW, "eos": (), "all_greedy": True, "logprobs": None}
-    plain = _generate_jit.lower(t_arrays, prompts, lengths, GREEDY, None, target_def=t_def, **static)
+    plain = _generate_jit.lower(t_arrays, None, prompts, lengths, GREEDY, None, target_def=t_def, **static)
     spec = _speculative_jit.lower(
       t_arrays,
       d_arrays,
+      None,  # no grammar
       prompts,
       lengths,
       GREEDY,
