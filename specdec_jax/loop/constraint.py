@@ -36,7 +36,6 @@ already are the sole token there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,19 @@ _METHODS = ("initial_state", "mask", "next_state", "accepts")
 
 
 def check_grammar(where: str, grammar, vocab_size: int) -> None:
-  """Refuses (ValueError, naming `grammar`) an object without the protocol's methods or another vocabulary size."""
+  """Refuses (ValueError, naming `grammar`) what the loops cannot read as a token automaton.
+
+  Checked before tracing: the protocol's methods, an int `vocab_size` equal to the target's V, array
+  leaves (the grammar is a jit argument), and the dtypes and shapes of the four members on a state [1].
+
+  Args:
+    where: the caller's name, for the message.
+    grammar: the object passed as `grammar=`.
+    vocab_size: the target's V.
+
+  Example:
+    >>> check_grammar("generate", grammar, 64)   # doctest: +SKIP  (None, or a ValueError naming grammar)
+  """
   missing = [m for m in _METHODS if not callable(getattr(grammar, m, None))]
   v = getattr(grammar, "vocab_size", None)
   if missing or not isinstance(v, (int, np.integer)) or isinstance(v, bool):
@@ -62,6 +73,31 @@ def check_grammar(where: str, grammar, vocab_size: int) -> None:
     )
   if int(v) != int(vocab_size):
     raise ValueError(f"{where}: grammar.vocab_size={int(v)} must equal the target's vocabulary size V={vocab_size}")
+  leaves = jax.tree_util.tree_leaves(grammar)
+  if not all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)) for x in leaves):
+    raise ValueError(
+      f"{where}: grammar must be a JAX pytree of arrays (e.g. a registered dataclass; its tables ride through "
+      f"jit), got {type(grammar).__name__} with leaves of types {sorted({type(x).__name__ for x in leaves})}"
+    )
+  words = mask_words(int(v))
+
+  def members(g):
+    s = jnp.asarray(g.initial_state())
+    states = jnp.reshape(s, (1,))
+    return s, g.mask(states), g.next_state(states, jnp.zeros((1,), jnp.int32)), g.accepts(states)
+
+  try:
+    got = jax.eval_shape(members, grammar)
+  except Exception as e:  # noqa: BLE001 - any failure of the user's methods is reported as a grammar error
+    raise ValueError(f"{where}: grammar's methods fail on a state [1]: {type(e).__name__}: {e}") from e
+  want = ((), jnp.int32), ((1, words), jnp.int32), ((1,), jnp.int32), ((1,), jnp.bool_)
+  names = ("initial_state()", "mask(states [1])", "next_state(states [1], tokens [1])", "accepts(states [1])")
+  for name, x, (shape, dtype) in zip(names, got, want):
+    if x.shape != shape or x.dtype != dtype:
+      raise ValueError(
+        f"{where}: grammar.{name} must give {jnp.dtype(dtype).name}{list(shape)} (V={int(v)}: {words} mask "
+        f"words), got {x.dtype.name}{list(x.shape)}"
+      )
 
 
 def _words(ids, vocab_size: int, *, fill: bool = False) -> np.ndarray:
@@ -82,7 +118,7 @@ class Constraint:
     eos: the EOS ids, allowed where a state accepts.
   """
 
-  grammar: Any
+  grammar: TokenAutomaton
   eos: tuple[int, ...]
 
   @property
@@ -101,7 +137,9 @@ class Constraint:
       ones + (-1,)
     )
     if self.eos:
+      # EOS only where the state accepts, also for an automaton whose masks (against the protocol) hold it.
       eos_words = _words(self.eos, self.vocab_size).reshape(ones + (-1,))
+      words = words & ~eos_words
       words = jnp.where(jnp.asarray(self.grammar.accepts(states), bool)[..., None], words | eos_words, words)
     return words
 
@@ -183,10 +221,12 @@ def sole_token(words) -> tuple[jax.Array, jax.Array]:
   meaningless where not single.
 
   Read from the words alone (no [..., V] array): the set is single where its words hold one bit in all;
-  that bit's word is the first nonzero one, and, being the only nonzero word there, the OR of all words.
+  that bit's word is the first nonzero one, and, being the only nonzero word there, the sum of all words
+  (a sum, not an OR: on a vocabulary-split mesh the words are split over devices, and XLA's all-reduce
+  has no bitwise OR).
   """
   words = jnp.asarray(words, jnp.int32)
   single = jnp.sum(jax.lax.population_count(words), axis=-1) == 1
   word_index = jnp.argmax(words != 0, axis=-1).astype(jnp.int32)
-  bit = (BITS - 1) - jax.lax.clz(jnp.bitwise_or.reduce(words, axis=-1))  # -1 for an empty set
+  bit = (BITS - 1) - jax.lax.clz(jnp.sum(words, axis=-1, dtype=jnp.int32))  # -1 for an empty set
   return word_index * BITS + bit, single

@@ -280,9 +280,9 @@ def constrained_joint(target, grammar, prompt, top_k=TOP_K, topk_first=False):
   return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-def _first_tokens(loop, target, draft, grammar, key=42):
-  prompts = jnp.asarray(np.tile(PROMPT, (N_ROWS, 1)), jnp.int32)
-  lengths = jnp.full((N_ROWS,), len(PROMPT), jnp.int32)
+def _first_tokens(loop, target, draft, grammar, key=42, prompt=PROMPT):
+  prompts = jnp.asarray(np.tile(prompt, (N_ROWS, 1)), jnp.int32)
+  lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
   params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
   drafter = PromptLookupDrafter(1) if loop == "lookup" else draft
   out = speculative_generate(
@@ -356,10 +356,18 @@ def test_planted_unmasked_draws_with_a_masked_q_fail(monkeypatch, stat_case):
   assert _planted(monkeypatch, "model", stat_case, (draft_kinds, "sample_tokens", masked_q)) < ALPHA
 
 
+# A prompt whose lookup drafts the grammar allows and the target accepts a quarter of the time (PROMPT's are
+# all refused: only the rejection path would be tested).
+LOOKUP_PROMPT = np.array([0, 4, 0, 4])
+
+
 def test_sampled_speculative_with_prompt_lookup_follows_the_constrained_law(monkeypatch, stat_case):
-  """As above, with prompt lookup (unmasked drafts without probabilities)."""
-  target, draft, grammar, joint = stat_case
-  samples, _ = _first_tokens("lookup", target, draft, grammar)
+  """As above, with prompt lookup (unmasked drafts without probabilities), on a prompt where its drafts are
+  accepted with probability p(d) under the mask as well as rejected."""
+  target, draft, grammar, _ = stat_case
+  joint = constrained_joint(target, grammar, LOOKUP_PROMPT)
+  samples, out = _first_tokens("lookup", target, draft, grammar, prompt=LOOKUP_PROMPT)
+  assert 0.05 < float(out.stats.acceptance_rate) < 0.95  # both branches of the verifier are exercised
   assert_gof(chisquare_gof(samples, joint, label="prompt lookup"))
 
 
@@ -457,8 +465,8 @@ def test_refusals_name_grammar(case):
 
 
 def test_no_grammar_traces_no_automaton_op(case, monkeypatch):
-  """grammar=None builds no `Constraint`, so no automaton op enters the program (its lowered text is the one from
-  before grammars existed: compared by hand against the parent commit for generate and every draft kind)."""
+  """grammar=None builds no `Constraint`, the one object through which the loops read a grammar, so no
+  automaton op and no mask enters the program of `generate` or of `speculative_generate` with either draft kind."""
   target, draft, prompts, lengths, params = case
 
   def refuse(*_, **__):
@@ -522,3 +530,96 @@ def test_rows_only_mesh_gives_one_devices_tokens(case):
     cwd=ROOT,
   )
   assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+_VOCAB_SPLIT_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from specdec_jax.drafts.lookup import PromptLookupDrafter
+from specdec_jax.loop.decoding import speculative_generate
+from specdec_jax.mesh import make_mesh
+from specdec_jax.sampling.params import SamplingParams
+from tests.loop.grammar_fixtures import random_grammar
+from tests.support.tiny_lm import TinyLM, make_prompts
+
+V, EOS = 64, 3  # V/2 = 32 tokens a device: the mask's words split with the vocabulary
+target = TinyLM.create(0, V)
+prompts, lengths = make_prompts(0, V, [6, 3, 1, 5], 6)
+params = SamplingParams.create(jnp.asarray([0.0, 1.0, 0.0, 0.8], jnp.float32))
+run = lambda: speculative_generate(target, PromptLookupDrafter((2, 1)), prompts, lengths, params, jax.random.key(0),
+                                   num_speculative_tokens=3, max_new_tokens=10, eos_token_id=EOS,
+                                   grammar=random_grammar(0, V, eos=[EOS]))
+one = run()
+with jax.set_mesh(make_mesh(1, 2)):
+  split = run()
+np.testing.assert_array_equal(split.tokens, one.tokens)
+print("OK")
+"""
+
+
+def test_vocabulary_split_mesh_with_prompt_lookup_gives_one_devices_tokens():
+  """Two CPU devices, the vocabulary split over "model" (1x2, V=64: the mask's words split too): prompt lookup's
+  sole-token walk reduces the words of each position, which must compile there (XLA's all-reduce has no
+  bitwise OR: the walk sums the words) and give one device's tokens, sampled rows included."""
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
+  res = subprocess.run(
+    [sys.executable, "-c", _VOCAB_SPLIT_CHECK],
+    capture_output=True,
+    text=True,
+    env=dict(env, JAX_PLATFORMS="cpu"),
+    timeout=300,
+    cwd=ROOT,
+  )
+  assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_eos_only_where_the_state_accepts_even_if_an_automaton_allows_it_elsewhere():
+  """The loop owns EOS: an automaton whose mask (against the protocol) holds an EOS id at a state that does not
+  accept still may not end the row there; at an accepting state EOS is allowed whatever its mask says."""
+  v, eos = 24, 3
+  table = np.full((3, v), -1)
+  table[0, [eos, 4]] = 1  # state 0 (not accepting) "allows" EOS
+  table[1, [5, 6]] = 2
+  table[2, 7] = 0  # state 2 accepts, and its mask lacks EOS
+  grammar = TableGrammar.create(table, [False, False, True])
+  allowed = np.asarray(constraint.Constraint(grammar, (eos,)).allowed(jnp.array([0, 1, 2, -1])))
+  bits = (allowed[:, :, None] >> np.arange(32)) & 1
+  ids = [set(np.flatnonzero(row.reshape(-1)[:v]).tolist()) for row in bits]
+  assert ids == [{4}, {5, 6}, {7, eos}, set()]
+
+
+def test_a_grammar_that_is_no_pytree_or_gives_wrong_shapes_is_refused_before_tracing(case):
+  target, draft, prompts, lengths, params = case
+
+  class Plain:  # the four methods, but an object jit cannot take apart
+    vocab_size = V
+
+    def initial_state(self):
+      return jnp.int32(0)
+
+    def mask(self, states):
+      return jnp.zeros(states.shape + (-(-V // 32),), jnp.int32)
+
+    def next_state(self, states, tokens):
+      return states
+
+    def accepts(self, states):
+      return states == 0
+
+  wide = random_grammar(0, V, eos=[EOS])
+  wide_mask = TableGrammar.mask  # the right words, one too many of them
+  with pytest.raises(ValueError, match=r"generate: grammar must be a JAX pytree"):
+    generate(target, prompts, lengths, params, jax.random.key(0), max_new_tokens=2, grammar=Plain())
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(TableGrammar, "mask", lambda self, s: jnp.pad(wide_mask(self, s), [(0, 0)] * s.ndim + [(0, 1)]))
+    with pytest.raises(ValueError, match=r"speculative_generate: grammar\.mask\(states \[1\]\) must give int32"):
+      speculative_generate(
+        target,
+        draft,
+        prompts,
+        lengths,
+        params,
+        jax.random.key(0),
+        max_new_tokens=2,
+        num_speculative_tokens=2,
+        grammar=wide,
+      )
