@@ -505,41 +505,10 @@ with jax.set_mesh(make_mesh(2, 1)):
                  eos_token_id=c["EOS"], grammar=random_grammar(0, c["V"], eos=[c["EOS"]]), logprobs="processed")
 np.testing.assert_array_equal(out.tokens, np.asarray(c["tokens"]))
 np.testing.assert_allclose(out.logprobs, np.asarray(c["logprobs"]), rtol=1e-5, atol=1e-6)
-print("OK")
-"""
 
-
-def test_rows_only_mesh_gives_one_devices_tokens(case):
-  """Two CPU devices, the rows split over "data" (`_on_each_data_device`): the grammar rides replicated, each
-  device decodes its rows; `generate`'s tokens and log-probabilities equal one device's (per-row keys). The
-  one-device program is the first test's. (`speculative_generate` passes its grammar the same way: both loops go
-  through `_jit`'s `_on_each_data_device`, whose models include the grammar.)"""
-  target, draft, prompts, lengths, params = case
-  grammar = random_grammar(0, V, eos=[EOS])
-  one = _run("generate", target, draft, prompts, lengths, params, grammar, EOS, logprobs="processed")
-  config = dict(V=V, P=P, EOS=EOS, MAX_NEW=MAX_NEW, LENGTHS=LENGTHS, TEMPERATURES=TEMPERATURES)
-  config.update(tokens=np.asarray(one.tokens).tolist(), logprobs=np.asarray(one.logprobs).tolist())
-  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
-  res = subprocess.run(
-    [sys.executable, "-c", _MESH_CHECK],
-    input=json.dumps(config),
-    capture_output=True,
-    text=True,
-    env=dict(env, JAX_PLATFORMS="cpu"),
-    timeout=300,
-    cwd=ROOT,
-  )
-  assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
-
-
-_VOCAB_SPLIT_CHECK = """
-import jax, jax.numpy as jnp, numpy as np
+# The vocabulary split over "model" (1x2)
 from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.loop.decoding import speculative_generate
-from specdec_jax.mesh import make_mesh
-from specdec_jax.sampling.params import SamplingParams
-from tests.loop.grammar_fixtures import random_grammar
-from tests.support.tiny_lm import TinyLM, make_prompts
 
 V, EOS = 64, 3  # V/2 = 32 tokens a device: the mask's words split with the vocabulary
 target = TinyLM.create(0, V)
@@ -556,13 +525,22 @@ print("OK")
 """
 
 
-def test_vocabulary_split_mesh_with_prompt_lookup_gives_one_devices_tokens():
-  """Two CPU devices, the vocabulary split over "model" (1x2, V=64: the mask's words split too): prompt lookup's
-  sole-token walk reduces the words of each position, which must compile there (XLA's all-reduce has no
-  bitwise OR: the walk sums the words) and give one device's tokens, sampled rows included."""
+def test_rows_only_mesh_gives_one_devices_tokens(case):
+  """Two CPU devices, the rows split over "data" (`_on_each_data_device`): the grammar rides replicated, each
+  device decodes its rows; `generate`'s tokens and log-probabilities equal one device's (per-row keys). The
+  one-device program is the first test's. Then the vocabulary split over "model" (1x2, V=64: the mask's words
+  split too): prompt lookup's sole-token walk reduces each position's words, which must compile there (XLA's
+  all-reduce has no bitwise OR: the walk sums the words) and give one device's tokens, sampled rows included. (`speculative_generate` passes its grammar the same way: both loops go
+  through `_jit`'s `_on_each_data_device`, whose models include the grammar.)"""
+  target, draft, prompts, lengths, params = case
+  grammar = random_grammar(0, V, eos=[EOS])
+  one = _run("generate", target, draft, prompts, lengths, params, grammar, EOS, logprobs="processed")
+  config = dict(V=V, P=P, EOS=EOS, MAX_NEW=MAX_NEW, LENGTHS=LENGTHS, TEMPERATURES=TEMPERATURES)
+  config.update(tokens=np.asarray(one.tokens).tolist(), logprobs=np.asarray(one.logprobs).tolist())
   env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
   res = subprocess.run(
-    [sys.executable, "-c", _VOCAB_SPLIT_CHECK],
+    [sys.executable, "-c", _MESH_CHECK],
+    input=json.dumps(config),
     capture_output=True,
     text=True,
     env=dict(env, JAX_PLATFORMS="cpu"),
@@ -623,3 +601,126 @@ def test_a_grammar_that_is_no_pytree_or_gives_wrong_shapes_is_refused_before_tra
         num_speculative_tokens=2,
         grammar=wide,
       )
+
+
+# ----------------------------------------------------------------------------
+# Whole rows against the exact constrained law: every position, the bonus one, later rounds, EOS, rows the
+# grammar ends
+# ----------------------------------------------------------------------------
+
+ROW_V, ROW_EOS, ROW_PROMPT, ROW_N = 6, 0, np.array([1, 5, 2, 4, 3]), 20000
+
+
+def _row_grammar():
+  """State 0 allows {1, 2, 3}; 1 accepts and allows {4, 5}; 2 accepts and allows nothing (the row must stop);
+  3 allows 2 only (a single position)."""
+  table = np.full((4, ROW_V), -1)
+  table[0, [1, 2, 3]] = [1, 3, 0]
+  table[1, [4, 5]] = [2, 0]
+  table[3, 2] = 1
+  return TableGrammar.create(table, [False, True, True, False])
+
+
+def _row_law(target, grammar, eos, max_new):
+  """{row tokens: probability} of the constrained target at T=1 by enumeration (float64)."""
+  table, acc = np.asarray(grammar.next_table), np.asarray(grammar.accepting)
+  law = {}
+
+  def logits_after(prefix):
+    seq = jnp.asarray(np.concatenate([ROW_PROMPT, np.array(prefix, int)])[None], jnp.int32)
+    t = seq.shape[1]
+    logits, _ = target(seq, jnp.arange(t)[None], target.init_cache(1, t))
+    return np.asarray(logits[0, -1], np.float64)
+
+  def walk(prefix, s, p):
+    allowed = table[s] >= 0
+    if eos is not None and acc[s]:
+      allowed[eos] = True
+    if len(prefix) == max_new or not allowed.any():
+      law[prefix] = law.get(prefix, 0.0) + p
+      return
+    x = np.where(allowed, logits_after(prefix), -np.inf)
+    q = np.exp(x - x.max())
+    q /= q.sum()
+    for t in np.flatnonzero(allowed).tolist():
+      if t == eos:
+        law[prefix + (t,)] = law.get(prefix + (t,), 0.0) + p * q[t]
+      else:
+        walk(prefix + (t,), int(table[s, t]), p * q[t])
+
+  walk((), 0, 1.0)
+  return law
+
+
+def _whole_rows(eos, k, max_new, loop):
+  """(rows outside the constrained law's support, the chi-square result, the acceptance rate) of one run."""
+  target, draft = TinyLM.create(10, ROW_V, logit_scale=1.5), TinyLM.create(11, ROW_V, logit_scale=1.5)
+  grammar = _row_grammar()
+  law = _row_law(target, grammar, eos, max_new)
+  outcomes = sorted(law)
+  index = {o: i for i, o in enumerate(outcomes)}
+  probs = np.array([law[o] for o in outcomes])
+  _, tv = detectable_deviation(ROW_N, len(outcomes))
+  assert tv < 0.1, f"too few rows to detect a total variation of 0.1 over {len(outcomes)} outcomes"
+  prompts = jnp.asarray(np.tile(ROW_PROMPT, (ROW_N, 1)), jnp.int32)
+  lengths = jnp.full((ROW_N,), len(ROW_PROMPT), jnp.int32)
+  out = speculative_generate(
+    target,
+    draft if loop == "model" else PromptLookupDrafter(1),
+    prompts,
+    lengths,
+    SamplingParams.create(jnp.ones((ROW_N,))),
+    jax.random.key(2),
+    max_new_tokens=max_new,
+    num_speculative_tokens=k,
+    eos_token_id=eos,
+    grammar=grammar,
+  )
+  rows = [tuple(r[:n].tolist()) for r, n in zip(np.asarray(out.tokens), np.asarray(out.lengths))]
+  outside = [r for r in rows if r not in index]
+  inside = np.array([index[r] for r in rows if r in index])
+  gof = chisquare_gof(inside, probs, label=f"{loop}, eos={eos}, K={k}, {max_new} tokens")
+  return outside, gof, float(out.stats.acceptance_rate)
+
+
+@pytest.mark.parametrize(
+  "eos, k, max_new, loop",
+  [
+    (ROW_EOS, 2, 4, "model"),
+    pytest.param(ROW_EOS, 2, 4, "lookup", marks=pytest.mark.slow),
+    pytest.param(None, 3, 6, "model", marks=pytest.mark.slow),
+    pytest.param(None, 3, 6, "lookup", marks=pytest.mark.slow),
+    pytest.param(ROW_EOS, 3, 6, "lookup", marks=pytest.mark.slow),
+  ],
+)
+def test_whole_rows_follow_the_constrained_law(eos, k, max_new, loop):
+  """Sampled rows (T=1) of constrained `speculative_generate` (a draft model; prompt lookup in the slow set),
+  whole rows (more than one round, the bonus position, EOS where accepting, rows the grammar ends) against the
+  exact constrained law: chi-square at alpha=ALPHA over every row outcome; no row outside the law's support."""
+  outside, gof, acceptance = _whole_rows(eos, k, max_new, loop)
+  assert not outside, f"{len(outside)} rows outside the constrained law's support, e.g. {outside[:3]}"
+  assert 0.02 < acceptance < 0.98  # drafts are both accepted and rejected
+  assert_gof(gof)
+
+
+@pytest.mark.slow
+def test_planted_state_not_advanced_by_the_recovered_token_fails(monkeypatch):
+  """The state after a round taken as the walk's s_n, not advanced by the recovered/bonus token: the whole-row
+  test must reject it."""
+
+  def wrong(self, walk, empty, emitted, num_accepted):
+    n = num_accepted.astype(jnp.int32)[:, None]
+    s_n = jnp.take_along_axis(walk, n, axis=1)
+    j = jnp.arange(walk.shape[1], dtype=jnp.int32)[None, :]
+    after = jnp.where(j < n, jnp.concatenate([walk[:, 1:], walk[:, -1:]], axis=1), s_n)
+    ends = jnp.where(j < n, jnp.concatenate([empty[:, 1:], empty[:, -1:]], axis=1), self.ends(s_n[:, 0])[:, None])
+    return after, ends
+
+  monkeypatch.setattr(constraint.Constraint, "emitted_states", wrong)
+  decoding._speculative_jit.clear_cache()
+  try:
+    outside, gof, _ = _whole_rows(ROW_EOS, 2, 4, "model")
+  finally:
+    monkeypatch.undo()
+    decoding._speculative_jit.clear_cache()
+  assert outside or gof.pvalue < ALPHA
