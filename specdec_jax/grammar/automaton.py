@@ -259,6 +259,68 @@ class TokenGrammar:
     """
     return sum(self.table_sizes().values())
 
+  # --- One program for many grammars -------------------------------------------------------------------
+
+  def padded(
+    self,
+    *,
+    num_states: int | None = None,
+    num_masks: int | None = None,
+    num_exceptions: int | None = None,
+    search_steps: int | None = None,
+  ) -> TokenGrammar:
+    """The same automaton in tables of the given sizes, so that grammars padded alike share one compiled loop.
+
+    A jitted loop compiles anew for each new shape of the tables (and each `search_steps`); a server with
+    many schemas pads each grammar to a few bucket sizes instead. Padded states allow nothing, never
+    accept and lead nowhere (no transition reaches them); they read a mask row of zeros, so padding the
+    states needs `num_masks` >= M + 1. Padded exceptions lie past every state's row and are never read.
+
+    Args:
+      num_states: S' >= S (None: S).
+      num_masks: M' >= M, and >= M + 1 when the states are padded (None: M, or M + 1 then).
+      num_exceptions: X' >= the exception arrays' length (None: keep it).
+      search_steps: >= this grammar's (None: keep it); enough for the longest row of any grammar sharing
+        the program.
+
+    Returns:
+      A `TokenGrammar` whose `mask`, `next_state` and `accepts` agree with this one on every state in
+      [-1, S) and every token.
+
+    Example:
+      >>> a = g1.padded(num_states=64, num_masks=32, num_exceptions=4096, search_steps=13)   # doctest: +SKIP
+      >>> b = g2.padded(num_states=64, num_masks=32, num_exceptions=4096, search_steps=13)   # the same program
+    """
+    where = "TokenGrammar.padded"
+    s, m, x = self.num_states, self.num_masks, self.edge_token.shape[0]
+    num_states = s if num_states is None else num_states
+    grow = num_states > s
+    num_masks = (m + 1 if grow else m) if num_masks is None else num_masks
+    num_exceptions = x if num_exceptions is None else num_exceptions
+    search_steps = self.search_steps if search_steps is None else search_steps
+    for name, value, least in (
+      ("num_states", num_states, s),
+      ("num_masks", num_masks, m + 1 if grow else m),
+      ("num_exceptions", num_exceptions, x),
+      ("search_steps", search_steps, self.search_steps),
+    ):
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{where}: {name} must be an int >= {least} for this grammar, got {value!r}")
+    extra_s, extra_m, extra_x = num_states - s, num_masks - m, num_exceptions - x
+    pad = lambda a, n, value: jnp.concatenate([a, jnp.full((n,) + a.shape[1:], value, a.dtype)])  # noqa: E731
+    return TokenGrammar(
+      mask_table=pad(self.mask_table, extra_m, 0),
+      mask_id=pad(self.mask_id, extra_s, m),  # row m: a padded row of zeros
+      accepting=pad(self.accepting, extra_s, False),
+      default_next=pad(self.default_next, extra_s, DEAD_STATE),
+      row_start=pad(self.row_start, extra_s, self.row_start[-1]),  # empty rows
+      edge_token=pad(self.edge_token, extra_x, 0),
+      edge_next=pad(self.edge_next, extra_x, DEAD_STATE),
+      initial=self.initial,
+      vocab_size=self.vocab_size,
+      search_steps=int(search_steps),
+    )
+
   # --- Constructors -------------------------------------------------------------------------------------
 
   @classmethod

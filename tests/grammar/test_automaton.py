@@ -113,3 +113,63 @@ def test_next_state_shape_mismatch():
   g = TokenGrammar.from_tables([0], [1], [1], [False, True], vocab_size=4)
   with pytest.raises(ValueError, match="same shape"):
     g.next_state(jnp.zeros(3, jnp.int32), jnp.zeros(2, jnp.int32))
+
+
+def test_padded_tables_are_the_same_automaton_and_padded_states_are_dead():
+  (es, et, en, acc), dense = _random_tables()
+  g = TokenGrammar.from_tables(es, et, en, acc, vocab_size=V)
+  p = g.padded(num_states=g.num_states + 5, num_masks=g.num_masks + 3, num_exceptions=400, search_steps=12)
+  assert (p.num_states, p.num_masks, p.edge_token.shape[0], p.search_steps) == (
+    g.num_states + 5,
+    g.num_masks + 3,
+    400,
+    12,
+  )
+  states = jnp.arange(-1, g.num_states, dtype=jnp.int32)
+  tokens = jnp.array([-5, *range(V), V], jnp.int32)
+  grid_s, grid_t = jnp.meshgrid(states, tokens, indexing="ij")
+  for method in ("mask", "accepts"):
+    np.testing.assert_array_equal(np.asarray(getattr(p, method)(states)), np.asarray(getattr(g, method)(states)))
+  np.testing.assert_array_equal(np.asarray(p.next_state(grid_s, grid_t)), np.asarray(g.next_state(grid_s, grid_t)))
+  extra = jnp.arange(g.num_states, p.num_states, dtype=jnp.int32)  # the padded states: dead in all but name
+  assert not np.any(np.asarray(p.mask(extra))) and not np.any(np.asarray(p.accepts(extra)))
+  ex_s, ex_t = jnp.meshgrid(extra, jnp.arange(V, dtype=jnp.int32), indexing="ij")
+  assert np.all(np.asarray(p.next_state(ex_s, ex_t)) == -1)
+
+
+def test_grammars_padded_alike_share_one_compiled_loop():
+  from specdec_jax import SamplingParams, generate
+  from tests.support.compiles import count_compiles
+  from tests.support.tiny_lm import TinyLM, make_prompts
+
+  sizes = dict(num_states=16, num_masks=16, num_exceptions=512, search_steps=10)
+  a = TokenGrammar.from_tables(*_random_tables(1)[0], vocab_size=V)
+  b = TokenGrammar.from_tables(*_random_tables(2, num_states=4)[0], vocab_size=V)
+  assert (a.num_states, a.edge_token.shape) != (b.num_states, b.edge_token.shape)
+  target = TinyLM.create(0, V)
+  prompts, lengths = make_prompts(0, V, [3, 2], 4)
+  params = SamplingParams.create([0.0, 1.0])
+  run = lambda g: generate(target, prompts, lengths, params, jax.random.key(0), max_new_tokens=3, grammar=g)  # noqa: E731
+  run(a.padded(**sizes))
+  with count_compiles("_generate_jit") as compiled:
+    run(b.padded(**sizes))
+  assert not compiled, compiled
+  with count_compiles("_generate_jit") as compiled:  # the control: b's own shapes compile anew
+    run(b)
+  assert compiled
+
+
+@pytest.mark.parametrize(
+  "sizes, match",
+  [
+    (dict(num_states=2), r"num_states must be an int >= 6"),
+    (dict(num_states=8, num_masks=1), r"num_masks must be an int >= "),
+    (dict(num_exceptions=0), r"num_exceptions must be an int >= "),
+    (dict(search_steps=0), r"search_steps must be an int >= "),
+    (dict(num_states=7.5), r"num_states must be an int"),
+  ],
+)
+def test_padded_refuses_sizes_below_the_grammars(sizes, match):
+  g = TokenGrammar.from_tables(*_random_tables()[0], vocab_size=V)
+  with pytest.raises(ValueError, match=f"TokenGrammar.padded: {match}"):
+    g.padded(**sizes)
