@@ -187,3 +187,35 @@ def test_check_catches_planted_wrong_grammar(grammars, monkeypatch, method, wron
       check_against_regex(grammars[r"[0-9]{2,3}"], r"[0-9]{2,3}", complete=False)
   finally:
     _read_tables.clear_cache()
+
+
+@pytest.mark.slow  # three loops compiled per pattern; CI keeps the table-automaton loop tests (tests/loop) and
+# docs/api.md's regex example, which runs both loops greedily under a TokenGrammar
+@pytest.mark.parametrize("pattern", [r"[0-9]{2,3}", r"(ab|c)+"])
+def test_the_loops_emit_only_texts_of_the_regex(pattern):
+  """A random tiny model constrained by the regex in `generate` and `speculative_generate` (a draft model and
+  prompt lookup), sampled over 64 rows: every row that ends by EOS is a full match, every row is a prefix of
+  one, and greedy rows of both loops agree."""
+  from specdec_jax import PromptLookupDrafter, SamplingParams, generate, speculative_generate
+  from tests.support.tiny_lm import TinyLM, make_prompts
+
+  grammar = TokenGrammar.from_regex(pattern, _vocabulary(), vocab_size=V)
+  target, draft = TinyLM.create(0, V), TinyLM.create(1, V)
+  b = 64
+  prompts, lengths = make_prompts(3, V, [5] * b, 5)
+  params = SamplingParams.create(jnp.where(jnp.arange(b) % 4 == 0, 0.0, 1.0))
+  kw = dict(max_new_tokens=6, eos_token_id=EOS, grammar=grammar)
+  outs = {"generate": generate(target, prompts, lengths, params, jax.random.key(0), **kw)}
+  for name, d in (("draft model", draft), ("prompt lookup", PromptLookupDrafter(1))):
+    outs[name] = speculative_generate(
+      target, d, prompts, lengths, params, jax.random.key(1), num_speculative_tokens=3, **kw
+    )
+  for name, out in outs.items():
+    for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
+      ended = n > 0 and row[n - 1] == EOS
+      text = "".join(TEXTS[t] for t in row[: n - 1 if ended else n])
+      assert EOS not in row[: n - 1 if ended else n], (name, row)
+      assert re.fullmatch(pattern, text) if ended else _is_prefix(pattern, text), (name, pattern, text)
+  greedy = np.arange(b) % 4 == 0
+  for name in ("draft model", "prompt lookup"):
+    np.testing.assert_array_equal(np.asarray(outs[name].tokens)[greedy], np.asarray(outs["generate"].tokens)[greedy])
