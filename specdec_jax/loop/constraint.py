@@ -101,7 +101,12 @@ def check_grammar(where: str, grammar, vocab_size: int) -> None:
 
 
 def _words(ids, vocab_size: int, *, fill: bool = False) -> np.ndarray:
-  """int32 [ceil(V/32)] with the bits of `ids` set (fill: of every id < V), a trace-time constant."""
+  """int32 [ceil(V/32)] with the bits of `ids` set (fill: of every id < V), a trace-time constant.
+
+  `sampling.masks.pack_bitmask`'s packing in NumPy: this runs while the loop is traced, also inside the
+  rows-only path's shard_map, where evaluating `pack_bitmask` eagerly (`ensure_compile_time_eval`) fails on
+  the mesh's manual axes.
+  """
   bits = np.zeros(mask_words(vocab_size) * BITS, bool)
   bits[np.arange(vocab_size) if fill else list(ids)] = True
   weights = np.left_shift(np.uint64(1), np.arange(BITS, dtype=np.uint64))

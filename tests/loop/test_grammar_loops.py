@@ -145,27 +145,12 @@ def test_eagle_rows_follow_the_grammar_and_greedy_equals_generate():
   target = Transformer(TransformerConfig.tiny(V, feature_layers=(0, 1)), rngs=nnx.Rngs(0))
   eagle = EagleDrafter.for_target(target, rngs=nnx.Rngs(2))
   prompts, lengths = make_prompts(0, V, LENGTHS, P)
-  grammar, b = random_grammar(4, V, eos=[EOS]), len(LENGTHS)
-  greedy = dict(max_new_tokens=MAX_NEW, eos_token_id=EOS, grammar=grammar, all_greedy=True)
-  plain = generate(target, prompts, lengths, SamplingParams.greedy(b), None, **greedy)
-  spec = speculative_generate(
-    target, eagle, prompts, lengths, SamplingParams.greedy(b), None, num_speculative_tokens=K, **greedy
-  )
+  grammar, greedy = random_grammar(4, V, eos=[EOS]), SamplingParams.greedy(len(LENGTHS))
+  plain = _run("generate", target, None, prompts, lengths, greedy, grammar, EOS, all_greedy=True)
+  spec = _run("model", target, eagle, prompts, lengths, greedy, grammar, EOS, all_greedy=True)
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
   params = SamplingParams.create(jnp.asarray(TEMPERATURES, jnp.float32))
-  out = speculative_generate(
-    target,
-    eagle,
-    prompts,
-    lengths,
-    params,
-    jax.random.key(3),
-    max_new_tokens=MAX_NEW,
-    num_speculative_tokens=K,
-    eos_token_id=EOS,
-    grammar=grammar,
-    logprobs="processed",
-  )
+  out = _run("model", target, eagle, prompts, lengths, params, grammar, EOS, key=3, logprobs="processed")
   _assert_follows(grammar, out, EOS)
   assert np.all(np.isfinite(np.asarray(out.logprobs)))
 
