@@ -19,7 +19,7 @@ Usage:
 
     python examples/structured_output.py
     python examples/structured_output.py --model qwen2.5-coder-1.5b --max-tokens 128
-    python examples/structured_output.py --drafter lookup --repeats 3
+    python examples/structured_output.py --drafter lookup --repeats 3 --whitespace compact
 
 Needs `pip install -e ".[models,grammar]"` (outlines-core builds the automaton).
 """
@@ -51,6 +51,10 @@ SCHEMA = {
   },
   "required": ["name", "first_release_year", "statically_typed", "paradigms"],
 }
+# Between JSON tokens: the newlines and indentation of pretty-printed JSON, as the models write it unasked
+# (bounded, so that no row can spend its tokens on whitespace), or outlines-core's default (None: a space at
+# most). Pretty keeps the target on its own distribution, and with it the drafters' acceptance.
+WHITESPACE = {"pretty": r"[\n ]{0,12}", "compact": None}
 PROMPT = (
   "Describe the {} programming language as a JSON object with the fields name, first_release_year, "
   "statically_typed and paradigms (at most three of: {}). Answer with the JSON only."
@@ -61,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", choices=["smollm2", "qwen2.5-coder-1.5b"], default=None, help="default: coder on GPU")
   ap.add_argument("--drafter", default="lookup,eagle", help="comma list of lookup, eagle (default both)")
+  ap.add_argument(
+    "--whitespace", choices=list(WHITESPACE), default="pretty", help="between JSON tokens (default pretty)"
+  )
   ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
   ap.add_argument("--max-tokens", type=int, default=96, help="new tokens at most (default 96)")
   ap.add_argument("--repeats", type=int, default=2, help="timed runs of each method (default 2)")
@@ -167,12 +174,19 @@ def main(argv=None):
   print(f"{args.model} ({args.dtype}) and {', '.join(drafters)} loaded in {time.perf_counter() - t0:.1f}s")
 
   t0 = time.perf_counter()
-  grammar = TokenGrammar.from_json_schema(SCHEMA, tokenizer, eos_token_ids=eos, vocab_size=v, exclude_token_ids=unused)
+  grammar = TokenGrammar.from_json_schema(
+    SCHEMA,
+    tokenizer,
+    whitespace_pattern=WHITESPACE[args.whitespace],
+    eos_token_ids=eos,
+    vocab_size=v,
+    exclude_token_ids=unused,
+  )
   compile_s = time.perf_counter() - t0
   first = int(jnp.sum(allowed_tokens(grammar.mask(grammar.initial_state()), v)))
   print(
     f"grammar: {grammar.num_states} states, {grammar.size_bytes() / 1e6:.2f} MB of device tables, "
-    f"built in {compile_s:.2f}s; {first} of {v} tokens may start the answer"
+    f"built in {compile_s:.2f}s ({args.whitespace} whitespace); {first} of {v} tokens may start the answer"
   )
 
   from specdec_jax.models.loaders.smollm2 import encode_prompts

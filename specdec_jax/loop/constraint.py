@@ -79,7 +79,43 @@ def check_grammar(where: str, grammar, vocab_size: int) -> None:
       f"{where}: grammar must be a JAX pytree of arrays (e.g. a registered dataclass; its tables ride through "
       f"jit), got {type(grammar).__name__} with leaves of types {sorted({type(x).__name__ for x in leaves})}"
     )
-  words = mask_words(int(v))
+  # The members' shapes depend on the methods, the structure and the leaves' shapes and dtypes alone
+  # (eval_shape traces them), so a grammar passed call after call is traced once: tracing costs milliseconds of host time a
+  # call, as much as a short generation's device time.
+  key = _structure_key(grammar, leaves, int(v))
+  if key is not None and key in _MEMBER_ERRORS:
+    error = _MEMBER_ERRORS[key]
+  else:
+    error = _member_error(grammar, int(v))
+    if key is not None:
+      if len(_MEMBER_ERRORS) >= 256:  # bounded: a long-lived process may see many grammar shapes
+        _MEMBER_ERRORS.clear()
+      _MEMBER_ERRORS[key] = error
+  if error is not None:
+    raise ValueError(f"{where}: {error}")
+
+
+_MEMBER_ERRORS: dict = {}  # structure key -> None (the members have the protocol's shapes) or the message
+
+
+def _structure_key(grammar, leaves, vocab_size: int):
+  """A hashable key of what `_member_error`'s answer depends on, or None where a part is unhashable."""
+  avals = tuple(
+    (type(x), x) if isinstance(x, (int, float, bool)) else (np.shape(x), np.dtype(x.dtype).str) for x in leaves
+  )
+  # The class's methods belong to the key too: the same structure under other code is another automaton.
+  methods = tuple(getattr(type(grammar), m, None) for m in _METHODS)
+  key = (jax.tree_util.tree_structure(grammar), avals, vocab_size, methods)
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _member_error(grammar, v: int) -> str | None:
+  """None where the four members give the protocol's dtypes and shapes on a state [1], else the message."""
+  words = mask_words(v)
 
   def members(g):
     s = jnp.asarray(g.initial_state())
@@ -89,15 +125,16 @@ def check_grammar(where: str, grammar, vocab_size: int) -> None:
   try:
     got = jax.eval_shape(members, grammar)
   except Exception as e:  # noqa: BLE001 - any failure of the user's methods is reported as a grammar error
-    raise ValueError(f"{where}: grammar's methods fail on a state [1]: {type(e).__name__}: {e}") from e
+    return f"grammar's methods fail on a state [1]: {type(e).__name__}: {e}"
   want = ((), jnp.int32), ((1, words), jnp.int32), ((1,), jnp.int32), ((1,), jnp.bool_)
   names = ("initial_state()", "mask(states [1])", "next_state(states [1], tokens [1])", "accepts(states [1])")
   for name, x, (shape, dtype) in zip(names, got, want):
     if x.shape != shape or x.dtype != dtype:
-      raise ValueError(
-        f"{where}: grammar.{name} must give {jnp.dtype(dtype).name}{list(shape)} (V={int(v)}: {words} mask "
+      return (
+        f"grammar.{name} must give {jnp.dtype(dtype).name}{list(shape)} (V={v}: {words} mask "
         f"words), got {x.dtype.name}{list(x.shape)}"
       )
+  return None
 
 
 def _words(ids, vocab_size: int, *, fill: bool = False) -> np.ndarray:

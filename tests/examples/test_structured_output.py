@@ -30,6 +30,7 @@ def demo():
     (["--max-tokens", "4"], "--max-tokens"),
     (["--repeats", "0"], "--repeats"),
     (["--model", "llama"], "--model"),
+    (["--whitespace", "tabs"], "--whitespace"),
   ],
 )
 def test_bad_flag_is_one_line_before_loading(demo, monkeypatch, capsys, argv, flag):
@@ -66,7 +67,7 @@ def test_the_schema_check_takes_valid_objects_and_refuses_the_rest(demo):
 @pytest.mark.real_model
 def test_the_example_runs_on_smollm2_valid_and_identical(demo, capsys):
   pytest.importorskip("outlines_core")
-  demo.main(["--model", "smollm2", "--dtype", "float32", "--max-tokens", "64", "--repeats", "1"])
+  demo.main(["--model", "smollm2", "--dtype", "float32", "--repeats", "1"])  # pretty JSON, up to 96 tokens
   out = capsys.readouterr().out
   rows = [line.split() for line in out.splitlines() if line.strip().startswith(("plain", "prompt", "EAGLE"))]
   constrained = [r for r in rows if "grammar" not in r]
@@ -82,6 +83,9 @@ def test_the_example_runs_on_smollm2_valid_and_identical(demo, capsys):
     (["--drafters", "eagle,tree"], "--drafters"),
     (["--prompts-b1", "0"], "--prompts-b1"),
     (["--max-new-tokens", "8"], "--max-new-tokens"),
+    (["--whitespace", "compact,tabs"], "--whitespace"),
+    (["--cost-steps", "8"], "--cost-steps"),
+    (["--cost-steps", "24,8"], "--cost-steps"),
   ],
 )
 def test_the_bench_refuses_bad_flags_in_one_line(capsys, argv, flag):

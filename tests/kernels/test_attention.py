@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specdec_jax.kernels import mlp
+from specdec_jax.kernels import attention, mlp
 from specdec_jax.kernels.attention import AttentionBlocks, check_args, fused_attention
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig
 from specdec_jax.models.transformer import AttentionContext, attention_block, rms_norm
@@ -431,6 +431,22 @@ def test_kernels_path_is_batch_invariant(models):
   tokens = jnp.asarray(np.arange(3, 13).reshape(1, 10) % CFG.vocab_size, jnp.int32)
   together, steps, _, _ = step_and_verify(pallas, tokens, 6, S)  # a verification of 4 tokens, and 4 steps
   np.testing.assert_array_equal(steps, together)
+
+
+def test_kernels_path_is_batch_invariant_in_bfloat16(monkeypatch):
+  """The same in bfloat16, the model dtype of the GPU runs, where a different rounding of any intermediate shows:
+  five one-token steps and one 5-token call from the same cache give the same logits and write the same cache,
+  bit for bit. The attention takes SPLIT's tiles (the q|k|v product split over K and summed by a second kernel,
+  the output product split over K and summed by XLA), the block holds Qwen2's q|k|v bias, and the call's
+  positions 14..18 cross a 16-slot block, so a query of the call runs one slot block more than its step does."""
+  cfg = CFG.replace(num_layers=1, qkv_bias=True, dtype=jnp.bfloat16, kernels="pallas_interpret")
+  monkeypatch.setattr(attention, "blocks_for", lambda d: SPLIT)
+  model = Transformer(cfg, rngs=nnx.Rngs(12))
+  tokens = jnp.asarray(np.arange(19).reshape(1, 19) * 7 % CFG.vocab_size, jnp.int32)
+  together, steps, after_call, after_steps = step_and_verify(model, tokens, 14, S)
+  np.testing.assert_array_equal(steps, together)
+  for got, want in ((after_steps.k, after_call.k), (after_steps.v, after_call.v)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_a_wide_model_runs_its_mlp_on_xla_on_sixteen_rows(monkeypatch):

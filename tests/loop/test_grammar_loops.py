@@ -6,6 +6,7 @@ rows, so one call per loop checks both that every row follows the grammar and th
 kind equal `generate`'s.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -709,3 +710,26 @@ def test_planted_state_not_advanced_by_the_recovered_token_fails(monkeypatch):
     monkeypatch.undo()
     decoding._speculative_jit.clear_cache()
   assert outside or gof.pvalue < ALPHA
+
+
+def test_grammar_checked_once_per_structure(case):
+  """`check_grammar` traces a grammar's methods once per structure (methods, tree, leaf shapes): a grammar
+  passed call after call costs no host tracing, and a grammar of another shape or code is checked anew."""
+  traced = []
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class Counted(TableGrammar):
+    def mask(self, states):
+      traced.append(states.shape)
+      return super().mask(states)
+
+  base = random_grammar(0, V, eos=[EOS])
+  grammar = Counted(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+  for _ in range(3):
+    constraint.check_grammar("generate", grammar, V)
+  assert traced == [(1,)]
+  other = random_grammar(1, V, num_states=7, eos=[EOS])  # more states: other leaf shapes
+  wider = Counted(**{f.name: getattr(other, f.name) for f in dataclasses.fields(other)})
+  constraint.check_grammar("generate", wider, V)
+  assert traced == [(1,), (1,)]
