@@ -80,8 +80,8 @@ def check_grammar(where: str, grammar, vocab_size: int) -> None:
       f"jit), got {type(grammar).__name__} with leaves of types {sorted({type(x).__name__ for x in leaves})}"
     )
   # The members' shapes depend on the methods, the structure and the leaves' shapes and dtypes alone
-  # (eval_shape traces them), so a grammar passed call after call is traced once: tracing costs milliseconds of host time a
-  # call, as much as a short generation's device time.
+  # (eval_shape traces them), so a grammar passed call after call is traced once: tracing costs milliseconds
+  # of host time a call, as much as a short generation's device time.
   key = _structure_key(grammar, leaves, int(v))
   if key is not None and key in _MEMBER_ERRORS:
     error = _MEMBER_ERRORS[key]
@@ -100,9 +100,7 @@ _MEMBER_ERRORS: dict = {}  # structure key -> None (the members have the protoco
 
 def _structure_key(grammar, leaves, vocab_size: int):
   """A hashable key of what `_member_error`'s answer depends on, or None where a part is unhashable."""
-  avals = tuple(
-    (type(x), x) if isinstance(x, (int, float, bool)) else (np.shape(x), np.dtype(x.dtype).str) for x in leaves
-  )
+  avals = tuple((type(x), x) if isinstance(x, (int, float, bool)) else (np.shape(x), str(x.dtype)) for x in leaves)
   # The class's methods belong to the key too: the same structure under other code is another automaton.
   methods = tuple(getattr(type(grammar), m, None) for m in _METHODS)
   key = (jax.tree_util.tree_structure(grammar), avals, vocab_size, methods)
