@@ -5,7 +5,7 @@
   - `round`: what every speculative round shares: its setup, keys, `commit` and `count`.
   - `chain_round` and `tree_round`: the propose and verify steps of one round, for a chain
     and for a tree of drafts.
-  - `draft_kinds`: the three draft kinds behind one protocol, `DraftKind`.
+  - `draft_kinds`: the draft kinds (model, lookup, feature, block) behind one protocol, `DraftKind`.
   - `constraint`: a grammar (token automaton, `TokenAutomaton`) as the loops use it: each row's
     grammar state, the masks of allowed tokens, the walk along a round's drafts.
   - `adapter`: splits a Flax NNX model into a static definition and its arrays, without

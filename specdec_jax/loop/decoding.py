@@ -65,7 +65,7 @@ from specdec_jax.drafts.static_tree import DraftTree
 from specdec_jax.loop.adapter import ModelDef, merge_model, split_model
 from specdec_jax.loop.chain_round import chain_round
 from specdec_jax.loop.constraint import Constraint, check_grammar
-from specdec_jax.loop.draft_kinds import DraftKind, FeatureDraft, LookupDraft, ModelDraft
+from specdec_jax.loop.draft_kinds import BlockDraft, DraftKind, FeatureDraft, LookupDraft, ModelDraft
 from specdec_jax.loop.round import RoundSetup, commit, kept_tokens, round_keys
 from specdec_jax.loop.state import (
   DecodeStats,
@@ -559,7 +559,9 @@ def speculative_generate(
       - a `PromptLookupDrafter` (no model, no draft probabilities);
       - a feature drafter such as `specdec_jax.models.EagleDrafter` (anything
         with `fuse` and `feature_layers`), whose `feature_layers` must equal the
-        target's `config.feature_layers`.
+        target's `config.feature_layers`;
+      - a block drafter, `specdec_jax.models.BlockDrafter` (a feature drafter
+        with `block_size`): all K drafts' logits from one call; chains only.
     prompt_tokens: int[B, P] right-padded prompts.
     prompt_lengths: int[B] in [1, P] (clipped into it under an outer jit).
     params: SamplingParams of batch B.
@@ -710,6 +712,7 @@ def _speculative_generate(
     extra_slots=_slots_per_round(tree, k) + 1,
   )
   feature_draft = hasattr(draft, "fuse") and hasattr(draft, "feature_layers")
+  block_draft = feature_draft and hasattr(draft, "block_size")
   checked = [("target", target)] + (
     [] if feature_draft or isinstance(draft, PromptLookupDrafter) else [("draft", draft)]
   )
@@ -743,6 +746,7 @@ def _speculative_generate(
     target_def=target_def,
     draft_def=draft_def,
     feature_draft=feature_draft,
+    block_draft=block_draft,
     num_speculative_tokens=int(k),
     max_new_tokens=max_new_tokens,
     eos=eos,
@@ -789,6 +793,11 @@ def _check_tree(
     )
   if tree.is_chain:
     return None
+  if hasattr(draft, "block_size") and hasattr(draft, "fuse"):
+    raise ValueError(
+      f"{where}: a block drafter ({type(draft).__name__}) drafts chains only for now; got draft_tree={draft_tree} "
+      "(use draft_tree=None)"
+    )
   if grammar is not None:
     raise ValueError(
       f"{where}: grammar with draft_tree={draft_tree} is not supported yet; use a chain (draft_tree=None)"
@@ -834,6 +843,7 @@ def _speculative_program(
   tree,
   method="token",
   forced_accepts=None,
+  block_draft=False,
 ):
   """The body of `speculative_generate`'s jit: models, start, rounds until every row ends, outputs.
 
@@ -843,7 +853,8 @@ def _speculative_program(
     prompt_tokens: int32 [B, P]; prompt_lengths: int32 [B] (clipped into [1, P] here).
     params: SamplingParams of batch B; key: a key or [B] keys, None when all_greedy.
     target_def, draft_def: the models' static halves (draft_def is the `PromptLookupDrafter` itself for lookup).
-    feature_draft: the drafter reads the target's features (EAGLE).
+    feature_draft: the drafter reads the target's features (EAGLE); block_draft: it is a block drafter too
+      (`BlockDraft`: all K drafts' logits from one call).
     num_speculative_tokens, max_new_tokens, eos, all_greedy, logprobs, tree, method: as `speculative_generate`
       checked them (tree None for a chain).
     forced_accepts: None, or the benchmark knob of `specdec_jax.loop.forced` (NOT LOSSLESS).
@@ -866,7 +877,7 @@ def _speculative_program(
 
   # Models, as functions inside the program.
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
-  kind = _draft_kind(draft_def, draft_arrays, feature_draft=feature_draft, b=b, k=k, tree=tree)
+  kind = _draft_kind(draft_def, draft_arrays, feature_draft=feature_draft, block_draft=block_draft, b=b, k=k, tree=tree)
   setup = RoundSetup(
     kind=kind,
     target_apply=t_apply,
@@ -920,10 +931,12 @@ def _speculative_program(
 _speculative_jit = _jit(_speculative_program, "_speculative_jit")
 
 
-def _draft_kind(draft_def, draft_arrays, *, feature_draft, b, k, tree) -> DraftKind:
-  """The draft kind that drives the drafter: `LookupDraft`, `FeatureDraft` or `ModelDraft`."""
+def _draft_kind(draft_def, draft_arrays, *, feature_draft, block_draft, b, k, tree) -> DraftKind:
+  """The draft kind that drives the drafter: `LookupDraft`, `BlockDraft`, `FeatureDraft` or `ModelDraft`."""
   if isinstance(draft_def, PromptLookupDrafter):
     return LookupDraft(draft_def, k)
+  if block_draft:
+    return BlockDraft(draft_def, draft_arrays, b, k)
   if feature_draft:
     return FeatureDraft(draft_def, draft_arrays, b, k)
   return ModelDraft(

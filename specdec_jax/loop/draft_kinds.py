@@ -1,9 +1,11 @@
-"""The three draft kinds: how the speculative loop drives each kind of drafter.
+"""The draft kinds: how the speculative loop drives each kind of drafter.
 
 Vocabulary (as in `specdec_jax.loop`): the *drafter* is the user's object (a
 model, a `PromptLookupDrafter` or a feature drafter such as `EagleDrafter`); a
 *draft kind* is the loop's adapter for one kind of drafter (`ModelDraft`,
-`LookupDraft`, `FeatureDraft`), which follows the `DraftKind` protocol below;
+`LookupDraft`, `FeatureDraft`, and `BlockDraft`, a feature drafter that gives all
+K drafts' logits from one call; chains only), which follows the `DraftKind`
+protocol below;
 the *drafts* are the tokens it proposes. A draft kind's part of the loop state
 is its *carry* (`LoopState.draft`).
 
@@ -395,6 +397,54 @@ class FeatureDraft:
 
   def observe(self, carry: FeatureCarry, features, kept):
     return dataclasses.replace(carry, features=features, fresh=jnp.maximum(kept, 1).astype(jnp.int32))
+
+
+class BlockDraft(FeatureDraft):
+  """A block drafter (`specdec_jax.models.BlockDrafter`): all K drafts' logits from one call.
+
+  The call holds 2K entries at positions base .. base+2K-1, base = L-1-fresh: the first `fresh` are the
+  verified tokens' (f_p, x_{p+1}), the catch-up of `FeatureDraft`; the rest are placeholders. Entry fresh-1
+  (position L-2) gives d_1's logits and placeholder entry fresh-2+i (position L-3+i) d_i's:
+
+      entry:      0 .. fresh-1        fresh     fresh+1   ...  fresh+K-2    ...  2K-1
+      position:   L-1-fresh .. L-2    L-1       L         ...  L+K-3
+      logits of:  d_1 (the last)      d_2       d_3       ...  d_K
+
+  No placeholder sees a drafted token, so each draft's law is known before any is drawn; the drafts are then
+  drawn one after another (`draft_chain`: penalties count the earlier drafts, a grammar masks each with the
+  state after them), and the law each is drawn from is its q. The next round's window starts at the same L-1
+  (L' - 1 - fresh' = L - 1) and rewrites every slot a placeholder wrote before any query reads it.
+  """
+
+  def propose_chain(
+    self, carry: FeatureCarry, state: LoopState, keys, params, *, all_greedy, end, constraint=None
+  ) -> Drafts:
+    model, k = self._model(), self.k
+    width = 2 * k
+    j = arange32(width)[None, :]
+    idx = (state.length - 1 - carry.fresh)[:, None] + j
+    placeholders = j >= carry.fresh[:, None]
+    last_slot = state.tokens.shape[1] - 1  # placeholders' tokens are ignored; keep the read in bounds
+    nxt = jnp.maximum(jnp.take_along_axis(state.tokens, jnp.minimum(idx + 1, last_slot), axis=1), 0)
+    features = jnp.pad(carry.features, ((0, 0), (0, width - carry.features.shape[1]), (0, 0)))
+    at = (carry.fresh - 1)[:, None] + arange32(k)[None, :]
+    logits, _, cache = model(
+      nxt, model.fuse(features), clamp_positions(idx, end), carry.cache, placeholders=placeholders, logits_at=at
+    )
+    sample = chain_sampler(state, keys, params, all_greedy=all_greedy, constraint=constraint)
+    first, q_first = sample(logits[:, 0], 0, grammar_state=state.grammar_state)
+
+    def step(carried, token, i):  # the block's logits are all computed: no call per draft
+      return carried, jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
+
+    tokens, probs, _ = draft_chain(k, (), first, q_first, step, sample, constraint, state.grammar_state)
+    return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
+
+  def propose_tree(self, carry, state, keys, params, *, tree, all_greedy, max_length, end):
+    raise TypeError("a block drafter drafts chains only (checked before jit)")
+
+  def propose_dynamic(self, carry, state, keys, params, *, tree, all_greedy, max_length, end):
+    raise TypeError("a block drafter drafts chains only (checked before jit)")
 
 
 def chain_sampler(state: LoopState, keys, params: SamplingParams, *, all_greedy: bool, constraint=None):

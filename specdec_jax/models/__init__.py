@@ -3,6 +3,7 @@
   - `config`: `TransformerConfig`, frozen and hashable.
   - `transformer`: `Transformer`, its cache `KVCache`, and `weight_shapes`.
   - `eagle`: `EagleDrafter` and `EagleConfig`, the feature drafter.
+  - `block`: `BlockDrafter`, a feature drafter that gives K drafts from one call.
   - `sharding`: `shard` and `Partitioning`, the models on a device mesh (tensor
     parallel over "model", data parallel over "data"); `make_mesh` comes from
     `specdec_jax.mesh`.
@@ -16,6 +17,7 @@ call protocol (`init_cache` and `__call__`; see `Transformer`).
 """
 
 from specdec_jax.mesh import make_mesh
+from specdec_jax.models.block import BlockDrafter
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
 from specdec_jax.models.loaders.gguf import load_gguf
@@ -30,6 +32,7 @@ from specdec_jax.models.sharding import Partitioning, shard
 from specdec_jax.models.transformer import KVCache, Transformer, weight_shapes
 
 __all__ = [
+  "BlockDrafter",
   "EagleConfig",
   "EagleDrafter",
   "KVCache",

@@ -515,7 +515,7 @@ class EagleDrafter(nnx.Module):
     positions: jax.Array,  # int32 [B, T]
     cache: KVCache,
     *,
-    logits_at: jax.Array | None = None,  # int32 [B]: only this entry's logits
+    logits_at: jax.Array | None = None,  # int32 [B] or [B, N]: only these entries' logits
     cache_slots: jax.Array | None = None,  # int32 [B, T]
     attention_mask: jax.Array | None = None,  # bool [B, T, S]
   ) -> tuple[jax.Array, jax.Array, KVCache]:
@@ -531,7 +531,8 @@ class EagleDrafter(nnx.Module):
       logits_at: None for logits at every entry, or int [B] (in [0, T)): the one
         entry per row whose logits are needed (the catch-up call of a round
         needs only its last accepted entry; skipping the head on the others
-        saves most of a call's work).
+        saves most of a call's work), or int [B, N]: N entries per row (a block
+        drafter's K drafts).
       cache_slots, attention_mask: the tree extension, as for `Transformer`:
         where each entry writes (None: its position) and which slots each
         entry sees (None: s <= position). Drafting a tree depth by depth, the
@@ -548,8 +549,8 @@ class EagleDrafter(nnx.Module):
         from the target's features, so nothing needs to be moved afterwards.
 
     Returns:
-      (logits float32 [B, T, V] (or [B, 1, V] with logits_at; -inf outside the
-      draft vocabulary), hidden [B, T, D] (each entry's output before the final
+      (logits float32 [B, T, V] (or [B, 1, V] with logits_at [B], [B, N, V] with
+      logits_at [B, N]; -inf outside the draft vocabulary), hidden [B, T, D] (each entry's output before the final
       norm: the next entry's hidden input), cache).
 
     Example:
@@ -589,7 +590,11 @@ class EagleDrafter(nnx.Module):
         )
     else:
       x, k_cache, v_cache = self._xla_blocks(x, emb, p, cache, ctx)
-    out = x if logits_at is None else jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+    if logits_at is None:
+      out = x
+    else:
+      at = logits_at.astype(jnp.int32)
+      out = jnp.take_along_axis(x, (at[:, None] if at.ndim == 1 else at)[..., None], axis=1)
     logits = self.full_logits(self.head_logits(out))
     # Vocabulary-split like the target's logits.
     if self.partitioning is not None:

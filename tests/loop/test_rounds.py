@@ -17,7 +17,7 @@ from specdec_jax.drafts.dynamic_tree import DynamicTree
 from specdec_jax.drafts.lookup import PromptLookupDrafter
 from specdec_jax.drafts.static_tree import DraftTree
 from specdec_jax.loop.decoding import generate, speculative_generate
-from specdec_jax.loop.draft_kinds import DraftKind, FeatureDraft, LookupDraft, ModelDraft
+from specdec_jax.loop.draft_kinds import BlockDraft, DraftKind, FeatureDraft, LookupDraft, ModelDraft
 from specdec_jax.models import Transformer, TransformerConfig
 from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling.params import SamplingParams
@@ -134,7 +134,7 @@ def test_no_model_is_called_past_the_context_it_declares(models, drafter, tree, 
 
 
 def test_every_draft_kind_follows_the_protocol():
-  for kind in (ModelDraft, LookupDraft, FeatureDraft):
+  for kind in (ModelDraft, LookupDraft, FeatureDraft, BlockDraft):
     for name in (
       "needs_features",
       "start",

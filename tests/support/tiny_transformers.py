@@ -70,6 +70,39 @@ def distil(target, drafter, steps=60, depth=3, seed=0):
   return drafter
 
 
+def distil_block(target, drafter, steps=80, k=4, seed=0):
+  """A few steps of teacher-forced distillation of a `BlockDrafter` on the target's greedy continuations: at
+  random context ends, its k logits against the target's laws of the next k tokens."""
+  rng = np.random.default_rng(seed)
+  b, p, n = 64, 4, 28
+  prompts = jnp.asarray(rng.integers(0, target.config.vocab_size, (b, p)), jnp.int32)
+  out = generate(
+    target, prompts, jnp.full((b,), p, jnp.int32), SamplingParams.greedy(b), None, max_new_tokens=n, all_greedy=True
+  )
+  seqs = jnp.concatenate([prompts, out.tokens], 1)
+  s = seqs.shape[1]
+  logits, feats, _ = target(
+    seqs, jnp.broadcast_to(jnp.arange(s), (b, s)), target.init_cache(b, s), return_features=True
+  )
+  target_p = jax.nn.softmax(logits, -1)  # [B, S, V]: position q's law of token q+1
+  opt = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(drafter, opt, ends):
+    def loss_fn(d):
+      got = d.block_logits(seqs[:, 1:], feats[:, :-1], ends, k)  # tokens ends+1 .. ends+k
+      want = jnp.take_along_axis(target_p, (ends[:, None] + jnp.arange(k)[None, :])[..., None], axis=1)
+      return -jnp.mean(jnp.sum(want * jax.nn.log_softmax(got, -1), -1))
+
+    loss, grads = nnx.value_and_grad(loss_fn)(drafter)
+    opt.update(drafter, grads)
+    return loss
+
+  for _ in range(steps):
+    step(drafter, opt, jnp.asarray(rng.integers(1, s - k, (b,)), jnp.int32))
+  return drafter
+
+
 LENGTHS = [4, 1, 3, 2]
 
 

@@ -1,0 +1,189 @@
+"""A block drafter: K draft tokens from one call, conditioned on the target's features (PARD/DFlash style).
+
+An EAGLE head (`EagleDrafter`) drafts one token a call: each draft reads the hidden the previous one left, so K
+drafts cost K calls. A block drafter reads the same inputs, the target's features of the verified context, and
+appends K-1 *placeholder* entries after the last verified one; one call returns logits at the last verified entry
+(the first draft) and at every placeholder (the next K-1), each attending causally to the context and to the
+placeholders before it:
+
+    position:   ...  L-3        L-2        L-1     L      ...  L+K-3
+    entry:      ...  (f, x)     (f, x)     []      []     ...  []          [] = placeholder (learned hidden)
+    predicts:                   d_1        d_2     d_3         d_K
+
+A placeholder's input is a learned hidden (`mask_hidden`) and token 0; only its position (RoPE) and what it sees
+tell one from another. Because no placeholder sees a drafted token, draft i's law is fixed before any draft is
+drawn: the loop draws each draft from its position's logits and hands that law to the verifier as q, which keeps
+speculative decoding lossless for sampled drafts as for an autoregressive drafter.
+
+The backbone is an `EagleDrafter` (its fused low/mid/high features, blocks, head, cache and draft vocabulary), so
+a block drafter follows the same cache slot rules and the same loader conventions. Its placeholders' keys and
+values land in the slots at L-1 and beyond, which the next round's catch-up rewrites from the target's features
+before any later entry reads them.
+
+Example:
+  >>> target = Transformer(TransformerConfig.tiny(64, feature_layers=(0, 1)), rngs=nnx.Rngs(0))
+  >>> drafter = BlockDrafter.for_target(target, block_size=4, rngs=nnx.Rngs(1))
+  >>> out = speculative_generate(target, drafter, prompts, lengths, params, key, num_speculative_tokens=4)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specdec_jax.models.eagle import EagleConfig, EagleDrafter
+from specdec_jax.models.transformer import KVCache, Transformer
+
+__all__ = ["BlockDrafter"]
+
+
+class BlockDrafter(nnx.Module):
+  """K draft logits from one call: an `EagleDrafter` backbone with learned placeholder entries.
+
+  Pass it as `draft` to `speculative_generate` (chains; trees are refused) with a target whose
+  `config.feature_layers` equal `feature_layers` here.
+
+  Protocol (what the loop uses): the `EagleDrafter` protocol (`init_cache`, `fuse`, `feature_layers`,
+  `config`), and `__call__` with `placeholders` (below).
+
+  Args:
+    backbone: the `EagleDrafter` whose blocks, head and cache it uses.
+    block_size: the number of drafts it was trained to fill in one call (the K it is meant for; drafting
+      more is lossless but the later drafts' agreement is untrained).
+    rngs: random streams for the placeholder hidden's initial value.
+
+  Example:
+    >>> drafter = BlockDrafter(EagleDrafter.for_target(target, rngs=nnx.Rngs(1)), block_size=8, rngs=nnx.Rngs(2))
+    >>> drafter.block_size, drafter.feature_layers
+    (8, (0, 1))
+  """
+
+  def __init__(self, backbone: EagleDrafter, *, block_size: int, rngs: nnx.Rngs):
+    if not isinstance(backbone, EagleDrafter):
+      raise ValueError(f"backbone must be an EagleDrafter, got {type(backbone).__name__}.")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+      raise ValueError(f"block_size must be an int >= 1, got {block_size!r}.")
+    self.backbone = backbone
+    self.block_size = block_size
+    c = backbone.config.layers
+    # Small, like a fused feature after its projection: a placeholder starts as "no information" to refine.
+    self.mask_hidden = nnx.Param((0.02 * jax.random.normal(rngs.params(), (c.d_model,), jnp.float32)).astype(c.dtype))
+
+  @classmethod
+  def for_target(
+    cls, target: Transformer, *, block_size: int = 8, num_layers: int = 1, draft_vocab=None, rngs: nnx.Rngs
+  ) -> BlockDrafter:
+    """A block drafter for `target` (its embedding and head borrowed, as `EagleDrafter.for_target`), random
+    otherwise.
+
+    Args:
+      target: the `Transformer` whose `config.feature_layers` it reads.
+      block_size: K, the drafts it is meant to fill in one call.
+      num_layers: its blocks.
+      draft_vocab: None (the target's V) or int token ids of a smaller draft vocabulary.
+      rngs: random streams.
+
+    Example:
+      >>> BlockDrafter.for_target(target, block_size=8, rngs=nnx.Rngs(1)).block_size
+      8
+    """
+    backbone = EagleDrafter.for_target(target, num_layers=num_layers, draft_vocab=draft_vocab, rngs=rngs)
+    return cls(backbone, block_size=block_size, rngs=rngs)
+
+  @property
+  def config(self) -> EagleConfig:
+    """The backbone's `EagleConfig`."""
+    return self.backbone.config
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    """The target blocks whose features it reads."""
+    return self.backbone.feature_layers
+
+  @property
+  def vocab_size(self) -> int:
+    """V, the target's vocabulary size."""
+    return self.backbone.vocab_size
+
+  def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+    """The backbone's empty `KVCache` for `batch_size` rows of `max_length` slots.
+
+    Example:
+      >>> drafter.init_cache(2, 64).k.shape   # [layers, B, kv heads, S, head dim]   # doctest: +SKIP
+    """
+    return self.backbone.init_cache(batch_size, max_length)
+
+  def fuse(self, features: jax.Array) -> jax.Array:
+    """Target features [B, T, F] -> hidden [B, T, D] (the backbone's fusion).
+
+    Example:
+      >>> drafter.fuse(features).shape   # (B, T, D)   # doctest: +SKIP
+    """
+    return self.backbone.fuse(features)
+
+  def __call__(
+    self,
+    tokens: jax.Array,  # int32 [B, T]
+    hidden: jax.Array,  # [B, T, D]
+    positions: jax.Array,  # int32 [B, T]
+    cache: KVCache,
+    *,
+    placeholders: jax.Array | None = None,  # bool [B, T]
+    logits_at: jax.Array | None = None,  # int32 [B] or [B, N]
+  ) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Runs entries at their positions, placeholders among them; writes their keys and values.
+
+    Args:
+      tokens: int [B, T], the token after each entry's hidden (ignored at placeholders).
+      hidden: [B, T, D], `fuse(features)` of verified entries (ignored at placeholders).
+      positions: int [B, T]; a query sees the slots at or below its position (`Transformer`'s rules).
+      cache: the backbone's `KVCache`.
+      placeholders: bool [B, T], True where the entry is a placeholder (the learned hidden and token 0);
+        None: none.
+      logits_at: as for `EagleDrafter`: None (every entry), int [B] (one entry a row) or int [B, N].
+
+    Returns:
+      (logits float32 [B, T | 1 | N, V], hidden [B, T, D], cache).
+
+    Example:
+      >>> is_block = jnp.arange(2 * k)[None, :] >= fresh[:, None]   # doctest: +SKIP
+      >>> logits, _, cache = drafter(tokens, hidden, positions, cache, placeholders=is_block, logits_at=at)
+    """
+    if placeholders is not None:
+      if placeholders.shape != tokens.shape:
+        raise ValueError(f"placeholders must have the shape of tokens {tokens.shape}, got {placeholders.shape}.")
+      hidden = jnp.where(placeholders[..., None], self.mask_hidden[...].astype(hidden.dtype), hidden)
+      tokens = jnp.where(placeholders, 0, tokens)
+    return self.backbone(tokens, hidden, positions, cache, logits_at=logits_at)
+
+  # --- training ----------------------------------------------------------------
+
+  def block_logits(self, next_tokens: jax.Array, features: jax.Array, ends: jax.Array, k: int) -> jax.Array:
+    """Teacher-forced block logits (training): each row's context, then k-1 placeholders, in one call.
+
+    Row b's entries 0 .. ends[b]-1 are the context's (features[p], next_tokens[p]) at positions p, the entries
+    from ends[b] on are placeholders; the logits are those of the tokens at positions ends[b]+1 ..
+    ends[b]+k, which the loop's round would draft after verifying the context (`BlockDraft`).
+
+    Args:
+      next_tokens: int32 [B, T], the token after each entry's features (x_{p+1}).
+      features: [B, T, F], the target's features of tokens 0 .. T-1.
+      ends: int32 [B], each row's context length, in [1, T-k+1].
+      k: the block's drafts.
+
+    Returns:
+      float32 [B, k, V]: row b's logits of x_{ends[b]+1} .. x_{ends[b]+k} (compare with the target's logits at
+      positions ends[b] .. ends[b]+k-1).
+
+    Example:
+      >>> logits = drafter.block_logits(seqs[:, 1:], feats[:, :-1], jnp.array([5, 9]), 8)   # doctest: +SKIP
+    """
+    b, t = next_tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    placeholders = positions >= ends[:, None]
+    at = (ends - 1)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    logits, _, _ = self(
+      next_tokens, self.fuse(features), positions, self.init_cache(b, t), placeholders=placeholders, logits_at=at
+    )
+    return logits

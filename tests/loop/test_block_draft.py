@@ -1,0 +1,155 @@
+"""Tests of the block drafter in the loop (`specdec_jax.models.BlockDrafter`, `specdec_jax.loop.draft_kinds.BlockDraft`).
+
+A block drafter gives all K drafts' logits from one call. The drafters here are tiny and either random or distilled
+for 80 steps on the tiny target's greedy continuations (`distil_block`), so that rounds accept some of their drafts
+and reject the rest (ragged acceptance).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specdec_jax.loop import draft_kinds
+from specdec_jax.loop.decoding import generate, speculative_generate
+from specdec_jax.models import BlockDrafter, EagleDrafter
+from specdec_jax.sampling.params import SamplingParams
+from tests.loop.grammar_fixtures import host_walk, random_grammar
+from tests.support.compiles import count_compiles
+from tests.support.lossless import assert_first_tokens_follow
+from tests.support.tiny_lm import check_output, make_prompts
+from tests.support.tiny_transformers import V, distil_block, greedy_case, sampled_tree_case, unit_target
+
+
+@functools.cache
+def _models():
+  """(target, an untrained block drafter, one distilled for K=4), built once per process."""
+  target = unit_target()
+  untrained = BlockDrafter.for_target(target, block_size=4, rngs=nnx.Rngs(1))
+  trained = distil_block(target, BlockDrafter.for_target(target, block_size=4, rngs=nnx.Rngs(3)), k=4)
+  return target, untrained, trained
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_greedy_block_drafter_equals_generate(k):
+  """Ragged prompts, an EOS inside rounds, max_new_tokens cutting a round: plain greedy decoding's tokens, with
+  an untrained drafter (nearly every draft rejected) and a distilled one (rounds accept some drafts, reject the
+  rest)."""
+  target, untrained, trained = _models()
+  prompts, lengths, params, kw, plain = greedy_case(target)
+  accepted = []
+  for drafter in (untrained, trained):
+    out = speculative_generate(target, drafter, prompts, lengths, params, None, num_speculative_tokens=k, **kw)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.lengths, plain.lengths)
+    check_output(out, 15, k, eos=(kw["eos_token_id"],))
+    accepted.append(np.asarray(out.stats.accepted_per_position))
+  assert accepted[1].sum() > accepted[0].sum(), accepted
+  if k > 1:  # ragged: later positions are reached and accepted less often than the first
+    assert 0 < accepted[1][-1] < accepted[1][0], accepted[1]
+
+
+def test_a_distilled_block_drafter_accepts_several_drafts_a_round():
+  """The one call's K logits are the right positions' (a drafter whose placeholders were misplaced by one
+  position would agree with the target at the first draft only)."""
+  target, _, trained = _models()
+  prompts, lengths = make_prompts(1, V, [6, 3, 1, 4], 6)
+  params = SamplingParams.greedy(4)
+  out = speculative_generate(
+    target, trained, prompts, lengths, params, None, max_new_tokens=20, num_speculative_tokens=4, all_greedy=True
+  )
+  per_position = np.asarray(out.stats.accepted_per_position)
+  assert float(out.stats.mean_accepted_length) > 2.0, per_position
+  assert per_position[2] > 0 and per_position[3] > 0, per_position
+
+
+@functools.cache
+def _sampled_case():
+  """The sampled tree tests' case (N_ROWS copies of one prompt, T=0.8, top-k 6, the exact joint law of the first
+  3 tokens) with a block drafter distilled for its target."""
+  target, _, prompts, lengths, params, joint = sampled_tree_case("model")
+  drafter = distil_block(target, BlockDrafter.for_target(target, block_size=2, rngs=nnx.Rngs(5)), k=2)
+  return target, drafter, prompts, lengths, params, joint
+
+
+def _rolled_q_propose(self, carry, state, keys, params, **kw):
+  """A planted bug: the drafts are drawn from each position's law, but the verifier is told the next
+  position's law as q (the block's logits read one entry off)."""
+  drafts = draft_kinds.BlockDraft.__dict__["_correct_propose"](self, carry, state, keys, params, **kw)
+  return drafts._replace(probs=None if drafts.probs is None else jnp.roll(drafts.probs, 1, axis=1))
+
+
+def test_sampled_block_drafter_is_lossless(monkeypatch):
+  """The first 3 tokens of N rows follow the target's exact joint, with the block drafter's probabilities in
+  play (K=2, max_new_tokens=4: the third token comes from the first round or from a second round's window);
+  alpha = 1e-3, a fixed seed, power asserted by `assert_first_tokens_follow`. A planted loop that tells the
+  verifier the wrong position's law as q is rejected."""
+  target, drafter, prompts, lengths, params, joint = _sampled_case()
+
+  def run():
+    out = speculative_generate(
+      target, drafter, prompts, lengths, params, jax.random.key(7), max_new_tokens=4, num_speculative_tokens=2
+    )
+    return out, np.asarray(out.tokens)[:, :3]
+
+  monkeypatch.setattr(draft_kinds.BlockDraft, "_correct_propose", draft_kinds.BlockDraft.propose_chain, raising=False)
+  out = assert_first_tokens_follow(
+    run,
+    joint,
+    monkeypatch,
+    "block drafter speculative_generate, first 3 tokens",
+    planted=(draft_kinds.BlockDraft, "propose_chain", _rolled_q_propose),
+  )
+  check_output(out, 4, 2)
+  assert 0.05 < float(out.stats.usable_acceptance_rate) < 0.95  # drafts are accepted and rejected
+
+
+def test_no_recompilation_for_new_prompts_and_keys():
+  target, _, trained = _models()
+
+  def call(seed):
+    prompts, lengths = make_prompts(seed, V, [4, 1, 3, 2], 4)
+    params = SamplingParams.create(jnp.asarray([0.0, 1.0, 0.7, 1.0], jnp.float32))
+    out = speculative_generate(
+      target, trained, prompts, lengths, params, jax.random.key(seed), max_new_tokens=8, num_speculative_tokens=3
+    )
+    check_output(out, 8, 3)
+
+  call(0)
+  with count_compiles("_speculative_jit") as compiled:
+    for seed in (1, 2):
+      call(seed)
+  assert not compiled, compiled
+
+
+def test_block_drafter_refuses_trees_and_bad_arguments():
+  target, untrained, _ = _models()
+  prompts, lengths = make_prompts(0, V, [4, 1], 4)
+  args = (prompts, lengths, SamplingParams.greedy(2), None)
+  with pytest.raises(ValueError, match="block drafter.*chains only"):
+    speculative_generate(
+      target, untrained, *args, max_new_tokens=4, num_speculative_tokens=2, draft_tree=(2, 1), all_greedy=True
+    )
+  with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+    BlockDrafter(EagleDrafter.for_target(target, rngs=nnx.Rngs(0)), block_size=0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="backbone must be an EagleDrafter"):
+    BlockDrafter(target, block_size=4, rngs=nnx.Rngs(0))
+
+
+def test_constrained_greedy_block_drafter_equals_constrained_generate():
+  """With a grammar every row follows it, and greedy constrained speculative decoding with the block drafter
+  emits constrained plain decoding's tokens (each draft is drawn under the state its earlier drafts reach)."""
+  target, _, trained = _models()
+  grammar = random_grammar(2, V, num_states=5, density=0.6)
+  prompts, lengths = make_prompts(3, V, [4, 1, 3, 2], 4)
+  params = SamplingParams.greedy(4)
+  kw = dict(max_new_tokens=10, all_greedy=True, grammar=grammar)
+  plain = generate(target, prompts, lengths, params, None, **kw)
+  out = speculative_generate(target, trained, prompts, lengths, params, None, num_speculative_tokens=3, **kw)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_array_equal(out.lengths, plain.lengths)
+  for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
+    assert host_walk(grammar, list(row[:n]), ())[0], row[:n]
