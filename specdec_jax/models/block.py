@@ -131,6 +131,8 @@ class BlockDrafter(nnx.Module):
     *,
     placeholders: jax.Array | None = None,  # bool [B, T]
     logits_at: jax.Array | None = None,  # int32 [B] or [B, N]
+    cache_slots: jax.Array | None = None,  # int32 [B, T]
+    attention_mask: jax.Array | None = None,  # bool [B, T, S]
   ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Runs entries at their positions, placeholders among them; writes their keys and values.
 
@@ -142,6 +144,8 @@ class BlockDrafter(nnx.Module):
       placeholders: bool [B, T], True where the entry is a placeholder (the learned hidden and token 0);
         None: none.
       logits_at: as for `EagleDrafter`: None (every entry), int [B] (one entry a row) or int [B, N].
+      cache_slots, attention_mask: as for `EagleDrafter` (where each entry writes, which slots it sees);
+        `block_logits` uses them to hold several blocks in one call.
 
     Returns:
       (logits float32 [B, T | 1 | N, V], hidden [B, T, D], cache).
@@ -155,35 +159,72 @@ class BlockDrafter(nnx.Module):
         raise ValueError(f"placeholders must have the shape of tokens {tokens.shape}, got {placeholders.shape}.")
       hidden = jnp.where(placeholders[..., None], self.mask_hidden[...].astype(hidden.dtype), hidden)
       tokens = jnp.where(placeholders, 0, tokens)
-    return self.backbone(tokens, hidden, positions, cache, logits_at=logits_at)
+    return self.backbone(
+      tokens, hidden, positions, cache, logits_at=logits_at, cache_slots=cache_slots, attention_mask=attention_mask
+    )
 
   # --- training ----------------------------------------------------------------
 
   def block_logits(self, next_tokens: jax.Array, features: jax.Array, ends: jax.Array, k: int) -> jax.Array:
-    """Teacher-forced block logits (training): each row's context, then k-1 placeholders, in one call.
+    """Teacher-forced block logits (training): one call holds a sequence's context and several blocks.
 
-    Row b's entries 0 .. ends[b]-1 are the context's (features[p], next_tokens[p]) at positions p, the entries
-    from ends[b] on are placeholders; the logits are those of the tokens at positions ends[b]+1 ..
-    ends[b]+k, which the loop's round would draft after verifying the context (`BlockDraft`).
+    A block ending its context at c (entries 0 .. c-1: the context's (features[p], next_tokens[p]) at
+    positions p) gives the logits of the tokens at positions c+1 .. c+k: the context's last entry's, then
+    those of k-1 placeholders at positions c .. c+k-2, which see the context's entries below c and their own
+    block's earlier placeholders, as in the loop's round (`BlockDraft`). The context's entries are shared by
+    every block of a row; the placeholders sit in cache slots after them.
 
     Args:
       next_tokens: int32 [B, T], the token after each entry's features (x_{p+1}).
       features: [B, T, F], the target's features of tokens 0 .. T-1.
-      ends: int32 [B], each row's context length, in [1, T-k+1].
+      ends: int32 [B] or [B, NB]: each block's context length c, in [1, T].
       k: the block's drafts.
 
     Returns:
-      float32 [B, k, V]: row b's logits of x_{ends[b]+1} .. x_{ends[b]+k} (compare with the target's logits at
-      positions ends[b] .. ends[b]+k-1).
+      float32 [B, k, V] (ends [B]) or [B, NB, k, V]: the logits of x_{c+1} .. x_{c+k} (compare with the
+      target's logits at positions c .. c+k-1).
 
     Example:
-      >>> logits = drafter.block_logits(seqs[:, 1:], feats[:, :-1], jnp.array([5, 9]), 8)   # doctest: +SKIP
+      >>> logits = drafter.block_logits(seqs[:, 1:], feats[:, :-1], jnp.array([[5, 9], [3, 7]]), 8)  # doctest: +SKIP
     """
+    single = ends.ndim == 1
+    ends = (ends[:, None] if single else ends).astype(jnp.int32)  # [B, NB]
     b, t = next_tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    placeholders = positions >= ends[:, None]
-    at = (ends - 1)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    nb, m = ends.shape[1], k - 1  # m placeholders a block
+    j = jnp.arange(m, dtype=jnp.int32)
+    context_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    block_pos = (ends[:, :, None] + j[None, None, :]).reshape(b, nb * m)
+    positions = jnp.concatenate([context_pos, block_pos], axis=1)
+    s = t + nb * m
+    slot = jnp.arange(s, dtype=jnp.int32)
+    # Which slots each entry sees: a context entry its context up to itself; placeholder j of block i the
+    # context below the block's end and its block's placeholders up to itself.
+    sees_context = slot[None, None, :] < t
+    context_rows = sees_context & (slot[None, None, :] <= jnp.arange(t, dtype=jnp.int32)[None, :, None])
+    block_of = (slot - t) // max(m, 1)
+    block_rows = jnp.where(
+      sees_context[:, None],  # [1, 1, 1, S] over [B, NB, m, S]
+      slot[None, None, None, :] < ends[:, :, None, None],
+      (block_of[None, None, None, :] == jnp.arange(nb, dtype=jnp.int32)[None, :, None, None])
+      & ((slot - t)[None, None, None, :] % max(m, 1) <= j[None, None, :, None]),
+    ).reshape(b, nb * m, s)
+    mask = jnp.concatenate([jnp.broadcast_to(context_rows, (b, t, s)), block_rows], axis=1)
+    hidden = self.fuse(features)
+    tokens = jnp.concatenate([next_tokens, jnp.zeros((b, nb * m), jnp.int32)], axis=1)
+    hidden = jnp.concatenate([hidden, jnp.zeros((b, nb * m, hidden.shape[-1]), hidden.dtype)], axis=1)
+    placeholders = jnp.concatenate([jnp.zeros((b, t), bool), jnp.ones((b, nb * m), bool)], axis=1)
+    first = (ends - 1)[:, :, None]  # the context's last entry gives the first draft
+    rest = t + (jnp.arange(nb, dtype=jnp.int32) * m)[None, :, None] + j[None, None, :]
+    at = jnp.concatenate([first, jnp.broadcast_to(rest, (b, nb, m))], axis=2).reshape(b, nb * k)
     logits, _, _ = self(
-      next_tokens, self.fuse(features), positions, self.init_cache(b, t), placeholders=placeholders, logits_at=at
+      tokens,
+      hidden,
+      positions,
+      self.init_cache(b, s),
+      placeholders=placeholders,
+      logits_at=at,
+      cache_slots=jnp.broadcast_to(slot, (b, s)),
+      attention_mask=mask,
     )
-    return logits
+    logits = logits.reshape(b, nb, k, -1)
+    return logits[:, 0] if single else logits

@@ -153,3 +153,32 @@ def test_constrained_greedy_block_drafter_equals_constrained_generate():
   np.testing.assert_array_equal(out.lengths, plain.lengths)
   for row, n in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
     assert host_walk(grammar, list(row[:n]), ())[0], row[:n]
+
+
+def test_several_blocks_in_one_training_call_equal_one_block_a_call():
+  """`block_logits` with several blocks a row (one call: shared context, each block's placeholders masked from
+  the others) gives each block's logits as a call with that block alone (a contiguous, causal call like the
+  loop's), to float32 rounding."""
+  target, _, trained = _models()
+  seqs = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, 14)), jnp.int32)
+  s = seqs.shape[1]
+  _, feats, _ = target(seqs, jnp.broadcast_to(jnp.arange(s), (2, s)), target.init_cache(2, s), return_features=True)
+  ends = jnp.asarray([[1, 5, 9], [3, 4, 10]], jnp.int32)
+  together = trained.block_logits(seqs[:, 1:], feats[:, :-1], ends, 4)
+  assert together.shape == (2, 3, 4, V)
+  for i in range(ends.shape[1]):
+    # One block alone, as the first slice wrote it: placeholders in place of the entries from the end on.
+    t = s - 1
+    pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+    alone, _, _ = trained(
+      seqs[:, 1:],
+      trained.fuse(feats[:, :-1]),
+      pos,
+      trained.init_cache(2, t),
+      placeholders=pos >= ends[:, i : i + 1],
+      logits_at=(ends[:, i] - 1)[:, None] + jnp.arange(4)[None, :],
+    )
+    np.testing.assert_allclose(np.asarray(together[:, i]), np.asarray(alone), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(trained.block_logits(seqs[:, 1:], feats[:, :-1], ends[:, 1], 4)), np.asarray(together[:, 1]), atol=1e-5
+  )

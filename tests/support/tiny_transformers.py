@@ -72,7 +72,8 @@ def distil(target, drafter, steps=60, depth=3, seed=0):
 
 def distil_block(target, drafter, steps=80, k=4, seed=0):
   """A few steps of teacher-forced distillation of a `BlockDrafter` on the target's greedy continuations: at
-  random context ends, its k logits against the target's laws of the next k tokens."""
+  4 random context ends a sequence (one call, `block_logits`), its k logits against the target's laws of the
+  next k tokens."""
   rng = np.random.default_rng(seed)
   b, p, n = 64, 4, 28
   prompts = jnp.asarray(rng.integers(0, target.config.vocab_size, (b, p)), jnp.int32)
@@ -90,8 +91,9 @@ def distil_block(target, drafter, steps=80, k=4, seed=0):
   @nnx.jit
   def step(drafter, opt, ends):
     def loss_fn(d):
-      got = d.block_logits(seqs[:, 1:], feats[:, :-1], ends, k)  # tokens ends+1 .. ends+k
-      want = jnp.take_along_axis(target_p, (ends[:, None] + jnp.arange(k)[None, :])[..., None], axis=1)
+      got = d.block_logits(seqs[:, 1:], feats[:, :-1], ends, k)  # [B, NB, k, V]: tokens ends+1 .. ends+k
+      at = (ends[:, :, None] + jnp.arange(k)[None, None, :]).reshape(b, -1)
+      want = jnp.take_along_axis(target_p, at[..., None], axis=1).reshape(got.shape)
       return -jnp.mean(jnp.sum(want * jax.nn.log_softmax(got, -1), -1))
 
     loss, grads = nnx.value_and_grad(loss_fn)(drafter)
@@ -99,7 +101,7 @@ def distil_block(target, drafter, steps=80, k=4, seed=0):
     return loss
 
   for _ in range(steps):
-    step(drafter, opt, jnp.asarray(rng.integers(1, s - k, (b,)), jnp.int32))
+    step(drafter, opt, jnp.asarray(rng.integers(1, s - k, (b, 4)), jnp.int32))  # 4 blocks a sequence
   return drafter
 
 
