@@ -9,7 +9,8 @@
     `specdec_jax.mesh`.
   - `loaders`: real checkpoints: any Llama/Qwen2 GGUF (`load_gguf`) or Hugging Face
     directory (`load_hf`), Qwen2.5-Coder-1.5B-Instruct (`fetch_qwen2_5_coder`,
-    `load_qwen2_5_coder`, its EAGLE head `load_qwen2_5_coder_eagle`) and SmolLM2-135M with its draft and head (`load_smollm2`,
+    `load_qwen2_5_coder`, its EAGLE head `load_qwen2_5_coder_eagle`, a block drafter
+    `load_qwen2_5_coder_block_drafter`) and SmolLM2-135M with its draft and head (`load_smollm2`,
     `load_smollm2_draft`, `load_smollm2_eagle`).
 
 The decoding loops never import this package: a model reaches them through its
@@ -25,6 +26,7 @@ from specdec_jax.models.loaders.hf import load_hf
 from specdec_jax.models.loaders.qwen2_5_coder import (
   fetch_qwen2_5_coder,
   load_qwen2_5_coder,
+  load_qwen2_5_coder_block_drafter,
   load_qwen2_5_coder_eagle,
 )
 from specdec_jax.models.loaders.smollm2 import load_smollm2, load_smollm2_draft, load_smollm2_eagle
@@ -43,6 +45,7 @@ __all__ = [
   "load_gguf",
   "load_hf",
   "load_qwen2_5_coder",
+  "load_qwen2_5_coder_block_drafter",
   "load_qwen2_5_coder_eagle",
   "load_smollm2",
   "load_smollm2_draft",

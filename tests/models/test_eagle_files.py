@@ -159,3 +159,46 @@ def test_the_shipped_coder_head_is_a_small_int8_file_with_its_recipe():
   assert all(w[k].dtype == np.int8 for k in w if k.startswith(("fc", "first.w")) and not k.endswith(".scale"))
   vocab = w["draft_vocab"]
   assert vocab.shape == (32768,) and np.all(np.diff(vocab) > 0) and 0 <= vocab[0] and vocab[-1] < 151936
+
+
+@pytest.mark.parametrize("storage", ["float16", "int8"])
+def test_a_block_drafter_round_trips_through_its_file(tmp_path, storage):
+  """`save_block_drafter` / `read_block_drafter`: the backbone as a head file, the placeholder hidden and the
+  block size beside it; the read drafter's block logits are the stored weights' (float16 or int8 rounding)."""
+  from specdec_jax.models import BlockDrafter
+
+  target, head = _head()
+  drafter = BlockDrafter(head, block_size=3, rngs=nnx.Rngs(5))
+  drafter.mask_hidden[...] = jnp.linspace(-1.0, 1.0, drafter.mask_hidden.shape[0]).astype(drafter.mask_hidden.dtype)
+  path = str(tmp_path / "block.safetensors")
+  eagle_files.save_block_drafter(drafter, path, target="tiny.gguf", metadata={"steps": 3}, storage_dtype=storage)
+  meta = json.load(open(tmp_path / "block.json"))
+  assert meta["format"] == eagle_files.BLOCK_FORMAT and meta["block_size"] == 3 and meta["steps"] == 3
+  calls = []
+  read = eagle_files.read_block_drafter(path, _source(target, calls), name="tiny block drafter", remedy="")
+  assert isinstance(read, BlockDrafter) and read.block_size == 3 and calls == [1]
+  np.testing.assert_array_equal(np.asarray(read.mask_hidden[...]), np.asarray(drafter.mask_hidden[...]))
+  seqs = jax.random.randint(jax.random.key(6), (2, 9), 0, V)
+  feats = jax.random.normal(jax.random.key(7), (2, 8, head.config.feature_size))
+  ends = jnp.asarray([[2, 5], [1, 6]], jnp.int32)
+  got = np.asarray(read.block_logits(seqs[:, 1:], feats, ends, 3))
+  want = np.asarray(drafter.block_logits(seqs[:, 1:], feats, ends, 3))
+  assert np.all(np.isneginf(got) == np.isneginf(want))  # the same draft vocabulary
+  finite = np.isfinite(want)
+  np.testing.assert_allclose(got[finite], want[finite], atol=0.05 if storage == "int8" else 0.01)
+  # An EAGLE head's file is not a block drafter's, and the other way round: refused before the target is read.
+  eagle_files.save_eagle_head(head, str(tmp_path / "head.safetensors"), target="tiny.gguf")
+  with pytest.raises(ValueError, match="expected 'specdec_jax.block_drafter.v1'"):
+    eagle_files.read_block_drafter(str(tmp_path / "head.safetensors"), _source(target, calls), name="x", remedy="")
+  with pytest.raises(ValueError, match="expected 'specdec_jax.eagle.v1'"):
+    eagle_files.read_eagle_head(path, _source(target, calls), name="x", remedy="")
+  assert calls == [1]
+
+
+def test_the_coder_block_drafter_loader_names_the_missing_file_before_reading_the_target(tmp_path):
+  from specdec_jax.models import load_qwen2_5_coder_block_drafter
+
+  with pytest.raises(FileNotFoundError, match="Qwen2.5-Coder block drafter not found.*No block drafter ships"):
+    load_qwen2_5_coder_block_drafter()
+  with pytest.raises(FileNotFoundError, match="nope.safetensors.*save_block_drafter"):
+    load_qwen2_5_coder_block_drafter(path=str(tmp_path / "nope.safetensors"))

@@ -11,6 +11,9 @@ matrix `w` [..., in, out] as `round(w / s)` with one float16 scale per output
 column (`s = max |w| / 127` over the input axis, key "NAME.scale"); vectors
 (norms, biases) stay float16. It halves a float16 file; what it costs in
 agreement is measured by the trainer (examples/train_eagle.py reports both).
+
+A block drafter's file (`save_block_drafter`, `read_block_drafter`) is its backbone's head file with format
+`BLOCK_FORMAT`, its placeholder hidden as "block.mask_hidden" (float32) and `block_size` in the JSON.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from specdec_jax.models.block import BlockDrafter
 from specdec_jax.models.config import TransformerConfig
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter
 from specdec_jax.models.loaders.common import (
@@ -33,6 +39,8 @@ from specdec_jax.models.loaders.common import (
 )
 
 EAGLE_FORMAT = "specdec_jax.eagle.v1"
+BLOCK_FORMAT = "specdec_jax.block_drafter.v1"  # an EAGLE head's file, plus "block.mask_hidden" and "block_size"
+_MASK_HIDDEN = "block.mask_hidden"
 STORAGE_DTYPES = ("float16", "float32", "int8")
 _SCALE = ".scale"
 
@@ -81,17 +89,46 @@ def save_eagle_head(
   Example:
     >>> save_eagle_head(drafter, "/tmp/head.safetensors", target="model.gguf", storage_dtype="int8")  # doctest: +SKIP
   """
+  _save(drafter, path, target=target, metadata=metadata, storage_dtype=storage_dtype, fmt=EAGLE_FORMAT)
+
+
+def save_block_drafter(
+  drafter: BlockDrafter,
+  path: str,
+  *,
+  target: str,
+  metadata: Mapping[str, Any] | None = None,
+  storage_dtype: str = "float16",
+) -> None:
+  """Writes a `BlockDrafter` as `save_eagle_head` writes its backbone, plus its placeholder hidden (float32)
+  and `block_size` (format `BLOCK_FORMAT`).
+
+  Args:
+    drafter: a `BlockDrafter`.
+    path, target, metadata, storage_dtype: as for `save_eagle_head`.
+
+  Example:
+    >>> save_block_drafter(drafter, "/tmp/block.safetensors", target="model.gguf")  # doctest: +SKIP
+  """
+  extra = {_MASK_HIDDEN: np.asarray(drafter.mask_hidden[...], np.float32)}
+  meta = {"block_size": drafter.block_size, **(dict(metadata) if metadata else {})}
+  _save(
+    drafter.backbone, path, target=target, metadata=meta, storage_dtype=storage_dtype, fmt=BLOCK_FORMAT, extra=extra
+  )
+
+
+def _save(drafter: EagleDrafter, path, *, target, metadata, storage_dtype, fmt, extra=None) -> None:
   if storage_dtype not in STORAGE_DTYPES:
     raise ValueError(f"storage_dtype must be one of {STORAGE_DTYPES}, got {storage_dtype!r}")
   save_file = import_optional("safetensors.numpy", "Saving an EAGLE head").save_file
-  weights = {}
+  weights = dict(extra or {})
   for name, w in drafter.to_weights().items():
     weights.update(_encoded(name, np.asarray(w), storage_dtype))
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, path)
   c = drafter.config
   meta = {
-    "format": EAGLE_FORMAT,
+    "format": fmt,
     "target": target,
     "num_layers": c.layers.num_layers,
     "feature_layers": list(c.feature_layers),
@@ -165,14 +202,44 @@ def read_eagle_head(
   Example:
     >>> head = read_eagle_head(p, lambda: (cfg, e, e), name="my head", remedy="")  # doctest: +SKIP
   """
+  head, _, _ = _read(path, target, name=name, remedy=remedy, fmt=EAGLE_FORMAT)
+  return head
+
+
+def read_block_drafter(
+  path: str,
+  target: Callable[[], tuple[TransformerConfig, np.ndarray, np.ndarray]],
+  *,
+  name: str,
+  remedy: str,
+) -> BlockDrafter:
+  """Builds a `BlockDrafter` from a file `save_block_drafter` wrote (arguments and errors as `read_eagle_head`).
+
+  Example:
+    >>> drafter = read_block_drafter(p, lambda: (cfg, e, e), name="my block drafter", remedy="")  # doctest: +SKIP
+  """
+  backbone, meta, weights = _read(path, target, name=name, remedy=remedy, fmt=BLOCK_FORMAT)
+  mask_hidden = weights.get(_MASK_HIDDEN)
+  d = backbone.config.layers.d_model
+  if mask_hidden is None or mask_hidden.shape != (d,) or not isinstance(meta.get("block_size"), int):
+    raise damaged_file_error(
+      path, f"{name} weights", ValueError(f"no {_MASK_HIDDEN} [{d}] or no int block_size in the JSON"), remedy
+    )
+  drafter = BlockDrafter(backbone, block_size=meta["block_size"], rngs=nnx.Rngs(0))
+  drafter.mask_hidden[...] = jnp.asarray(mask_hidden, backbone.config.layers.dtype)
+  return drafter
+
+
+def _read(path, target, *, name, remedy, fmt) -> tuple[EagleDrafter, dict, dict]:
+  """(the head, its JSON, its dequantized weights): the files checked before `target()` reads the target."""
   json_path = json_beside(path)
   for required in (path, json_path):
     if not os.path.isfile(required):
       raise FileNotFoundError(f"{name} not found: no such file: {required}. {remedy}")
   what = f"{name} config (JSON)"
   meta = read_json(json_path, what, remedy)
-  if meta.get("format") != EAGLE_FORMAT:
-    raise ValueError(f"{json_path}: format {meta.get('format')!r}, expected {EAGLE_FORMAT!r}. {remedy}")
+  if meta.get("format") != fmt:
+    raise ValueError(f"{json_path}: format {meta.get('format')!r}, expected {fmt!r}. {remedy}")
   target_config, embed, head_rows = target()
   try:
     config = EagleConfig(
@@ -185,7 +252,8 @@ def read_eagle_head(
   except (KeyError, TypeError, ValueError) as e:
     raise damaged_file_error(json_path, what, e, remedy) from e
   weights = _dequantized(read_safetensors(path, f"{name} weights (safetensors)", remedy))
+  own = {k: v for k, v in weights.items() if not k.startswith("block.")}
   try:
-    return EagleDrafter.from_weights(config, weights, embed=embed, head_rows=head_rows)
+    return EagleDrafter.from_weights(config, own, embed=embed, head_rows=head_rows), meta, weights
   except ValueError as e:
     raise damaged_file_error(path, f"{name} weights matching {json_path}", e, remedy) from e

@@ -31,6 +31,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from specdec_jax.models.block import BlockDrafter
 from specdec_jax.models.config import check_kernels
 from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.models.loaders import eagle_files, gguf
@@ -64,6 +65,11 @@ QWEN2_5_CODER_EAGLE_PATH = os.path.join(
   os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
   "weights",
   "qwen2_5_coder_eagle.safetensors",
+)
+QWEN2_5_CODER_BLOCK_PATH = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "weights",
+  "qwen2_5_coder_block.safetensors",
 )
 
 # Inserted by Qwen2.5's chat template when the conversation has no system turn.
@@ -232,6 +238,48 @@ def _qwen2_5_coder_head_source(dtype, kernels: str, progress: bool):
   # The target's config (the head's blocks' shape), embedding and output-head rows [V, D], from the cached GGUF.
   config, weights, _ = gguf.read_gguf_cached(fetch_qwen2_5_coder(progress), dtype, progress=progress)
   return config.replace(dtype=dtype, kernels=kernels), weights["embed"], weights["lm_head"].T
+
+
+def load_qwen2_5_coder_block_drafter(dtype: Any = jnp.float32, path: str | None = None) -> BlockDrafter:
+  """Loads a block drafter (`BlockDrafter`: K draft logits from one call) for Qwen2.5-Coder-1.5B-Instruct.
+
+  Pass it as `draft` to `speculative_generate` (chains) with the target from `load_qwen2_5_coder(dtype)`.
+  Its backbone's embedding and output head are the target's, read from the cached GGUF; its blocks run on
+  XLA's kernels.
+
+  Args:
+    dtype: parameter, activation and KV-cache dtype.
+    path: a `.safetensors` file written by `eagle_files.save_block_drafter`; default the shipped
+      `specdec_jax/weights/qwen2_5_coder_block.safetensors` (none ships yet).
+
+  Returns:
+    A `BlockDrafter`.
+
+  Raises:
+    FileNotFoundError: the weights or their `.json` are missing (before the target's weights are read).
+    ValueError: the files are not such a drafter; `dtype` is not one `load_qwen2_5_coder` takes.
+
+  Example:
+    >>> drafter = load_qwen2_5_coder_block_drafter(jnp.bfloat16, path="block.safetensors")  # doctest: +SKIP
+    >>> out = speculative_generate(target, drafter, prompts, lengths, params, key,
+    ...                            max_new_tokens=256, num_speculative_tokens=8)  # doctest: +SKIP
+  """
+  dtype = model_dtype(dtype)
+  require_model_extras("gguf", "tokenizers", "safetensors", purpose="Loading the Qwen2.5-Coder block drafter")
+  shipped = path is None
+  path = QWEN2_5_CODER_BLOCK_PATH if shipped else os.fspath(path)
+  remedy = (
+    "No block drafter ships with the package yet: pass path= a file written by "
+    "specdec_jax.models.loaders.eagle_files.save_block_drafter"
+    if shipped
+    else f"Write it with specdec_jax.models.loaders.eagle_files.save_block_drafter(drafter, {path!r}, ...)"
+  )
+  return eagle_files.read_block_drafter(
+    path,
+    lambda: _qwen2_5_coder_head_source(dtype, "xla", progress=True),
+    name="Qwen2.5-Coder block drafter",
+    remedy=remedy,
+  )
 
 
 def load_qwen2_5_coder_eagle(dtype: Any = jnp.float32, path: str | None = None, kernels: str = "xla") -> EagleDrafter:
