@@ -23,6 +23,13 @@ Everything it learns from is what the target itself says and computes:
    does), with a soft cross-entropy to the target's next-token distribution
    (restricted to the draft vocabulary) at every depth, on generated tokens
    only. AdamW with warm-up and cosine decay, gradient clipping, a fixed seed.
+   `--drafter block` trains a `BlockDrafter` (K = `--block-size` drafts from one
+   call) on the same data instead: each step puts `--blocks-per-row` blocks in
+   every sequence (`BlockDrafter.block_logits`: the context up to a random point
+   of the generated text, then K-1 placeholders) and scores each block
+   position's logits against the target's law of that token; `--init` starts
+   its backbone from an EAGLE head's file. The report's "depths" are then the
+   block's positions.
 4. **Report.** Teacher-forced agreement on the held-out continuations at every
    depth: `top1` = the head's argmax equals the target's (what greedy
    acceptance needs), `1-TV` = sum_v min(p_v, q_v) at T=1.
@@ -126,6 +133,7 @@ from flax import nnx, serialization
 from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate
+from specdec_jax.models.block import BlockDrafter
 from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.models.loaders import eagle_files, qwen2_5_coder, smollm2
 
@@ -721,6 +729,14 @@ def parse_args(argv):
   )
   ap.add_argument("--batch-size", type=int, default=None, help="sequences per step (smollm2 32, qwen 16)")
   ap.add_argument("--depth", type=int, default=6, help="unrolled steps (training-time test), >= the K shipped for")
+  ap.add_argument(
+    "--drafter",
+    choices=["eagle", "block"],
+    default="eagle",
+    help="eagle: the head (default); block: a BlockDrafter (K drafts from one call) on the same data",
+  )
+  ap.add_argument("--block-size", type=int, default=8, help="block: K, the drafts of one call (default 8)")
+  ap.add_argument("--blocks-per-row", type=int, default=8, help="block: blocks a sequence holds a step (default 8)")
   ap.add_argument("--lr", type=float, default=1e-3)
   ap.add_argument(
     "--b1",
@@ -860,7 +876,17 @@ def parse_args(argv):
   for name in ("code_files", "code_per_file", "code_questions", "self_questions", "prefill_tokens", "eval_rows"):
     if getattr(args, name) < 0:
       ap.error(f"--{name.replace('_', '-')} must be >= 0")
-  for name in ("steps", "batch_size", "depth", "num_layers", "gen_tokens", "prompt_len", "gen_batch"):
+  for name in (
+    "steps",
+    "batch_size",
+    "depth",
+    "num_layers",
+    "gen_tokens",
+    "prompt_len",
+    "gen_batch",
+    "block_size",
+    "blocks_per_row",
+  ):
     if getattr(args, name) < 1:
       ap.error(f"--{name.replace('_', '-')} must be >= 1")
   if args.head_d_ff < 0:
@@ -895,6 +921,7 @@ def parse_args(argv):
     args.steps, args.batch_size, args.gen_tokens, args.prompt_len, args.gen_batch = min(args.steps, 4), 2, 8, 64, 8
     args.depth, args.samples, args.draft_vocab = min(args.depth, 3), [0.0, 1.0], min(args.draft_vocab, 512)
     args.prefill_tokens = min(args.prefill_tokens, 8 * 64)
+    args.block_size, args.blocks_per_row = min(args.block_size, 3), min(args.blocks_per_row, 2)
   return spec, args
 
 
@@ -984,7 +1011,19 @@ def main(argv=None):
       target, num_layers=args.num_layers, d_ff=args.head_d_ff, vocab=vocab, seed=args.seed, target_rows=rows
     )
   del init
-  depth = args.depth
+  block = args.drafter == "block"
+  if block:  # the backbone: a new head, or the --init head to start from
+    drafter = BlockDrafter(drafter, block_size=args.block_size, rngs=nnx.Rngs(args.seed + 1))
+  # The positions reported and trained: the unrolled depths of the head, or the block's K drafts.
+  depth = args.block_size if block else args.depth
+
+  def block_ends(p_len, length, rng):
+    """int32 [B, blocks]: context ends c whose first draft (position c+1) is generated text."""
+    lo = np.maximum(p_len - 1, 1)
+    span = np.maximum(length - 1 - lo, 1)
+    u = rng.random((len(p_len), args.blocks_per_row))
+    return jnp.asarray(lo[:, None] + np.floor(u * span[:, None]).astype(np.int64), jnp.int32)
+
   schedule = optax.warmup_cosine_decay_schedule(
     0.0, args.lr, min(200, args.steps // 10 + 1), args.steps, args.lr * 0.05
   )
@@ -1002,23 +1041,34 @@ def main(argv=None):
     logits, features, _ = model(batch, pos, model.init_cache(b, s), return_features=True)
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(features)
 
-  def losses(drafter, t_state, batch, p_len, length):
-    """Per-depth loss (--loss), teacher-forced agreement and 1-TV on generated tokens."""
-    logits, features = target_pass(t_state, batch)
+  def positions(drafter, logits, features, batch, p_len, length, ends):
+    """Per trained position: (drafter logits [..., Vd], the target's logits of the same token [..., V], mask)."""
+    b = batch.shape[0]
+    if ends is not None:
+      # Block c's draft j is the token at c+1+j; the target's law of it is its logits at position c+j.
+      q_all = drafter.block_logits(batch[:, 1:], features[:, :-1], ends, depth, draft_vocab=True)  # [B, NB, K, Vd]
+      at = ends[:, :, None] + jnp.arange(depth)[None, None, :]
+      t_all = jnp.take_along_axis(logits, at.reshape(b, -1)[..., None], axis=1).reshape(at.shape + logits.shape[-1:])
+      ok = (at + 1 >= p_len[:, None, None]) & (at + 1 < length[:, None, None])
+      return [(q_all[:, :, j], t_all[:, :, j], ok[:, :, j]) for j in range(depth)]
     # Entry p reads (f_p, x_{p+1}) and predicts x_{p+2}, whose target distribution is logits[p+1].
     per_depth = drafter.unrolled_logits(batch[:, 1:-1], features[:, :-2], depth)
-    t_logits = logits[:, 1:-1]  # [B, S-2, V]
-    t_lse = jax.nn.logsumexp(t_logits, axis=-1, keepdims=True)
-    t_draft = t_logits[..., vocab_ids]  # [B, S-2, Vd]
-    t_p = jax.nn.softmax(t_draft, axis=-1)  # restricted to the draft vocabulary, renormalised
-    t_full_p = jnp.exp(t_draft - t_lse)  # mass the sampler gives these tokens
-    t_top = jnp.argmax(t_logits, axis=-1)
     p = jnp.arange(batch.shape[1] - 2)[None, :]
     predicted = p + 2  # position of the predicted token
     gen = (predicted >= p_len[:, None]) & (predicted < length[:, None])
+    return [(q, logits[:, 1:-1], gen & (p >= j)) for j, q in enumerate(per_depth)]
+
+  def losses(drafter, t_state, batch, p_len, length, ends=None):
+    """Per-depth (or block position) loss (--loss), teacher-forced agreement and 1-TV on generated tokens."""
+    logits, features = target_pass(t_state, batch)
     out = []
-    for j, q_logits in enumerate(per_depth):
-      mask = (gen & (p >= j)).astype(jnp.float32)
+    for q_logits, t_logits, valid in positions(drafter, logits, features, batch, p_len, length, ends):
+      t_lse = jax.nn.logsumexp(t_logits, axis=-1, keepdims=True)
+      t_draft = t_logits[..., vocab_ids]  # [..., Vd]
+      t_p = jax.nn.softmax(t_draft, axis=-1)  # restricted to the draft vocabulary, renormalised
+      t_full_p = jnp.exp(t_draft - t_lse)  # mass the sampler gives these tokens
+      t_top = jnp.argmax(t_logits, axis=-1)
+      mask = valid.astype(jnp.float32)
       n = jnp.maximum(jnp.sum(mask), 1.0)
       q_logp = jax.nn.log_softmax(q_logits, axis=-1)
       ce = -jnp.sum(t_p * q_logp, axis=-1)
@@ -1035,9 +1085,9 @@ def main(argv=None):
     return out
 
   @nnx.jit
-  def train_step(drafter, optimizer, t_state, batch, p_len, length):
+  def train_step(drafter, optimizer, t_state, batch, p_len, length, ends):
     def loss_fn(drafter):
-      per_depth = losses(drafter, t_state, batch, p_len, length)
+      per_depth = losses(drafter, t_state, batch, p_len, length, ends)
       return sum(d[0] for d in per_depth) / depth, per_depth
 
     (loss, per_depth), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
@@ -1045,8 +1095,8 @@ def main(argv=None):
     return loss, per_depth
 
   @nnx.jit
-  def eval_step(drafter, t_state, batch, p_len, length):
-    return losses(drafter, t_state, batch, p_len, length)
+  def eval_step(drafter, t_state, batch, p_len, length, ends):
+    return losses(drafter, t_state, batch, p_len, length, ends)
 
   def held_out_report(head, rows=None):
     rows = np.flatnonzero(held) if rows is None else rows
@@ -1054,9 +1104,11 @@ def main(argv=None):
       rows = rows[: args.eval_rows]
     sums = np.zeros((depth, 3))
     batches = 0
+    eval_rng = np.random.default_rng(12345)  # the same blocks for every head reported
     for s in range(0, len(rows) - args.batch_size + 1, args.batch_size):
       r = rows[s : s + args.batch_size]
-      res = eval_step(head, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]))
+      ends = block_ends(p_lens[r], lens[r], eval_rng) if block else None
+      res = eval_step(head, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]), ends)
       sums += np.asarray([[float(d[3]), float(d[1]), float(d[2])] for d in res])
       batches += 1
     m = sums / max(batches, 1)
@@ -1082,6 +1134,10 @@ def main(argv=None):
       for j in range(depth):
         print(f"  {part:4s} depth {j}: top1 {r['top1'][j]:.3f}  1-TV {r['one_minus_tv'][j]:.3f}  CE {r['ce'][j]:.3f}")
 
+  def save(head, path, **kw):
+    writer = eagle_files.save_block_drafter if block else eagle_files.save_eagle_head
+    writer(head, path, target=spec.file, **kw)
+
   init_report = None
   if args.init and not (args.state and os.path.isfile(args.state)):
     # The starting head on the same held-out split: the baseline that continued training must beat.
@@ -1101,8 +1157,9 @@ def main(argv=None):
   step = first - 1
   for step in bar:
     r = rng.choice(train_rows, args.batch_size, replace=len(train_rows) < args.batch_size, p=row_p)
+    ends = block_ends(p_lens[r], lens[r], rng) if block else None  # rng: saved with --state, so resumable
     loss, per_depth = train_step(
-      drafter, optimizer, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r])
+      drafter, optimizer, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]), ends
     )
     if step % 50 == 0 or step == args.steps - 1:
       top1 = [round(float(d[1]), 3) for d in per_depth]
@@ -1119,14 +1176,14 @@ def main(argv=None):
       print(f"wall-clock limit: stopping after {step + 1} of {args.steps} steps")
       break
     if args.checkpoint_every and step and step % args.checkpoint_every == 0:
-      eagle_files.save_eagle_head(drafter, checkpoint, target=spec.file, metadata={"step": step})
+      save(drafter, checkpoint, metadata={"step": step})
   train_seconds = time.time() - t_train
   command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
   commands = commands + [{"command": command, "steps": [first, step + 1], "train_seconds": round(train_seconds, 1)}]
   if args.state:
     save_state(args.state, drafter, optimizer, rng, step + 1, history, commands)
   if args.checkpoint_every:  # float16 whatever --storage-dtype: what a later --init continues from
-    eagle_files.save_eagle_head(drafter, checkpoint, target=spec.file, metadata={"step": step + 1})
+    save(drafter, checkpoint, metadata={"step": step + 1})
   if args.state and deadline and (step + 1 < (args.stop_at_step or args.steps) or time.time() > deadline - 100):
     # The reports and the head come in the command that ends the schedule with time to spare for them.
     print(f"state saved at step {step + 1} of {args.steps} in {args.state}: run the same command to continue")
@@ -1148,6 +1205,9 @@ def main(argv=None):
     "steps_done": step + 1,
     "batch_size": args.batch_size,
     "depth": depth,
+    "drafter": args.drafter,
+    "block_size": args.block_size if block else None,
+    "blocks_per_row": args.blocks_per_row if block else None,
     "lr": args.lr,
     "b1": args.b1,
     "weight_decay": args.weight_decay,
@@ -1168,7 +1228,7 @@ def main(argv=None):
     "init_held_out": None if init_report is None else init_report["all"],
     "history": history,
   }
-  eagle_files.save_eagle_head(drafter, args.out, target=spec.file, metadata=meta, storage_dtype=args.storage_dtype)
+  save(drafter, args.out, metadata=meta, storage_dtype=args.storage_dtype)
   print(f"saved {args.out} in {time.time() - t_start:.0f}s (training {train_seconds:.0f}s)")
   return meta
 

@@ -133,6 +133,7 @@ class BlockDrafter(nnx.Module):
     logits_at: jax.Array | None = None,  # int32 [B] or [B, N]
     cache_slots: jax.Array | None = None,  # int32 [B, T]
     attention_mask: jax.Array | None = None,  # bool [B, T, S]
+    draft_vocab_logits: bool = False,
   ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Runs entries at their positions, placeholders among them; writes their keys and values.
 
@@ -146,6 +147,7 @@ class BlockDrafter(nnx.Module):
       logits_at: as for `EagleDrafter`: None (every entry), int [B] (one entry a row) or int [B, N].
       cache_slots, attention_mask: as for `EagleDrafter` (where each entry writes, which slots it sees);
         `block_logits` uses them to hold several blocks in one call.
+      draft_vocab_logits: as for `EagleDrafter` (logits over the draft vocabulary only).
 
     Returns:
       (logits float32 [B, T | 1 | N, V], hidden [B, T, D], cache).
@@ -160,12 +162,21 @@ class BlockDrafter(nnx.Module):
       hidden = jnp.where(placeholders[..., None], self.mask_hidden[...].astype(hidden.dtype), hidden)
       tokens = jnp.where(placeholders, 0, tokens)
     return self.backbone(
-      tokens, hidden, positions, cache, logits_at=logits_at, cache_slots=cache_slots, attention_mask=attention_mask
+      tokens,
+      hidden,
+      positions,
+      cache,
+      logits_at=logits_at,
+      cache_slots=cache_slots,
+      attention_mask=attention_mask,
+      draft_vocab_logits=draft_vocab_logits,
     )
 
   # --- training ----------------------------------------------------------------
 
-  def block_logits(self, next_tokens: jax.Array, features: jax.Array, ends: jax.Array, k: int) -> jax.Array:
+  def block_logits(
+    self, next_tokens: jax.Array, features: jax.Array, ends: jax.Array, k: int, *, draft_vocab: bool = False
+  ) -> jax.Array:
     """Teacher-forced block logits (training): one call holds a sequence's context and several blocks.
 
     A block ending its context at c (entries 0 .. c-1: the context's (features[p], next_tokens[p]) at
@@ -179,9 +190,10 @@ class BlockDrafter(nnx.Module):
       features: [B, T, F], the target's features of tokens 0 .. T-1.
       ends: int32 [B] or [B, NB]: each block's context length c, in [1, T].
       k: the block's drafts.
+      draft_vocab: logits over the draft vocabulary only ([..., Vd]; training), not V.
 
     Returns:
-      float32 [B, k, V] (ends [B]) or [B, NB, k, V]: the logits of x_{c+1} .. x_{c+k} (compare with the
+      float32 [B, k, V] (ends [B]) or [B, NB, k, V] (Vd with `draft_vocab`): the logits of x_{c+1} .. x_{c+k} (compare with the
       target's logits at positions c .. c+k-1).
 
     Example:
@@ -225,6 +237,7 @@ class BlockDrafter(nnx.Module):
       logits_at=at,
       cache_slots=jnp.broadcast_to(slot, (b, s)),
       attention_mask=mask,
+      draft_vocab_logits=draft_vocab,
     )
     logits = logits.reshape(b, nb, k, -1)
     return logits[:, 0] if single else logits

@@ -518,6 +518,7 @@ class EagleDrafter(nnx.Module):
     logits_at: jax.Array | None = None,  # int32 [B] or [B, N]: only these entries' logits
     cache_slots: jax.Array | None = None,  # int32 [B, T]
     attention_mask: jax.Array | None = None,  # bool [B, T, S]
+    draft_vocab_logits: bool = False,
   ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Runs entries (hidden_p, token_{p+1}) at their positions; writes their keys/values.
 
@@ -547,6 +548,8 @@ class EagleDrafter(nnx.Module):
 
         The next round's catch-up rewrites the accepted path at its positions
         from the target's features, so nothing needs to be moved afterwards.
+      draft_vocab_logits: return the logits over the draft vocabulary [..., Vd]
+        (training, where a [..., V] tensor would only hold -inf) instead of V.
 
     Returns:
       (logits float32 [B, T, V] (or [B, 1, V] with logits_at [B], [B, N, V] with
@@ -595,7 +598,9 @@ class EagleDrafter(nnx.Module):
     else:
       at = logits_at.astype(jnp.int32)
       out = jnp.take_along_axis(x, (at[:, None] if at.ndim == 1 else at)[..., None], axis=1)
-    logits = self.full_logits(self.head_logits(out))
+    logits = self.head_logits(out)
+    if not draft_vocab_logits:
+      logits = self.full_logits(logits)
     # Vocabulary-split like the target's logits.
     if self.partitioning is not None:
       logits = sharding.constrain(logits, self.partitioning.logits_spec())

@@ -107,6 +107,38 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.real_model
+def test_train_eagle_block_drafter_resumes_exactly_and_writes_a_block_drafter(tmp_path):
+  """--drafter block --quick: 2 steps, then 2 more from --state, equal 4 steps in one run (the blocks' context
+  ends are drawn from the state's RNG); the file is a block drafter's (format, block_size, the placeholder
+  hidden) and reads back as a `BlockDrafter`."""
+  pytest.importorskip("safetensors")
+  import json
+  import sys
+
+  from safetensors.numpy import load_file
+
+  from specdec_jax.models.loaders import eagle_files
+
+  sys.path.insert(0, str(EXAMPLES))
+  try:
+    train = _load("train_eagle")
+  finally:
+    sys.path.remove(str(EXAMPLES))
+  data, state = str(tmp_path / "data.npz"), str(tmp_path / "state.msgpack")
+  common = ["--quick", "--drafter", "block", "--steps", "4", "--data-cache", data]
+  train.main(common + ["--stop-at-step", "2", "--state", state, "--out", str(tmp_path / "a.safetensors")])
+  train.main(common + ["--state", state, "--out", str(tmp_path / "resumed.safetensors")])
+  meta = train.main(common + ["--out", str(tmp_path / "straight.safetensors")])
+  resumed, straight = (load_file(str(tmp_path / f"{n}.safetensors")) for n in ("resumed", "straight"))
+  assert set(resumed) == set(straight) and "block.mask_hidden" in straight
+  assert all(np.array_equal(resumed[k], straight[k]) for k in straight)
+  on_disk = json.load(open(tmp_path / "straight.json"))
+  assert on_disk["format"] == eagle_files.BLOCK_FORMAT and on_disk["block_size"] == 3 == meta["block_size"]
+  assert len(meta["held_out"]["top1"]) == 3  # one figure per block position
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_train_eagle_init_continues_from_a_given_head(tmp_path):
   """--init: a head trained 2 steps, continued at learning rate 0, is unchanged; with --top1-weight it moves."""
   pytest.importorskip("safetensors")
