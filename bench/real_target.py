@@ -26,7 +26,7 @@ cycling from the first prompt), on the held-out prompts of examples/held_out_pro
 each configuration compiles once), `--max-new-tokens` (256), eos = the model's EOS ids. Configurations
 per kernels value: plain `generate`; `speculative_generate` with `PromptLookupDrafter((3, 2))` at K in
 `--ks` (2,4,8); with an EAGLE head, chains at K in `--eagle-ks` (2) and trees `--trees` (3x2x1, K = its
-depth). Per configuration: tokens/s = emitted tokens of the prompts, run one after the other / wall time
+depth); with `--block PATH` (a block drafter's file, the coder), chains at K in `--block-ks` (8). Per configuration: tokens/s = emitted tokens of the prompts, run one after the other / wall time
 (median of `--repeats` (3) sweeps after one compile sweep), speed-up over the BEST plain generate of all
 kernels values (and over the same kernels value's), mean accepted length (tokens per target pass),
 acceptance, the speed-up the component costs predict (mean accepted length / (verification of the round's
@@ -106,6 +106,7 @@ class ModelSpec:
   eos_ids: tuple[int, ...]
   load_eagle: Callable | None = None  # -> EagleDrafter (path None: the shipped head)
   shipped_eagle: bool = True  # whether path=None finds a head
+  load_block: Callable | None = None  # (dtype, path) -> BlockDrafter
   note: str | None = None
 
 
@@ -136,6 +137,7 @@ def _qwen2_5_coder() -> ModelSpec:
     eos_ids=tuple(qwen2_5_coder.QWEN2_5_CODER_EOS_IDS),
     load_eagle=lambda dtype, kernels, path=None: models.load_qwen2_5_coder_eagle(dtype, path, kernels),
     shipped_eagle=shipped,
+    load_block=lambda dtype, path: models.load_qwen2_5_coder_block_drafter(dtype, path),
     note=None if shipped else "no EAGLE head is shipped for Qwen2.5-Coder-1.5B (--eagle PATH names one)",
   )
 
@@ -276,9 +278,11 @@ def draft_phase_rows(eagle, kernels, args, p, cache_len, t_step, report, save, b
 # ----------------------------------------------------------------------------
 
 
-def configurations(args, has_eagle: bool) -> list[dict]:
+def configurations(args, has_eagle: bool, has_block: bool = False) -> list[dict]:
   """The generate section's rows for one kernels value: plain first (the reference of the others)."""
   out = [{"config": "plain", "drafter": "plain", "K": None, "tree": None}]
+  if has_block:
+    out += [{"config": f"block K={k}", "drafter": "block", "K": k, "tree": None} for k in args.block_ks]
   out += [{"config": f"lookup K={k}", "drafter": "lookup", "K": k, "tree": None} for k in args.ks]
   if has_eagle:
     out += [{"config": f"eagle K={k}", "drafter": "eagle", "K": k, "tree": None} for k in args.eagle_ks]
@@ -345,12 +349,12 @@ def mode_params(setup: str, b: int, seed: int):
   return params, key
 
 
-def generate_section(model, eagle, kernels: str, spec: ModelSpec, args, prompts, report, save, budget) -> None:
+def generate_section(model, eagle, kernels: str, spec: ModelSpec, args, prompts, report, save, budget, block=None):
   for mode in args.modes:
-    generate_mode(model, eagle, kernels, spec, args, prompts, report, save, budget, mode)
+    generate_mode(model, eagle, kernels, spec, args, prompts, report, save, budget, mode, block)
 
 
-def generate_mode(model, eagle, kernels: str, spec: ModelSpec, args, prompts, report, save, budget, mode) -> None:
+def generate_mode(model, eagle, kernels: str, spec: ModelSpec, args, prompts, report, save, budget, mode, block=None):
   names = list(prompts["names"])
   index_groups = batch_groups(names, args.batch_size)
   groups = [row_labels(names, g) for g in index_groups]
@@ -362,14 +366,14 @@ def generate_mode(model, eagle, kernels: str, spec: ModelSpec, args, prompts, re
   kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=spec.eos_ids, **flags)
   lookup = PromptLookupDrafter(bd.LOOKUP_NGRAMS)
   plain_outs = None
-  for cfg in configurations(args, eagle is not None):
+  for cfg in configurations(args, eagle is not None, block is not None):
     label = f"kernels={kernels} {mode} {cfg['config']}"
     if budget.over(f"generate {label}"):
       continue
     if cfg["drafter"] == "plain":
       fn = lambda: [generate(model, t, l, params, key, **kw) for t, l in calls]  # noqa: E731
     else:
-      drafter = lookup if cfg["drafter"] == "lookup" else eagle
+      drafter = {"lookup": lookup, "eagle": eagle, "block": block}[cfg["drafter"]]
       tree = bs.parse_tree(cfg["tree"]) if cfg["tree"] else None
       fn = lambda d=drafter, k=cfg["K"], tr=tree: [  # noqa: E731
         speculative_generate(model, d, t, l, params, key, num_speculative_tokens=k, draft_tree=tr, **kw)
@@ -606,6 +610,8 @@ def parse_args(argv=None):
   ap.add_argument("--ks", type=ints, help="prompt lookup K (default 2,4,8; quick 2)")
   ap.add_argument("--eagle-ks", type=ints, help="EAGLE chain K (default 2)")
   ap.add_argument("--eagle", default="", help="an EAGLE head file for the model instead of the shipped one")
+  ap.add_argument("--block", default="", help="a block drafter's file (the coder; chains at --block-ks)")
+  ap.add_argument("--block-ks", type=ints, help="block drafter chain K (default 8)")
   ap.add_argument("--trees", type=strs, help="EAGLE trees, branching factors joined by x (default 3x2x1)")
   ap.add_argument("--repeats", type=int, help="timed sweeps per configuration, median (default 3; quick 1)")
   ap.add_argument("--step-ts", type=ints, help="verification T of the step section (default 3,5,8,16; quick 3)")
@@ -631,6 +637,7 @@ def parse_args(argv=None):
     prompts=QUICK_PROMPTS if q else PROMPT_NAMES,
     ks=(2,) if q else (2, 4, 8),
     eagle_ks=(2,),
+    block_ks=(8,),
     trees=("3x2x1",),
     repeats=1 if q else 3,
     step_ts=(3,) if q else (3, 5, 8, 16),
@@ -656,6 +663,10 @@ def parse_args(argv=None):
     ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
   if "mixed" in args.modes and args.batch_size < 2:
     ap.error("--modes mixed needs --batch-size >= 2 (even rows greedy, odd rows T=1)")
+  if args.block and args.model != "qwen2.5-coder-1.5b":
+    ap.error(f"--block: block drafters load for --model qwen2.5-coder-1.5b only, got {args.model}")
+  if args.block and not os.path.isfile(args.block):
+    ap.error(f"--block {args.block}: no such file (a .safetensors written by eagle_files.save_block_drafter)")
   return args
 
 
@@ -689,6 +700,7 @@ def main(argv=None):
   report.setdefault("runs", []).append({"info": info, "config": vars(args)})
   report.update(info=info, model_title=spec.title, eos_ids=list(spec.eos_ids), notes=[n for n in [spec.note] if n])
   report["eagle"] = args.eagle or None
+  report["block"] = args.block or None
 
   def save():
     report["skipped_for_time_budget"] = budget.skipped
@@ -721,6 +733,7 @@ def main(argv=None):
       eagle = None
       if spec.load_eagle and (spec.shipped_eagle or args.eagle):
         eagle = spec.load_eagle(jnp.dtype(args.dtype), kernels, args.eagle or None)
+      block = spec.load_block(jnp.dtype(args.dtype), args.block) if args.block else None
     except Exception as e:  # noqa: BLE001
       error(report, f"load kernels={kernels}", e)
       save()
@@ -746,8 +759,8 @@ def main(argv=None):
     if "step" in args.sections:
       step_section(model, kernels, args, bandwidth, report, save, budget, eagle)
     if "generate" in args.sections:
-      generate_section(model, eagle, kernels, spec, args, prompts, report, save, budget)
-    del model, eagle
+      generate_section(model, eagle, kernels, spec, args, prompts, report, save, budget, block)
+    del model, eagle, block
     gc.collect()
 
   finish(report)

@@ -1061,13 +1061,17 @@ def main(argv=None):
   def losses(drafter, t_state, batch, p_len, length, ends=None):
     """Per-depth (or block position) loss (--loss), teacher-forced agreement and 1-TV on generated tokens."""
     logits, features = target_pass(t_state, batch)
-    out = []
+    out, target_laws = [], {}
     for q_logits, t_logits, valid in positions(drafter, logits, features, batch, p_len, length, ends):
-      t_lse = jax.nn.logsumexp(t_logits, axis=-1, keepdims=True)
-      t_draft = t_logits[..., vocab_ids]  # [..., Vd]
-      t_p = jax.nn.softmax(t_draft, axis=-1)  # restricted to the draft vocabulary, renormalised
-      t_full_p = jnp.exp(t_draft - t_lse)  # mass the sampler gives these tokens
-      t_top = jnp.argmax(t_logits, axis=-1)
+      if id(t_logits) not in target_laws:  # the head's depths share one array: its laws are computed once
+        t_lse = jax.nn.logsumexp(t_logits, axis=-1, keepdims=True)
+        t_draft = t_logits[..., vocab_ids]  # [..., Vd]
+        target_laws[id(t_logits)] = (
+          jax.nn.softmax(t_draft, axis=-1),  # restricted to the draft vocabulary, renormalised
+          jnp.exp(t_draft - t_lse),  # mass the sampler gives these tokens
+          jnp.argmax(t_logits, axis=-1),
+        )
+      t_p, t_full_p, t_top = target_laws[id(t_logits)]
       mask = valid.astype(jnp.float32)
       n = jnp.maximum(jnp.sum(mask), 1.0)
       q_logp = jax.nn.log_softmax(q_logits, axis=-1)

@@ -182,3 +182,25 @@ def test_several_blocks_in_one_training_call_equal_one_block_a_call():
   np.testing.assert_allclose(
     np.asarray(trained.block_logits(seqs[:, 1:], feats[:, :-1], ends[:, 1], 4)), np.asarray(together[:, 1]), atol=1e-5
   )
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--model", "smollm2", "--block", __file__], "--block: block drafters load for --model qwen2.5-coder-1.5b"),
+    (["--model", "qwen2.5-coder-1.5b", "--block", "/nonexistent.safetensors"], "--block /nonexistent.safetensors"),
+  ],
+)
+def test_the_real_target_bench_refuses_a_bad_block_flag_before_loading(capsys, monkeypatch, argv, message):
+  import importlib.util
+  import pathlib
+  import sys
+
+  path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "real_target.py"
+  spec = importlib.util.spec_from_file_location("real_target_bench", path)
+  bench = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
+  spec.loader.exec_module(bench)
+  with pytest.raises(SystemExit) as e:
+    bench.parse_args([*argv, "--quick", "--out", "/nonexistent"])
+  assert e.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]

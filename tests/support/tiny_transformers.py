@@ -39,9 +39,9 @@ def unit_target(config=CONFIG, seed=0, embed_scale=1.0) -> Transformer:
   return Transformer.from_weights(config, w)
 
 
-def distil(target, drafter, steps=60, depth=3, seed=0):
-  """A few steps of training-time-test distillation on the target's greedy continuations."""
-  rng = np.random.default_rng(seed)
+def _continuations(target, rng):
+  """(sequences int32 [64, 32]: random 4-token prompts and the target's 28 greedy tokens, the target's logits
+  and features of them)."""
   b, p, n = 64, 4, 28
   prompts = jnp.asarray(rng.integers(0, target.config.vocab_size, (b, p)), jnp.int32)
   out = generate(
@@ -52,6 +52,14 @@ def distil(target, drafter, steps=60, depth=3, seed=0):
   logits, feats, _ = target(
     seqs, jnp.broadcast_to(jnp.arange(s), (b, s)), target.init_cache(b, s), return_features=True
   )
+  return seqs, logits, feats
+
+
+def distil(target, drafter, steps=60, depth=3, seed=0):
+  """A few steps of training-time-test distillation on the target's greedy continuations."""
+  rng = np.random.default_rng(seed)
+  seqs, logits, feats = _continuations(target, rng)
+  b, s = seqs.shape
   target_p = jax.nn.softmax(logits[:, 1:-1], -1)
   opt = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
 
@@ -75,16 +83,8 @@ def distil_block(target, drafter, steps=80, k=4, seed=0):
   4 random context ends a sequence (one call, `block_logits`), its k logits against the target's laws of the
   next k tokens."""
   rng = np.random.default_rng(seed)
-  b, p, n = 64, 4, 28
-  prompts = jnp.asarray(rng.integers(0, target.config.vocab_size, (b, p)), jnp.int32)
-  out = generate(
-    target, prompts, jnp.full((b,), p, jnp.int32), SamplingParams.greedy(b), None, max_new_tokens=n, all_greedy=True
-  )
-  seqs = jnp.concatenate([prompts, out.tokens], 1)
-  s = seqs.shape[1]
-  logits, feats, _ = target(
-    seqs, jnp.broadcast_to(jnp.arange(s), (b, s)), target.init_cache(b, s), return_features=True
-  )
+  seqs, logits, feats = _continuations(target, rng)
+  b, s = seqs.shape
   target_p = jax.nn.softmax(logits, -1)  # [B, S, V]: position q's law of token q+1
   opt = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
 
