@@ -561,7 +561,8 @@ def speculative_generate(
         with `fuse` and `feature_layers`), whose `feature_layers` must equal the
         target's `config.feature_layers`;
       - a block drafter, `specdec_jax.models.BlockDrafter` (a feature drafter
-        with `block_size`): all K drafts' logits from one call; chains only.
+        with `block_size`): all K drafts' logits from one call (a tree's depth
+        i drafts from position i's logits: one call for any tree).
     prompt_tokens: int[B, P] right-padded prompts.
     prompt_lengths: int[B] in [1, P] (clipped into it under an outer jit).
     params: SamplingParams of batch B.
@@ -793,11 +794,6 @@ def _check_tree(
     )
   if tree.is_chain:
     return None
-  if hasattr(draft, "block_size") and hasattr(draft, "fuse"):
-    raise ValueError(
-      f"{where}: a block drafter ({type(draft).__name__}) drafts chains only for now; got draft_tree={draft_tree} "
-      "(use draft_tree=None)"
-    )
   if grammar is not None:
     raise ValueError(
       f"{where}: grammar with draft_tree={draft_tree} is not supported yet; use a chain (draft_tree=None)"

@@ -4,8 +4,8 @@ Vocabulary (as in `specdec_jax.loop`): the *drafter* is the user's object (a
 model, a `PromptLookupDrafter` or a feature drafter such as `EagleDrafter`); a
 *draft kind* is the loop's adapter for one kind of drafter (`ModelDraft`,
 `LookupDraft`, `FeatureDraft`, and `BlockDraft`, a feature drafter that gives all
-K drafts' logits from one call; chains only), which follows the `DraftKind`
-protocol below;
+K drafts' logits from one call, for chains and trees alike), which follows the
+`DraftKind` protocol below;
 the *drafts* are the tokens it proposes. A draft kind's part of the loop state
 is its *carry* (`LoopState.draft`).
 
@@ -414,11 +414,13 @@ class BlockDraft(FeatureDraft):
   drawn one after another (`draft_chain`: penalties count the earlier drafts, a grammar masks each with the
   state after them), and the law each is drawn from is its q. The next round's window starts at the same L-1
   (L' - 1 - fresh' = L - 1) and rewrites every slot a placeholder wrote before any query reads it.
+
+  Trees (DDTree, arXiv 2604.12989): every node of depth i drafts its children from position i's logits, static
+  trees (`grow_tree`) and dynamic ones (`grow_dynamic_tree`) alike, still with the one call.
   """
 
-  def propose_chain(
-    self, carry: FeatureCarry, state: LoopState, keys, params, *, all_greedy, end, constraint=None
-  ) -> Drafts:
+  def _block(self, carry: FeatureCarry, state: LoopState, end) -> tuple[jax.Array, Any]:
+    """The round's one drafter call: (logits [B, K, V] of d_1 .. d_K, the drafter's cache)."""
     model, k = self._model(), self.k
     width = 2 * k
     j = arange32(width)[None, :]
@@ -431,20 +433,49 @@ class BlockDraft(FeatureDraft):
     logits, _, cache = model(
       nxt, model.fuse(features), clamp_positions(idx, end), carry.cache, placeholders=placeholders, logits_at=at
     )
+    return logits, cache
+
+  def propose_chain(
+    self, carry: FeatureCarry, state: LoopState, keys, params, *, all_greedy, end, constraint=None
+  ) -> Drafts:
+    logits, cache = self._block(carry, state, end)
     sample = chain_sampler(state, keys, params, all_greedy=all_greedy, constraint=constraint)
     first, q_first = sample(logits[:, 0], 0, grammar_state=state.grammar_state)
 
     def step(carried, token, i):  # the block's logits are all computed: no call per draft
       return carried, jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
 
-    tokens, probs, _ = draft_chain(k, (), first, q_first, step, sample, constraint, state.grammar_state)
+    tokens, probs, _ = draft_chain(self.k, (), first, q_first, step, sample, constraint, state.grammar_state)
     return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
 
-  def propose_tree(self, carry, state, keys, params, *, tree, all_greedy, max_length, end):
-    raise TypeError("a block drafter drafts chains only (checked before jit)")
+  def propose_tree(
+    self, carry: FeatureCarry, state: LoopState, keys, params, *, tree: DraftTree, all_greedy, max_length, end
+  ) -> Drafts:
+    # DDTree: every node of depth i drafts its children from position i's law (the block's logits do not
+    # depend on the drafted tokens), so the tree costs the one call of a chain.
+    logits, cache = self._block(carry, state, end)
 
-  def propose_dynamic(self, carry, state, keys, params, *, tree, all_greedy, max_length, end):
-    raise TypeError("a block drafter drafts chains only (checked before jit)")
+    def level(carried, i, tokens):
+      row = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=True)  # [B, 1, V]
+      return carried, jnp.broadcast_to(row, tokens.shape + row.shape[-1:])
+
+    tokens, probs, _ = grow_tree(tree, logits[:, 0], level, (), params, keys, all_greedy=all_greedy)
+    return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
+
+  def propose_dynamic(
+    self, carry: FeatureCarry, state: LoopState, keys, params, *, tree: DynamicTree, all_greedy, max_length, end
+  ) -> DynamicDrafts:
+    # As propose_tree: the frontier of depth i expands from position i's law.
+    logits, cache = self._block(carry, state, end)
+
+    def level(carried, i, tokens, parent, rows):
+      row = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=True)
+      return carried, jnp.broadcast_to(row, tokens.shape + row.shape[-1:])
+
+    tokens, parents, fed, probs, _ = grow_dynamic_tree(
+      tree, logits[:, 0], level, (), params, keys, all_greedy=all_greedy
+    )
+    return DynamicDrafts(tokens, parents, fed, probs, dataclasses.replace(carry, cache=cache))
 
 
 def chain_sampler(state: LoopState, keys, params: SamplingParams, *, all_greedy: bool, constraint=None):

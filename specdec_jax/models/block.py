@@ -41,7 +41,7 @@ __all__ = ["BlockDrafter"]
 class BlockDrafter(nnx.Module):
   """K draft logits from one call: an `EagleDrafter` backbone with learned placeholder entries.
 
-  Pass it as `draft` to `speculative_generate` (chains; trees are refused) with a target whose
+  Pass it as `draft` to `speculative_generate` (chains, static and dynamic trees) with a target whose
   `config.feature_layers` equal `feature_layers` here.
 
   Protocol (what the loop uses): the `EagleDrafter` protocol (`init_cache`, `fuse`, `feature_layers`,
@@ -113,6 +113,15 @@ class BlockDrafter(nnx.Module):
       >>> drafter.init_cache(2, 64).k.shape   # [layers, B, kv heads, S, head dim]   # doctest: +SKIP
     """
     return self.backbone.init_cache(batch_size, max_length)
+
+  def copy_cache_slots(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """The backbone's slot copy (the tree extension of the model protocol; the loop's trees need none for a
+    block drafter, whose next catch-up rewrites the accepted path).
+
+    Example:
+      >>> cache = drafter.copy_cache_slots(cache, src, dst)   # int32 [B, N] slots each   # doctest: +SKIP
+    """
+    return self.backbone.copy_cache_slots(cache, src, dst)
 
   def fuse(self, features: jax.Array) -> jax.Array:
     """Target features [B, T, F] -> hidden [B, T, D] (the backbone's fusion).

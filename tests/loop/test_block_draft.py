@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specdec_jax.drafts.dynamic_tree import DynamicTree
 from specdec_jax.loop import draft_kinds
 from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.models import BlockDrafter, EagleDrafter
@@ -125,14 +126,59 @@ def test_no_recompilation_for_new_prompts_and_keys():
   assert not compiled, compiled
 
 
-def test_block_drafter_refuses_trees_and_bad_arguments():
-  target, untrained, _ = _models()
-  prompts, lengths = make_prompts(0, V, [4, 1], 4)
-  args = (prompts, lengths, SamplingParams.greedy(2), None)
-  with pytest.raises(ValueError, match="block drafter.*chains only"):
-    speculative_generate(
-      target, untrained, *args, max_new_tokens=4, num_speculative_tokens=2, draft_tree=(2, 1), all_greedy=True
+@pytest.mark.parametrize("tree", [(2, 2, 1), DynamicTree(3, 3, 6)], ids=["static", "dynamic"])
+def test_greedy_block_drafter_trees_equal_generate(tree):
+  """DDTree: every node of depth i drafts its children from position i's logits, static and dynamic trees, one
+  drafter call a round. Ragged prompts, an EOS inside rounds, max_new_tokens cutting a round: plain greedy
+  decoding's tokens; the distilled drafter's trees are accepted beyond the first depth."""
+  target, _, trained = _models()
+  prompts, lengths, params, kw, plain = greedy_case(target)
+  k = len(tree) if isinstance(tree, tuple) else tree.depth
+  out = speculative_generate(
+    target, trained, prompts, lengths, params, None, num_speculative_tokens=k, draft_tree=tree, **kw
+  )
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_array_equal(out.lengths, plain.lengths)
+  check_output(out, 15, k, eos=(kw["eos_token_id"],))
+  assert float(out.stats.mean_accepted_length) > 1.5, float(out.stats.mean_accepted_length)
+
+
+@pytest.mark.slow  # the chain's sampled test above stays in the fast subset
+def test_sampled_block_drafter_tree_is_lossless(monkeypatch):
+  """The first 3 tokens of N rows follow the target's exact joint with a sampled (3, 2) tree of block drafts
+  (siblings drawn without replacement from each position's law and verified with it); accepting the first
+  child at every depth is rejected."""
+  from specdec_jax.loop import tree_round
+  from tests.loop.test_tree_round import _accept_first_children
+
+  target, drafter, prompts, lengths, params, joint = _sampled_case()
+
+  def run():
+    out = speculative_generate(
+      target,
+      drafter,
+      prompts,
+      lengths,
+      params,
+      jax.random.key(8),
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      draft_tree=(3, 2),
     )
+    return out, np.asarray(out.tokens)
+
+  out = assert_first_tokens_follow(
+    run,
+    joint,
+    monkeypatch,
+    "block drafter tree (3, 2), first 3 tokens",
+    planted=(tree_round, "tree_rejection_sample", _accept_first_children),
+  )
+  check_output(out, 3, 2)
+
+
+def test_block_drafter_refuses_bad_arguments():
+  target, _, _ = _models()
   with pytest.raises(ValueError, match="block_size must be an int >= 1"):
     BlockDrafter(EagleDrafter.for_target(target, rngs=nnx.Rngs(0)), block_size=0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="backbone must be an EagleDrafter"):

@@ -243,7 +243,7 @@ def _qwen2_5_coder_head_source(dtype, kernels: str, progress: bool):
 def load_qwen2_5_coder_block_drafter(dtype: Any = jnp.float32, path: str | None = None) -> BlockDrafter:
   """Loads a block drafter (`BlockDrafter`: K draft logits from one call) for Qwen2.5-Coder-1.5B-Instruct.
 
-  Pass it as `draft` to `speculative_generate` (chains) with the target from `load_qwen2_5_coder(dtype)`.
+  Pass it as `draft` to `speculative_generate` (chains or trees) with the target from `load_qwen2_5_coder(dtype)`.
   Its backbone's embedding and output head are the target's, read from the cached GGUF; its blocks run on
   XLA's kernels.
 
