@@ -311,15 +311,23 @@ class FeatureDraft:
     pending = jnp.zeros((b, self.k + 1, feats.shape[-1]), feats.dtype).at[:, 0].set(last)
     return FeatureCarry(cache=cache, features=pending, fresh=jnp.ones((b,), jnp.int32))
 
+  @staticmethod
+  def _entries(carry: FeatureCarry, state: LoopState, width: int) -> tuple[jax.Array, jax.Array]:
+    """(positions int32 [B, width] of a round's first call, from base = L-1-fresh; the token after each).
+
+    The first `fresh` entries are the verified tokens' (f_p, x_{p+1}); what the rest hold is the caller's
+    (junk for `FeatureDraft`, placeholders for `BlockDraft`), rewritten before anyone reads it. The token read
+    stays inside the buffer (a block drafter's 2K entries may reach past it near the end).
+    """
+    idx = (state.length - 1 - carry.fresh)[:, None] + arange32(width)[None, :]
+    last_slot = state.tokens.shape[1] - 1
+    return idx, jnp.maximum(jnp.take_along_axis(state.tokens, jnp.minimum(idx + 1, last_slot), axis=1), 0)
+
   def _catch_up(self, carry: FeatureCarry, state: LoopState, end) -> CatchUp:
     """The round's first call, which also yields d1's logits."""
     model = self._model()
-    # Catch-up: entries at base .. base+K, base = L-1-fresh; the first `fresh`
-    # are the verified tokens (f_p, x_{p+1}), the rest junk that later entries
-    # overwrite before anyone reads them. Entry fresh-1 (p = L-2) predicts d1.
-    base = state.length - 1 - carry.fresh
-    idx = base[:, None] + arange32(self.k + 1)[None, :]
-    nxt = jnp.maximum(jnp.take_along_axis(state.tokens, idx + 1, axis=1), 0)
+    # Catch-up: entries at base .. base+K (`_entries`); entry fresh-1 (p = L-2) predicts d1.
+    idx, nxt = self._entries(carry, state, self.k + 1)
     logits, hidden, cache = model(
       nxt, model.fuse(carry.features), clamp_positions(idx, end), carry.cache, logits_at=carry.fresh - 1
     )
@@ -423,11 +431,8 @@ class BlockDraft(FeatureDraft):
     """The round's one drafter call: (logits [B, K, V] of d_1 .. d_K, the drafter's cache)."""
     model, k = self._model(), self.k
     width = 2 * k
-    j = arange32(width)[None, :]
-    idx = (state.length - 1 - carry.fresh)[:, None] + j
-    placeholders = j >= carry.fresh[:, None]
-    last_slot = state.tokens.shape[1] - 1  # placeholders' tokens are ignored; keep the read in bounds
-    nxt = jnp.maximum(jnp.take_along_axis(state.tokens, jnp.minimum(idx + 1, last_slot), axis=1), 0)
+    idx, nxt = self._entries(carry, state, width)
+    placeholders = arange32(width)[None, :] >= carry.fresh[:, None]
     features = jnp.pad(carry.features, ((0, 0), (0, width - carry.features.shape[1]), (0, 0)))
     at = (carry.fresh - 1)[:, None] + arange32(k)[None, :]
     logits, _, cache = model(
@@ -443,7 +448,7 @@ class BlockDraft(FeatureDraft):
     first, q_first = sample(logits[:, 0], 0, grammar_state=state.grammar_state)
 
     def step(carried, token, i):  # the block's logits are all computed: no call per draft
-      return carried, jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
+      return carried, _position(logits, i, token.shape)
 
     tokens, probs, _ = draft_chain(self.k, (), first, q_first, step, sample, constraint, state.grammar_state)
     return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
@@ -456,8 +461,7 @@ class BlockDraft(FeatureDraft):
     logits, cache = self._block(carry, state, end)
 
     def level(carried, i, tokens):
-      row = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=True)  # [B, 1, V]
-      return carried, jnp.broadcast_to(row, tokens.shape + row.shape[-1:])
+      return carried, _position(logits, i, tokens.shape)
 
     tokens, probs, _ = grow_tree(tree, logits[:, 0], level, (), params, keys, all_greedy=all_greedy)
     return Drafts(tokens, probs, dataclasses.replace(carry, cache=cache))
@@ -469,13 +473,19 @@ class BlockDraft(FeatureDraft):
     logits, cache = self._block(carry, state, end)
 
     def level(carried, i, tokens, parent, rows):
-      row = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=True)
-      return carried, jnp.broadcast_to(row, tokens.shape + row.shape[-1:])
+      return carried, _position(logits, i, tokens.shape)
 
     tokens, parents, fed, probs, _ = grow_dynamic_tree(
       tree, logits[:, 0], level, (), params, keys, all_greedy=all_greedy
     )
     return DynamicDrafts(tokens, parents, fed, probs, dataclasses.replace(carry, cache=cache))
+
+
+def _position(logits, i, shape) -> jax.Array:
+  """A block's logits [B, K, V] at position i (static or traced), for `shape` [B] (a chain's draft) or [B, n]
+  (the n nodes of a tree's depth, all reading that one position's law)."""
+  row = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=len(shape) > 1)
+  return jnp.broadcast_to(row, tuple(shape) + row.shape[-1:])
 
 
 def chain_sampler(state: LoopState, keys, params: SamplingParams, *, all_greedy: bool, constraint=None):
