@@ -9,6 +9,7 @@ to it too.
 import importlib.util
 import os
 import pathlib
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +20,6 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 def _bench(name):
   """bench/NAME.py as the module bench.NAME (the repository root goes on sys.path once)."""
-  import sys  # noqa: PLC0415
-
   if str(EXAMPLES.parent) not in sys.path:
     sys.path.insert(0, str(EXAMPLES.parent))
   return importlib.import_module(f"bench.{name}")
@@ -31,6 +30,15 @@ def _load(name):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def _train_eagle():
+  """examples/train_eagle.py, loaded with examples/ on the path (it imports train_draft's prompt lists)."""
+  sys.path.insert(0, str(EXAMPLES))
+  try:
+    return _load("train_eagle")
+  finally:
+    sys.path.remove(str(EXAMPLES))
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +84,9 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
   """examples/train_eagle.py --quick: 2 steps, then 2 more from --state, equal 4 steps in one run; a run stopped
   by --wall-limit-s saves its state and no head, and the run that ends the schedule lists both commands."""
   pytest.importorskip("safetensors")
-  import sys
-
   from safetensors.numpy import load_file
 
-  sys.path.insert(0, str(EXAMPLES))  # train_eagle imports train_draft's prompt lists
-  try:
-    train = _load("train_eagle")
-  finally:
-    sys.path.remove(str(EXAMPLES))
+  train = _train_eagle()
   data, state = str(tmp_path / "data.npz"), str(tmp_path / "state.msgpack")
   common = ["--quick", "--steps", "4", "--data-cache", data]
   train.main(common + ["--stop-at-step", "2", "--state", state, "--out", str(tmp_path / "a.safetensors")])
@@ -113,17 +115,12 @@ def test_train_eagle_block_drafter_resumes_exactly_and_writes_a_block_drafter(tm
   hidden) and reads back as a `BlockDrafter`."""
   pytest.importorskip("safetensors")
   import json
-  import sys
 
   from safetensors.numpy import load_file
 
   from specdec_jax.models.loaders import eagle_files
 
-  sys.path.insert(0, str(EXAMPLES))
-  try:
-    train = _load("train_eagle")
-  finally:
-    sys.path.remove(str(EXAMPLES))
+  train = _train_eagle()
   data, state = str(tmp_path / "data.npz"), str(tmp_path / "state.msgpack")
   common = ["--quick", "--drafter", "block", "--steps", "4", "--data-cache", data]
   train.main(common + ["--stop-at-step", "2", "--state", state, "--out", str(tmp_path / "a.safetensors")])
@@ -142,15 +139,9 @@ def test_train_eagle_block_drafter_resumes_exactly_and_writes_a_block_drafter(tm
 def test_train_eagle_init_continues_from_a_given_head(tmp_path):
   """--init: a head trained 2 steps, continued at learning rate 0, is unchanged; with --top1-weight it moves."""
   pytest.importorskip("safetensors")
-  import sys
-
   from safetensors.numpy import load_file
 
-  sys.path.insert(0, str(EXAMPLES))
-  try:
-    train = _load("train_eagle")
-  finally:
-    sys.path.remove(str(EXAMPLES))
+  train = _train_eagle()
   common = ["--quick", "--data-cache", str(tmp_path / "data.npz")]
   first = str(tmp_path / "a.safetensors")
   train.main(common + ["--steps", "2", "--out", first])
