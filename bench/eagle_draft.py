@@ -129,6 +129,45 @@ def draft_phase(
   return r
 
 
+def _block_round_fn(graphdef, k: int, p0: int, span: int):
+  """Loop body: one block drafter's greedy draft phase of a chain round, as `BlockDraft` runs it: one call of 2K
+  entries (the first `fresh` the verified context's, the rest placeholders; logits at the last context entry
+  and the K-1 placeholders after it), then the argmax of each of the K positions."""
+  width = 2 * k
+
+  def step(i, carry, state, feats):
+    cache, token = carry
+    b = token.shape[0]
+    drafter = nnx.merge(graphdef, state)
+    base = p0 + i % span
+    # fresh in 1 .. K+1 (K+1 when a round accepted every draft), traced as in the loop: i = 0 gives K+1
+    fresh = jnp.full((b,), 1 + (i + k) % (k + 1), jnp.int32)
+    entry = jnp.arange(width, dtype=jnp.int32)
+    pos = jnp.broadcast_to(base + entry, (b, width))
+    nxt = jnp.broadcast_to(token[:, None], (b, width))
+    at = (fresh - 1)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    logits, _, cache = drafter(
+      nxt, drafter.fuse(feats), pos, cache, placeholders=entry[None, :] >= fresh[:, None], logits_at=at
+    )
+    drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K]
+    # Every position's argmax feeds the next iteration, so none is sliced away.
+    return cache, drafts[:, -1] + (jnp.sum(drafts, axis=-1) < 0).astype(jnp.int32)
+
+  return step
+
+
+def block_draft_phase(drafter, *, b: int, k: int, p0: int, cache_len: int, target_s: float, repeats: int) -> dict:
+  """`draft_phase`'s sibling for a `BlockDrafter` (greedy): times one draft phase (`_block_round_fn`) per loop
+  iteration, median of `repeats` loops, on a cache whose windows start at p0 and move one slot an iteration."""
+  graphdef, state = nnx.split(drafter)
+  feats = jnp.ones((b, 2 * k, drafter.config.feature_size), drafter.config.layers.dtype)
+  step = _block_round_fn(graphdef, k, p0, max(cache_len - p0 - 2 * k - 2, 1))
+  carry = (drafter.init_cache(b, cache_len), jnp.full((b,), 7, jnp.int32))
+  r = common.time_per_iter(common.timed_loop(step), carry, (state, feats), target_s=target_s, repeats=repeats)
+  r.pop("compiled", None)
+  return r
+
+
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", required=True, help="directory for eagle_draft.json and .png")

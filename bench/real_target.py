@@ -17,7 +17,10 @@ row), the KV cache's bytes, and the floor = weight bytes read / the device's cop
 the same run (`common.copy_bandwidth`: bytes read + written per second of `x = x + 1` over 2 GB), with
 step/floor. With kernels=pallas on a GPU it also records whether each call lowers to Triton kernels. With an
 EAGLE head: its greedy draft phase of a chain round per K of `--eagle-ks` (`bench/eagle_draft.py`'s
-`draft_phase`), in ms and in target steps.
+`draft_phase`), in ms and in target steps. With `--block PATH`: the block drafter's greedy draft phase of a chain
+round per K of `--block-ks` (`block_draft_phase`: its one call of 2K entries, context and placeholders, then the
+argmax of each of the K positions), in ms, in target steps and in EAGLE head calls (one head call = the head's
+draft phase of a K=1 chain: its call on 2 entries and the argmax; only with an EAGLE head).
 
 Section `generate`: `--modes` greedy (`all_greedy=True`, the default), t1, t1_no_filters or mixed (even rows
 greedy, odd rows T=1; B >= 2), `--batch-size` rows a call (the prompts in groups, the last group filled by
@@ -26,12 +29,13 @@ cycling from the first prompt), on the held-out prompts of examples/held_out_pro
 each configuration compiles once), `--max-new-tokens` (256), eos = the model's EOS ids. Configurations
 per kernels value: plain `generate`; `speculative_generate` with `PromptLookupDrafter((3, 2))` at K in
 `--ks` (2,4,8); with an EAGLE head, chains at K in `--eagle-ks` (2) and trees `--trees` (3x2x1, K = its
-depth); with `--block PATH` (a block drafter's file, the coder), chains at K in `--block-ks` (8). Per configuration: tokens/s = emitted tokens of the prompts, run one after the other / wall time
-(median of `--repeats` (3) sweeps after one compile sweep), speed-up over the BEST plain generate of all
-kernels values (and over the same kernels value's), mean accepted length (tokens per target pass),
-acceptance, the speed-up the component costs predict (mean accepted length / (verification of the round's
-N+1 tokens + the draft phase), in target steps from the step section; prompt lookup's drafting counted as free;
-none for EAGLE trees), and whether the tokens equal plain greedy's of the same kernels value: the rows (prompts)
+depth); with `--block PATH` (a block drafter's file, the coder), chains at K in `--block-ks` (8) and trees
+`--block-trees` (none; the `--trees` syntax, K = its depth). Per configuration: tokens/s = emitted tokens of
+the prompts, run one after the other / wall time (median of `--repeats` (3) sweeps after one compile sweep),
+speed-up over the BEST plain generate of all kernels values (and over the same kernels value's), mean accepted
+length (tokens per target pass), acceptance, the speed-up the component costs predict (mean accepted length / (verification of the round's
+N+1 tokens + the draft phase), in target steps from the step section (the EAGLE head's and the block drafter's
+draft phases; prompt lookup's drafting counted as free); none for trees), and whether the tokens equal plain greedy's of the same kernels value: the rows (prompts)
 that differ, the divergence rate (rows that differ / rows) and each differing row's first differing
 position. In bf16 a T=1 step and a T=K+1 verification round differently, so near-ties may flip, and
 everything after a flip differs. Plain greedy's rows also keep, per prompt, the token ids (to compare
@@ -197,7 +201,7 @@ def pallas_path(model, t: int, cache_len: int) -> bool:
   return "xla.gpu.triton" in call.lower(model, tokens, pos).as_text()
 
 
-def step_section(model, kernels: str, args, bandwidth: float, report, save, budget, eagle=None) -> None:
+def step_section(model, kernels: str, args, bandwidth: float, report, save, budget, eagle=None, block=None) -> None:
   p, n = args.step_prompt_len, args.max_new_tokens
   cache_len = p + n + 16
   wb = weight_bytes(model)
@@ -242,6 +246,8 @@ def step_section(model, kernels: str, args, bandwidth: float, report, save, budg
     save()
   if eagle is not None and t_step:
     draft_phase_rows(eagle, kernels, args, p, cache_len, t_step, report, save, budget)
+  if block is not None and t_step:
+    block_phase_rows(block, eagle, kernels, args, p, cache_len, t_step, report, save, budget)
 
 
 def draft_phase_rows(eagle, kernels, args, p, cache_len, t_step, report, save, budget) -> None:
@@ -273,6 +279,53 @@ def draft_phase_rows(eagle, kernels, args, p, cache_len, t_step, report, save, b
     save()
 
 
+def block_phase_rows(block, eagle, kernels, args, p, cache_len, t_step, report, save, budget) -> None:
+  """The block drafter's greedy draft phase of a chain round (`bench/eagle_draft.py`'s `block_draft_phase`), per
+  K of --block-ks, in target steps and in EAGLE head calls: issue 33 asks for a call at K=8 of at most 1.5 head
+  calls. One head call = the head's draft phase of a K=1 chain (its call on 2 entries, then the argmax), timed
+  once per kernels value; None without a head. The block drafter runs XLA's blocks whatever `kernels` is."""
+  from bench.eagle_draft import block_draft_phase, draft_phase  # noqa: PLC0415
+
+  timing = dict(p0=p, cache_len=cache_len, target_s=args.target_ms / 1e3, repeats=args.step_repeats)
+  head_s = None
+  if eagle is not None and not budget.over(f"head call kernels={kernels}"):
+    try:
+      head_s = draft_phase(eagle, b=1, k=1, mode="greedy", **timing)["per_iter_s"]
+    except Exception as e:  # noqa: BLE001 - record and go on
+      error(report, f"head call kernels={kernels}", e)
+  for k in args.block_ks:
+    if budget.over(f"block phase kernels={kernels} K={k}"):
+      continue
+    try:
+      r = block_draft_phase(block, b=1, k=k, **timing)
+    except Exception as e:  # noqa: BLE001 - record and go on
+      error(report, f"block phase kernels={kernels} K={k}", e)
+      continue
+    s = r["per_iter_s"]
+    row = {
+      "kernels": kernels,
+      "K": k,
+      "ms": s * 1e3,
+      "over_step": s / t_step,
+      "head_call_ms": None if head_s is None else head_s * 1e3,
+      "over_head_call": None if head_s is None else s / head_s,
+      "head_call": "the EAGLE head's greedy draft phase of a K=1 chain (one call on 2 entries, then the argmax)",
+      "scale": r["scale"],
+      "compile_s": r["compile_s"],
+    }
+    upsert(report.setdefault("block_phase", []), row, ("kernels", "K"))
+    print(
+      f"block phase kernels={kernels:<6} K={k:<3} {row['ms']:8.3f} ms  x{row['over_step']:.2f} of a step  "
+      + (
+        "(no EAGLE head call to compare)"
+        if head_s is None
+        else f"x{row['over_head_call']:.2f} of a head call ({row['head_call_ms']:.3f} ms)"
+      ),
+      flush=True,
+    )
+    save()
+
+
 # ----------------------------------------------------------------------------
 # Generate section
 # ----------------------------------------------------------------------------
@@ -283,6 +336,9 @@ def configurations(args, has_eagle: bool, has_block: bool = False) -> list[dict]
   out = [{"config": "plain", "drafter": "plain", "K": None, "tree": None}]
   if has_block:
     out += [{"config": f"block K={k}", "drafter": "block", "K": k, "tree": None} for k in args.block_ks]
+    out += [
+      {"config": f"block {t}", "drafter": "block", "K": bs.parse_tree(t).depth, "tree": t} for t in args.block_trees
+    ]
   out += [{"config": f"lookup K={k}", "drafter": "lookup", "K": k, "tree": None} for k in args.ks]
   if has_eagle:
     out += [{"config": f"eagle K={k}", "drafter": "eagle", "K": k, "tree": None} for k in args.eagle_ks]
@@ -465,7 +521,7 @@ def finish(report) -> None:
 def predicted_speedup(r, report, n_prefills: int):
   """Mean accepted length / (verification of N+1 tokens + the draft phase), both in target steps (the step
   section's figures, interpolated in T; prompt lookup's draft cost taken as 0): the speed-up over plain decoding
-  of the same kernels that the component costs predict. None where a cost is missing (an EAGLE tree's draft
+  of the same kernels that the component costs predict. None where a cost is missing (a tree's draft
   phase is not timed; the step section times B=1 only, so rows of a larger batch) or for plain rows."""
   mal = r.get("mean_accepted_length")
   rounds = r.get("target_calls", 0) - n_prefills  # each row's prefill is a target call too
@@ -477,8 +533,9 @@ def predicted_speedup(r, report, n_prefills: int):
     return None
   verify = float(np.interp(t, [a for a, _ in steps], [b for _, b in steps]))
   draft = 0.0
-  if r["drafter"] == "eagle":
-    phases = {d["K"]: d["over_step"] for d in report.get("draft_phase", []) if d["kernels"] == r["kernels"]}
+  if r["drafter"] in ("eagle", "block"):
+    section = "draft_phase" if r["drafter"] == "eagle" else "block_phase"
+    phases = {d["K"]: d["over_step"] for d in report.get(section, []) if d["kernels"] == r["kernels"]}
     if r.get("tree") or r["K"] not in phases:
       return None
     draft = phases[r["K"]]
@@ -613,6 +670,11 @@ def parse_args(argv=None):
   ap.add_argument("--block", default="", help="a block drafter's file (the coder; chains at --block-ks)")
   ap.add_argument("--block-ks", type=ints, help="block drafter chain K (default 8)")
   ap.add_argument("--trees", type=strs, help="EAGLE trees, branching factors joined by x (default 3x2x1)")
+  ap.add_argument(
+    "--block-trees",
+    type=strs,
+    help="block drafter trees, as --trees (2x2x1x1, d5x4x15; K = the depth; default none; needs --block)",
+  )
   ap.add_argument("--repeats", type=int, help="timed sweeps per configuration, median (default 3; quick 1)")
   ap.add_argument("--step-ts", type=ints, help="verification T of the step section (default 3,5,8,16; quick 3)")
   ap.add_argument("--step-prompt-len", type=int, help="P of the step section (default 256; quick 32)")
@@ -639,6 +701,7 @@ def parse_args(argv=None):
     eagle_ks=(2,),
     block_ks=(8,),
     trees=("3x2x1",),
+    block_trees=(),
     repeats=1 if q else 3,
     step_ts=(3,) if q else (3, 5, 8, 16),
     step_prompt_len=32 if q else 256,
@@ -657,8 +720,12 @@ def parse_args(argv=None):
     bad = [v for v in values if v not in allowed]
     if bad or not values:
       ap.error(f"{flag}: unknown {bad}; choose from {allowed}")
-  for t in args.trees:
-    bs.parse_tree(t)  # fails early on a bad name
+  for flag, names in (("--trees", args.trees), ("--block-trees", args.block_trees)):
+    for t in names:
+      try:
+        bs.parse_tree(t)  # fails early on a bad name, before any weight is read
+      except (ValueError, TypeError) as e:
+        ap.error(f"{flag}: bad tree {t!r} ({e}); e.g. 3x2x1, 2x2x1x1:iid, d5x4x15 or d3x4x36:sampled")
   if args.batch_size < 1:
     ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
   if "mixed" in args.modes and args.batch_size < 2:
@@ -757,7 +824,7 @@ def main(argv=None):
       ]
       print(f"prompts {prompts['names']}, lengths {lengths.tolist()}, padded to P={tokens.shape[1]}", flush=True)
     if "step" in args.sections:
-      step_section(model, kernels, args, bandwidth, report, save, budget, eagle)
+      step_section(model, kernels, args, bandwidth, report, save, budget, eagle, block)
     if "generate" in args.sections:
       generate_section(model, eagle, kernels, spec, args, prompts, report, save, budget, block)
     del model, eagle, block

@@ -235,9 +235,22 @@ def test_several_blocks_in_one_training_call_equal_one_block_a_call():
   [
     (["--model", "smollm2", "--block", __file__], "--block: block drafters load for --model qwen2.5-coder-1.5b"),
     (["--model", "qwen2.5-coder-1.5b", "--block", "/nonexistent.safetensors"], "--block /nonexistent.safetensors"),
+    (
+      ["--model", "qwen2.5-coder-1.5b", "--block", __file__, "--block-trees", "2x2,2xq"],
+      "--block-trees: bad tree '2xq'",
+    ),
+    (["--model", "qwen2.5-coder-1.5b", "--block", __file__, "--block-trees", "d5x4"], "--block-trees: bad tree 'd5x4'"),
   ],
 )
 def test_the_real_target_bench_refuses_a_bad_block_flag_before_loading(capsys, monkeypatch, argv, message):
+  bench = _real_target_bench(monkeypatch)
+  with pytest.raises(SystemExit) as e:
+    bench.parse_args([*argv, "--quick", "--out", "/nonexistent"])
+  assert e.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _real_target_bench(monkeypatch):
+  """bench/real_target.py as a module (bench/ is no package of the library)."""
   import importlib.util
   import pathlib
   import sys
@@ -247,6 +260,40 @@ def test_the_real_target_bench_refuses_a_bad_block_flag_before_loading(capsys, m
   bench = importlib.util.module_from_spec(spec)
   monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
   spec.loader.exec_module(bench)
-  with pytest.raises(SystemExit) as e:
-    bench.parse_args([*argv, "--quick", "--out", "/nonexistent"])
-  assert e.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+  return bench
+
+
+def test_the_real_target_bench_runs_block_trees_and_times_the_block_draft_phase(monkeypatch):
+  """--block-trees rows run like the EAGLE tree rows (greedy: plain's tokens), and the step section's block phase
+  rows give the drafter's call in target steps and in EAGLE head calls, with the tiny target in place of the
+  coder (whose weights a CPU test does not load)."""
+  import types
+
+  from bench import decode as bd
+
+  bench = _real_target_bench(monkeypatch)
+  args = bench.parse_args(
+    ["--model", "qwen2.5-coder-1.5b", "--block", __file__, "--block-ks", "3", "--block-trees", "2x1,d2x2x3"]
+    + ["--ks", "", "--quick", "--max-new-tokens", "8", "--target-ms", "2", "--step-repeats", "1", "--out", "/x"]
+  )
+  assert args.block_trees == ("2x1", "d2x2x3")
+  target, untrained, trained = _models()
+  eagle = EagleDrafter.for_target(target, rngs=nnx.Rngs(4))
+  report = {"step": [], "generate": [], "errors": []}
+  budget = bd.Budget(0)
+  bench.block_phase_rows(trained, eagle, "xla", args, 6, 32, 1e-3, report, lambda: None, budget)
+  (phase,) = report["block_phase"]
+  assert phase["K"] == 3 and phase["ms"] > 0 and phase["over_head_call"] > 0, phase
+  assert phase["over_step"] == pytest.approx(phase["ms"])  # t_step 1 ms
+
+  prompts, lengths = make_prompts(2, V, [5, 3], 5)
+  tokenizer = types.SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)))
+  data = {"names": ["a", "b"], "tokens": np.asarray(prompts), "lengths": np.asarray(lengths), "tokenizer": tokenizer}
+  spec = types.SimpleNamespace(eos_ids=(0,))
+  bench.generate_mode(target, None, "xla", spec, args, data, report, lambda: None, budget, "greedy", untrained)
+  rows = {r["config"]: r for r in report["generate"]}
+  assert list(rows) == ["plain", "block K=3", "block 2x1", "block d2x2x3"], list(rows)
+  for name in ("block 2x1", "block d2x2x3"):
+    assert rows[name]["drafter"] == "block" and rows[name]["K"] == 2, rows[name]
+    assert rows[name]["divergence"]["identical"], rows[name]["divergence"]
+  assert not report["errors"], report["errors"]
