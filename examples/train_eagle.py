@@ -484,6 +484,19 @@ def target_prompts(spec: Target, args, tokenizer, target) -> tuple[list[str], li
 BUCKET_WIDTHS = (96, 192, 384, 768)
 
 
+def block_target_logits(logits: jax.Array, ends: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The target's logits of each block's k drafts: (float [B, NB, k, V], their positions int32 [B, NB, k]).
+
+  Block c's draft j is the token at c+1+j, whose law is the target's logits at position c+j. A block near the
+  sequence's end reaches past it; the caller masks those positions, and the gather is clamped to the last
+  position because an out-of-bounds gather fills with NaN, which a zero weight does not cancel.
+  """
+  at = ends[:, :, None] + jnp.arange(k, dtype=ends.dtype)[None, None, :]
+  inside = jnp.minimum(at, logits.shape[1] - 1).reshape(at.shape[0], -1)
+  t_all = jnp.take_along_axis(logits, inside[..., None], axis=1)
+  return t_all.reshape(at.shape + logits.shape[-1:]), at
+
+
 def generation_batches(p_lens, samples, *, prompt_len, batch_size, prefill_tokens, done=None):
   """The continuations (prompt index, temperature) in batches: (first job index, job indices, width, batch size).
 
@@ -1043,12 +1056,10 @@ def main(argv=None):
 
   def positions(drafter, logits, features, batch, p_len, length, ends):
     """Per trained position: (drafter logits [..., Vd], the target's logits of the same token [..., V], mask)."""
-    b = batch.shape[0]
     if ends is not None:
       # Block c's draft j is the token at c+1+j; the target's law of it is its logits at position c+j.
       q_all = drafter.block_logits(batch[:, 1:], features[:, :-1], ends, depth, draft_vocab=True)  # [B, NB, K, Vd]
-      at = ends[:, :, None] + jnp.arange(depth)[None, None, :]
-      t_all = jnp.take_along_axis(logits, at.reshape(b, -1)[..., None], axis=1).reshape(at.shape + logits.shape[-1:])
+      t_all, at = block_target_logits(logits, ends, depth)
       ok = (at + 1 >= p_len[:, None, None]) & (at + 1 < length[:, None, None])
       return [(q_all[:, :, j], t_all[:, :, j], ok[:, :, j]) for j in range(depth)]
     # Entry p reads (f_p, x_{p+1}) and predicts x_{p+2}, whose target distribution is logits[p+1].
@@ -1072,8 +1083,7 @@ def main(argv=None):
           jnp.argmax(t_logits, axis=-1),
         )
       t_p, t_full_p, t_top = target_laws[id(t_logits)]
-      mask = valid.astype(jnp.float32)
-      n = jnp.maximum(jnp.sum(mask), 1.0)
+      n = jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
       q_logp = jax.nn.log_softmax(q_logits, axis=-1)
       ce = -jnp.sum(t_p * q_logp, axis=-1)
       overlap = jnp.sum(jnp.minimum(t_full_p, jnp.exp(q_logp)), axis=-1)
@@ -1083,9 +1093,9 @@ def main(argv=None):
         ce_top = -jnp.take_along_axis(q_logp, jnp.maximum(pos_top, 0)[..., None], axis=-1)[..., 0]
         loss = loss + args.top1_weight * jnp.where(pos_top >= 0, ce_top, 0.0)
       top1 = (vocab_ids[jnp.argmax(q_logits, axis=-1)] == t_top).astype(jnp.float32)
-      out.append(
-        (jnp.sum(loss * mask) / n, jnp.sum(top1 * mask) / n, jnp.sum(overlap * mask) / n, jnp.sum(ce * mask) / n)
-      )
+      # where, not a product: one non-finite value at a masked position must not reach the sums or gradients.
+      masked_mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / n  # noqa: E731
+      out.append((masked_mean(loss), masked_mean(top1), masked_mean(overlap), masked_mean(ce)))
     return out
 
   @nnx.jit
@@ -1167,6 +1177,8 @@ def main(argv=None):
     )
     if step % 50 == 0 or step == args.steps - 1:
       top1 = [round(float(d[1]), 3) for d in per_depth]
+      if not math.isfinite(float(loss)):  # stop before minutes of NaN steps and a checkpoint that cannot be saved
+        raise SystemExit(f"training diverged: loss {float(loss)} at step {step}")
       history.append({"step": step, "loss": round(float(loss), 4), "top1": top1})
       bar.set_postfix(loss=f"{float(loss):.3f}", top1_d0=top1[0], top1_last=top1[-1])
     if args.stop_at_step and step + 1 >= args.stop_at_step:

@@ -234,3 +234,23 @@ def test_coder_prompts_are_deterministic_and_leave_the_benchmark_out(train, monk
   monkeypatch.setattr(coder, "EVERYDAY_TEMPLATES", ["{t}"])
   texts = [p for _, p in coder.coder_prompts(chat, seed=0, max_functions=5)]
   assert chat("tea") in texts and chat(question) not in texts
+
+
+def test_block_targets_near_the_sequence_end_are_finite_and_in_place(train):
+  """A block whose drafts reach past the padded sequence (training draws its ends anywhere in the generated
+  text) gathers finite logits there, to be masked: an out-of-bounds gather fills with NaN, which turned the
+  first real run's loss into NaN. Inside the sequence each draft reads the target's logits at c+j."""
+  import jax.numpy as jnp
+
+  s, v, k = 10, 7, 4
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, s, v)), jnp.float32)
+  ends = jnp.asarray([[2, 8], [9, 5]], jnp.int32)  # 8+3 and 9+1.. reach past position s-1 = 9
+  t_all, at = train.block_target_logits(logits, ends, k)
+  assert t_all.shape == (2, 2, k, v) and at.shape == (2, 2, k)
+  assert np.isfinite(np.asarray(t_all)).all()
+  for b in range(2):
+    for n in range(2):
+      for j in range(k):
+        assert int(at[b, n, j]) == int(ends[b, n]) + j
+        if at[b, n, j] < s:
+          assert np.array_equal(np.asarray(t_all[b, n, j]), np.asarray(logits[b, int(at[b, n, j])]))
