@@ -62,7 +62,8 @@ sections) can run in separate commands. A device call empties $OUT before its co
 
 Writes OUT/real_target.json (every number, prompts and their ids, device, versions, date, command
 lines), OUT/real_target_tokens.png (tokens/s per configuration and kernels value) and
-OUT/real_target_step.png (ms per call against T, with the floor).
+OUT/real_target_step.png (ms per call against T, with the floor) and OUT/real_target_acceptance.png
+(acceptance by draft position of each speculative row).
 """
 
 from __future__ import annotations
@@ -614,6 +615,33 @@ def plot_tokens(report, path, title):
   return path
 
 
+def plot_acceptance(report, path, title):
+  """Acceptance by draft position (accepted / reached) of every speculative row, one panel per mode."""
+  rows = [r for r in report["generate"] if r.get("acceptance_per_position")]
+  plt = _pyplot() if rows else None
+  if plt is None:
+    return None
+  modes = list(dict.fromkeys(r.get("mode", "greedy") for r in rows))
+  fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4), squeeze=False)
+  for ax, mode in zip(axes[0], modes):
+    for r in (r for r in rows if r.get("mode", "greedy") == mode):
+      reached = np.asarray(r["reached_per_position"])
+      shown = np.flatnonzero(reached >= 10)  # positions a row reached at least 10 times
+      if shown.size:
+        ys = np.asarray(r["acceptance_per_position"])[shown]
+        ax.plot(shown + 1, ys, marker="o", label=f"{r['config']} ({r['kernels']}, len {r['mean_accepted_length']:.2f})")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / reached")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{mode}: {title}", fontsize=8)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
 def plot_step(report, path, title):
   """ms per call against T, one line per kernels value, the floor dashed."""
   rows = report["step"]
@@ -836,6 +864,7 @@ def main(argv=None):
   pngs = [
     plot_tokens(report, os.path.join(args.out, "real_target_tokens.png"), title),
     plot_step(report, os.path.join(args.out, "real_target_step.png"), title),
+    plot_acceptance(report, os.path.join(args.out, "real_target_acceptance.png"), title),
   ]
   if report["step"]:
     bd.print_table(
