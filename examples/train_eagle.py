@@ -484,6 +484,17 @@ def target_prompts(spec: Target, args, tokenizer, target) -> tuple[list[str], li
 BUCKET_WIDTHS = (96, 192, 384, 768)
 
 
+def loss_weights(depth: int, decay: float) -> list[float]:
+  """The weights of the depths' (or block positions') losses, summing to 1: exp(-j / decay), or equal for 0.
+
+  Example:
+    >>> [round(w, 3) for w in loss_weights(3, 0.0)], [round(w, 3) for w in loss_weights(3, 1.0)]
+    ([0.333, 0.333, 0.333], [0.665, 0.245, 0.09])
+  """
+  raw = [math.exp(-j / decay) if decay > 0 else 1.0 for j in range(depth)]
+  return [w / sum(raw) for w in raw]
+
+
 def block_target_logits(logits: jax.Array, ends: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The target's logits of each block's k drafts: (float [B, NB, k, V], their positions int32 [B, NB, k]).
 
@@ -869,6 +880,13 @@ def parse_args(argv):
     "vocabulary has it) to each depth's loss: greedy rows accept only the argmax (default 0)",
   )
   ap.add_argument(
+    "--position-decay",
+    type=float,
+    default=0.0,
+    help="weight depth (or block position) j's loss by exp(-j / G), G this value, so the early drafts, which "
+    "every accepted run passes through, count most (default 0: equal weights)",
+  )
+  ap.add_argument(
     "--more-questions",
     action="store_true",
     help="qwen: append general-knowledge questions (coder_prompts.general_questions) to the prompts; data made "
@@ -912,6 +930,8 @@ def parse_args(argv):
     ap.error(f"--b1 must be in [0, 1), got {args.b1}")
   if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
     ap.error(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+  if not (math.isfinite(args.position_decay) and args.position_decay >= 0):
+    ap.error(f"--position-decay must be a finite number >= 0, got {args.position_decay}")
   if not (math.isfinite(args.top1_weight) and args.top1_weight >= 0):
     ap.error(f"--top1-weight must be a finite number >= 0, got {args.top1_weight}")
   if args.init and not os.path.isfile(args.init):
@@ -1029,6 +1049,7 @@ def main(argv=None):
     drafter = BlockDrafter(drafter, block_size=args.block_size, rngs=nnx.Rngs(args.seed + 1))
   # The positions reported and trained: the unrolled depths of the head, or the block's K drafts.
   depth = args.block_size if block else args.depth
+  position_weights = loss_weights(depth, args.position_decay)
 
   def block_ends(p_len, length, rng):
     """int32 [B, blocks]: context ends c whose first draft (position c+1) is generated text."""
@@ -1102,7 +1123,7 @@ def main(argv=None):
   def train_step(drafter, optimizer, t_state, batch, p_len, length, ends):
     def loss_fn(drafter):
       per_depth = losses(drafter, t_state, batch, p_len, length, ends)
-      return sum(d[0] for d in per_depth) / depth, per_depth
+      return sum(w * d[0] for w, d in zip(position_weights, per_depth)), per_depth
 
     (loss, per_depth), grads = nnx.value_and_grad(loss_fn, has_aux=True)(drafter)
     optimizer.update(drafter, grads)
@@ -1229,6 +1250,7 @@ def main(argv=None):
     "weight_decay": args.weight_decay,
     "loss": args.loss,
     "top1_weight": args.top1_weight,
+    "position_decay": args.position_decay,
     "init": args.init or None,
     "prompts": num_prompts,
     "continuations": int(len(tokens)),

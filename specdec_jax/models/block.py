@@ -10,8 +10,8 @@ placeholders before it:
     entry:      ...  (f, x)     (f, x)     []      []     ...  []          [] = placeholder (learned hidden)
     predicts:                   d_1        d_2     d_3         d_K
 
-A placeholder's input is a learned hidden (`mask_hidden`) and token 0; only its position (RoPE) and what it sees
-tell one from another. Because no placeholder sees a drafted token, draft i's law is fixed before any draft is
+A placeholder's input is a learned hidden of its offset in the block (`mask_hidden[j]` for the j-th placeholder)
+and token 0: one shared hidden left a one-block drafter to tell the offsets apart by RoPE alone. Because no placeholder sees a drafted token, draft i's law is fixed before any draft is
 drawn: the loop draws each draft from its position's logits and hands that law to the verifier as q, which keeps
 speculative decoding lossless for sampled drafts as for an autoregressive drafter.
 
@@ -67,8 +67,10 @@ class BlockDrafter(nnx.Module):
     self.backbone = backbone
     self.block_size = block_size
     c = backbone.config.layers
-    # Small, like a fused feature after its projection: a placeholder starts as "no information" to refine.
-    self.mask_hidden = nnx.Param((0.02 * jax.random.normal(rngs.params(), (c.d_model,), jnp.float32)).astype(c.dtype))
+    # One hidden per placeholder offset, small like a fused feature after its projection: a placeholder starts
+    # as "no information" to refine.
+    m = max(block_size - 1, 1)
+    self.mask_hidden = nnx.Param((0.02 * jax.random.normal(rngs.params(), (m, c.d_model), jnp.float32)).astype(c.dtype))
 
   @classmethod
   def for_target(
@@ -139,6 +141,7 @@ class BlockDrafter(nnx.Module):
     cache: KVCache,
     *,
     placeholders: jax.Array | None = None,  # bool [B, T]
+    placeholder_offsets: jax.Array | None = None,  # int32 [B, T]
     logits_at: jax.Array | None = None,  # int32 [B] or [B, N]
     cache_slots: jax.Array | None = None,  # int32 [B, T]
     attention_mask: jax.Array | None = None,  # bool [B, T, S]
@@ -151,8 +154,11 @@ class BlockDrafter(nnx.Module):
       hidden: [B, T, D], `fuse(features)` of verified entries (ignored at placeholders).
       positions: int [B, T]; a query sees the slots at or below its position (`Transformer`'s rules).
       cache: the backbone's `KVCache`.
-      placeholders: bool [B, T], True where the entry is a placeholder (the learned hidden and token 0);
-        None: none.
+      placeholders: bool [B, T], True where the entry is a placeholder (the learned hidden of its offset and
+        token 0); None: none.
+      placeholder_offsets: int [B, T], each placeholder's offset j in its block (it reads `mask_hidden[j]`,
+        the last row for j beyond it); None: its index in its run of consecutive placeholders (one block a row,
+        as the loop lays them out).
       logits_at: as for `EagleDrafter`: None (every entry), int [B] (one entry a row) or int [B, N].
       cache_slots, attention_mask: as for `EagleDrafter` (where each entry writes, which slots it sees);
         `block_logits` uses them to hold several blocks in one call.
@@ -168,7 +174,13 @@ class BlockDrafter(nnx.Module):
     if placeholders is not None:
       if placeholders.shape != tokens.shape:
         raise ValueError(f"placeholders must have the shape of tokens {tokens.shape}, got {placeholders.shape}.")
-      hidden = jnp.where(placeholders[..., None], self.mask_hidden[...].astype(hidden.dtype), hidden)
+      if placeholder_offsets is None:
+        idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        last_entry = jax.lax.cummax(jnp.where(placeholders, -1, idx), axis=1)  # the run's verified entry before it
+        placeholder_offsets = idx - last_entry - 1
+      table = self.mask_hidden[...]
+      rows = jnp.clip(placeholder_offsets, 0, table.shape[0] - 1)
+      hidden = jnp.where(placeholders[..., None], table[rows].astype(hidden.dtype), hidden)
       tokens = jnp.where(placeholders, 0, tokens)
     return self.backbone(
       tokens,
@@ -234,6 +246,8 @@ class BlockDrafter(nnx.Module):
     tokens = jnp.concatenate([next_tokens, jnp.zeros((b, nb * m), jnp.int32)], axis=1)
     hidden = jnp.concatenate([hidden, jnp.zeros((b, nb * m, hidden.shape[-1]), hidden.dtype)], axis=1)
     placeholders = jnp.concatenate([jnp.zeros((b, t), bool), jnp.ones((b, nb * m), bool)], axis=1)
+    offsets = jnp.concatenate([jnp.zeros((t,), jnp.int32), jnp.tile(j, nb)])  # blocks sit back to back
+    offsets = jnp.broadcast_to(offsets, (b, s))
     first = (ends - 1)[:, :, None]  # the context's last entry gives the first draft
     rest = t + (jnp.arange(nb, dtype=jnp.int32) * m)[None, :, None] + j[None, None, :]
     at = jnp.concatenate([first, jnp.broadcast_to(rest, (b, nb, m))], axis=2).reshape(b, nb * k)
@@ -243,6 +257,7 @@ class BlockDrafter(nnx.Module):
       positions,
       self.init_cache(b, s),
       placeholders=placeholders,
+      placeholder_offsets=offsets,
       logits_at=at,
       cache_slots=jnp.broadcast_to(slot, (b, s)),
       attention_mask=mask,

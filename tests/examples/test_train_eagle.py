@@ -104,6 +104,8 @@ def test_bad_arguments_are_refused_before_loading(train):
     ["--kind-weights", "question"],
     ["--kind-weights", "question=0"],
     ["--kind-weights", "=2"],
+    ["--position-decay", "-1"],
+    ["--position-decay", "nan"],
   ):
     with pytest.raises(SystemExit):
       train.parse_args(argv)
@@ -254,3 +256,11 @@ def test_block_targets_near_the_sequence_end_are_finite_and_in_place(train):
         assert int(at[b, n, j]) == int(ends[b, n]) + j
         if at[b, n, j] < s:
           assert np.array_equal(np.asarray(t_all[b, n, j]), np.asarray(logits[b, int(at[b, n, j])]))
+
+
+def test_position_weights_sum_to_one_and_decay_by_position(train):
+  """--position-decay G: depth j's loss weighs exp(-j / G), normalised; 0 gives every depth the same weight."""
+  assert train.loss_weights(4, 0.0) == [0.25] * 4
+  w = train.loss_weights(8, 3.0)
+  assert abs(sum(w) - 1.0) < 1e-12 and all(a > b for a, b in zip(w, w[1:]))
+  np.testing.assert_allclose([b / a for a, b in zip(w, w[1:])], np.exp(-1 / 3.0))

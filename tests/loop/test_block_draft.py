@@ -201,6 +201,31 @@ def test_constrained_greedy_block_drafter_equals_constrained_generate():
     assert host_walk(grammar, list(row[:n]), ())[0], row[:n]
 
 
+def test_each_placeholder_reads_the_hidden_of_its_offset():
+  """Placeholder j reads `mask_hidden[j]`: changing row j moves the logits of drafts j+2 onward (placeholder j
+  and those after it, which see it) and leaves the drafts before them, so offsets are told apart by their
+  input and not by RoPE alone. The loop's layout (offsets from the run) and explicit offsets agree."""
+  target, untrained, _ = _models()
+  seqs = jnp.asarray(np.random.default_rng(1).integers(0, V, (2, 10)), jnp.int32)
+  s = seqs.shape[1]
+  _, feats, _ = target(seqs, jnp.broadcast_to(jnp.arange(s), (2, s)), target.init_cache(2, s), return_features=True)
+  ends = jnp.asarray([4, 6], jnp.int32)
+  before = np.asarray(untrained.block_logits(seqs[:, 1:], feats[:, :-1], ends, 4))  # [B, 4, V]
+  drafter = nnx.clone(untrained)
+  drafter.mask_hidden[1] = drafter.mask_hidden[1] + 0.5
+  after = np.asarray(drafter.block_logits(seqs[:, 1:], feats[:, :-1], ends, 4))
+  np.testing.assert_array_equal(after[:, :2], before[:, :2])  # the context's draft and placeholder 0's
+  assert np.all(np.abs(after[:, 2:] - before[:, 2:]).max(axis=-1) > 1e-4)
+  t = s - 1
+  pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+  ph = pos >= ends[:, None]
+
+  def call(**kw):
+    return drafter(seqs[:, 1:], drafter.fuse(feats[:, :-1]), pos, drafter.init_cache(2, t), placeholders=ph, **kw)[0]
+
+  np.testing.assert_array_equal(np.asarray(call()), np.asarray(call(placeholder_offsets=pos - ends[:, None])))
+
+
 def test_several_blocks_in_one_training_call_equal_one_block_a_call():
   """`block_logits` with several blocks a row (one call: shared context, each block's placeholders masked from
   the others) gives each block's logits as a call with that block alone (a contiguous, causal call like the

@@ -169,7 +169,8 @@ def test_a_block_drafter_round_trips_through_its_file(tmp_path, storage):
 
   target, head = _head()
   drafter = BlockDrafter(head, block_size=3, rngs=nnx.Rngs(5))
-  drafter.mask_hidden[...] = jnp.linspace(-1.0, 1.0, drafter.mask_hidden.shape[0]).astype(drafter.mask_hidden.dtype)
+  shape = drafter.mask_hidden.shape  # [block_size - 1, D]: one hidden per offset
+  drafter.mask_hidden[...] = jnp.linspace(-1.0, 1.0, np.prod(shape)).reshape(shape).astype(drafter.mask_hidden.dtype)
   path = str(tmp_path / "block.safetensors")
   eagle_files.save_block_drafter(drafter, path, target="tiny.gguf", metadata={"steps": 3}, storage_dtype=storage)
   meta = json.load(open(tmp_path / "block.json"))
@@ -188,11 +189,39 @@ def test_a_block_drafter_round_trips_through_its_file(tmp_path, storage):
   np.testing.assert_allclose(got[finite], want[finite], atol=0.05 if storage == "int8" else 0.01)
   # An EAGLE head's file is not a block drafter's, and the other way round: refused before the target is read.
   eagle_files.save_eagle_head(head, str(tmp_path / "head.safetensors"), target="tiny.gguf")
-  with pytest.raises(ValueError, match="expected 'specdec_jax.block_drafter.v1'"):
+  with pytest.raises(ValueError, match="expected 'specdec_jax.block_drafter.v1' or 'specdec_jax.block_drafter.v2'"):
     eagle_files.read_block_drafter(str(tmp_path / "head.safetensors"), _source(target, calls), name="x", remedy="")
   with pytest.raises(ValueError, match="expected 'specdec_jax.eagle.v1'"):
     eagle_files.read_eagle_head(path, _source(target, calls), name="x", remedy="")
   assert calls == [1]
+
+
+def test_a_first_format_block_drafter_reads_with_its_one_hidden_at_every_offset(tmp_path):
+  """A v1 file (one placeholder hidden [D]) reads as a drafter whose offsets all hold it: the drafter it was;
+  a hidden of another shape, or a bad block_size (refused before the target is read), is a clear error."""
+  safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+  from specdec_jax.models import BlockDrafter
+
+  target, head = _head()
+  drafter = BlockDrafter(head, block_size=4, rngs=nnx.Rngs(5))
+  path = str(tmp_path / "block.safetensors")
+  eagle_files.save_block_drafter(drafter, path, target="tiny.gguf", storage_dtype="float32")
+  weights, meta = safetensors_numpy.load_file(path), json.load(open(tmp_path / "block.json"))
+  one = np.linspace(-1.0, 1.0, weights["block.mask_hidden"].shape[1]).astype(np.float32)
+  safetensors_numpy.save_file({**weights, "block.mask_hidden": one}, path)
+  json.dump({**meta, "format": "specdec_jax.block_drafter.v1"}, open(tmp_path / "block.json", "w"))
+  calls = []
+  read = eagle_files.read_block_drafter(path, _source(target, calls), name="v1 drafter", remedy="")
+  np.testing.assert_array_equal(np.asarray(read.mask_hidden[...]), np.broadcast_to(one, (3, one.shape[0])))
+  # The same [D] tensor in a v2 file is damaged: v2 holds one hidden per offset.
+  json.dump({**meta}, open(tmp_path / "block.json", "w"))
+  with pytest.raises(ValueError, match=r"block.mask_hidden \[\d+\], expected \[3, \d+\]"):
+    eagle_files.read_block_drafter(path, _source(target, calls), name="v2 drafter", remedy="")
+  json.dump({**meta, "block_size": 0}, open(tmp_path / "block.json", "w"))
+  with pytest.raises(ValueError, match="block_size 0"):
+    eagle_files.read_block_drafter(path, _source(target, calls), name="bad", remedy="")
+  assert calls == [1, 1]  # the bad block_size was refused before the target was read
 
 
 def test_the_coder_block_drafter_loader_names_the_missing_file_before_reading_the_target(tmp_path):

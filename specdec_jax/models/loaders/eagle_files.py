@@ -13,7 +13,9 @@ column (`s = max |w| / 127` over the input axis, key "NAME.scale"); vectors
 agreement is measured by the trainer (examples/train_eagle.py reports both).
 
 A block drafter's file (`save_block_drafter`, `read_block_drafter`) is its backbone's head file with format
-`BLOCK_FORMAT`, its placeholder hidden as "block.mask_hidden" (float32) and `block_size` in the JSON.
+`BLOCK_FORMAT`, its placeholder hiddens as "block.mask_hidden" (float32 [block_size - 1, D], one per offset in
+the block) and `block_size` in the JSON. Files of the first format (`specdec_jax.block_drafter.v1`, one hidden
+[D] shared by every offset) still read, as a drafter whose offsets all hold that hidden.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from specdec_jax.models.loaders.common import (
 )
 
 EAGLE_FORMAT = "specdec_jax.eagle.v1"
-BLOCK_FORMAT = "specdec_jax.block_drafter.v1"  # an EAGLE head's file, plus "block.mask_hidden" and "block_size"
+BLOCK_FORMAT = "specdec_jax.block_drafter.v2"  # an EAGLE head's file, plus "block.mask_hidden" and "block_size"
+_BLOCK_FORMATS_READ = ("specdec_jax.block_drafter.v1", BLOCK_FORMAT)  # v1: one placeholder hidden [D]
 _MASK_HIDDEN = "block.mask_hidden"
 STORAGE_DTYPES = ("float16", "float32", "int8")
 _SCALE = ".scale"
@@ -100,8 +103,8 @@ def save_block_drafter(
   metadata: Mapping[str, Any] | None = None,
   storage_dtype: str = "float16",
 ) -> None:
-  """Writes a `BlockDrafter` as `save_eagle_head` writes its backbone, plus its placeholder hidden (float32)
-  and `block_size` (format `BLOCK_FORMAT`).
+  """Writes a `BlockDrafter` as `save_eagle_head` writes its backbone, plus its placeholder hiddens (float32
+  [block_size - 1, D]) and `block_size` (format `BLOCK_FORMAT`).
 
   Args:
     drafter: a `BlockDrafter`.
@@ -218,28 +221,43 @@ def read_block_drafter(
   Example:
     >>> drafter = read_block_drafter(p, lambda: (cfg, e, e), name="my block drafter", remedy="")  # doctest: +SKIP
   """
-  backbone, meta, weights = _read(path, target, name=name, remedy=remedy, fmt=BLOCK_FORMAT)
-  mask_hidden = weights.get(_MASK_HIDDEN)
-  d = backbone.config.layers.d_model
-  if mask_hidden is None or mask_hidden.shape != (d,) or not isinstance(meta.get("block_size"), int):
-    raise damaged_file_error(
-      path, f"{name} weights", ValueError(f"no {_MASK_HIDDEN} [{d}] or no int block_size in the JSON"), remedy
-    )
+
+  def check(meta):  # before the target is read
+    size = meta.get("block_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+      raise damaged_file_error(json_beside(path), f"{name} config (JSON)", ValueError(f"block_size {size!r}"), remedy)
+
+  backbone, meta, weights = _read(path, target, name=name, remedy=remedy, fmt=_BLOCK_FORMATS_READ, check=check)
   drafter = BlockDrafter(backbone, block_size=meta["block_size"], rngs=nnx.Rngs(0))
+  mask_hidden = weights.get(_MASK_HIDDEN)
+  want = drafter.mask_hidden.shape
+  if mask_hidden is not None and meta["format"] != BLOCK_FORMAT and mask_hidden.shape == want[1:]:
+    mask_hidden = np.broadcast_to(mask_hidden, want)  # v1: the one hidden at every offset
+  if mask_hidden is None or mask_hidden.shape != want:
+    got = None if mask_hidden is None else list(mask_hidden.shape)
+    raise damaged_file_error(
+      path, f"{name} weights", ValueError(f"{_MASK_HIDDEN} {got}, expected {list(want)}"), remedy
+    )
   drafter.mask_hidden[...] = jnp.asarray(mask_hidden, backbone.config.layers.dtype)
   return drafter
 
 
-def _read(path, target, *, name, remedy, fmt) -> tuple[EagleDrafter, dict, dict]:
-  """(the head, its JSON, its dequantized weights): the files checked before `target()` reads the target."""
+def _read(path, target, *, name, remedy, fmt, check=None) -> tuple[EagleDrafter, dict, dict]:
+  """(the head, its JSON, its dequantized weights): the files (and `check(meta)`, if given) checked before
+  `target()` reads the target. fmt: the format, or a tuple of the formats accepted."""
   json_path = json_beside(path)
   for required in (path, json_path):
     if not os.path.isfile(required):
       raise FileNotFoundError(f"{name} not found: no such file: {required}. {remedy}")
   what = f"{name} config (JSON)"
   meta = read_json(json_path, what, remedy)
-  if meta.get("format") != fmt:
-    raise ValueError(f"{json_path}: format {meta.get('format')!r}, expected {fmt!r}. {remedy}")
+  formats = fmt if isinstance(fmt, tuple) else (fmt,)
+  if meta.get("format") not in formats:
+    raise ValueError(
+      f"{json_path}: format {meta.get('format')!r}, expected {' or '.join(map(repr, formats))}. {remedy}"
+    )
+  if check is not None:
+    check(meta)
   target_config, embed, head_rows = target()
   try:
     config = EagleConfig(
