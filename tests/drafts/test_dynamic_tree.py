@@ -22,9 +22,9 @@ from specdec_jax.loop import tree_round
 from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.sampling import reductions, sample
 from specdec_jax.sampling.params import SamplingParams
-from specdec_jax.sampling.sample import sample_tokens
-from specdec_jax.verify.tree import TreeRejectionOutput, tree_rejection_sample
+from specdec_jax.verify.tree import tree_rejection_sample
 from tests.support.lossless import assert_first_tokens_follow
+from tests.support.planted import accept_first_children_per_row
 from tests.support.tiny_lm import TinyLM, check_output, make_prompts
 from tests.support.tiny_transformers import CONFIG, LENGTHS, V, greedy_case, sampled_tree_case, unit_target
 
@@ -295,38 +295,6 @@ def test_bad_dynamic_trees_are_refused(tree_models):
     speculative_generate(target, draft, *args, draft_tree=DynamicTree(2, 2, 9), **kw)
 
 
-def _accept_first_children(
-  draft_token_ids,
-  parents,
-  target_logits,
-  params,
-  key=None,
-  draft_probs=None,
-  num_nodes=None,
-  all_greedy=False,
-  max_depth=None,
-  **_,
-):
-  """A planted bug for per-row trees: accepts node 0, then each accepted node's first child, then a bonus."""
-  b, n = draft_token_ids.shape
-  node = jnp.full((b,), -1, jnp.int32)
-  path = []
-  for _ in range(max_depth):
-    is_child = parents == node[:, None]
-    child = jnp.where(jnp.any(is_child, axis=1), jnp.argmax(is_child, axis=1), -1).astype(jnp.int32)
-    path.append(child)
-    node = jnp.where(child >= 0, child, node)
-  path = jnp.stack(path, axis=1)  # [B, D]; -1 once a leaf is reached
-  accepted = jnp.sum(path >= 0, axis=1, dtype=jnp.int32)
-  bonus, _ = sample_tokens(
-    jnp.take_along_axis(target_logits, (node + 1)[:, None, None], axis=1)[:, 0], params, key, all_greedy=all_greedy
-  )
-  toks = jnp.where(path >= 0, jnp.take_along_axis(draft_token_ids, jnp.maximum(path, 0), axis=1), -1)
-  toks = jnp.concatenate([toks, jnp.full((b, 1), -1, jnp.int32)], axis=1)
-  toks = toks.at[jnp.arange(b), accepted].set(bonus)
-  return TreeRejectionOutput(token_ids=toks, accepted_nodes=path, num_accepted=accepted, num_emitted=accepted + 1)
-
-
 # CI runs the sampled tree's loop (the same per-row plumbing, verified with q); the sampler's own tests
 # (tests/verify/test_tree.py) check deterministic children ("guesses") in CI.
 @pytest.mark.parametrize(
@@ -369,7 +337,7 @@ def test_sampled_dynamic_tree_is_lossless(monkeypatch, drafter, tree):
     joint,
     monkeypatch,
     f"{drafter} {tree}, first 3 tokens",
-    planted=(tree_round, "tree_rejection_sample", _accept_first_children),
+    planted=(tree_round, "tree_rejection_sample", accept_first_children_per_row),
   )
   check_output(out, 3, 2)
   n = tree.num_nodes

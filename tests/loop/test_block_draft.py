@@ -21,6 +21,7 @@ from specdec_jax.sampling.params import SamplingParams
 from tests.loop.grammar_fixtures import host_walk, random_grammar
 from tests.support.compiles import count_compiles
 from tests.support.lossless import assert_first_tokens_follow
+from tests.support.planted import accept_first_children
 from tests.support.tiny_lm import check_output, make_prompts
 from tests.support.tiny_transformers import V, distil_block, greedy_case, sampled_tree_case, unit_target
 
@@ -149,7 +150,6 @@ def test_sampled_block_drafter_tree_is_lossless(monkeypatch):
   (siblings drawn without replacement from each position's law and verified with it); accepting the first
   child at every depth is rejected."""
   from specdec_jax.loop import tree_round
-  from tests.loop.test_tree_round import _accept_first_children
 
   target, drafter, prompts, lengths, params, joint = _sampled_case()
 
@@ -172,7 +172,7 @@ def test_sampled_block_drafter_tree_is_lossless(monkeypatch):
     joint,
     monkeypatch,
     "block drafter tree (3, 2), first 3 tokens",
-    planted=(tree_round, "tree_rejection_sample", _accept_first_children),
+    planted=(tree_round, "tree_rejection_sample", accept_first_children),
   )
   check_output(out, 3, 2)
 

@@ -23,10 +23,9 @@ from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.models import TransformerConfig
 from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling.params import SamplingParams
-from specdec_jax.sampling.sample import sample_tokens
-from specdec_jax.verify.tree import TreeRejectionOutput
 from tests.support.compiles import count_compiles
 from tests.support.lossless import N_ROWS, SMALL_V, TEMPERATURE, TOP_K, assert_first_tokens_follow, exact_joint
+from tests.support.planted import accept_first_children
 from tests.support.tiny_lm import TinyLM, check_output, make_prompts
 from tests.support.tiny_transformers import CONFIG, LENGTHS, V, greedy_case, sampled_tree_case, unit_target
 
@@ -388,35 +387,6 @@ def test_bad_trees_are_refused(tree_models):
   assert out.tokens.shape == (4, 4)
 
 
-def _accept_first_children(
-  draft_token_ids,
-  parents,
-  target_logits,
-  params,
-  key=None,
-  draft_probs=None,
-  num_nodes=None,
-  all_greedy=False,
-  sibling_draws="iid",
-):
-  """A planted bug: always accepts the first child at every depth, then a target-sampled bonus."""
-  tree_parents = np.asarray(parents)
-  b, n = draft_token_ids.shape
-  path, last = [], -1
-  for j in range(n):
-    if tree_parents[j] == last:
-      path.append(j)
-      last = j
-  bonus, _ = sample_tokens(target_logits[:, last + 1], params, key, all_greedy=all_greedy)
-  d = len(path)
-  return TreeRejectionOutput(
-    token_ids=jnp.concatenate([draft_token_ids[:, path], bonus[:, None]], axis=1),
-    accepted_nodes=jnp.broadcast_to(jnp.asarray(path, jnp.int32), (b, d)),
-    num_accepted=jnp.full((b,), d, jnp.int32),
-    num_emitted=jnp.full((b,), d + 1, jnp.int32),
-  )
-
-
 @pytest.mark.slow  # CI runs the dynamic tree's (tests/drafts/test_dynamic_tree.py) and the sampler's own (tests/verify/test_tree.py)
 @pytest.mark.parametrize("drafter", ["model", "eagle"])
 def test_sampled_tree_is_lossless(monkeypatch, drafter):
@@ -450,7 +420,7 @@ def test_sampled_tree_is_lossless(monkeypatch, drafter):
     joint,
     monkeypatch,
     f"{drafter} tree (3, 2), first 3 tokens",
-    planted=(tree_round, "tree_rejection_sample", _accept_first_children),
+    planted=(tree_round, "tree_rejection_sample", accept_first_children),
   )
   check_output(out, 3, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) * 3 < 2.5  # nodes are accepted and rejected
@@ -486,5 +456,5 @@ def test_sampled_lookup_tree_is_lossless(monkeypatch):
     joint,
     monkeypatch,
     "lookup tree (3, 1), first 3 tokens",
-    planted=(tree_round, "tree_rejection_sample", _accept_first_children),
+    planted=(tree_round, "tree_rejection_sample", accept_first_children),
   )
