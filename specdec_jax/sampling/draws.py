@@ -100,10 +100,11 @@ def categorical_with_fallback(key: jax.Array, log_w: jax.Array, fallback_log_w: 
 
   def chunk_log_mass(chunks):
     m, s = max_and_sumexp(chunks)
-    logw = jnp.where(s > 0, m + jnp.log(s), -jnp.inf)  # [B, n]
-    return logw if shards is None else shards.gather(logw)
+    return jnp.where(s > 0, m + jnp.log(s), -jnp.inf)  # [B, n]
 
   main_mass, fallback_mass = chunk_log_mass(main), chunk_log_mass(fallback)
+  if shards is not None:  # both in one collective
+    main_mass, fallback_mass = shards.gather_many(main_mass, fallback_mass)
   empty = jnp.all(main_mass == -jnp.inf, axis=-1)
   pick = lambda chunks, ch: jnp.take_along_axis(chunks, ch[:, None, None], axis=1)[:, 0]
   return draw_from_chunks(

@@ -141,6 +141,9 @@ def scale_logits(logits: jax.Array, temperature: jax.Array, shift: jax.Array | N
   return jnp.where(jnp.isnan(y), -jnp.inf, y)
 
 
+_NO_ID = np.int32(np.iinfo(np.int32).max)  # loses every min over token ids
+
+
 def greedy_argmax(logits: jax.Array, shards=None):
   """First index of the largest logit, NaN counted as -inf; 0 for a row with none above -inf.
 
@@ -172,10 +175,13 @@ def greedy_argmax(logits: jax.Array, shards=None):
   idx = idx.astype(jnp.int32)
   if shards is None:
     return idx, best
-  # The largest max wins, then the first device holding it (max and min are exact).
-  top = shards.max(best)
-  ids = jnp.where(best == top, idx + shards.offset(), np.int32(np.iinfo(np.int32).max))
-  return shards.min(ids), top
+  # The largest max wins, then the first device holding it (max and min are exact), from one gather of every
+  # device's pair instead of a max and then a min across devices. (float32 holds any narrower float exactly.)
+  best_d, idx_d = shards.gather_many(best.astype(jnp.float32)[..., None], idx[..., None])  # [..., m]
+  top = jnp.max(best_d, axis=-1)
+  offsets = (jnp.arange(shards.size, dtype=jnp.int32) * shards.local).reshape((1,) * (idx_d.ndim - 1) + (-1,))
+  ids = jnp.where(best_d == top[..., None], idx_d + offsets, _NO_ID)
+  return jnp.min(ids, axis=-1), top.astype(best.dtype)
 
 
 class ChunkStats(NamedTuple):
@@ -212,9 +218,10 @@ def chunk_stats(x: jax.Array, *, with_argmax: bool = False, shards=None) -> Chun
   m_c, s_c = stats[0], stats[1]
   chunk_logw = jnp.where(s_c > 0, m_c + jnp.log(s_c), -jnp.inf)
   first = stats[2] if with_argmax else None
-  if shards is not None:
+  if shards is not None and with_argmax:
+    m_c, chunk_logw, first = shards.gather_many(m_c, chunk_logw, first)
+  elif shards is not None:  # separate: a caller that never reads the max gathers only the masses
     m_c, chunk_logw = shards.gather(m_c), shards.gather(chunk_logw)
-    first = shards.gather(first) if with_argmax else None
   lse = jax.nn.logsumexp(chunk_logw, axis=-1)
   am = None
   if with_argmax:  # first chunk holding the max, first index inside it
@@ -285,8 +292,8 @@ def shifted_chunk_stats(
   m_c, log_s = stats[0], jnp.log(stats[1])  # per chunk, raw max and log sum in units of its max
   first = stats[3] if with_argmax else None
   if shards is not None:
-    m_c, log_s = shards.gather(m_c), shards.gather(log_s)
-    first = shards.gather(first) if with_argmax else None
+    m_c, log_s, *rest = shards.gather_many(m_c, log_s, *((first,) if with_argmax else ()))
+    first = rest[0] if with_argmax else None
   top = jnp.max(m_c, axis=-1, keepdims=True)
   t_c = t.reshape(t.shape + (1,) * (m_c.ndim - 1))
   chunk_logw = jnp.where(m_c == -jnp.inf, -jnp.inf, jnp.where(m_c == top, 0.0, (m_c - top) / t_c) + log_s)

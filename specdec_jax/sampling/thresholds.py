@@ -394,19 +394,17 @@ def _row_index(logits, m):
   return lambda idx: rows[idx]
 
 
-def _rows_from_candidates(
-  idx, cand, floor, *, row_of, top_k, top_p, v, total, m, min_p, gather=lambda a: a, narrow=None
-):
-  """`_threshold_from_candidates` of the flat rows idx of cand [B, ..., C] (gathered across devices by `gather`).
+def _rows_from_candidates(idx, cand, floor, *, row_of, top_k, top_p, v, total, m, min_p, narrow=None):
+  """`_threshold_from_candidates` of the flat rows idx of cand [B, ..., C].
 
   `narrow`: None, or (candidates [n, C], floor [n]) -> fewer candidates and their floor, applied to the rows
-  before the gather."""
+  (under a split vocabulary it also gathers them across the devices)."""
   r = row_of(idx)
   sub, sub_floor = cand.reshape(-1, cand.shape[-1])[idx], floor.reshape(-1)[idx]
   if narrow is not None:
     sub, sub_floor = narrow(sub, sub_floor)
   return _threshold_from_candidates(
-    gather(sub),
+    sub,
     sub_floor,
     top_k=top_k[r],
     top_p=top_p[r],
@@ -549,8 +547,27 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   group_size = max(fits, key=lambda g: (-abs(np.log(g / want)), g))
   tops, group_mass = group_top(scale(logits), group_size, with_sumexp=True)  # [..., G_l, 4], [..., G_l]
   flat = tops.reshape(tops.shape[:-2] + (-1,))  # [..., 4 G_l]
-  m = shards.max(jnp.max(tops[..., 0], axis=-1))
-  floor = shards.max(jnp.max(tops[..., -1], axis=-1))  # tokens outside the candidates are <= this
+
+  def gathered(f, per_group, *local_maxima):
+    """This device's candidates f [..., C], narrowed to the `per_group` largest of every _NARROW_GROUP, gathered
+    over the devices; with the max over the devices of each of `local_maxima` ([...]) and, last, of the narrowed
+    candidates' floor, in the same collective.
+
+    Narrowed on the device before the gather, so that no gather grows with the vocabulary."""
+    maxima = list(local_maxima)
+    if f.shape[-1] > _NARROW_GROUP:
+      tops2 = group_top(f, _NARROW_GROUP, per_group)
+      f = tops2.reshape(tops2.shape[:-2] + (-1,))
+      maxima.append(jnp.max(tops2[..., -1], axis=-1))
+    else:
+      maxima.append(jnp.full(f.shape[:-1], -jnp.inf, f.dtype))  # not narrowed: no floor of its own
+    return shards.gather_and_max(f, maxima)
+
+  # The row's max and the floor (tokens outside the candidates are <= it) ride with the candidates: one
+  # collective, then the mass's.
+  cand, (m, floor, narrow_floor) = gathered(
+    flat, _NARROW_PER_GROUP, jnp.max(tops[..., 0], axis=-1), jnp.max(tops[..., -1], axis=-1)
+  )
   total = shards.sum(
     jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0), axis=-1)
   )
@@ -558,23 +575,16 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   from_candidates = functools.partial(
     _threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m, min_p=min_p
   )
-
-  def narrowed(f, f_floor, per_group):
-    """The `per_group` largest of every _NARROW_GROUP of this device's candidates f [..., C], and their floor.
-
-    Narrowed on the device before the gather, so that no gather grows with the vocabulary."""
-    if f.shape[-1] <= _NARROW_GROUP:
-      return f, f_floor
-    tops2 = group_top(f, _NARROW_GROUP, per_group)
-    return tops2.reshape(tops2.shape[:-2] + (-1,)), jnp.maximum(f_floor, shards.max(jnp.max(tops2[..., -1], axis=-1)))
-
-  cand, cand_floor = narrowed(flat, floor, _NARROW_PER_GROUP)
-  thr, lse, exact = from_candidates(shards.gather(cand), cand_floor)
+  thr, lse, exact = from_candidates(cand, jnp.maximum(floor, narrow_floor))
 
   if flat.shape[-1] > _NARROW_GROUP:
     # Rows the 8 largest of every 128 cannot vouch for: from the 32 largest, narrowed inside the branch
     # for those rows only (a batch whose rows all settle pays nothing for them).
     wide = 4 * _NARROW_PER_GROUP
+
+    def wide_narrowed(f, f_floor):
+      every, (every_floor,) = gathered(f, wide)
+      return every, jnp.maximum(f_floor, every_floor)
 
     wide_rows = functools.partial(
       _rows_from_candidates,
@@ -586,13 +596,11 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
       total=total,
       m=m,
       min_p=min_p,
-      gather=shards.gather,
-      narrow=lambda f, f_floor: narrowed(f, f_floor, wide),
+      narrow=wide_narrowed,
     )
 
     def wide_batch(f):
-      every, every_floor = narrowed(f, floor, wide)
-      return from_candidates(shards.gather(every), every_floor)
+      return from_candidates(*wide_narrowed(f, floor))
 
     thr, lse, exact = _redo_rows(exact, (thr, lse, exact), flat, wide_rows, wide_batch, shards)
 

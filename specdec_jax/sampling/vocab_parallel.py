@@ -13,6 +13,11 @@ whenever V/m is a whole number of chunks, which `shards_for` requires; the
 combination that follows runs the single device's own code on the gathered
 partials. Max, argmax and one-owner gathers are exact in any order.
 
+Each collective costs a launch and a round trip whatever its few bytes, so
+partials that are ready together cross in one (`gather_many`,
+`gather_and_max`, `take_many`), and a run-time branch's predicate, the same
+on every device of the model axis, is reduced over the row axes only (`any`).
+
 Without a mesh (or with a model axis of one device) `shards_for` returns None
 and every function of the samplers compiles exactly its single-device program.
 """
@@ -62,6 +67,39 @@ class VocabShards:
     """[..., n_local] -> [..., m * n_local]: per-slice partials laid out as one device's (in vocabulary order)."""
     return jax.lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)
 
+  def gather_many(self, *xs: jax.Array) -> tuple[jax.Array, ...]:
+    """`gather` of several arrays of one shape [..., n_local] (32-bit dtypes), in one all-gather.
+
+    Each collective costs a launch and a round trip whatever its size, and XLA
+    does not always combine independent ones. The arrays travel bitcast to
+    int32 and come back bitcast: the same bits as separate gathers.
+
+    Example:
+      >>> m_c, chunk_logw, first = shards.gather_many(m_c, chunk_logw, first)   # each [B, K+1, n]
+    """
+    carried = jnp.stack([jax.lax.bitcast_convert_type(x, jnp.int32) for x in xs], axis=-2)  # [..., j, n_local]
+    gathered = self.gather(carried)
+    return tuple(jax.lax.bitcast_convert_type(gathered[..., i, :], x.dtype) for i, x in enumerate(xs))
+
+  def gather_and_max(self, x: jax.Array, maxima: list[jax.Array]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """(`gather(x)`, the elementwise max over the slices of each of `maxima`), in one all-gather.
+
+    For a max that no earlier collective needs: it rides as extra columns of
+    the gather and is taken after it (max is exact in any order).
+
+    Args:
+      x: [..., n_local].
+      maxima: arrays [...] of x's dtype.
+
+    Example:
+      >>> cand, (m, floor) = shards.gather_and_max(cand, [local_max, local_floor])   # [B, m * n], [B], [B]
+    """
+    n = x.shape[-1]
+    cols = jnp.concatenate([x] + [y[..., None] for y in maxima], axis=-1)  # [..., n + j]
+    got = jax.lax.all_gather(cols, self.axis, axis=cols.ndim - 1)  # [..., m, n + j]
+    maxed = jnp.max(got[..., n:], axis=-2)  # [..., j]
+    return got[..., :n].reshape(x.shape[:-1] + (self.size * n,)), tuple(jnp.moveaxis(maxed, -1, 0))
+
   def max(self, x: jax.Array) -> jax.Array:
     """Elementwise max over the slices (exact)."""
     return jax.lax.pmax(x, self.axis)
@@ -75,10 +113,17 @@ class VocabShards:
     return jax.lax.psum(x, self.axis)
 
   def any(self, x: jax.Array) -> jax.Array:
-    """bool scalar: any(x) over the whole batch (every row on every device)."""
-    hit = jnp.any(x).astype(jnp.int32)
-    axes = (self.axis,) + tuple(self.row_axes)
-    return jax.lax.pmax(hit, axes) > 0
+    """bool scalar: any(x) over the whole batch (every row on every device).
+
+    x must be the same on every device of the vocabulary axis, as every
+    run-time branch's predicate is: a test of the parameters, or of statistics
+    after their combine. Only the row axes are then reduced, so with the rows
+    whole (a 1 x m mesh) the decision costs no collective.
+    """
+    hit = jnp.any(x)
+    if not self.row_axes:
+      return hit
+    return jax.lax.pmax(hit.astype(jnp.int32), tuple(self.row_axes)) > 0
 
   def owned(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(bool: the id is in this device's slice, int32: its local index, 0 where not owned)."""
@@ -93,9 +138,16 @@ class VocabShards:
       x: [..., V/m] this device's slice (any dtype; returned as it is).
       ids: int [..., n] global token ids in [0, V).
     """
+    return self.take_many((x,), ids)[0]
+
+  def take_many(self, xs: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
+    """`take` of several slices of one shape at the same ids, in one psum (each entry has one owner); the
+    values come back in the slices' common dtype (a float widening, exact)."""
     mine, local = self.owned(ids)
-    got = jnp.take_along_axis(x, local, axis=-1)
-    return self.sum(jnp.where(mine, got, jnp.zeros((), got.dtype)))
+    dtype = jnp.result_type(*xs)
+    got = jnp.stack([jnp.take_along_axis(x, local, axis=-1).astype(dtype) for x in xs])
+    summed = self.sum(jnp.where(mine[None], got, jnp.zeros((), got.dtype)))
+    return tuple(summed)
 
 
 def any_rows(x: jax.Array, shards: VocabShards | None) -> jax.Array:
@@ -111,6 +163,18 @@ def take_vocab(x: jax.Array, ids: jax.Array, shards: VocabShards | None) -> jax.
     >>> x_d = take_vocab(logits, draft[..., None], shards)   # [B, K, 1]
   """
   return jnp.take_along_axis(x, ids, axis=-1) if shards is None else shards.take(x, ids)
+
+
+def take_vocab_many(xs: tuple[jax.Array, ...], ids: jax.Array, shards: VocabShards | None) -> tuple[jax.Array, ...]:
+  """`take_vocab` of several arrays of one shape at the same ids; under `shards` in one collective, the values
+  in the arrays' common dtype.
+
+  Example:
+    >>> x_d, q_d = take_vocab_many((logits[:, :k], draft_probs), draft[..., None], shards)   # each [B, K, 1]
+  """
+  if shards is None:
+    return tuple(jnp.take_along_axis(x, ids, axis=-1) for x in xs)
+  return shards.take_many(xs, ids)
 
 
 def shards_for(vocab: int, batch: int, *, word_aligned: bool = False) -> VocabShards | None:

@@ -361,16 +361,15 @@ def _score_drafts(draft, logits, params, stats: PositionStats, draft_probs, shar
   k, v = draft.shape[1], (logits.shape[-1] if shards is None else shards.vocab)
   valid = (draft >= 0) & (draft < v)
   ids = jnp.where(valid, draft, 0)
-  x_d = reductions.scale_logits(
-    vocab_parallel.take_vocab(reductions.values(logits)[:, :k], ids[..., None], shards),
-    params.temperature,
-    stats.shift[:, :k],
-  )[..., 0]
+  # Both gathers in one collective under shards (each value has one owner: exact).
+  rows = (reductions.values(logits)[:, :k],) + (() if draft_probs is None else (draft_probs[:, :k],))
+  taken = vocab_parallel.take_vocab_many(rows, ids[..., None], shards)
+  x_d = reductions.scale_logits(taken[0], params.temperature, stats.shift[:, :k])[..., 0]
   log_p = jnp.where((x_d >= stats.thr[:, :k]) & (stats.lse[:, :k] > -jnp.inf), x_d - stats.lse[:, :k], -jnp.inf)
   if draft_probs is None:
     log_q = jnp.zeros_like(log_p)
   else:
-    q_d = valid_probs(vocab_parallel.take_vocab(draft_probs[:, :k], ids[..., None], shards)[..., 0])
+    q_d = valid_probs(taken[1][..., 0])
     log_q = jnp.log(q_d)  # q = 0 -> -inf: accepted iff p > 0 (the ratio is infinite)
   return _DraftScores(ids=ids, valid=valid, log_p=log_p, log_q=log_q)
 
