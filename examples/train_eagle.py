@@ -761,6 +761,11 @@ def parse_args(argv):
   )
   ap.add_argument("--block-size", type=int, default=8, help="block: K, the drafts of one call (default 8)")
   ap.add_argument("--blocks-per-row", type=int, default=8, help="block: blocks a sequence holds a step (default 8)")
+  ap.add_argument(
+    "--shared-placeholder",
+    action="store_true",
+    help="block: one learned hidden for every placeholder instead of one per offset (the first drafters' design)",
+  )
   ap.add_argument("--lr", type=float, default=1e-3)
   ap.add_argument(
     "--b1",
@@ -1046,7 +1051,9 @@ def main(argv=None):
   del init
   block = args.drafter == "block"
   if block:  # the backbone: a new head, or the --init head to start from
-    drafter = BlockDrafter(drafter, block_size=args.block_size, rngs=nnx.Rngs(args.seed + 1))
+    drafter = BlockDrafter(
+      drafter, block_size=args.block_size, rngs=nnx.Rngs(args.seed + 1), shared_placeholder=args.shared_placeholder
+    )
   # The positions reported and trained: the unrolled depths of the head, or the block's K drafts.
   depth = args.block_size if block else args.depth
   position_weights = loss_weights(depth, args.position_decay)
@@ -1245,6 +1252,7 @@ def main(argv=None):
     "drafter": args.drafter,
     "block_size": args.block_size if block else None,
     "blocks_per_row": args.blocks_per_row if block else None,
+    "shared_placeholder": args.shared_placeholder if block else None,
     "lr": args.lr,
     "b1": args.b1,
     "weight_decay": args.weight_decay,

@@ -51,7 +51,9 @@ class BlockDrafter(nnx.Module):
     backbone: the `EagleDrafter` whose blocks, head and cache it uses.
     block_size: the number of drafts it was trained to fill in one call (the K it is meant for; drafting
       more is lossless but the later drafts' agreement is untrained).
-    rngs: random streams for the placeholder hidden's initial value.
+    rngs: random streams for the placeholder hiddens' initial values.
+    shared_placeholder: one hidden for every placeholder (`mask_hidden` [1, D]) instead of one per offset
+      ([block_size - 1, D]): the first format's drafter, kept to compare the two.
 
   Example:
     >>> drafter = BlockDrafter(EagleDrafter.for_target(target, rngs=nnx.Rngs(1)), block_size=8, rngs=nnx.Rngs(2))
@@ -59,7 +61,7 @@ class BlockDrafter(nnx.Module):
     (8, (0, 1))
   """
 
-  def __init__(self, backbone: EagleDrafter, *, block_size: int, rngs: nnx.Rngs):
+  def __init__(self, backbone: EagleDrafter, *, block_size: int, rngs: nnx.Rngs, shared_placeholder: bool = False):
     if not isinstance(backbone, EagleDrafter):
       raise ValueError(f"backbone must be an EagleDrafter, got {type(backbone).__name__}.")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -69,7 +71,7 @@ class BlockDrafter(nnx.Module):
     c = backbone.config.layers
     # One hidden per placeholder offset, small like a fused feature after its projection: a placeholder starts
     # as "no information" to refine.
-    m = max(block_size - 1, 1)
+    m = 1 if shared_placeholder else max(block_size - 1, 1)
     self.mask_hidden = nnx.Param((0.02 * jax.random.normal(rngs.params(), (m, c.d_model), jnp.float32)).astype(c.dtype))
 
   @classmethod

@@ -112,6 +112,8 @@ def test_bad_arguments_are_refused_before_loading(train):
   spec, args = train.parse_args(["--target", "qwen2.5-coder-1.5b"])
   assert (args.num_layers, args.draft_vocab, args.head_d_ff, args.storage_dtype) == (1, 32768, 4096, "int8")
   assert args.out.endswith("qwen2_5_coder_eagle.safetensors") and args.samples == [0.0, 1.0, 1.0, 1.0, 1.0]
+  _, block = train.parse_args(["--drafter", "block", "--shared-placeholder", "--position-decay", "3"])
+  assert block.shared_placeholder and block.position_decay == 3.0 and not args.shared_placeholder
 
 
 def _count_generated_rows(train, monkeypatch) -> list:

@@ -197,8 +197,9 @@ def test_a_block_drafter_round_trips_through_its_file(tmp_path, storage):
 
 
 def test_a_first_format_block_drafter_reads_with_its_one_hidden_at_every_offset(tmp_path):
-  """A v1 file (one placeholder hidden [D]) reads as a drafter whose offsets all hold it: the drafter it was;
-  a hidden of another shape, or a bad block_size (refused before the target is read), is a clear error."""
+  """A v1 file (one placeholder hidden [D]) reads as a shared-hidden drafter, whose logits are those of a
+  per-offset one with that hidden at every offset: the drafter it was. A hidden of another shape, or a bad
+  block_size (refused before the target is read), is a clear error."""
   safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
   from specdec_jax.models import BlockDrafter
@@ -213,7 +214,23 @@ def test_a_first_format_block_drafter_reads_with_its_one_hidden_at_every_offset(
   json.dump({**meta, "format": "specdec_jax.block_drafter.v1"}, open(tmp_path / "block.json", "w"))
   calls = []
   read = eagle_files.read_block_drafter(path, _source(target, calls), name="v1 drafter", remedy="")
-  np.testing.assert_array_equal(np.asarray(read.mask_hidden[...]), np.broadcast_to(one, (3, one.shape[0])))
+  np.testing.assert_array_equal(np.asarray(read.mask_hidden[...]), one[None, :])  # a shared hidden
+  drafter.mask_hidden[...] = jnp.broadcast_to(jnp.asarray(one), drafter.mask_hidden.shape)  # every offset holds it
+  seqs = jax.random.randint(jax.random.key(6), (2, 9), 0, V)
+  feats = jax.random.normal(jax.random.key(7), (2, 8, head.config.feature_size))
+  ends = jnp.asarray([[2, 5], [1, 4]], jnp.int32)
+  np.testing.assert_allclose(
+    np.asarray(read.block_logits(seqs[:, 1:], feats, ends, 4)),
+    np.asarray(drafter.block_logits(seqs[:, 1:], feats, ends, 4)),
+    rtol=1e-6,
+    atol=1e-6,
+  )
+  # A shared drafter of this format round-trips as one.
+  shared = BlockDrafter(head, block_size=4, rngs=nnx.Rngs(8), shared_placeholder=True)
+  assert shared.mask_hidden.shape == (1, one.shape[0])
+  eagle_files.save_block_drafter(shared, str(tmp_path / "shared.safetensors"), target="t", storage_dtype="float32")
+  back = eagle_files.read_block_drafter(str(tmp_path / "shared.safetensors"), _source(target, []), name="s", remedy="")
+  np.testing.assert_array_equal(np.asarray(back.mask_hidden[...]), np.asarray(shared.mask_hidden[...]))
   # The same [D] tensor in a v2 file is damaged: v2 holds one hidden per offset.
   json.dump({**meta}, open(tmp_path / "block.json", "w"))
   with pytest.raises(ValueError, match=r"block.mask_hidden \[\d+\], expected \[3, \d+\]"):

@@ -14,8 +14,8 @@ agreement is measured by the trainer (examples/train_eagle.py reports both).
 
 A block drafter's file (`save_block_drafter`, `read_block_drafter`) is its backbone's head file with format
 `BLOCK_FORMAT`, its placeholder hiddens as "block.mask_hidden" (float32 [block_size - 1, D], one per offset in
-the block) and `block_size` in the JSON. Files of the first format (`specdec_jax.block_drafter.v1`, one hidden
-[D] shared by every offset) still read, as a drafter whose offsets all hold that hidden.
+the block, or [1, D] for a drafter with one shared hidden) and `block_size` in the JSON. Files of the first
+format (`specdec_jax.block_drafter.v1`, one hidden [D] shared by every offset) read as a shared one.
 """
 
 from __future__ import annotations
@@ -228,11 +228,12 @@ def read_block_drafter(
       raise damaged_file_error(json_beside(path), f"{name} config (JSON)", ValueError(f"block_size {size!r}"), remedy)
 
   backbone, meta, weights = _read(path, target, name=name, remedy=remedy, fmt=_BLOCK_FORMATS_READ, check=check)
-  drafter = BlockDrafter(backbone, block_size=meta["block_size"], rngs=nnx.Rngs(0))
   mask_hidden = weights.get(_MASK_HIDDEN)
+  if mask_hidden is not None and meta["format"] != BLOCK_FORMAT and mask_hidden.ndim == 1:
+    mask_hidden = mask_hidden[None, :]  # v1: the one hidden of every offset
+  shared = mask_hidden is not None and mask_hidden.shape[0] == 1
+  drafter = BlockDrafter(backbone, block_size=meta["block_size"], rngs=nnx.Rngs(0), shared_placeholder=shared)
   want = drafter.mask_hidden.shape
-  if mask_hidden is not None and meta["format"] != BLOCK_FORMAT and mask_hidden.shape == want[1:]:
-    mask_hidden = np.broadcast_to(mask_hidden, want)  # v1: the one hidden at every offset
   if mask_hidden is None or mask_hidden.shape != want:
     got = None if mask_hidden is None else list(mask_hidden.shape)
     raise damaged_file_error(
