@@ -724,6 +724,31 @@ def build_drafter(target, *, num_layers, d_ff, vocab, seed, target_rows=None) ->
   return drafter
 
 
+def grow_head(init: EagleDrafter, extra: int, build: Callable[[int], EagleDrafter]) -> EagleDrafter:
+  """`init` with `extra` blocks after its own: `build(n)` makes an n-block head of init's shape and draft
+  vocabulary; init's weights go in, and the new blocks' output projections (attention's `wo`, the MLP's
+  `w_down`) are zero, so each new block adds nothing to the residual stream and the grown head computes what
+  init computes until training moves them.
+
+  Example:
+    >>> grown = grow_head(head, 1, lambda n: build_drafter(target, num_layers=n, d_ff=4096, vocab=ids, seed=0))
+  """
+  old = init.config.layers.num_layers
+  grown = build(old + extra)
+  grown.fc[...] = init.fc[...]
+  grown.final_norm[...] = init.final_norm[...]
+  for name in grown.first.names:
+    getattr(grown.first, name)[...] = getattr(init.first, name)[...]
+  for name in grown.rest.names:
+    w = getattr(grown.rest, name)[...]
+    if old > 1:
+      w = w.at[: old - 1].set(getattr(init.rest, name)[...])
+    if name in ("wo", "w_down"):
+      w = w.at[old - 1 :].set(0)
+    getattr(grown.rest, name)[...] = w
+  return grown
+
+
 def quantized_copy(drafter: EagleDrafter, storage_dtype: str) -> EagleDrafter:
   """The head as a file of `storage_dtype` loads it: float16 rounding, or int8 with one scale per output column.
 
@@ -885,6 +910,13 @@ def parse_args(argv):
     "vocabulary has it) to each depth's loss: greedy rows accept only the argmax (default 0)",
   )
   ap.add_argument(
+    "--grow-layers",
+    type=int,
+    default=0,
+    help="with --init: add this many blocks after the head's own, their output projections zero, so the grown "
+    "head starts as the head it grew from (more capacity for a block drafter's later positions; default 0)",
+  )
+  ap.add_argument(
     "--position-decay",
     type=float,
     default=0.0,
@@ -941,6 +973,8 @@ def parse_args(argv):
     ap.error(f"--top1-weight must be a finite number >= 0, got {args.top1_weight}")
   if args.init and not os.path.isfile(args.init):
     ap.error(f"--init {args.init}: no such file (a .safetensors head written by this script)")
+  if args.grow_layers < 0 or (args.grow_layers and not args.init):
+    ap.error(f"--grow-layers needs --init (the head to grow) and a count >= 0, got {args.grow_layers}")
   try:
     args.samples = [float(t) for t in args.samples.split(",")]
   except ValueError:
@@ -1039,15 +1073,19 @@ def main(argv=None):
     coverage = float(np.mean(in_vocab[held_tokens])) if held_tokens.size else 1.0
     print(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.3f} of the held-out generated tokens")
 
-  # The head trains in float32, on float32 copies of the target's embedding and head.
-  if init is not None:
-    drafter = init
-  else:
-    # SmolLM2's float32 weights are at hand (the shipped head trained on them); the coder's bf16 ones are used.
+  def new_head(num_layers):
+    """A new head, in float32 on float32 copies of the target's embedding and head: SmolLM2's float32 weights
+    are at hand (the shipped head trained on them); the coder's bf16 ones are used."""
     rows = (smollm2.smollm2_weights()["embed"],) * 2 if spec.name == "smollm2" else None
-    drafter = build_drafter(
-      target, num_layers=args.num_layers, d_ff=args.head_d_ff, vocab=vocab, seed=args.seed, target_rows=rows
+    return build_drafter(
+      target, num_layers=num_layers, d_ff=args.head_d_ff, vocab=vocab, seed=args.seed, target_rows=rows
     )
+
+  if init is not None and args.grow_layers:
+    drafter = grow_head(init, args.grow_layers, new_head)
+    print(f"grown: {args.grow_layers} block(s) after the --init head's {init.config.layers.num_layers}")
+  else:
+    drafter = init if init is not None else new_head(args.num_layers)
   del init
   block = args.drafter == "block"
   if block:  # the backbone: a new head, or the --init head to start from
@@ -1259,6 +1297,7 @@ def main(argv=None):
     "loss": args.loss,
     "top1_weight": args.top1_weight,
     "position_decay": args.position_decay,
+    "grow_layers": args.grow_layers,
     "init": args.init or None,
     "prompts": num_prompts,
     "continuations": int(len(tokens)),

@@ -105,6 +105,7 @@ def test_bad_arguments_are_refused_before_loading(train):
     ["--kind-weights", "question=0"],
     ["--kind-weights", "=2"],
     ["--position-decay", "-1"],
+    ["--grow-layers", "1"],  # nothing to grow without --init
     ["--position-decay", "nan"],
   ):
     with pytest.raises(SystemExit):
@@ -266,3 +267,31 @@ def test_position_weights_sum_to_one_and_decay_by_position(train):
   w = train.loss_weights(8, 3.0)
   assert abs(sum(w) - 1.0) < 1e-12 and all(a > b for a, b in zip(w, w[1:]))
   np.testing.assert_allclose([b / a for a, b in zip(w, w[1:])], np.exp(-1 / 3.0))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_grown_head_starts_as_the_head_it_grew_from(train, layers):
+  """--grow-layers: the new blocks' output projections are zero, so the grown head's logits are the --init
+  head's; the old blocks keep their weights and the new ones are there to train."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from specdec_jax.models import EagleDrafter
+
+  target = unit_target()
+  head = EagleDrafter.for_target(target, num_layers=layers, rngs=nnx.Rngs(1))
+  grown = train.grow_head(head, 1, lambda n: EagleDrafter.for_target(target, num_layers=n, rngs=nnx.Rngs(2)))
+  assert grown.config.layers.num_layers == layers + 1
+  b, t = 2, 5
+  tokens = jax.random.randint(jax.random.key(0), (b, t), 0, V)
+  feats = jax.random.normal(jax.random.key(1), (b, t, head.config.feature_size))
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+
+  def logits(d):
+    return np.asarray(d(tokens, d.fuse(feats), pos, d.init_cache(b, 8))[0])
+
+  np.testing.assert_allclose(logits(grown), logits(head), rtol=1e-6, atol=1e-6)
+  assert np.abs(np.asarray(grown.rest.w_gate_up[...][layers - 1])).max() > 0  # the new block's own weights
+  grown.rest.w_down[...] = grown.rest.w_down[...] + 0.01  # once trained, the new block changes the output
+  assert np.abs(logits(grown) - logits(head)).max() > 1e-4
