@@ -20,7 +20,7 @@ from specdec_jax.models import BlockDrafter, EagleDrafter
 from specdec_jax.sampling.params import SamplingParams
 from tests.loop.grammar_fixtures import host_walk, random_grammar
 from tests.support.compiles import count_compiles
-from tests.support.lossless import assert_first_tokens_follow
+from tests.support.lossless import assert_first_tokens_follow, assert_sampled_tree_follows
 from tests.support.planted import accept_first_children
 from tests.support.tiny_lm import check_output, make_prompts
 from tests.support.tiny_transformers import V, distil_block, greedy_case, sampled_tree_case, unit_target
@@ -149,32 +149,9 @@ def test_sampled_block_drafter_tree_is_lossless(monkeypatch):
   """The first 3 tokens of N rows follow the target's exact joint with a sampled (3, 2) tree of block drafts
   (siblings drawn without replacement from each position's law and verified with it); accepting the first
   child at every depth is rejected."""
-  from specdec_jax.loop import tree_round
-
-  target, drafter, prompts, lengths, params, joint = _sampled_case()
-
-  def run():
-    out = speculative_generate(
-      target,
-      drafter,
-      prompts,
-      lengths,
-      params,
-      jax.random.key(8),
-      max_new_tokens=3,
-      num_speculative_tokens=2,
-      draft_tree=(3, 2),
-    )
-    return out, np.asarray(out.tokens)
-
-  out = assert_first_tokens_follow(
-    run,
-    joint,
-    monkeypatch,
-    "block drafter tree (3, 2), first 3 tokens",
-    planted=(tree_round, "tree_rejection_sample", accept_first_children),
+  assert_sampled_tree_follows(
+    _sampled_case(), (3, 2), monkeypatch, "block drafter tree (3, 2), first 3 tokens", accept_first_children
   )
-  check_output(out, 3, 2)
 
 
 def test_block_drafter_refuses_bad_arguments():

@@ -24,7 +24,15 @@ from specdec_jax.models import TransformerConfig
 from specdec_jax.models.eagle import EagleDrafter
 from specdec_jax.sampling.params import SamplingParams
 from tests.support.compiles import count_compiles
-from tests.support.lossless import N_ROWS, SMALL_V, TEMPERATURE, TOP_K, assert_first_tokens_follow, exact_joint
+from tests.support.lossless import (
+  N_ROWS,
+  SMALL_V,
+  TEMPERATURE,
+  TOP_K,
+  assert_first_tokens_follow,
+  assert_sampled_tree_follows,
+  exact_joint,
+)
 from tests.support.planted import accept_first_children
 from tests.support.tiny_lm import TinyLM, check_output, make_prompts
 from tests.support.tiny_transformers import CONFIG, LENGTHS, V, greedy_case, sampled_tree_case, unit_target
@@ -399,30 +407,9 @@ def test_sampled_tree_is_lossless(monkeypatch, drafter):
   total-variation shift >= ~0.03 at alpha 1e-3 (asserted in the helper);
   accepting the first child at every depth is rejected.
   """
-  target, draft, prompts, lengths, params, joint = sampled_tree_case(drafter)
-
-  def run():
-    out = speculative_generate(
-      target,
-      draft,
-      prompts,
-      lengths,
-      params,
-      jax.random.key(8),
-      max_new_tokens=3,
-      num_speculative_tokens=2,
-      draft_tree=(3, 2),
-    )
-    return out, np.asarray(out.tokens)
-
-  out = assert_first_tokens_follow(
-    run,
-    joint,
-    monkeypatch,
-    f"{drafter} tree (3, 2), first 3 tokens",
-    planted=(tree_round, "tree_rejection_sample", accept_first_children),
+  out = assert_sampled_tree_follows(
+    sampled_tree_case(drafter), (3, 2), monkeypatch, f"{drafter} tree (3, 2), first 3 tokens", accept_first_children
   )
-  check_output(out, 3, 2)
   assert 0.05 < float(out.stats.usable_acceptance_rate) * 3 < 2.5  # nodes are accepted and rejected
 
 

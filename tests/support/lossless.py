@@ -8,13 +8,15 @@ the float64 reference (tests/support/sampling_reference.py);
 verifier (by default `accept_every_draft`) fails the same check.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdec_jax.loop import chain_round, decoding
+from specdec_jax.loop import chain_round, decoding, tree_round
 from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.verify.chain import RejectionOutput
 from tests.support.stats import ALPHA, assert_gof, chisquare_gof, detectable_deviation, reference_probs
+from tests.support.tiny_lm import check_output
 
 SMALL_V, N_ROWS, TEMPERATURE, TOP_K = 8, 20000, 0.8, 6
 
@@ -83,4 +85,32 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
     monkeypatch.undo()
     decoding._speculative_jit.clear_cache()
   assert chisquare_gof(wrong @ weights, joint).pvalue < ALPHA
+  return out
+
+
+def assert_sampled_tree_follows(case, tree, monkeypatch, label, planted):
+  """The sampled tree tests' check: 3 new tokens of `case` = (target, draft, prompts, lengths, params, joint)
+  (`tiny_transformers.sampled_tree_case`) with `draft_tree=tree` (K=2), by `assert_first_tokens_follow`, the
+  tree verifier swapped for `planted` (a wrong `tree_rejection_sample`, `tests.support.planted`) to show the
+  check's power. Returns the correct run's output, its invariants checked."""
+  target, draft, prompts, lengths, params, joint = case
+
+  def run():
+    out = decoding.speculative_generate(
+      target,
+      draft,
+      prompts,
+      lengths,
+      params,
+      jax.random.key(8),
+      max_new_tokens=3,
+      num_speculative_tokens=2,
+      draft_tree=tree,
+    )
+    return out, np.asarray(out.tokens)
+
+  out = assert_first_tokens_follow(
+    run, joint, monkeypatch, label, planted=(tree_round, "tree_rejection_sample", planted)
+  )
+  check_output(out, 3, 2)
   return out
