@@ -96,7 +96,17 @@ and 384 tokens, with at most `--prefill-tokens` prompt tokens a call.
 things work, why things happen, ideas: the prose the shipped head agreed with
 least; kind "question", reported with chat), after the other prompts, so the
 data made without them extends; `--kind-weights question=4` draws their rows
-four times as often in training.
+four times as often in training. `--self-questions N` asks the coder itself
+for N questions (T=0.8) about each of `coder_prompts.self_question_topics()`
+(about 260 general topics) and appends the ones that name none of the
+benchmark's subjects, kind "question", after those.
+
+`--devices N` trains data parallel on the first N devices: every device holds
+the target and the head, each batch's `--batch-size` sequences are split over
+them, and the gradients are summed across them, so a step of N devices and N
+times the batch takes about the time one device takes for one batch. The
+result is the head one device would train with the same batch, to rounding
+(checked on two CPU devices).
 
 The data are saved compressed (prompt ids once, continuations ragged; 22 MB
 for 18.7 M generated tokens). Generation is resumable: with `--data-cache D`
@@ -130,6 +140,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, serialization
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from specdec_jax import SamplingParams, generate
@@ -302,13 +314,20 @@ SELF_QUESTION_ASK = (
 )
 
 
-def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> list[str]:
-  """Questions the target itself writes about each topic (T=0.8, `samples` per topic), as chat prompts.
+def self_questions(
+  target, tokenizer, topics, *, samples, seed, batch_size, chat=smollm2.chat_prompt, eos=smollm2.SMOLLM2_EOS_IDS
+) -> list[str]:
+  """Questions the target itself writes about each topic (T=0.8, `samples` per topic), as chat prompts
+  (`chat(text)`: the target's chat template), sorted, the benchmark's prompts left out.
 
   Self-instruct in miniature: the assistant's own wording of questions widens the chat prompts beyond the
   templates above. Only answers that end in a question mark on their first line are kept.
+
+  Example:
+    >>> self_questions(target, tokenizer, ["tea"], samples=2, seed=0, batch_size=8)
+    ['<|im_start|>system ... What is the best way to brew green tea?<|im_end|>\n<|im_start|>assistant\n']
   """
-  asks = [smollm2.chat_prompt(SELF_QUESTION_ASK.format(t=t)) for t in topics for _ in range(samples)]
+  asks = [chat(SELF_QUESTION_ASK.format(t=t)) for t in topics for _ in range(samples)]
   ids = [tokenizer.encode(a).ids for a in asks]
   questions = []
   for start in tqdm(range(0, len(asks), batch_size), desc="self-written questions"):
@@ -321,7 +340,7 @@ def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> l
       batch_size=batch_size,
       key=jax.random.key(seed + 7919 + start),
       max_new_tokens=48,
-      eos=smollm2.SMOLLM2_EOS_IDS,
+      eos=eos,
     )
     for r in range(len(chunk)):
       text = tokenizer.decode(gen[r, : n[r]].tolist()).strip().split("\n")[0].strip().strip('"')
@@ -330,7 +349,7 @@ def self_questions(target, tokenizer, topics, *, samples, seed, batch_size) -> l
   with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "held_out_prompts.json")) as f:
     held_out = set(json.load(f)["questions"])  # the benchmark's prompts stay held out
   unique = sorted({q for q in questions if q not in held_out})
-  return [smollm2.chat_prompt(q) for q in unique]
+  return [chat(q) for q in unique]
 
 
 def all_prompts(
@@ -450,6 +469,22 @@ def target_prompts(spec: Target, args, tokenizer, target) -> tuple[list[str], li
     pairs = pairs[:8] if args.quick else pairs
     if args.more_questions:  # appended: data made without them is a prefix of the data with them
       pairs += coder_prompts.general_questions(spec.chat)[: 4 if args.quick else None]
+    if args.self_questions:  # appended after those, for the same reason
+      topics = coder_prompts.self_question_topics()
+      written = self_questions(
+        target,
+        tokenizer,
+        topics[:4] if args.quick else topics,
+        samples=args.self_questions,
+        seed=args.seed,
+        batch_size=args.gen_batch,
+        chat=spec.chat,
+        eos=spec.eos,
+      )
+      kept = [q for q in written if not coder_prompts.about_the_benchmark(q)]
+      shown = [q.split("user\n")[-1].split("<|im_end|>")[0] for q in kept[:3]]
+      print(f"self-written questions: {len(kept)} kept of {len(written)}, e.g. " + " | ".join(shown))
+      pairs += [("question", q) for q in kept]
     return [p for _, p in pairs], [k for k, _ in pairs]
   extra = []
   if args.self_questions:
@@ -762,6 +797,39 @@ def quantized_copy(drafter: EagleDrafter, storage_dtype: str) -> EagleDrafter:
   return copy
 
 
+class DataParallel:
+  """Where a training step's arrays live (`--devices N`): with one device, where JAX puts them; with N, each
+  batch's sequences split over the first N devices and everything else (the target, the head, the optimiser)
+  replicated on them. jit then runs the step on every device at once, and its sums over the batch (the masked
+  means, hence the loss and the gradients) become sums across the devices; the updated head stays replicated.
+
+  Example:
+    >>> parallel = DataParallel(2)
+    >>> batch = parallel.rows(tokens[r])              # [B, S], B / 2 rows on each device
+    >>> parallel.replicate_module(drafter)            # in place
+  """
+
+  def __init__(self, devices: int):
+    self.devices = devices
+    if devices > 1:
+      mesh = Mesh(np.asarray(jax.devices()[:devices]), ("data",))
+      self._rows, self._whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+
+  def rows(self, x):
+    """A batch's array [B, ...], split over the devices on its first axis."""
+    return jnp.asarray(x) if self.devices == 1 else jax.device_put(x, self._rows)
+
+  def replicate(self, tree):
+    """A pytree of arrays, a copy on every device."""
+    return tree if self.devices == 1 else jax.device_put(tree, self._whole)
+
+  def replicate_module(self, module):
+    """An nnx module (head, optimiser) with its state replicated, in place; returns it."""
+    if self.devices > 1:
+      nnx.update(module, self.replicate(nnx.state(module)))
+    return module
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -777,6 +845,13 @@ def parse_args(argv):
     help="stop after this many steps (the schedule still spans --steps; 0 = run them all)",
   )
   ap.add_argument("--batch-size", type=int, default=None, help="sequences per step (smollm2 32, qwen 16)")
+  ap.add_argument(
+    "--devices",
+    type=int,
+    default=1,
+    help="data parallel over the first N devices: each holds the target, the head and --batch-size / N of the "
+    "sequences, and the gradients are summed across them (default 1)",
+  )
   ap.add_argument("--depth", type=int, default=6, help="unrolled steps (training-time test), >= the K shipped for")
   ap.add_argument(
     "--drafter",
@@ -893,7 +968,8 @@ def parse_args(argv):
     "--self-questions",
     type=int,
     default=0,
-    help="smollm2: questions the target writes itself per topic (T=0.8), added as chat prompts (0 = none)",
+    help="questions the target writes itself per topic (T=0.8), added as chat prompts (0 = none); the coder: "
+    "about coder_prompts.self_question_topics(), kind question, after --more-questions' prompts",
   )
   ap.add_argument(
     "--init",
@@ -989,11 +1065,15 @@ def parse_args(argv):
     ap.error("--more-questions is for --target qwen2.5-coder-1.5b (SmolLM2 has --more-prompts)")
   if args.data_only and not args.data_cache:
     ap.error("--data-only needs --data-cache (where the data goes)")
+  if args.devices < 1 or args.devices > len(jax.devices()):
+    ap.error(f"--devices must be in [1, {len(jax.devices())}] (the devices JAX sees), got {args.devices}")
   if args.quick:
     args.steps, args.batch_size, args.gen_tokens, args.prompt_len, args.gen_batch = min(args.steps, 4), 2, 8, 64, 8
     args.depth, args.samples, args.draft_vocab = min(args.depth, 3), [0.0, 1.0], min(args.draft_vocab, 512)
     args.prefill_tokens = min(args.prefill_tokens, 8 * 64)
     args.block_size, args.blocks_per_row = min(args.block_size, 3), min(args.blocks_per_row, 2)
+  if args.batch_size % args.devices:
+    ap.error(f"--batch-size must be a multiple of --devices {args.devices}, got {args.batch_size}")
   return spec, args
 
 
@@ -1109,6 +1189,10 @@ def main(argv=None):
   adamw = optax.adamw(schedule, b1=args.b1, weight_decay=args.weight_decay)
   optimizer = nnx.Optimizer(drafter, optax.chain(optax.clip_by_global_norm(1.0), adamw), wrt=nnx.Param)
   t_graph, t_state = nnx.split(target)
+  parallel = DataParallel(args.devices)
+  t_state = parallel.replicate(t_state)
+  parallel.replicate_module(drafter)
+  parallel.replicate_module(optimizer)
   vocab_ids = jnp.asarray(vocab if vocab is not None else np.arange(vocab_size), jnp.int32)
   # Where each token sits in the draft vocabulary (-1: outside it), for the --top1-weight term.
   vocab_pos = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids].set(jnp.arange(vocab_ids.shape[0], dtype=jnp.int32))
@@ -1180,6 +1264,7 @@ def main(argv=None):
 
   def held_out_report(head, rows=None):
     rows = np.flatnonzero(held) if rows is None else rows
+    parallel.replicate_module(head)  # a stored copy (quantized_copy) starts on one device
     if args.eval_rows:
       rows = rows[: args.eval_rows]
     sums = np.zeros((depth, 3))
@@ -1188,7 +1273,8 @@ def main(argv=None):
     for s in range(0, len(rows) - args.batch_size + 1, args.batch_size):
       r = rows[s : s + args.batch_size]
       ends = block_ends(p_lens[r], lens[r], eval_rng) if block else None
-      res = eval_step(head, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]), ends)
+      ends = None if ends is None else parallel.rows(ends)
+      res = eval_step(head, t_state, parallel.rows(tokens[r]), parallel.rows(p_lens[r]), parallel.rows(lens[r]), ends)
       sums += np.asarray([[float(d[3]), float(d[1]), float(d[2])] for d in res])
       batches += 1
     m = sums / max(batches, 1)
@@ -1230,6 +1316,8 @@ def main(argv=None):
   first = 0
   if args.state and os.path.isfile(args.state):
     first, history, commands = load_state(args.state, drafter, optimizer, rng)
+    parallel.replicate_module(drafter)
+    parallel.replicate_module(optimizer)
     print(f"resumed {args.state} at step {first}")
   checkpoint = os.path.splitext(args.out)[0] + "_checkpoint.safetensors"
   bar = tqdm(range(first, args.steps), desc="training (TTT)", initial=first, total=args.steps, mininterval=10)
@@ -1237,9 +1325,9 @@ def main(argv=None):
   step = first - 1
   for step in bar:
     r = rng.choice(train_rows, args.batch_size, replace=len(train_rows) < args.batch_size, p=row_p)
-    ends = block_ends(p_lens[r], lens[r], rng) if block else None  # rng: saved with --state, so resumable
+    ends = parallel.rows(block_ends(p_lens[r], lens[r], rng)) if block else None  # rng: in --state, so resumable
     loss, per_depth = train_step(
-      drafter, optimizer, t_state, jnp.asarray(tokens[r]), jnp.asarray(p_lens[r]), jnp.asarray(lens[r]), ends
+      drafter, optimizer, t_state, parallel.rows(tokens[r]), parallel.rows(p_lens[r]), parallel.rows(lens[r]), ends
     )
     if step % 50 == 0 or step == args.steps - 1:
       top1 = [round(float(d[1]), 3) for d in per_depth]
@@ -1286,6 +1374,7 @@ def main(argv=None):
     "steps": args.steps,
     "steps_done": step + 1,
     "batch_size": args.batch_size,
+    "devices": args.devices,
     "depth": depth,
     "drafter": args.drafter,
     "block_size": args.block_size if block else None,

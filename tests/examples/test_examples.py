@@ -9,6 +9,7 @@ to it too.
 import importlib.util
 import os
 import pathlib
+import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+ROOT = EXAMPLES.parent
 
 
 def _bench(name):
@@ -105,6 +107,47 @@ def test_train_eagle_resumed_run_equals_an_uninterrupted_one(tmp_path):
   assert "--wall-limit-s 1" in meta["commands"][0]["command"] and "--wall-limit-s" not in meta["command"]
   timed = load_file(timed)
   assert all(np.array_equal(timed[k], straight[k]) for k in straight)
+
+
+_DATA_PARALLEL_CHECK = """
+import sys
+import numpy as np
+import jax
+sys.path.insert(0, "examples")
+import train_eagle
+from safetensors.numpy import load_file
+assert len(jax.devices()) == 2, jax.devices()
+d = sys.argv[1]
+common = ["--quick", "--steps", "4", "--data-cache", d + "/data.npz"]
+one = train_eagle.main(common + ["--out", d + "/one.safetensors"])
+two = train_eagle.main(common + ["--devices", "2", "--out", d + "/two.safetensors"])
+a, b = load_file(d + "/one.safetensors"), load_file(d + "/two.safetensors")
+assert set(a) == set(b) and two["devices"] == 2
+for k in a:
+  # float16 files: one rounding step apart at most (the two programs sum the batch in another order)
+  np.testing.assert_allclose(b[k].astype(np.float32), a[k].astype(np.float32), rtol=2e-3, atol=2e-4, err_msg=k)
+np.testing.assert_allclose(two["held_out"]["ce"], one["held_out"]["ce"], rtol=1e-3)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_train_eagle_on_two_devices_trains_the_head_one_device_trains(tmp_path):
+  """--devices 2 (two CPU devices, each half of every batch): 4 steps give the head 4 steps on one device give,
+  to float16 rounding, and the same held-out figures. A step that used one device's half of the batch, or
+  averaged the halves' means where a sequence count differs, would move the weights by far more."""
+  pytest.importorskip("safetensors")
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
+  res = subprocess.run(
+    [sys.executable, "-c", _DATA_PARALLEL_CHECK, str(tmp_path)],
+    capture_output=True,
+    text=True,
+    env=dict(env, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)),
+    timeout=600,
+    cwd=ROOT,
+  )
+  assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
 @pytest.mark.slow

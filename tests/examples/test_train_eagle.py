@@ -107,6 +107,9 @@ def test_bad_arguments_are_refused_before_loading(train):
     ["--position-decay", "-1"],
     ["--grow-layers", "1"],  # nothing to grow without --init
     ["--position-decay", "nan"],
+    ["--devices", "0"],
+    ["--devices", "4096"],  # more than JAX sees
+    ["--target", "qwen2.5-coder-1.5b", "--batch-size", "3", "--devices", "2"],
   ):
     with pytest.raises(SystemExit):
       train.parse_args(argv)
@@ -295,3 +298,31 @@ def test_a_grown_head_starts_as_the_head_it_grew_from(train, layers):
   assert np.abs(np.asarray(grown.rest.w_gate_up[...][layers - 1])).max() > 0  # the new block's own weights
   grown.rest.w_down[...] = grown.rest.w_down[...] + 0.01  # once trained, the new block changes the output
   assert np.abs(logits(grown) - logits(head)).max() > 1e-4
+
+
+def test_the_coder_self_written_questions_come_last_and_leave_the_benchmark_out(train, monkeypatch):
+  """--self-questions for the coder: the questions go after --more-questions' (so data made without them extends),
+  as kind "question"; one naming a benchmark subject is dropped; no topic asked about names one."""
+  import json  # noqa: PLC0415
+
+  coder = train.coder_prompts
+  benchmark = json.load(open(EXAMPLES / "held_out_prompts.json"))["questions"]
+  assert all(coder.about_the_benchmark(q) for q in benchmark)
+  assert not any(coder.about_the_benchmark(t) for t in coder.self_question_topics())
+  assert not coder.about_the_benchmark("How do catapults and petrol engines work?")  # words, not substrings
+  spec, args = train.parse_args(["--target", "qwen2.5-coder-1.5b", "--more-questions", "--self-questions", "2"])
+  written = [spec.chat("How do owls see at night?"), spec.chat("Are dogs smarter than wolves?")]
+  asked = {}
+
+  def fake_self_questions(target, tokenizer, topics, **kw):
+    asked.update(topics=topics, **kw)
+    return written
+
+  monkeypatch.setattr(train, "self_questions", fake_self_questions)
+  monkeypatch.setattr(coder, "coder_prompts", lambda chat, **kw: [("edit", chat("Rename x."))])
+  prompts, kinds = train.target_prompts(spec, args, None, None)
+  general = coder.general_questions(spec.chat)
+  assert prompts == [spec.chat("Rename x.")] + [p for _, p in general] + written[:1]
+  assert kinds == ["edit"] + ["question"] * (len(general) + 1)
+  assert asked["samples"] == 2 and asked["chat"] is spec.chat and asked["eos"] == spec.eos
+  assert asked["topics"] == coder.self_question_topics()
