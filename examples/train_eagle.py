@@ -712,9 +712,9 @@ def kind_probabilities(kinds, weights: dict[str, float]):
   return w / w.sum()
 
 
-def save_state(path, drafter, optimizer, rng, step, history, commands) -> None:
+def save_state(path, drafter, optimizer, rng, step, history, commands, init_report=None) -> None:
   """Everything a run needs to continue exactly: weights, optimiser, next step, the data order's RNG, history,
-  and the commands of the runs so far (the head's JSON records them all)."""
+  the commands of the runs so far and the --init head's held-out report (the head's JSON records them all)."""
   arrays = {
     "drafter": nnx.to_pure_dict(nnx.state(drafter, nnx.Param)),
     "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
@@ -725,6 +725,7 @@ def save_state(path, drafter, optimizer, rng, step, history, commands) -> None:
     "rng": json.dumps(rng.bit_generator.state),
     "history": json.dumps(history),
     "commands": json.dumps(commands),
+    "init_report": json.dumps(init_report),
   }
   tmp = path + ".tmp"
   with open(tmp, "wb") as f:
@@ -732,9 +733,9 @@ def save_state(path, drafter, optimizer, rng, step, history, commands) -> None:
   os.replace(tmp, path)
 
 
-def load_state(path, drafter, optimizer, rng) -> tuple[int, list, list]:
+def load_state(path, drafter, optimizer, rng) -> tuple[int, list, list, dict | None]:
   """Restores `save_state`'s file into drafter, optimizer and rng (in place); returns (next step, history,
-  the earlier runs' commands)."""
+  the earlier runs' commands, the --init head's report made by the first run or None)."""
   with open(path, "rb") as f:
     state = serialization.msgpack_restore(f.read())
   params = nnx.state(drafter, nnx.Param)
@@ -744,7 +745,12 @@ def load_state(path, drafter, optimizer, rng) -> tuple[int, list, list]:
   nnx.replace_by_pure_dict(opt, state["optimizer"])
   nnx.update(optimizer, opt)
   rng.bit_generator.state = json.loads(state["rng"])
-  return int(state["step"]), json.loads(state["history"]), json.loads(state.get("commands", "[]"))
+  return (
+    int(state["step"]),
+    json.loads(state["history"]),
+    json.loads(state.get("commands", "[]")),
+    json.loads(state.get("init_report", "null")),
+  )
 
 
 def build_drafter(target, *, num_layers, d_ff, vocab, seed, target_rows=None) -> EagleDrafter:
@@ -1315,7 +1321,7 @@ def main(argv=None):
   history, commands = [], []
   first = 0
   if args.state and os.path.isfile(args.state):
-    first, history, commands = load_state(args.state, drafter, optimizer, rng)
+    first, history, commands, init_report = load_state(args.state, drafter, optimizer, rng)
     parallel.replicate_module(drafter)
     parallel.replicate_module(optimizer)
     print(f"resumed {args.state} at step {first}")
@@ -1351,7 +1357,7 @@ def main(argv=None):
   command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
   commands = commands + [{"command": command, "steps": [first, step + 1], "train_seconds": round(train_seconds, 1)}]
   if args.state:
-    save_state(args.state, drafter, optimizer, rng, step + 1, history, commands)
+    save_state(args.state, drafter, optimizer, rng, step + 1, history, commands, init_report)
   if args.checkpoint_every:  # float16 whatever --storage-dtype: what a later --init continues from
     save(drafter, checkpoint, metadata={"step": step + 1})
   if args.state and deadline and (step + 1 < (args.stop_at_step or args.steps) or time.time() > deadline - 100):
@@ -1400,6 +1406,7 @@ def main(argv=None):
     "held_out_by_kind": {k: v for k, v in report.items() if k != "all"},
     "held_out_stored": stored,
     "init_held_out": None if init_report is None else init_report["all"],
+    "init_held_out_by_kind": None if init_report is None else {k: v for k, v in init_report.items() if k != "all"},
     "history": history,
   }
   save(drafter, args.out, metadata=meta, storage_dtype=args.storage_dtype)

@@ -201,6 +201,13 @@ def test_train_eagle_init_continues_from_a_given_head(tmp_path):
   meta = json.load(open(tmp_path / "same.json"))
   # The --init head is measured on the held-out split before training; at lr 0 nothing changes.
   assert meta["init_held_out"] is not None and meta["init_held_out"] == meta["held_out"]
+  # Spanning two commands (--state), the first command's report of the --init head reaches the head's JSON.
+  state, spanned = str(tmp_path / "state.msgpack"), str(tmp_path / "spanned.safetensors")
+  spanned_run = common + ["--steps", "2", "--lr", "0", "--init", first, "--state", state, "--out", spanned]
+  train.main(spanned_run + ["--stop-at-step", "1"])
+  resumed = train.main(spanned_run)
+  assert [c["steps"] for c in resumed["commands"]] == [[0, 1], [1, 2]]
+  assert resumed["init_held_out"] == meta["init_held_out"] and resumed["init_held_out_by_kind"] == {}
   assert not all(np.array_equal(b[k], a[k]) for k in a)
   with pytest.raises(SystemExit):
     train.main(common + ["--init", str(tmp_path / "missing.safetensors")])
