@@ -7,7 +7,10 @@ argmax; T=1: a draw, and the [B, V] probabilities the loop keeps for the
 rejection sampler). The loop body is `bench/smollm2.py`'s component
 (`_eagle_round_fn`); the weights are random bf16 ones of the shipped
 SmolLM2 head's shape (2 blocks, D=576, a draft vocabulary of 8192 of 49152
-tokens): the time does not depend on their values, so no GGUF is needed.
+tokens) or, with `--shape qwen2.5-coder-1.5b`, of a head for that target (D=1536,
+V=151936; the shipped one: `--num-layers 1 --d-ff 4096 --draft-vocab 32768`):
+the time does not depend on their values, so no GGUF is needed. `--draft-vocab`
+takes a comma list, one set of rows per size (what the output layer costs).
 
 Variants:
     xla-separate   XLA's blocks with q, k, v and gate, up as separate matrices
@@ -19,6 +22,8 @@ Variants:
 
 Usage (GPU):
     PYTHONPATH=. python3 bench/eagle_draft.py --out $OUT/draft --ks 2,3 --modes greedy,t1 --trace /tmp/trace
+    PYTHONPATH=. python3 bench/eagle_draft.py --out $OUT/draft --shape qwen2.5-coder-1.5b --num-layers 1 \
+        --d-ff 4096 --draft-vocab 32768,16384,8192 --variants pallas --ks 4 --modes greedy
 
 Writes eagle_draft.json (and eagle_draft.png): microseconds per draft phase
 and per head call, and with --trace each variant's costliest kernels (the
@@ -53,33 +58,39 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench import decode as bd  # noqa: E402
 from bench.smollm2 import _eagle_round_fn  # noqa: E402
-from bench.step_profile import SMOLLM2, profile_kernels  # noqa: E402
+from bench.step_profile import SHAPES, profile_kernels  # noqa: E402
 from specdec_jax.models import EagleDrafter, Transformer, TransformerConfig  # noqa: E402
 from specdec_jax.models.eagle import _Params, _separate  # noqa: E402
 from specdec_jax.sampling.sample import sample_tokens  # noqa: E402
 
 VARIANTS = ("xla-separate", "xla", "pallas")
-FEATURE_LAYERS = (2, 15, 27)  # the shipped head's
+FEATURE_LAYERS = {"smollm2": (2, 15, 27), "qwen2.5-coder-1.5b": (2, 14, 25)}  # the shipped heads'
 
 
-def build_heads(dtype, num_layers: int, draft_vocab: int, variants) -> dict[str, EagleDrafter]:
-  """{variant: head}, all with the same random weights (see the module docstring)."""
-  target_config = TransformerConfig(
-    **{**SMOLLM2, "num_layers": max(FEATURE_LAYERS) + 1}, dtype=dtype, feature_layers=FEATURE_LAYERS
-  )
+def build_heads(
+  dtype, num_layers: int, draft_vocab: int, variants, *, shape: str = "smollm2", d_ff: int = 0
+) -> dict[str, EagleDrafter]:
+  """{variant: head}, all with the same random weights (see the module docstring), for a target of `shape`
+  (bench/step_profile.py's SHAPES) with an MLP of d_ff (0: the target's)."""
+  dims, layers = SHAPES[shape], FEATURE_LAYERS[shape]
+  target_config = TransformerConfig(**{**dims, "num_layers": max(layers) + 1}, dtype=dtype, feature_layers=layers)
   target = nnx.eval_shape(lambda: Transformer(target_config, rngs=nnx.Rngs(0)))  # only its embedding is used
-  target.embed = nnx.Param(
-    0.02 * jax.random.normal(jax.random.key(1), (SMOLLM2["vocab_size"], SMOLLM2["d_model"]), dtype)
-  )
-  vocab = np.random.default_rng(0).permutation(SMOLLM2["vocab_size"])[:draft_vocab] if draft_vocab else None
-  base = EagleDrafter.for_target(target, num_layers=num_layers, draft_vocab=vocab, rngs=nnx.Rngs(2))
+  target.embed = nnx.Param(0.02 * jax.random.normal(jax.random.key(1), (dims["vocab_size"], dims["d_model"]), dtype))
+  head_rows = target.embed[...]
+  if not dims.get("tie_embeddings", True):  # an output head of its own [D, V]
+    target.lm_head = nnx.Param(
+      0.02 * jax.random.normal(jax.random.key(3), (dims["d_model"], dims["vocab_size"]), dtype)
+    )
+    head_rows = target.lm_head[...].T
+  vocab = np.random.default_rng(0).permutation(dims["vocab_size"])[:draft_vocab] if draft_vocab else None
+  base = EagleDrafter.for_target(target, num_layers=num_layers, draft_vocab=vocab, d_ff=d_ff or None, rngs=nnx.Rngs(2))
   weights, embed = base.to_weights(), target.embed[...]
   heads = {}
   for name in variants:
     config = base.config
     if name == "pallas":
       config = dataclasses.replace(config, layers=config.layers.replace(kernels="pallas"))
-    head = EagleDrafter.from_weights(config, weights, embed=embed, head_rows=embed)
+    head = EagleDrafter.from_weights(config, weights, embed=embed, head_rows=head_rows)
     if name == "xla-separate":
       head.first = _Params(_separate(head.first.values(), config.layers))
       if num_layers > 1:
@@ -176,7 +187,11 @@ def parse_args(argv=None):
   ap.add_argument("--modes", default="greedy,t1", help="comma list of greedy, t1 (default both)")
   ap.add_argument("--batch-size", type=int, default=1)
   ap.add_argument("--num-layers", type=int, default=2, help="the head's blocks (default 2, the shipped head's)")
-  ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0 = all 49152)")
+  ap.add_argument("--shape", choices=tuple(SHAPES), default="smollm2", help="the target's shape (default smollm2)")
+  ap.add_argument("--d-ff", type=int, default=0, help="the head's MLP width (0 = the target's)")
+  ap.add_argument(
+    "--draft-vocab", default="8192", help="comma list of draft vocabulary sizes (0 = the whole; default 8192)"
+  )
   ap.add_argument("--cache-len", type=int, default=320)
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on a GPU, float32 elsewhere")
   ap.add_argument("--target-ms", type=float, default=50.0, help="length of one timed loop")
@@ -199,8 +214,15 @@ def parse_args(argv=None):
     args.ks = [int(k) for k in args.ks.split(",")]
   except ValueError:
     ap.error(f"--ks must be a comma list of ints, got {args.ks!r}")
-  if min(args.ks) < 1 or args.batch_size < 1 or args.num_layers < 1 or not 0 <= args.draft_vocab <= 49152:
-    ap.error("--ks >= 1, --batch-size >= 1, --num-layers >= 1 and --draft-vocab in [0, 49152] are required")
+  try:
+    args.draft_vocab = [int(n) for n in str(args.draft_vocab).split(",")]
+  except ValueError:
+    ap.error(f"--draft-vocab must be a comma list of ints, got {args.draft_vocab!r}")
+  v = SHAPES[args.shape]["vocab_size"]
+  if min(args.ks) < 1 or args.batch_size < 1 or args.num_layers < 1 or args.d_ff < 0:
+    ap.error("--ks >= 1, --batch-size >= 1, --num-layers >= 1 and --d-ff >= 0 are required")
+  if not all(0 <= n <= v for n in args.draft_vocab):
+    ap.error(f"--draft-vocab sizes must be in [0, {v}] (the {args.shape} vocabulary), got {args.draft_vocab}")
   if args.cache_len < 4 * max(args.ks) + 8:
     ap.error(f"--cache-len must be at least 4 K + 8 = {4 * max(args.ks) + 8}")
   return args
@@ -212,13 +234,22 @@ def main(argv=None) -> dict:
   if "pallas" in args.variants and (not common.has_gpu() or dtype == jnp.float32):
     print("pallas: the kernels need a GPU and bf16; that variant runs XLA's blocks here")
   os.makedirs(args.out, exist_ok=True)
-  heads = build_heads(dtype, args.num_layers, args.draft_vocab, args.variants)
   p0 = args.cache_len // 4
   rows, kernels = [], {}
+  for draft_vocab in args.draft_vocab:
+    heads = build_heads(dtype, args.num_layers, draft_vocab, args.variants, shape=args.shape, d_ff=args.d_ff)
+    rows += _time_heads(args, heads, p0, kernels, draft_vocab)
+  return _report(args, dtype, rows, kernels)
+
+
+def _time_heads(args, heads, p0, kernels, draft_vocab) -> list[dict]:
+  """The rows of one draft vocabulary's heads: every mode, K and variant."""
+  rows = []
   for mode in args.modes:
     for k in args.ks:
       for name in args.variants:
-        trace = os.path.join(args.trace, name) if args.trace and mode == args.modes[0] and k == args.ks[0] else None
+        first = mode == args.modes[0] and k == args.ks[0] and draft_vocab == args.draft_vocab[0]
+        trace = os.path.join(args.trace, name) if args.trace and first else None
         r = draft_phase(
           heads[name],
           b=args.batch_size,
@@ -244,6 +275,7 @@ def main(argv=None) -> dict:
             "variant": name,
             "mode": mode,
             "K": k,
+            "draft_vocab": draft_vocab,
             "us": r["per_iter_s"] * 1e6,
             "us_per_call": r["per_iter_s"] * 1e6 / k,
             "compile_s": r["compile_s"],
@@ -252,10 +284,15 @@ def main(argv=None) -> dict:
           }
         )
         print(
-          f"{mode:6s} K={k} {name:13s} {rows[-1]['us']:8.1f} us per draft phase "
+          f"{mode:6s} K={k} draft vocabulary {draft_vocab:6d} {name:13s} {rows[-1]['us']:8.1f} us per draft phase "
           f"({rows[-1]['us_per_call']:.1f} per head call; compile {r['compile_s']:.1f}s)",
           flush=True,
         )
+  return rows
+
+
+def _report(args, dtype, rows, kernels) -> dict:
+  """Writes eagle_draft.json (and the plot); returns the report."""
   report = {
     "info": {**common.device_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
     "config": vars(args),
@@ -281,14 +318,18 @@ def plot(rows, path, title):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
-  cells = list(dict.fromkeys((r["mode"], r["K"]) for r in rows))
+  cells = list(dict.fromkeys((r["mode"], r["K"], r["draft_vocab"]) for r in rows))
   names = list(dict.fromkeys(r["variant"] for r in rows))
   fig, ax = plt.subplots(figsize=(8, 4))
   width = 0.8 / len(names)
   for j, name in enumerate(names):
-    us = [next((r["us"] for r in rows if r["variant"] == name and (r["mode"], r["K"]) == c), 0) for c in cells]
+    us = [
+      next((r["us"] for r in rows if r["variant"] == name and (r["mode"], r["K"], r["draft_vocab"]) == c), 0)
+      for c in cells
+    ]
     ax.bar(np.arange(len(cells)) + j * width, us, width, label=name)
-  ax.set_xticks(np.arange(len(cells)) + width * (len(names) - 1) / 2, [f"{m} K={k}" for m, k in cells])
+  labels = [f"{m} K={k}" + (f"\nVd={n}" if len({c[2] for c in cells}) > 1 else "") for m, k, n in cells]
+  ax.set_xticks(np.arange(len(cells)) + width * (len(names) - 1) / 2, labels)
   ax.set_ylabel("us per draft phase")
   ax.set_title(title, fontsize=9)
   ax.legend()
