@@ -462,6 +462,25 @@ TARGETS = {
 CODE_KINDS = ("implement", "complete", "edit", "tests")
 
 
+def written_questions(spec: Target, args, tokenizer, target, topics, drop=lambda q: False) -> list[str]:
+  """--self-questions: `self_questions` about `topics` (the first 4 with --quick) in the target's chat template,
+  less those `drop` names; prints how many were kept and a few."""
+  written = self_questions(
+    target,
+    tokenizer,
+    topics[:4] if args.quick else topics,
+    samples=args.self_questions,
+    seed=args.seed,
+    batch_size=args.gen_batch,
+    chat=spec.chat,
+    eos=spec.eos,
+  )
+  kept = [q for q in written if not drop(q)]
+  shown = [q.split("user\n")[-1].split("<|im_end|>")[0] for q in kept[:3]]
+  print(f"self-written questions: {len(kept)} kept of {len(written)}, e.g. " + " | ".join(shown))
+  return kept
+
+
 def target_prompts(spec: Target, args, tokenizer, target) -> tuple[list[str], list[str]]:
   """(prompts, kinds) for the target: SmolLM2's chat and code lists, or the coder's (examples/coder_prompts.py)."""
   if spec.name == "qwen2.5-coder-1.5b":
@@ -471,36 +490,12 @@ def target_prompts(spec: Target, args, tokenizer, target) -> tuple[list[str], li
       pairs += coder_prompts.general_questions(spec.chat)[: 4 if args.quick else None]
     if args.self_questions:  # appended after those, for the same reason
       topics = coder_prompts.self_question_topics()
-      written = self_questions(
-        target,
-        tokenizer,
-        topics[:4] if args.quick else topics,
-        samples=args.self_questions,
-        seed=args.seed,
-        batch_size=args.gen_batch,
-        chat=spec.chat,
-        eos=spec.eos,
-      )
-      kept = [q for q in written if not coder_prompts.about_the_benchmark(q)]
-      shown = [q.split("user\n")[-1].split("<|im_end|>")[0] for q in kept[:3]]
-      print(f"self-written questions: {len(kept)} kept of {len(written)}, e.g. " + " | ".join(shown))
+      kept = written_questions(spec, args, tokenizer, target, topics, drop=coder_prompts.about_the_benchmark)
       pairs += [("question", q) for q in kept]
     return [p for _, p in pairs], [k for k, _ in pairs]
   extra = []
   if args.self_questions:
-    topics = TOPICS + EXTRA_TOPICS if args.more_prompts else TOPICS
-    extra = self_questions(
-      target,
-      tokenizer,
-      topics[:4] if args.quick else topics,
-      samples=args.self_questions,
-      seed=args.seed,
-      batch_size=args.gen_batch,
-    )
-    print(
-      f"self-written questions: {len(extra)} kept, e.g. "
-      + " | ".join(q.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0] for q in extra[:4])
-    )
+    extra = written_questions(spec, args, tokenizer, target, TOPICS + EXTRA_TOPICS if args.more_prompts else TOPICS)
   prompts = all_prompts(
     args.quick,
     args.seed,
