@@ -29,7 +29,7 @@ cycling from the first prompt), on the held-out prompts of examples/held_out_pro
 each configuration compiles once), `--max-new-tokens` (256), eos = the model's EOS ids. Configurations
 per kernels value: plain `generate`; `speculative_generate` with `PromptLookupDrafter((3, 2))` at K in
 `--ks` (2,4,8); with an EAGLE head, chains at K in `--eagle-ks` (2) and trees `--trees` (3x2x1, K = its
-depth); with `--block PATH` (a block drafter's file, the coder), chains at K in `--block-ks` (8) and trees
+depth), the head on the target's blocks or on `--eagle-kernels`; with `--block PATH` (a block drafter's file, the coder), chains at K in `--block-ks` (8) and trees
 `--block-trees` (none; the `--trees` syntax, K = its depth). Per configuration: tokens/s = emitted tokens of
 the prompts, run one after the other / wall time (median of `--repeats` (3) sweeps after one compile sweep),
 speed-up over the BEST plain generate of all kernels values (and over the same kernels value's), mean accepted
@@ -695,6 +695,12 @@ def parse_args(argv=None):
   ap.add_argument("--ks", type=ints, help="prompt lookup K (default 2,4,8; quick 2)")
   ap.add_argument("--eagle-ks", type=ints, help="EAGLE chain K (default 2)")
   ap.add_argument("--eagle", default="", help="an EAGLE head file for the model instead of the shipped one")
+  ap.add_argument(
+    "--eagle-kernels",
+    choices=("same", "xla", "pallas"),
+    default="same",
+    help="the EAGLE head's blocks: the target's --kernels value (same, the default), or xla / pallas",
+  )
   ap.add_argument("--block", default="", help="a block drafter's file (the coder; chains at --block-ks)")
   ap.add_argument("--block-ks", type=ints, help="block drafter chain K (default 8)")
   ap.add_argument("--trees", type=strs, help="EAGLE trees, branching factors joined by x (default 3x2x1)")
@@ -827,7 +833,8 @@ def main(argv=None):
         model = Transformer.from_weights(first_config.replace(kernels=kernels), host_weights)
       eagle = None
       if spec.load_eagle and (spec.shipped_eagle or args.eagle):
-        eagle = spec.load_eagle(jnp.dtype(args.dtype), kernels, args.eagle or None)
+        head_kernels = kernels if args.eagle_kernels == "same" else args.eagle_kernels
+        eagle = spec.load_eagle(jnp.dtype(args.dtype), head_kernels, args.eagle or None)
       block = spec.load_block(jnp.dtype(args.dtype), args.block) if args.block else None
     except Exception as e:  # noqa: BLE001
       error(report, f"load kernels={kernels}", e)
