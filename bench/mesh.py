@@ -334,7 +334,7 @@ def compiled_programs(target, draft, mesh, b: int, args) -> dict[str, list]:
       None,
       target_def=target_def,
       draft_def=draft_def,
-      feature_draft=False,
+      drafter="model",
       num_speculative_tokens=args.k,
       tree=None,
       **static,

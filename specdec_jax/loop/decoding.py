@@ -712,11 +712,8 @@ def _speculative_generate(
     all_greedy,
     extra_slots=_slots_per_round(tree, k) + 1,
   )
-  feature_draft = hasattr(draft, "fuse") and hasattr(draft, "feature_layers")
-  block_draft = feature_draft and hasattr(draft, "block_size")
-  checked = [("target", target)] + (
-    [] if feature_draft or isinstance(draft, PromptLookupDrafter) else [("draft", draft)]
-  )
+  drafter = drafter_kind(draft)
+  checked = [("target", target)] + ([("draft", draft)] if drafter == "model" else [])
   _check_context(where, checked, prompt_tokens.shape[1], max_new_tokens)
   _check_bias_vocab(where, target, params, prompt_tokens)
   if grammar is not None:
@@ -724,10 +721,10 @@ def _speculative_generate(
   if no_filters:
     params = params.promise_no_filters()  # static: the draft's sampler and the verifier read it
   target_def, target_arrays = _split(target, "target")
-  if isinstance(draft, PromptLookupDrafter):
+  if drafter == "lookup":
     draft_def, draft_arrays = draft, None
   else:
-    if feature_draft:
+    if drafter in FEATURE_DRAFTERS:
       target_layers = getattr(getattr(target, "config", None), "feature_layers", None)
       if tuple(draft.feature_layers) != tuple(target_layers or ()):
         raise ValueError(
@@ -735,7 +732,7 @@ def _speculative_generate(
           f"target's config.feature_layers are {target_layers}; build the target with the "
           f"drafter's feature_layers"
         )
-    draft_def, draft_arrays = _split(draft, "draft", feature_drafter=feature_draft)
+    draft_def, draft_arrays = _split(draft, "draft", feature_drafter=drafter in FEATURE_DRAFTERS)
   return _speculative_jit(
     target_arrays,
     draft_arrays,
@@ -746,8 +743,7 @@ def _speculative_generate(
     None if all_greedy else key,
     target_def=target_def,
     draft_def=draft_def,
-    feature_draft=feature_draft,
-    block_draft=block_draft,
+    drafter=drafter,
     num_speculative_tokens=int(k),
     max_new_tokens=max_new_tokens,
     eos=eos,
@@ -830,7 +826,7 @@ def _speculative_program(
   *,
   target_def,
   draft_def,
-  feature_draft,
+  drafter,
   num_speculative_tokens,
   max_new_tokens,
   eos,
@@ -839,7 +835,6 @@ def _speculative_program(
   tree,
   method="token",
   forced_accepts=None,
-  block_draft=False,
 ):
   """The body of `speculative_generate`'s jit: models, start, rounds until every row ends, outputs.
 
@@ -849,8 +844,8 @@ def _speculative_program(
     prompt_tokens: int32 [B, P]; prompt_lengths: int32 [B] (clipped into [1, P] here).
     params: SamplingParams of batch B; key: a key or [B] keys, None when all_greedy.
     target_def, draft_def: the models' static halves (draft_def is the `PromptLookupDrafter` itself for lookup).
-    feature_draft: the drafter reads the target's features (EAGLE); block_draft: it is a block drafter too
-      (`BlockDraft`: all K drafts' logits from one call).
+    drafter: what drafts (`drafter_kind`): "lookup", "model", "features" (a feature drafter: EAGLE) or "block"
+      (a block drafter, `BlockDraft`: all K drafts' logits from one call).
     num_speculative_tokens, max_new_tokens, eos, all_greedy, logprobs, tree, method: as `speculative_generate`
       checked them (tree None for a chain).
     forced_accepts: None, or the benchmark knob of `specdec_jax.loop.forced` (NOT LOSSLESS).
@@ -873,7 +868,7 @@ def _speculative_program(
 
   # Models, as functions inside the program.
   t_init, t_apply = _model_fns(target_def, target_arrays, "target", b)
-  kind = _draft_kind(draft_def, draft_arrays, feature_draft=feature_draft, block_draft=block_draft, b=b, k=k, tree=tree)
+  kind = _draft_kind(draft_def, draft_arrays, drafter=drafter, b=b, k=k, tree=tree)
   setup = RoundSetup(
     kind=kind,
     target_apply=t_apply,
@@ -927,13 +922,32 @@ def _speculative_program(
 _speculative_jit = _jit(_speculative_program, "_speculative_jit")
 
 
-def _draft_kind(draft_def, draft_arrays, *, feature_draft, block_draft, b, k, tree) -> DraftKind:
-  """The draft kind that drives the drafter: `LookupDraft`, `BlockDraft`, `FeatureDraft` or `ModelDraft`."""
-  if isinstance(draft_def, PromptLookupDrafter):
+FEATURE_DRAFTERS = ("features", "block")  # the drafters that read the target's features
+
+
+def drafter_kind(draft) -> str:
+  """What drafts for `speculative_generate`: "lookup" (a `PromptLookupDrafter`), "block" (a block drafter:
+  K drafts from one call), "features" (a feature drafter such as `EagleDrafter`: it reads the target's
+  features) or "model" (a small language model).
+
+  Example:
+    >>> drafter_kind(PromptLookupDrafter(2))   # 'lookup'
+  """
+  if isinstance(draft, PromptLookupDrafter):
+    return "lookup"
+  if hasattr(draft, "fuse") and hasattr(draft, "feature_layers"):
+    return "block" if hasattr(draft, "block_size") else "features"
+  return "model"
+
+
+def _draft_kind(draft_def, draft_arrays, *, drafter, b, k, tree) -> DraftKind:
+  """The draft kind that drives the drafter (`drafter_kind`'s name): `LookupDraft`, `BlockDraft`,
+  `FeatureDraft` or `ModelDraft`."""
+  if drafter == "lookup":
     return LookupDraft(draft_def, k)
-  if block_draft:
+  if drafter == "block":
     return BlockDraft(draft_def, draft_arrays, b, k)
-  if feature_draft:
+  if drafter == "features":
     return FeatureDraft(draft_def, draft_arrays, b, k)
   return ModelDraft(
     *_model_fns(draft_def, draft_arrays, "draft", b),
