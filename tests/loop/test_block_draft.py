@@ -20,7 +20,7 @@ from specdec_jax.models import BlockDrafter, EagleDrafter
 from specdec_jax.sampling.params import SamplingParams
 from tests.loop.grammar_fixtures import host_walk, random_grammar
 from tests.support.compiles import count_compiles
-from tests.support.lossless import assert_first_tokens_follow, assert_sampled_tree_follows
+from tests.support.lossless import assert_first_tokens_follow, assert_sampled_tree_follows, first_tokens_run
 from tests.support.planted import accept_first_children
 from tests.support.tiny_lm import check_output, make_prompts
 from tests.support.tiny_transformers import V, distil_block, greedy_case, sampled_tree_case, unit_target
@@ -91,11 +91,7 @@ def test_sampled_block_drafter_is_lossless(monkeypatch):
   verifier the wrong position's law as q is rejected."""
   target, drafter, prompts, lengths, params, joint = _sampled_case()
 
-  def run():
-    out = speculative_generate(
-      target, drafter, prompts, lengths, params, jax.random.key(7), max_new_tokens=4, num_speculative_tokens=2
-    )
-    return out, np.asarray(out.tokens)[:, :3]
+  run = first_tokens_run(target, drafter, prompts, lengths, params, 7, max_new_tokens=4)
 
   monkeypatch.setattr(draft_kinds.BlockDraft, "_correct_propose", draft_kinds.BlockDraft.propose_chain, raising=False)
   out = assert_first_tokens_follow(

@@ -17,7 +17,15 @@ from specdec_jax.loop.decoding import generate, speculative_generate
 from specdec_jax.loop.state import DecodeStats, GenerateOutput
 from specdec_jax.sampling.params import SamplingParams
 from tests.support.compiles import count_compiles
-from tests.support.lossless import N_ROWS, SMALL_V, TEMPERATURE, TOP_K, assert_first_tokens_follow, exact_joint
+from tests.support.lossless import (
+  N_ROWS,
+  SMALL_V,
+  TEMPERATURE,
+  TOP_K,
+  assert_first_tokens_follow,
+  exact_joint,
+  first_tokens_run,
+)
 from tests.support.tiny_lm import BigramLM, TinyLM, check_output, make_prompts
 
 # ----------------------------------------------------------------------------
@@ -394,19 +402,7 @@ def test_sampled_speculative_is_lossless(monkeypatch, verification):
   joint = exact_joint(target, prompt)
   np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
 
-  def run():
-    out = speculative_generate(
-      target,
-      draft,
-      prompts,
-      lengths,
-      params,
-      jax.random.key(42),
-      max_new_tokens=3,
-      num_speculative_tokens=2,
-      verification=verification,
-    )
-    return out, np.asarray(out.tokens)
+  run = first_tokens_run(target, draft, prompts, lengths, params, 42, verification=verification)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, f"speculative_generate({verification}), first 3 tokens")
   check_output(out, 3, 2)

@@ -32,7 +32,7 @@ from specdec_jax import PromptLookupDrafter, SamplingParams, generate, rejection
 from specdec_jax.loop import chain_round, decoding
 from specdec_jax.sampling.penalties import apply_penalties
 from tests.support import sampling_reference as ref
-from tests.support.lossless import N_ROWS, SMALL_V, assert_first_tokens_follow, continuation_logits
+from tests.support.lossless import N_ROWS, SMALL_V, assert_first_tokens_follow, continuation_logits, first_tokens_run
 from tests.support.option_rows import rows_params
 from tests.support.stats import ALPHA, assert_gof, chisquare_gof
 from tests.support.tiny_lm import TinyLM, check_output, make_prompts
@@ -367,19 +367,7 @@ def test_sampled_speculative_with_penalties_is_lossless(drafter, verification, m
   # The options move the law by far more than the test resolves.
   assert 0.5 * np.abs(joint - _exact_joint_with_penalties(target, {})).sum() > 0.1
 
-  def run():
-    out = speculative_generate(
-      target,
-      draft,
-      prompts,
-      lengths,
-      params,
-      jax.random.key(42),
-      max_new_tokens=3,
-      num_speculative_tokens=2,
-      verification=verification,
-    )
-    return out, np.asarray(out.tokens)
+  run = first_tokens_run(target, draft, prompts, lengths, params, 42, verification=verification)
 
   out = assert_first_tokens_follow(
     run,

@@ -32,6 +32,7 @@ from tests.support.lossless import (
   assert_first_tokens_follow,
   assert_sampled_tree_follows,
   exact_joint,
+  first_tokens_run,
 )
 from tests.support.planted import accept_first_children
 from tests.support.tiny_lm import TinyLM, check_output, make_prompts
@@ -424,19 +425,7 @@ def test_sampled_lookup_tree_is_lossless(monkeypatch):
   params = SamplingParams.create(jnp.full((N_ROWS,), TEMPERATURE), top_k=TOP_K)
   joint = exact_joint(target, prompt)
 
-  def run():
-    out = speculative_generate(
-      target,
-      PromptLookupDrafter(1),
-      prompts,
-      lengths,
-      params,
-      jax.random.key(9),
-      max_new_tokens=3,
-      num_speculative_tokens=2,
-      draft_tree=(3, 1),
-    )
-    return out, np.asarray(out.tokens)
+  run = first_tokens_run(target, PromptLookupDrafter(1), prompts, lengths, params, 9, draft_tree=(3, 1))
 
   assert_first_tokens_follow(
     run,

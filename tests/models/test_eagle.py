@@ -19,7 +19,7 @@ from specdec_jax.models import TransformerConfig
 from specdec_jax.models.eagle import EagleConfig, EagleDrafter, eagle_weight_shapes
 from specdec_jax.sampling.params import SamplingParams
 from tests.support.compiles import count_compiles
-from tests.support.lossless import assert_first_tokens_follow
+from tests.support.lossless import assert_first_tokens_follow, first_tokens_run
 from tests.support.tiny_lm import check_output, make_prompts
 from tests.support.tiny_transformers import CONFIG, V, sampled_tree_case, unit_target
 
@@ -218,11 +218,7 @@ def test_sampled_speculative_with_feature_drafter_is_lossless(monkeypatch):
   # the prompt [1, 5, 2, 7] and the exact joint: the sampled dynamic tree's case, built once per process.
   target, drafter, prompts, lengths, params, joint = sampled_tree_case("eagle")
 
-  def run():
-    out = speculative_generate(
-      target, drafter, prompts, lengths, params, jax.random.key(7), max_new_tokens=4, num_speculative_tokens=2
-    )
-    return out, np.asarray(out.tokens)[:, :3]
+  run = first_tokens_run(target, drafter, prompts, lengths, params, 7, max_new_tokens=4)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, "EAGLE speculative_generate, first 3 tokens")
   check_output(out, 4, 2)

@@ -32,7 +32,7 @@ from specdec_jax.sampling.sample import sample_tokens
 from specdec_jax.sampling.stats import log_probs_from_stats, position_stats
 from tests.support import sampling_reference as ref
 from tests.support import stats
-from tests.support.lossless import N_ROWS, SMALL_V, assert_first_tokens_follow, continuation_logits
+from tests.support.lossless import N_ROWS, SMALL_V, assert_first_tokens_follow, continuation_logits, first_tokens_run
 from tests.support.tiny_lm import TinyLM
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -256,19 +256,7 @@ def test_speculative_generate_no_filters_is_lossless(monkeypatch):
   lengths = jnp.full((N_ROWS,), len(prompt), jnp.int32)
   params = SamplingParams.create(jnp.full((N_ROWS,), 0.8))
 
-  def run():
-    out = speculative_generate(
-      target,
-      draft,
-      prompts,
-      lengths,
-      params,
-      jax.random.key(42),
-      max_new_tokens=3,
-      num_speculative_tokens=2,
-      no_filters=True,
-    )
-    return out, np.asarray(out.tokens)
+  run = first_tokens_run(target, draft, prompts, lengths, params, 42, no_filters=True)
 
   out = assert_first_tokens_follow(run, joint, monkeypatch, "speculative_generate(no_filters=True), first 3 tokens")
   assert 0.05 < float(out.stats.acceptance_rate) < 0.95

@@ -88,12 +88,13 @@ def assert_first_tokens_follow(run, joint, monkeypatch, label, planted=None):
   return out
 
 
-def assert_sampled_tree_follows(case, tree, monkeypatch, label, planted):
-  """The sampled tree tests' check: 3 new tokens of `case` = (target, draft, prompts, lengths, params, joint)
-  (`tiny_transformers.sampled_tree_case`) with `draft_tree=tree` (K=2), by `assert_first_tokens_follow`, the
-  tree verifier swapped for `planted` (a wrong `tree_rejection_sample`, `tests.support.planted`) to show the
-  check's power. Returns the correct run's output, its invariants checked."""
-  target, draft, prompts, lengths, params, joint = case
+def first_tokens_run(target, draft, prompts, lengths, params, seed, *, max_new_tokens=3, **options):
+  """A `run` for `assert_first_tokens_follow`: `speculative_generate` of the case with K=2 and the key `seed`
+  (`options` passed on: a tree, a verification method, ...), returning (its output, every row's first 3 tokens).
+
+  Example:
+    >>> run = first_tokens_run(target, draft, prompts, lengths, params, 42, verification="block")
+  """
 
   def run():
     out = decoding.speculative_generate(
@@ -102,13 +103,23 @@ def assert_sampled_tree_follows(case, tree, monkeypatch, label, planted):
       prompts,
       lengths,
       params,
-      jax.random.key(8),
-      max_new_tokens=3,
+      jax.random.key(seed),
+      max_new_tokens=max_new_tokens,
       num_speculative_tokens=2,
-      draft_tree=tree,
+      **options,
     )
-    return out, np.asarray(out.tokens)
+    return out, np.asarray(out.tokens)[:, :3]
 
+  return run
+
+
+def assert_sampled_tree_follows(case, tree, monkeypatch, label, planted):
+  """The sampled tree tests' check: 3 new tokens of `case` = (target, draft, prompts, lengths, params, joint)
+  (`tiny_transformers.sampled_tree_case`) with `draft_tree=tree` (K=2), by `assert_first_tokens_follow`, the
+  tree verifier swapped for `planted` (a wrong `tree_rejection_sample`, `tests.support.planted`) to show the
+  check's power. Returns the correct run's output, its invariants checked."""
+  target, draft, prompts, lengths, params, joint = case
+  run = first_tokens_run(target, draft, prompts, lengths, params, 8, draft_tree=tree)
   out = assert_first_tokens_follow(
     run, joint, monkeypatch, label, planted=(tree_round, "tree_rejection_sample", planted)
   )
