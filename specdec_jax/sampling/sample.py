@@ -165,7 +165,7 @@ def sample_tokens(
   steps = penalty_params(params, penalty_state, b, v, where)
   keys = None if all_greedy else row_keys(key, b)
   mask = token_bitmask is not None
-  shards = shards_for(v, b, word_aligned=mask)
+  shards = shards_for(v, b, word_aligned=mask, kernels=kernels)
   uncovered = "" if all_greedy else pallas_uncovered(steps, logprobs, shards is not None, mask=mask)
   if kernels == "pallas" and uncovered:
     raise ValueError(f"{where}: kernels='pallas' does not cover {uncovered}; use kernels='xla' or 'auto'")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdec_jax.sampling.params import SamplingParams
-from specdec_jax.sampling.reductions import _bcast, _lse_combine, scale_logits, values
+from specdec_jax.sampling.reductions import LogitsView, _bcast, _lse_combine, scale_logits, values
 from specdec_jax.sampling.vocab_parallel import any_rows
 
 
@@ -526,27 +526,84 @@ def threshold_and_lse(
 # ----------------------------------------------------------------------------
 
 
+class _SliceCandidates(NamedTuple):
+  """One device's candidates for the split search, scaled by the temperature (see `_slice_candidates`)."""
+
+  values: jax.Array  # f32[B, ..., C]
+  unit_max: jax.Array  # f32[B, ..., n]: each unit's max (a unit: a group or a block of tokens)
+  unit_mass: jax.Array  # f32[B, ..., n]: each unit's sum of exp(x - its max)
+  floor: jax.Array  # f32[B, ...]: every token outside the candidates is <= it
+  narrow: bool  # static: many a unit (XLA's groups of 4), to be narrowed to 8 of every 128 before the gather
+
+
+def _slice_candidates(logits, temperature, top_k, top_p, min_p, shards) -> _SliceCandidates:
+  """This device's candidates for the split search, from one read of its slice [B, ..., V/m].
+
+  XLA's reduction keeps the 4 largest of every group of 16 to 128 tokens, too
+  many to gather: they are narrowed first. The Pallas kernel keeps the 8 (16
+  for vocabularies of fewer than 64 blocks) largest of every block of 2048
+  tokens, already as few as the narrowed ones.
+
+  The Pallas kernel (`shards.search`, plain arrays with a temperature only)
+  writes the candidates of the rows whose filters are on; the other rows' are
+  set to -inf here (their search finds nothing to cut, as it should).
+  """
+  if shards.search == "xla" or temperature is None or isinstance(logits, LogitsView):
+    v_local = logits.shape[-1]
+    want = int(np.clip(shards.vocab // _NUM_GROUPS, 16, 128))
+    fits = [g for g in range(1, 129) if v_local % g == 0 and g <= 2 * want]
+    group_size = max(fits, key=lambda g: (-abs(np.log(g / want)), g))
+    tops, group_mass = group_top(_scaled(logits, temperature), group_size, with_sumexp=True)  # [..., G, 4], [..., G]
+    flat = tops.reshape(tops.shape[:-2] + (-1,))
+    return _SliceCandidates(flat, tops[..., 0], group_mass, jnp.max(tops[..., -1], axis=-1), narrow=True)
+  from specdec_jax.sampling import block_stats  # (it imports this module)
+
+  lead, v_local = logits.shape[:-1], logits.shape[-1]
+  positions = int(np.prod(lead[1:], dtype=np.int64))
+  per_block = block_stats.filter_candidates(-(-shards.vocab // block_stats.DEFAULT_BLOCK))
+  need = top_k_or_top_p_on(top_k, top_p, shards.vocab)
+  if min_p is not None:
+    need = need | (min_p > 0)
+  # The kernel's own test of "filters on" sees top_k 1 (on) or 0 and top-p 1 (off): the rows `need` names,
+  # greedy ones included (all_random), whatever this slice's width makes of a top-k.
+  block_max, block_mass, _, cand = block_stats.block_partials(
+    logits.reshape(-1, v_local),
+    temperature,
+    None,
+    (need.astype(jnp.int32), jnp.ones_like(top_p, jnp.float32)),
+    positions=positions,
+    candidates=per_block,
+    all_random=True,
+    interpret=shards.search == "pallas_interpret",
+  )
+  n = block_max.shape[-1]
+  cand = cand.reshape(lead + (n * per_block,))
+  written = _bcast(need, cand[..., 0])[..., None]
+  cand = scale_logits(jnp.where(written, cand, -jnp.inf), temperature)
+  floor = jnp.max(cand.reshape(lead + (n, per_block))[..., -1], axis=-1)  # each block's smallest candidate
+  block_max = scale_logits(block_max.reshape(lead + (n,)), temperature)
+  return _SliceCandidates(cand, block_max, block_mass.reshape(lead + (n,)), floor, narrow=False)
+
+
 def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards):
   """`threshold_and_lse` with the vocabulary split over `shards`: each device keeps its own candidates.
 
-  Each device finds the 4 largest values of every group of its slice and
-  narrows them to the 8 largest of every 128 (`group_top`, as on one device);
-  only those few hundred candidates per position are gathered, with the
-  maxima, floors and masses reduced over the devices. Rows the narrowed
+  Each device reads its slice once for its candidates (`_slice_candidates`).
+  In XLA's program they are the 4 largest values of every group of tokens,
+  narrowed to the 8 largest of every 128 (`group_top`, as on one device); in
+  the Pallas kernel's, the 8 largest of every block of 2048 tokens. Only those
+  few hundred candidates per position are gathered, with the maxima, floors
+  and masses reduced over the devices. In XLA's program, rows the narrowed
   candidates cannot vouch for are redone from the 32 largest of every 128
-  (gathered for those rows only), and rows that still fail by bisection over
-  the logits (`_bisect_threshold_and_lse`). No gather grows with V beyond
-  V/64 values a position. Thresholds are exact, as on one
-  device; a normaliser may differ from one device's in its last bits (sums in
-  another order).
+  (gathered for those rows only); rows that still fail are redone by bisection
+  over the logits (`_bisect_threshold_and_lse`). No gather grows with V beyond
+  V/64 values a position. Thresholds are exact, as on one device; a normaliser may differ
+  from one device's in its last bits (sums in another order).
   """
   scale = functools.partial(_scaled, temperature=temperature)
-  v, v_local = shards.vocab, logits.shape[-1]
-  want = int(np.clip(v // _NUM_GROUPS, 16, 128))
-  fits = [g for g in range(1, 129) if v_local % g == 0 and g <= 2 * want]
-  group_size = max(fits, key=lambda g: (-abs(np.log(g / want)), g))
-  tops, group_mass = group_top(scale(logits), group_size, with_sumexp=True)  # [..., G_l, 4], [..., G_l]
-  flat = tops.reshape(tops.shape[:-2] + (-1,))  # [..., 4 G_l]
+  v = shards.vocab
+  local = _slice_candidates(logits, temperature, top_k, top_p, min_p, shards)
+  flat = local.values
 
   def gathered(f, per_group, *local_maxima):
     """This device's candidates f [..., C], narrowed to the `per_group` largest of every _NARROW_GROUP, gathered
@@ -555,7 +612,7 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
 
     Narrowed on the device before the gather, so that no gather grows with the vocabulary."""
     maxima = list(local_maxima)
-    if f.shape[-1] > _NARROW_GROUP:
+    if local.narrow and f.shape[-1] > _NARROW_GROUP:
       tops2 = group_top(f, _NARROW_GROUP, per_group)
       f = tops2.reshape(tops2.shape[:-2] + (-1,))
       maxima.append(jnp.max(tops2[..., -1], axis=-1))
@@ -565,19 +622,16 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
 
   # The row's max and the floor (tokens outside the candidates are <= it) ride with the candidates: one
   # collective, then the mass's.
-  cand, (m, floor, narrow_floor) = gathered(
-    flat, _NARROW_PER_GROUP, jnp.max(tops[..., 0], axis=-1), jnp.max(tops[..., -1], axis=-1)
-  )
-  total = shards.sum(
-    jnp.sum(jnp.where(group_mass > 0, group_mass * jnp.exp(tops[..., 0] - m[..., None]), 0.0), axis=-1)
-  )
+  cand, (m, floor, narrow_floor) = gathered(flat, _NARROW_PER_GROUP, jnp.max(local.unit_max, axis=-1), local.floor)
+  unit_mass, unit_max = local.unit_mass, local.unit_max
+  total = shards.sum(jnp.sum(jnp.where(unit_mass > 0, unit_mass * jnp.exp(unit_max - m[..., None]), 0.0), axis=-1))
   row_of = _row_index(logits, m)
   from_candidates = functools.partial(
     _threshold_from_candidates, top_k=top_k, top_p=top_p, v=v, total=total, m=m, min_p=min_p
   )
   thr, lse, exact = from_candidates(cand, jnp.maximum(floor, narrow_floor))
 
-  if flat.shape[-1] > _NARROW_GROUP:
+  if local.narrow and flat.shape[-1] > _NARROW_GROUP:
     # Rows the 8 largest of every 128 cannot vouch for: from the 32 largest, narrowed inside the branch
     # for those rows only (a batch whose rows all settle pays nothing for them).
     wide = 4 * _NARROW_PER_GROUP
@@ -658,15 +712,39 @@ def largest_key(weight_at_least, enough, shape=()):
   return jax.lax.fori_loop(0, 32, step, jnp.zeros(shape, jnp.uint32))
 
 
+def largest_key_by_digits(weights_at_least, enough, shape=()):
+  """`largest_key` four bits a step: 8 steps of 16 trial keys each instead of 32 of one.
+
+  weights_at_least takes the 16 trial keys of a step at once, uint32
+  [*shape, 16], and returns their weights, [*shape, 16]. Where each weighing
+  ends in a collective across devices (the split search), a quarter of the
+  steps is a quarter of the collectives' latency; each step does 16 times the
+  (small) arithmetic. Same answer as `largest_key`.
+
+  Example:
+    >>> largest_key_by_digits(lambda t: t, lambda w: w <= 7)   # 7
+  """
+  digits = jnp.arange(16, dtype=jnp.int32).reshape((1,) * len(shape) + (16,))
+
+  def step(i, ans):
+    shift = (28 - 4 * i).astype(jnp.uint32)
+    trial = ans[..., None] | jnp.left_shift(digits.astype(jnp.uint32), shift)
+    ok = enough(weights_at_least(trial))  # true for a prefix of the digits
+    return ans | jnp.left_shift(jnp.max(jnp.where(ok, digits, 0), axis=-1).astype(jnp.uint32), shift)
+
+  return jax.lax.fori_loop(0, 8, step, jnp.zeros(shape, jnp.uint32))
+
+
 def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
   """Exact top-k/top-p/min-p thresholds of rows x [R, V/m] split over `shards`, by bisection: no sort, no gather.
 
   The top-k value is the largest t with at least k tokens >= t; the top-p value
   the largest t whose tokens >= t (within the top-k set) hold at least
   top_p of its mass, which is the sorted search's answer. Each of the (up to)
-  64 steps counts or sums over this device's slice and adds the devices'
-  partials ([R] values). Cost: about 64 passes over x, for the rare rows the
-  candidates cannot settle.
+  16 steps (`largest_key_by_digits`) counts or sums over this device's slice
+  for 16 trial values and adds the devices' partials ([R, 16] values, one
+  collective). Cost: about 16 passes over x, for the rare rows the candidates
+  cannot settle.
 
   Returns:
     (thr, lse) f32[R].
@@ -677,10 +755,13 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
   e = jnp.exp(x - m[:, None])
   k_on = top_k_on(top_k, v)
   p_on = top_p < 1.0
-  count_at_least = lambda t: shards.sum(jnp.sum((u >= t[:, None]).astype(jnp.int32), axis=-1))
+  # Weights of trial keys t [R, J]: [R, J], summed over the devices.
+  count_at_least = lambda t: shards.sum(jnp.sum((u[:, None, :] >= t[..., None]).astype(jnp.int32), axis=-1))
   kth = jax.lax.cond(
     shards.any(k_on),
-    lambda: jnp.where(k_on, from_ordered_key(largest_key(count_at_least, lambda n: n >= top_k, m.shape)), -jnp.inf),
+    lambda: jnp.where(
+      k_on, from_ordered_key(largest_key_by_digits(count_at_least, lambda n: n >= top_k[:, None], m.shape)), -jnp.inf
+    ),
     lambda: jnp.full(m.shape, -jnp.inf, jnp.float32),
   )
   in_top_k = x >= kth[:, None]
@@ -689,9 +770,13 @@ def _bisect_threshold_and_lse(x, top_k, top_p, min_p, shards):
   target = top_p * z
 
   def top_p_value():
-    mass_at_least = lambda t: shards.sum(jnp.sum(jnp.where(in_top_k & (u >= t[:, None]), e, 0.0), axis=-1))
-    key = largest_key(mass_at_least, lambda w: w >= target, m.shape)
-    found = mass_at_least(key) >= target  # else rounding left the total under top_p: keep the top-k set
+    mass_at_least = lambda t: shards.sum(
+      jnp.sum(jnp.where(in_top_k[:, None, :] & (u[:, None, :] >= t[..., None]), e[:, None, :], 0.0), axis=-1)
+    )
+    key = largest_key_by_digits(mass_at_least, lambda w: w >= target[:, None], m.shape)
+    # Weighed as in the search (16 keys at once, the same sums), else rounding left the total under top_p:
+    # keep the top-k set.
+    found = mass_at_least(jnp.broadcast_to(key[:, None], key.shape + (16,)))[:, 0] >= target
     return jnp.where(found, from_ordered_key(key), -jnp.inf)
 
   pth = jax.lax.cond(shards.any(p_on), top_p_value, lambda: jnp.full(m.shape, -jnp.inf, jnp.float32))

@@ -47,12 +47,19 @@ class VocabShards:
     row_axes: mesh axes the rows are split over (() or ("data",)): a
       batch-wide decision (`any`) also reduces over them, so that every
       device takes the branch one device would take for the whole batch.
+    search: how the top-k/top-p search reads each device's slice
+      (`thresholds.threshold_and_lse`): "xla" (the largest 4 of every group,
+      one fused XLA reduction), "pallas" (the Pallas kernel
+      `block_stats.block_partials` with candidates, a GPU's choice) or
+      "pallas_interpret" (that kernel in Pallas's interpreter, tests). The
+      thresholds are the same.
   """
 
   axis: str
   size: int
   vocab: int
   row_axes: tuple = ()
+  search: str = "xla"
 
   @property
   def local(self) -> int:
@@ -177,7 +184,7 @@ def take_vocab_many(xs: tuple[jax.Array, ...], ids: jax.Array, shards: VocabShar
   return shards.take_many(xs, ids)
 
 
-def shards_for(vocab: int, batch: int, *, word_aligned: bool = False) -> VocabShards | None:
+def shards_for(vocab: int, batch: int, *, word_aligned: bool = False, kernels: str = "xla") -> VocabShards | None:
   """The `VocabShards` a sampler call uses under the ambient mesh, or None for the single-device program.
 
   None without a mesh, without a "model" axis of more than one device, or when
@@ -187,7 +194,9 @@ def shards_for(vocab: int, batch: int, *, word_aligned: bool = False) -> VocabSh
   XLA moves data as it must. `word_aligned` (a call with a token_bitmask): each
   device's slice must also start at a mask word ((V / m) % 32 == 0), so that
   the words split with the tokens they cover. Rows are split over "data" when
-  it divides B.
+  it divides B. `kernels` ("xla", "pallas" or "auto", as the samplers take it)
+  picks `VocabShards.search`: "auto" reads the slices with the Pallas kernel
+  on a GPU, XLA's reduction elsewhere.
 
   Example:
     >>> with jax.set_mesh(make_mesh(1, 4)):  # doctest: +SKIP
@@ -202,7 +211,9 @@ def shards_for(vocab: int, batch: int, *, word_aligned: bool = False) -> VocabSh
     return None
   d = int(sizes.get(DATA_AXIS, 1))
   rows = (DATA_AXIS,) if d > 1 and batch % d == 0 else ()
-  return VocabShards(axis=MODEL_AXIS, size=m, vocab=vocab, row_axes=rows)
+  on_gpu = jax.default_backend() == "gpu"
+  search = "pallas" if kernels == "pallas" or (kernels == "auto" and on_gpu) else "xla"
+  return VocabShards(axis=MODEL_AXIS, size=m, vocab=vocab, row_axes=rows, search=search)
 
 
 def row_spec(shards: VocabShards, ndim: int, vocab_last: bool = False) -> P:

@@ -279,7 +279,7 @@ def rejection_sample(
   else:
     keys = row_keys(key, b, f"{where}: key")
     single = single_key(key)
-  shards = vocab_parallel.shards_for(v, b, word_aligned=token_bitmask is not None)
+  shards = vocab_parallel.shards_for(v, b, word_aligned=token_bitmask is not None, kernels=kernels)
   # A mesh whose vocabulary does not split into whole chunks runs the one-device program,
   # with Explicit axes made Auto (XLA moves the data).
   if no_filters:

@@ -145,3 +145,34 @@ def test_a_few_rows_needing_all_candidates_are_redone_alone():
   want_thr, want_lse = _sorted_reference(x, t, k, p, None)
   np.testing.assert_array_equal(thr, want_thr)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_largest_key_by_digits_equals_bit_by_bit_search():
+  """The split search's bisection weighs 16 keys a step; its answer must be `largest_key`'s, to the bit.
+
+  Rows of values (ties, -inf, +inf, both signs) and per-row limits: the largest key with at least k values at
+  or above it (the top-k value), and with at least a given mass (the top-p value), some limits unreachable.
+  A planted off-by-one (the digit after the last good one) changes the answers.
+  """
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((40, 300)).astype(np.float32)
+  x[:, :20] = np.round(x[:, :20])  # ties
+  x[0, :5], x[1, :3] = -np.inf, np.inf
+  u = thresholds.ordered_key(jnp.asarray(x))
+  e = jnp.exp(jnp.asarray(np.nan_to_num(x, posinf=3.0, neginf=-50.0)))
+  k = jnp.asarray(rng.integers(1, 320, 40), jnp.int32)  # some above 300: no key has that many
+  target = jnp.asarray(rng.uniform(0.0, 1.2, 40), jnp.float32) * jnp.sum(e, axis=-1)
+  count_one = lambda t: jnp.sum(u >= t[:, None], axis=-1)
+  count_many = lambda t: jnp.sum(u[:, None, :] >= t[..., None], axis=-1)
+  mass_one = lambda t: jnp.sum(jnp.where(u >= t[:, None], e, 0.0), axis=-1)
+  mass_many = lambda t: jnp.sum(jnp.where(u[:, None, :] >= t[..., None], e[:, None, :], 0.0), axis=-1)
+  for one, many, limit in ((count_one, count_many, k), (mass_one, mass_many, target)):
+    want = np.asarray(thresholds.largest_key(one, lambda w: w >= limit, (40,)))
+    got = np.asarray(thresholds.largest_key_by_digits(many, lambda w: w >= limit[:, None], (40,)))
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(want)) > 20, "the rows' answers are too alike to test the search"
+    planted = np.asarray(
+      thresholds.largest_key_by_digits(many, lambda w, lim=limit: jnp.roll(w >= lim[:, None], 1, axis=-1), (40,))
+    )
+    assert (planted != want).any(), "a search that takes one digit too many gives the same answers"
+  assert int(thresholds.largest_key_by_digits(lambda t: t, lambda w: w <= 7)) == 7

@@ -88,7 +88,11 @@ CHECKS = (
     )
   ]
   + ["HLO one device: no collective", "HLO one device greedy flag: no exponential, no RNG"]
-  + ["split threshold search: every stage exact, each needed"]
+  + [
+    "split threshold search: every stage exact, each needed",
+    "split threshold search, Pallas read: every stage exact, each needed",
+    "split threshold search, Pallas read: mixed rows equal one device",
+  ]
 )
 
 
@@ -241,3 +245,13 @@ def test_rows_split_over_data_only_when_it_divides_the_batch():
   with _on(2, 4):
     assert vocab_parallel.shards_for(32000, 8).row_axes == ("data",)
     assert vocab_parallel.shards_for(32000, 3).row_axes == ()
+
+
+def test_the_split_search_reads_slices_in_pallas_on_a_gpu_under_auto(monkeypatch):
+  """`kernels` picks how the top-k/top-p search reads each slice: the Pallas kernel on a GPU under "auto"."""
+  with _on(1, 2):
+    assert vocab_parallel.shards_for(151936, 8).search == "xla"  # the default: kernels="xla"
+    assert vocab_parallel.shards_for(151936, 8, kernels="auto").search == "xla"  # this process: a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert vocab_parallel.shards_for(151936, 8, kernels="auto").search == "pallas"
+    assert vocab_parallel.shards_for(151936, 8, kernels="xla").search == "xla"

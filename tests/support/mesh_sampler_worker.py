@@ -608,15 +608,19 @@ def stage_logits() -> tuple[np.ndarray, np.ndarray]:
   return x, ks
 
 
-def _split_search(x, ks, mesh):
+def _split_search(x, ks, mesh, search="xla", t=None, p=None, min_p=None):
   from specdec_jax.sampling import thresholds
   from specdec_jax.sampling.vocab_parallel import VocabShards, sharded_call
 
-  shards = VocabShards("model", MESHES["1x8"][1], V_STAGES)
-  t, k, p = jnp.ones(len(ks)), jnp.asarray(ks), jnp.ones(len(ks))  # arrays: the search indexes them by traced rows
+  shards = VocabShards("model", MESHES["1x8"][1], x.shape[-1], search=search)
+  ones = jnp.ones(len(ks))
+  t, p = ones if t is None else jnp.asarray(t), ones if p is None else jnp.asarray(p)
+  k = jnp.asarray(ks)  # arrays: the search indexes them by traced rows
   with jax.set_mesh(mesh):
     fn = sharded_call(
-      lambda a: thresholds.threshold_and_lse(a, t, k, p, shards=shards), (P(None, "model"),), (P(), P())
+      lambda a: thresholds.threshold_and_lse(a, t, k, p, shards=shards, min_p=min_p),
+      (P(*[None] * (x.ndim - 1), "model"),),
+      (P(), P()),
     )
     return [np.asarray(o) for o in jax.jit(fn)(x)]
 
@@ -657,6 +661,71 @@ def check_threshold_stages():
     f"no bisection: rows wrong {np.nonzero(wrong)[0][:8]}"
   )
   return f"{len(ks)} rows equal a sort; planted: no redo wrongs rows 1.., no bisection rows 2-3 only"
+
+
+def check_threshold_stages_pallas():
+  """The split search reading each slice with the Pallas kernel (interpreter): thresholds equal a sort's.
+
+  Blocks of 2048 tokens keep 16 candidates each (32 blocks in all), so of `stage_logits`' rows 0 (spread) and
+  3 (ten in one block) settle from the candidates, and rows 1, 2 and 4.. (more than 16 in block 0) need the
+  bisection, all 67 of them: its whole-batch branch. Planted: without the redo, row 2 (40 tokens in block 0,
+  which keeps 16) is wrong and rows 0 and 3 right (rows 1 and 4.. happen to be right: their 20 tokens are all
+  candidates, though the candidates cannot vouch for it).
+  """
+  from specdec_jax.sampling import thresholds
+
+  x, ks = stage_logits()
+  ones = jnp.ones(len(ks))
+  want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
+  want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
+  mesh = make_mesh(*MESHES["1x8"])
+  thr, lse = _split_search(x, ks, mesh, search="pallas_interpret")
+  assert np.array_equal(thr, want_thr), f"thresholds differ in rows {np.nonzero(thr != want_thr)[0][:8]}"
+  ok, err = _close(lse, want_lse)
+  assert ok, f"log-normalisers differ by {err}"
+  redo = thresholds._redo_rows
+  thresholds._redo_rows = lambda ok, results, op, *args, **kw: results
+  try:
+    jax.clear_caches()
+    wrong = _split_search(x, ks, mesh, search="pallas_interpret")[0] != want_thr
+  finally:
+    thresholds._redo_rows = redo
+    jax.clear_caches()
+  assert wrong[2] and not wrong[[0, 3]].any(), f"no redo: rows wrong {np.nonzero(wrong)[0][:8]}"
+  return f"{len(ks)} rows equal a sort; planted: no redo wrongs row 2, not rows 0 and 3"
+
+
+def check_threshold_pallas_mixed_rows():
+  """The Pallas-read split search against one device on rows that mix every filter and temperature.
+
+  Language-model-like logits (a Gaussian tail, a few lifted tokens, some NaN); per row top-k (off, 40, and
+  one between a slice's width and V, which only the whole vocabulary makes a filter), top-p, min-p and
+  temperatures from greedy to 2; two flat rows whose top-p (and top-k 3000) keep thousands of tokens, which
+  only the bisection settles. Thresholds equal one device's search bit for bit, normalisers to 1e-5.
+  """
+  from specdec_jax.sampling import thresholds
+
+  rng = np.random.default_rng(5)
+  rows = 14
+  x = (2.0 * rng.standard_normal((rows, 3, V_STAGES))).astype(np.float32)
+  x[rng.random(x.shape) < 3e-4] += 9.0
+  x[rng.random(x.shape) < 1e-4] = np.nan
+  x[12:] = (0.01 * rng.standard_normal(x[12:].shape)).astype(np.float32)  # flat: only the bisection settles these
+  ks = np.array([0, 40, 40, 0, 9000, 40, 0, 0, 1, 40, 0, 65536, 0, 3000], np.int32)
+  ps = np.array([1.0, 1.0, 0.9, 0.8, 1.0, 0.95, 1.0, 1.0, 1.0, 0.5, 0.9, 1.0, 0.5, 0.7], np.float32)
+  mp = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], np.float32)
+  ts = np.array([1.0, 0.7, 1.0, 2.0, 1.0, 1.0, 0.5, 0.0, 1.0, 1.3, 0.0, 1.0, 1.0, 0.8], np.float32)
+  args = (jnp.asarray(ts), jnp.asarray(ks), jnp.asarray(ps))
+  want_thr, want_lse = (np.asarray(a) for a in thresholds.threshold_and_lse(x, *args, min_p=jnp.asarray(mp)))
+  mesh = make_mesh(*MESHES["1x8"])
+  thr, lse = _split_search(x, ks, mesh, search="pallas_interpret", t=ts, p=ps, min_p=jnp.asarray(mp))
+  same = (thr == want_thr) | (np.isnan(thr) & np.isnan(want_thr))
+  assert same.all(), f"thresholds differ at {np.argwhere(~same)[:6].tolist()}"
+  ok, err = _close(lse, want_lse)
+  assert ok, f"log-normalisers differ by {err}"
+  filtered = int(np.isfinite(want_thr).sum())
+  assert filtered >= 15, f"only {filtered} of {want_thr.size} positions filter: the rows test too little"
+  return f"{want_thr.size} positions ({filtered} filtered) equal one device's"
 
 
 # ----------------------------------------------------------------------------
@@ -741,6 +810,8 @@ def checks(part: str = "all") -> dict:
       )
     out[f"HLO {mesh_name} greedy flag: no exponential, no RNG"] = lambda mn=mesh_name: check_greedy_no_random(mn)
   out["split threshold search: every stage exact, each needed"] = check_threshold_stages
+  out["split threshold search, Pallas read: every stage exact, each needed"] = check_threshold_stages_pallas
+  out["split threshold search, Pallas read: mixed rows equal one device"] = check_threshold_pallas_mixed_rows
   out["HLO one device: no collective"] = check_one_device_no_collective
   out["HLO one device greedy flag: no exponential, no RNG"] = lambda: check_greedy_no_random(None, V)
   return out
