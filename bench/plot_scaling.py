@@ -26,13 +26,15 @@ import json
 from collections import defaultdict
 
 
-def load_rows(paths: list[str]) -> dict[str, dict[int, dict]]:
-  """{case: {M: row}} over the inputs; raises ValueError if two inputs give one (case, M)."""
+def load_rows(paths: list[str], cases: set[str] | None = None) -> dict[str, dict[int, dict]]:
+  """{case: {M: row}} over the inputs (only `cases`, if given); raises ValueError if two inputs give one (case, M)."""
   rows: dict[str, dict[int, dict]] = defaultdict(dict)
   for path in paths:
     with open(path) as f:
       report = json.load(f)
     for r in report["results"]:
+      if cases is not None and r["case"] not in cases:
+        continue
       m = int(r.get("model_devices", 1))
       if m in rows[r["case"]]:
         raise ValueError(f"{path}: case {r['case']} with {m} device(s) is in two inputs")
@@ -84,7 +86,8 @@ def plot_loops(paths: list[str], out: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({b for by_b in lines.values() for b in by_b}))
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set(xlabel="rows per device (B)", ylabel="tokens/s over one GPU's", title=model, ylim=(0, 2.2))
+    top = max([int(split.split("x")[0]) for split in colours] + [max(max(b.values()) for b in lines.values())])
+    ax.set(xlabel="rows per device (B)", ylabel="tokens/s over one GPU's", title=model, ylim=(0, 1.1 * top))
     ax.legend(fontsize=7, loc="lower right")
   fig.tight_layout()
   fig.savefig(out, dpi=100)
@@ -97,11 +100,14 @@ def main(argv=None):
   ap.add_argument("inputs", nargs="+", help="sampler.json files (one per --model-devices), or mesh.py JSONs")
   ap.add_argument("--loops", action="store_true", help="the inputs are bench/mesh.py JSONs: plot the loops")
   ap.add_argument("--out", required=True, help="the PNG to write")
+  ap.add_argument("--cases", help="comma list: plot only these sampler cases (default: every case in the inputs)")
   args = ap.parse_args(argv)
   if args.loops:
     plot_loops(args.inputs, args.out)
     return
-  rows = load_rows(args.inputs)
+  rows = load_rows(args.inputs, None if args.cases is None else set(args.cases.split(",")))
+  if not rows:
+    ap.error(f"no sampler rows of the cases {args.cases} in the inputs")
   import matplotlib  # noqa: PLC0415  (a bench extra)
 
   matplotlib.use("Agg")
