@@ -533,7 +533,7 @@ class _SliceCandidates(NamedTuple):
   unit_max: jax.Array  # f32[B, ..., n]: each unit's max (a unit: a group or a block of tokens)
   unit_mass: jax.Array  # f32[B, ..., n]: each unit's sum of exp(x - its max)
   floor: jax.Array  # f32[B, ...]: every token outside the candidates is <= it
-  narrow: bool  # static: many a unit (XLA's groups of 4), to be narrowed to 8 of every 128 before the gather
+  narrow: bool  # static: True for XLA's candidates (4 a group, too many to gather): narrowed to 8 of every 128 first
 
 
 def _slice_candidates(logits, temperature, top_k, top_p, min_p, shards) -> _SliceCandidates:
