@@ -645,8 +645,10 @@ class Transformer(nnx.Module):
     from plain greedy decoding at a near-tie. On a GPU a chain call of B*T <= MAX_ROWS rows on
     XLA's blocks therefore runs at the fixed T = MAX_ROWS // B (padding rows at a position past the
     cache: they write nothing), which costs little where a step reads its weights from memory
-    (bench/RESULTS.md). The Pallas blocks are invariant by themselves; trees, sharded models and
-    CPUs (where rows cost time) keep their shape.
+    (bench/RESULTS.md). The Pallas blocks are invariant by themselves (their XLA products run in
+    `on_fixed_rows`); trees, sharded models and CPUs (where rows cost time) keep their shape. A
+    tree's tokens are not invariant on either path: their keys sit in other cache slots than a
+    chain's, so the attention sums them in another order.
     """
     b, t = tokens.shape
     if (
@@ -988,7 +990,11 @@ def on_fixed_rows(fn, x: jax.Array) -> jax.Array:
   """fn of x [B, T, D] (B*T <= MAX_ROWS) run on its rows padded with zeros to [1, MAX_ROWS, D]: [B, T, N].
 
   fn maps [1, MAX_ROWS, D] to [1, MAX_ROWS, N] row by row; the padding rows' results are dropped. One shape
-  whatever B*T, so a row's bits do not depend on the call's size (batch invariance).
+  whatever B*T, so a row's bits do not depend on the call's size (batch invariance). The shape alone is
+  not enough: XLA fuses the padding and the slicing, which depend on B*T, into fn's products and tunes
+  each fusion's kernel (tile sizes, split of the reduction) separately, so a one-token step and a
+  verification call could still sum a row's products in different orders. Optimization barriers around
+  fn keep its fusions the same computation in every call, and XLA gives the same fusion the same kernel.
 
   Example:
     >>> on_fixed_rows(lambda r: 2 * r, jnp.ones((1, 3, 4))).shape
@@ -996,7 +1002,8 @@ def on_fixed_rows(fn, x: jax.Array) -> jax.Array:
   """
   b, t, d = x.shape
   rows = jnp.zeros((1, mlp.MAX_ROWS, d), x.dtype).at[0, : b * t].set(x.reshape(b * t, d))
-  return fn(rows)[0, : b * t].reshape(b, t, -1)
+  out = jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(rows)))
+  return out[0, : b * t].reshape(b, t, -1)
 
 
 def project_qkv(c: TransformerConfig, attn_in, p):

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from specdec_jax.models import KVCache, Transformer, TransformerConfig, weight_shapes
+from specdec_jax.models.transformer import on_fixed_rows
 from tests.support.invariance import step_and_verify
 
 TINY = TransformerConfig.tiny(vocab_size=64)  # L=2, D=32, H=4, Hkv=2, Dh=8, F=64
@@ -534,6 +535,39 @@ def test_small_chain_calls_on_a_gpu_are_padded_to_a_fixed_shape(monkeypatch):
   assert model._invariant_length(jnp.zeros((2, 3), jnp.int32), None, None, None) == 8
   assert model._invariant_length(jnp.zeros((1, 17), jnp.int32), None, None, None) is None  # a prefill
   assert model._invariant_length(tokens[:, :3], None, jnp.zeros((1, 3), jnp.int32), None) is None  # a tree
+
+
+def _between_barriers(rows: int) -> list[str]:
+  """The equations `on_fixed_rows` runs between its two optimization barriers, for a call of `rows` rows."""
+  w = jnp.ones((8, 3), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(lambda x: on_fixed_rows(lambda r: (r @ w) * 2, x))(jnp.ones((1, rows, 8), jnp.bfloat16))
+  eqns = jaxpr.jaxpr.eqns
+  barriers = [i for i, e in enumerate(eqns) if e.primitive.name == "optimization_barrier"]
+  if len(barriers) != 2:
+    return []
+  first, second = barriers
+  inner = eqns[first + 1 : second]
+  # fn must read the first barrier's output and write the second's input, with nothing of B*T in between.
+  if not inner or inner[0].invars[0] is not eqns[first].outvars[0]:
+    return []
+  if eqns[second].invars[0] is not inner[-1].outvars[0]:
+    return []
+  return [f"{e.primitive.name} {[str(v.aval) for v in e.invars]}" for e in inner]
+
+
+def test_fixed_row_products_sit_between_barriers_that_hide_the_call_size():
+  """On a GPU XLA fuses a product's neighbours into it, so the padding to 16 rows and the slicing back, which
+  depend on B*T, would make the product of a one-token step and of a verification call two different fusions,
+  which may sum a row in a different order (measured on an H200: one-token steps and 5-token calls parted in
+  the logits' last bits on 1 of 8 calls of a real prompt, and greedy speculation parted from plain greedy
+  decoding). Between the barriers the computation must be the same for every call size."""
+  one = _between_barriers(1)
+  assert one, "fn must run between two optimization barriers, reading the first and feeding the second"
+  for rows in (2, 5, 16):
+    assert _between_barriers(rows) == one
+  np.testing.assert_array_equal(
+    np.asarray(on_fixed_rows(lambda r: r * 3, jnp.arange(10.0).reshape(2, 1, 5))), 3 * np.arange(10.0).reshape(2, 1, 5)
+  )
 
 
 def test_small_calls_on_a_cpu_keep_their_shape():
