@@ -113,7 +113,11 @@ for 18.7 M generated tokens). Generation is resumable: with `--data-cache D`
 and `--wall-limit-s`, finished batches go to D.partial.npz every minute and
 when the time is up, and the same command continues them. A finished D copied
 to E.partial.npz and run with `--data-cache E` and more `--samples` (the old
-list a prefix) keeps its continuations and generates only the new ones. The
+list a prefix) keeps its continuations and generates only the new ones. On a
+machine of several GPUs, `--data-shard I/N` lets N processes (one a GPU:
+`CUDA_VISIBLE_DEVICES=I`) generate the data together: each generates the
+continuations of prompts I, I+N, ... into D.shardIofN.partial.npz, and the
+same command without `--data-shard` then joins the files into D. The
 coder's data (one H200, 2026-11-27: 17,473 prompts, 87,365 continuations,
 18,677,220 generated tokens, about 11 minutes over two commands) came from
 
@@ -587,11 +591,14 @@ def padded_data(data: dict, prompt_len: int, gen_tokens: int):
   return tokens, p_lens, lens, prompt_of
 
 
-def generate_data(target, spec, prompt_ids, kinds, samples, args, *, deadline, partial_path):
+def generate_data(target, spec, prompt_ids, kinds, samples, args, *, deadline, partial_path, resume=(), shard=None):
   """Target continuations of every prompt at every temperature of `samples`, resumable.
 
   Returns the data dict (see `save_data`), complete or not (`job_done`): with a `partial_path`, finished batches are
-  saved there every minute and when `deadline` (a time.time()) passes, and a later run continues from them.
+  saved there every minute and when `deadline` (a time.time()) passes, and a later run continues from them (and
+  from the other partial files in `resume`, such as the shards' of `--data-shard`). `shard` (i, n): generate only
+  the continuations of prompts i, i + n, i + 2n, ... (their batches, and so their keys, are not an unsharded
+  run's).
   """
   n_jobs = len(prompt_ids) * len(samples)
   p_lens = np.asarray([len(p) for p in prompt_ids])
@@ -606,28 +613,26 @@ def generate_data(target, spec, prompt_ids, kinds, samples, args, *, deadline, p
     "gen_offsets": np.zeros(n_jobs + 1, np.int64),
   }
   gen = [np.zeros(0, np.int32)] * n_jobs
-  if partial_path and os.path.isfile(partial_path):
-    with np.load(partial_path) as old:
+  for path in dict.fromkeys(p for p in (partial_path, *resume) if p and os.path.isfile(p)):
+    with np.load(path) as old:
       # Its prompts may be the first of these (more prompts appended) and its --samples a prefix of these: its
       # continuations keep their place, the new ones are generated.
       old_p_off = old["prompt_offsets"]
       n_old = len(old_p_off) - 1
       same = n_old <= len(prompt_ids) and np.array_equal(old_p_off, data["prompt_offsets"][: n_old + 1])
       if not (same and np.array_equal(old["prompt_ids"], data["prompt_ids"][: old_p_off[-1]])):
-        raise SystemExit(f"{partial_path} was made from other prompts; delete it to start again")
+        raise SystemExit(f"{path} was made from other prompts; delete it to start again")
       old_done, old_temps = old["job_done"], old["job_temperature"]
       per_prompt = len(old_done) // max(n_old, 1)
       if per_prompt * n_old != len(old_done) or list(old_temps[:per_prompt]) != list(samples[:per_prompt]):
-        raise SystemExit(
-          f"{partial_path} was made with --samples {old_temps[:per_prompt].tolist()}, not a prefix of {samples}"
-        )
+        raise SystemExit(f"{path} was made with --samples {old_temps[:per_prompt].tolist()}, not a prefix of {samples}")
       old_ids, old_offsets = old["gen_ids"], old["gen_offsets"]  # an NpzFile reads a key anew at each access
       for j_old in np.flatnonzero(old_done):
         i, t = divmod(int(j_old), per_prompt)
         j = i * len(samples) + t
         data["job_done"][j] = True
         gen[j] = old_ids[old_offsets[j_old] : old_offsets[j_old + 1]]
-    print(f"data: resumed {partial_path}: {int(data['job_done'].sum())} of {n_jobs} continuations done")
+    print(f"data: resumed {path}: {int(data['job_done'].sum())} of {n_jobs} continuations done")
 
   def pack():
     lengths = np.asarray([len(g) for g in gen])
@@ -641,7 +646,8 @@ def generate_data(target, spec, prompt_ids, kinds, samples, args, *, deadline, p
     prompt_len=args.prompt_len,
     batch_size=args.gen_batch,
     prefill_tokens=args.prefill_tokens,
-    done=data["job_done"],
+    # A shard takes the prompts i, i + n, ...: its jobs do not depend on what the other shards have done.
+    done=data["job_done"] if shard is None else data["job_done"] | (data["job_prompt"] % shard[1] != shard[0]),
   )
   last_save = time.time()
   for first, jobs, width, b in tqdm(batches, desc="target continuations", mininterval=10):
@@ -677,6 +683,18 @@ def draft_vocabulary(tokens, p_lens, lens, size, must_have) -> np.ndarray:
     np.add.at(counts, row[pl:n], 1)
   order = [int(t) for t in np.argsort(-counts, kind="stable") if t not in must_have]
   return np.sort(np.asarray(list(must_have) + order[: size - len(must_have)], np.int32))
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+  """ "1/4" -> (1, 4); argparse's error for anything but I/N with 0 <= I < N."""
+  i, _, n = text.partition("/")
+  try:
+    shard = int(i), int(n)
+  except ValueError:
+    shard = (-1, 0)
+  if not 0 <= shard[0] < shard[1]:
+    raise argparse.ArgumentTypeError(f"a shard is I/N with 0 <= I < N, e.g. 0/4; got {text!r}")
+  return shard
 
 
 def parse_kind_weights(text: str) -> dict[str, float]:
@@ -941,6 +959,13 @@ def parse_args(argv):
   )
   ap.add_argument("--data-only", action="store_true", help="stop once the data is generated (and saved)")
   ap.add_argument(
+    "--data-shard",
+    type=parse_shard,
+    help="I/N: generate only the continuations of prompts I, I+N, I+2N, ... (0 <= I < N), save them to "
+    "--data-cache's .shardIofN.partial.npz and stop: N processes, one a GPU, generate the data together; the same "
+    "command without it joins their files (and generates anything they left)",
+  )
+  ap.add_argument(
     "--state",
     default="",
     help="a training-state file (weights, optimiser, step, data order): resumed from if it exists, "
@@ -1066,6 +1091,8 @@ def parse_args(argv):
     ap.error("--more-questions is for --target qwen2.5-coder-1.5b (SmolLM2 has --more-prompts)")
   if args.data_only and not args.data_cache:
     ap.error("--data-only needs --data-cache (where the data goes)")
+  if args.data_shard and not args.data_cache:
+    ap.error("--data-shard needs --data-cache (where the shard's file goes)")
   if args.devices < 1 or args.devices > len(jax.devices()):
     ap.error(f"--devices must be in [1, {len(jax.devices())}] (the devices JAX sees), got {args.devices}")
   if args.quick:
@@ -1094,8 +1121,32 @@ def load_or_generate_data(spec, args, target, tokenizer, deadline):
     ids, kinds = [ids[i] for i in keep], [kinds[i] for i in keep]
   else:
     ids = [x[-args.prompt_len :] for x in ids]
-  partial = args.data_cache + ".partial.npz" if args.data_cache else ""
-  data = generate_data(target, spec, ids, kinds, args.samples, args, deadline=deadline, partial_path=partial)
+  main_partial = args.data_cache + ".partial.npz" if args.data_cache else ""
+  shards = sorted(glob.glob(glob.escape(args.data_cache) + ".shard*of*.partial.npz")) if args.data_cache else []
+  partial = main_partial
+  if args.data_shard:
+    i, n = args.data_shard
+    partial = f"{args.data_cache}.shard{i}of{n}.partial.npz"
+  data = generate_data(
+    target,
+    spec,
+    ids,
+    kinds,
+    args.samples,
+    args,
+    deadline=deadline,
+    partial_path=partial,
+    resume=(main_partial, *shards),
+    shard=args.data_shard,
+  )
+  if args.data_shard:
+    save_data(partial, data)
+    print(
+      f"data shard {args.data_shard[0]} of {args.data_shard[1]}: {int(data['job_done'].sum())} of "
+      f"{len(data['job_done'])} continuations done (with the files it resumed), saved to {partial}; once every "
+      "shard is done, the same command without --data-shard joins them"
+    )
+    return None
   if not data["job_done"].all():
     print(
       f"wall-clock limit: {int(data['job_done'].sum())} of {len(data['job_done'])} continuations generated, "
@@ -1104,8 +1155,9 @@ def load_or_generate_data(spec, args, target, tokenizer, deadline):
     return None
   if args.data_cache:
     save_data(args.data_cache, data)
-    if os.path.isfile(partial):
-      os.remove(partial)
+    for path in (main_partial, *shards):
+      if os.path.isfile(path):
+        os.remove(path)
   return data
 
 

@@ -88,6 +88,7 @@ from specdec_jax.mesh import (
   AXIS_NAMES,
   DATA_AXIS,
   MODEL_AXIS,
+  ambient_mesh,
   axis_size,
   constrain,
   constrain_rows,
@@ -173,6 +174,26 @@ class Partitioning:
   def logits_spec(self) -> tuple[str | None, ...]:
     """The spec of logits [B, T, V]: rows over "data", the vocabulary over "model" where it is split."""
     return (DATA_AXIS, None, MODEL_AXIS if self.vocab else None)
+
+
+def runs_locally(part: Partitioning | None) -> bool:
+  """Whether a model placed as `part` computes here as an unsharded model on one device's rows (static).
+
+  True without a partitioning, and for one that splits nothing over the model axis (`part.model_size` 1)
+  where every axis of the ambient mesh with more than one device is manual: inside a `shard_map` over the
+  rows, such as the loops' data-parallel program, each device runs the one-device program on its own rows.
+  The Pallas blocks and the fixed-shape padding of small calls (batch invariance) then apply as on one device.
+
+  Example:
+    >>> runs_locally(None)
+    True
+  """
+  if part is None:
+    return True
+  if part.model_size != 1:
+    return False
+  mesh = ambient_mesh()
+  return mesh.empty or all(size == 1 or name in mesh.manual_axes for name, size in dict(mesh.shape).items())
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array, part: Partitioning | None) -> jax.Array:

@@ -646,14 +646,15 @@ class Transformer(nnx.Module):
     XLA's blocks therefore runs at the fixed T = MAX_ROWS // B (padding rows at a position past the
     cache: they write nothing), which costs little where a step reads its weights from memory
     (bench/RESULTS.md). The Pallas blocks are invariant by themselves (their XLA products run in
-    `on_fixed_rows`); trees, sharded models and CPUs (where rows cost time) keep their shape. A
+    `on_fixed_rows`); trees, sharded models (but for each device's rows of a data-parallel loop,
+    `sharding.runs_locally`) and CPUs (where rows cost time) keep their shape. A
     tree's tokens are not invariant on either path: their keys sit in other cache slots than a
     chain's, so the attention sums them in another order.
     """
     b, t = tokens.shape
     if (
       kernels is not None
-      or self.partitioning is not None
+      or not sharding.runs_locally(self.partitioning)
       or cache_slots is not None
       or attention_mask is not None
       or jax.default_backend() != "gpu"
@@ -827,7 +828,8 @@ def decoder_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx:
 def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None) -> str | None:
   """`c.kernels` where a call on x [B, T, D] can take `pallas_block` with block parameters p, else None.
 
-  Decided at trace time from static facts: XLA's blocks serve sharded models, a CPU or float32 for
+  Decided at trace time from static facts: XLA's blocks serve sharded models (not a data-parallel loop's
+  per-device program, `sharding.runs_locally`), a CPU or float32 for
   "pallas", and shapes the kernels do not take (more than 16 rows, B*T, tree calls included; see
   `attention.check_args`). `prefix`: as for `pallas_block`.
 
@@ -835,7 +837,7 @@ def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None
     >>> block_kernels(TransformerConfig.tiny(64), None, jnp.zeros((1, 1, 32)), {}, None) is None  # kernels="xla"
     True
   """
-  if c.kernels == "xla" or partitioning is not None:
+  if c.kernels == "xla" or not sharding.runs_locally(partitioning):
     return None
   if c.kernels == "pallas" and (
     jax.default_backend() != "gpu" or c.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

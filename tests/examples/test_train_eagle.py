@@ -92,6 +92,32 @@ def test_a_partial_file_of_other_prompts_is_refused(train, tmp_path):
     train.generate_data(target, spec, prompts[::-1], kinds, [0.0], args, deadline=0.0, partial_path=partial)
 
 
+def test_shards_generate_their_own_prompts_and_a_run_without_one_joins_them(train, tmp_path):
+  """`--data-shard i/n`: each of n processes generates the continuations of prompts i, i + n, ...; the same
+  command without it reads every shard's file and generates nothing they hold (greedy rows equal one run's)."""
+  target, prompts, kinds, spec, args = _setup(train, tmp_path)
+  samples = [0.0, 1.0]
+  whole = train.generate_data(target, spec, prompts, kinds, samples, args, deadline=0.0, partial_path="")
+  files = []
+  for i in range(2):
+    path = str(tmp_path / f"d.npz.shard{i}of2.partial.npz")
+    part = train.generate_data(
+      target, spec, prompts, kinds, samples, args, deadline=0.0, partial_path=path, shard=(i, 2)
+    )
+    assert part["job_done"].tolist() == [p % 2 == i for p in part["job_prompt"]]
+    train.save_data(path, part)
+    files.append(path)
+  # A deadline already past: the join generates nothing, so everything it holds came from the shards' files.
+  joined = train.generate_data(
+    target, spec, prompts, kinds, samples, args, deadline=1.0, partial_path="", resume=tuple(files)
+  )
+  assert joined["job_done"].all()
+  g, w = joined["gen_offsets"], whole["gen_offsets"]
+  for j in np.flatnonzero(joined["job_temperature"] == 0.0):
+    np.testing.assert_array_equal(joined["gen_ids"][g[j] : g[j + 1]], whole["gen_ids"][w[j] : w[j + 1]])
+  assert all(1 <= g[j + 1] - g[j] <= args.gen_tokens for j in range(len(g) - 1))
+
+
 def test_bad_arguments_are_refused_before_loading(train):
   for argv in (
     ["--target", "qwen2.5-coder-1.5b", "--draft-vocab", "200000"],
@@ -110,6 +136,9 @@ def test_bad_arguments_are_refused_before_loading(train):
     ["--devices", "0"],
     ["--devices", "4096"],  # more than JAX sees
     ["--target", "qwen2.5-coder-1.5b", "--batch-size", "3", "--devices", "2"],
+    ["--data-shard", "2/2", "--data-cache", "d.npz"],
+    ["--data-shard", "0/2"],  # a shard's file needs --data-cache
+    ["--data-shard", "x", "--data-cache", "d.npz"],
   ):
     with pytest.raises(SystemExit):
       train.parse_args(argv)
@@ -118,6 +147,7 @@ def test_bad_arguments_are_refused_before_loading(train):
   assert args.out.endswith("qwen2_5_coder_eagle.safetensors") and args.samples == [0.0, 1.0, 1.0, 1.0, 1.0]
   _, block = train.parse_args(["--drafter", "block", "--shared-placeholder", "--position-decay", "3"])
   assert block.shared_placeholder and block.position_decay == 3.0 and not args.shared_placeholder
+  assert train.parse_args(["--data-shard", "1/4", "--data-cache", "d.npz"])[1].data_shard == (1, 4)
 
 
 def _count_generated_rows(train, monkeypatch) -> list:

@@ -45,7 +45,7 @@ CHECKS = (
   + ["logits 2x4 scan_layers", "logits qkv_bias"]
   + [f"loops 2x4: {run}" for run in FAST_RUNS]
   + ["loops 8x1: generate sampled", "8x1: each device decodes its rows, no collective while decoding"]
-  + ["2x1: generate inside a caller's shard_map"]
+  + ["2x1: generate inside a caller's shard_map", "2x1: each device's rows take the Pallas blocks"]
   + ["1x1 mesh compiles today's program"]
   + ["embedding lookup: a psum, not a table all-gather", "embedding lookup: bits equal one device's"]
 )

@@ -27,6 +27,8 @@ device (no mesh):
   - 8x1: the compiled `generate` holds no collective and `speculative_generate`
     only the all-reduce of its [K] per-position sums (no collective while
     decoding);
+  - 2x1: a target on the Pallas kernels (in the interpreter) takes them on each
+    device's rows inside the loop's shard_map, with one device's tokens;
   - a mesh with Explicit axes (`jax.make_mesh`'s default) gives the same tokens too;
   - a 1x1 mesh compiles exactly the unsharded programs (op and shape, in order);
   - the vocabulary-parallel embedding lookup (Transformer and EAGLE, 2x4 and
@@ -308,6 +310,48 @@ def check_inside_callers_shard_map():
   return "tokens equal"
 
 
+def check_rows_only_kernels():
+  """On a rows-only mesh each device runs the one-device program, the Pallas blocks included: a target with
+  kernels="pallas_interpret" takes them inside the loop's shard_map (its traced calls counted) and its greedy
+  tokens equal one device's bit for bit. Outside a shard_map the same sharded model keeps XLA's blocks
+  (`runs_locally` is False): XLA cannot split a Pallas call over devices."""
+  from specdec_jax.models import transformer  # noqa: PLC0415
+  from specdec_jax.models.sharding import runs_locally  # noqa: PLC0415
+
+  # Heads of 32 (the kernels need head_dim / 2 a power of two >= 16).
+  model = Transformer(
+    CONFIG.replace(num_heads=2, num_kv_heads=1, head_dim=32, kernels="pallas_interpret"), rngs=nnx.Rngs(3)
+  )
+  calls, original = [], transformer.pallas_block
+
+  def counted(c, x, *args, **kwargs):
+    calls.append(x.shape[0] * x.shape[1])
+    return original(c, x, *args, **kwargs)
+
+  run = lambda m, place: (
+    generate(
+      m, place(PROMPTS), place(LENGTHS), jax.tree.map(place, GREEDY), None, max_new_tokens=NEW, all_greedy=True
+    ).tokens
+  )
+  transformer.pallas_block = counted
+  try:
+    want = np.asarray(run(model, lambda x: x))
+    on_one = len(calls)
+    mesh = make_mesh(2, 1)
+    sharded = shard(model, mesh)
+    calls.clear()
+    with jax.set_mesh(mesh):
+      got = np.asarray(run(sharded, lambda x: rows(mesh, x) if np.ndim(x) else x))
+      outside = runs_locally(sharded.partitioning)
+  finally:
+    transformer.pallas_block = original
+  assert on_one > 0, "the one-device program took no Pallas block: the check would prove nothing"
+  assert calls and max(calls) <= B // 2, f"the devices' programs took no Pallas block on their rows: {calls}"
+  assert not outside, "runs_locally is True for a sharded model outside a shard_map"
+  assert np.array_equal(got, want), f"tokens differ: one device {want.tolist()}, 2x1 {got.tolist()}"
+  return f"Pallas blocks traced {len(calls)} times on {max(calls)} rows a device; tokens equal"
+
+
 def collective_shapes(text) -> list[str]:
   """The result shape (layouts dropped) of every collective instruction of compiled HLO text."""
   ops = "all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter|collective-broadcast"
@@ -474,6 +518,7 @@ def checks(part: str = "all") -> dict:
     "loops 8x1": lambda: check_loops(make_mesh(8, 1), ["generate sampled"]),
     "8x1: each device decodes its rows, no collective while decoding": check_rows_only_program,
     "2x1: generate inside a caller's shard_map": check_inside_callers_shard_map,
+    "2x1: each device's rows take the Pallas blocks": check_rows_only_kernels,
     "1x1 mesh compiles today's program": check_one_device_mesh,
     "embedding lookup: a psum, not a table all-gather": check_embedding_program,
     "embedding lookup: bits equal one device's": check_embedding_bits,
