@@ -257,6 +257,30 @@ def test_eagle_draft_bench_variants_compute_the_same_head(tmp_path):
     eagle_draft.main(["--out", str(tmp_path), "--variants", "nope"])
 
 
+def test_invariance_bench_reads_kernel_lines_without_names_and_restores_the_model_code():
+  """bench/invariance.py: a compiled program's product lines compare across programs (instruction names and
+  metadata dropped, the chosen configuration kept); switching variants puts the barriers' version back."""
+  invariance = _bench("invariance")
+  from specdec_jax.models import transformer  # noqa: PLC0415
+
+  hlo = (
+    '  %fusion.3 = bf16[16,64]{1,0} fusion(%p.1, %p.2), kind=kCustom, calls=%gemm.7, metadata={op_name="a"}, '
+    'backend_config={"kind":"__triton_gemm","split_k":"1"}\n'
+    "  %add.1 = f32[4]{0} add(%x, %y)\n"
+    '  ROOT %fusion.9 = bf16[16,64]{1,0} fusion(%q.1, %q.2), kind=kCustom, calls=%gemm.8, metadata={op_name="b"}, '
+    'backend_config={"kind":"__triton_gemm","split_k":"1"}'
+  )
+  lines = invariance.kernel_choices(hlo)
+  assert len(lines) == 2 and lines[0] == lines[1] and '"split_k":"1"' in lines[0] and "%gemm" not in lines[0]
+  assert len(set(invariance.kernel_choices(hlo.replace('"split_k":"1"}\n', '"split_k":"2"}\n')))) == 2
+  invariance.use_variant("no-barrier")
+  assert transformer.on_fixed_rows is not invariance._ORIGINAL_FIXED_ROWS
+  invariance.use_variant("barrier")
+  assert transformer.on_fixed_rows is invariance._ORIGINAL_FIXED_ROWS
+  with pytest.raises(SystemExit):
+    invariance.parse_args(["--variants", "nope"])
+
+
 @pytest.mark.slow  # a bench script's smoke run (7 s); CI keeps the examples' own runs
 def test_step_profile_smoke_run_checks_its_forward_and_writes_every_figure(tmp_path):
   """bench/step_profile.py --tiny on the CPU: its variants' forward equals the Transformer's, every row is there."""
