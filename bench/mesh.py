@@ -51,7 +51,10 @@ Usage (from the repository root; a CPU run is a smoke test, not a figure):
         --batch 1 8 64 --splits 2x1 1x2 --per-device          # the GGUF in place (bench/gguf_parts.py)
     PYTHONPATH=. python3 bench/mesh.py --tiny --batch 2 --max-new-tokens 8 --repeats 1   # CPU smoke test, ~20 s
 
-Output: a table on stdout and JSON, `mesh_<shape>[_real]_<splits>[_per_device].json`
+`--kernels pallas` loads the models on the Pallas blocks (a GPU; on a mesh that splits rows only, each
+device's program takes them as one device's does).
+
+Output: a table on stdout and JSON, `mesh_<shape>[_real]_<splits>[_per_device][_pallas].json`
 in --out (default bench/out/), written after every batch size.
 """
 
@@ -124,6 +127,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     "--shape", choices=tuple(SHAPES), default="smollm2", help="the random model's shape (default smollm2)"
   )
   ap.add_argument("--tiny", action="store_true", help="a 4-layer model (smoke test), not --shape's sizes")
+  ap.add_argument(
+    "--kernels",
+    choices=("xla", "pallas"),
+    default="xla",
+    help="the models' blocks (TransformerConfig.kernels; default xla): on a mesh that splits rows only each "
+    "device's program takes the Pallas blocks too",
+  )
   ap.add_argument("--real", action="store_true", help="the real model of --shape and its EAGLE head, real prompts")
   ap.add_argument(
     "--drafters",
@@ -192,14 +202,14 @@ def cycled(base: tuple[np.ndarray, np.ndarray], b: int) -> tuple[np.ndarray, np.
   return base[0][rows], base[1][rows]
 
 
-def real_models(shape: str, dtype):
-  """(target, EAGLE head, (tokens [6, P], lengths [6])): `bench/real_target.py`'s model of `shape`, XLA's blocks."""
+def real_models(shape: str, dtype, kernels: str = "xla"):
+  """(target, EAGLE head, (tokens [6, P], lengths [6])): `bench/real_target.py`'s model of `shape` on `kernels`."""
   from bench import real_target as rt  # noqa: PLC0415  (imports the loaders: only with --real)
   from bench import smollm2 as bs  # noqa: PLC0415
 
   spec = rt.MODELS[shape]()
-  target, tokenizer = spec.load(dtype, "xla")
-  eagle = spec.load_eagle(dtype, "xla") if spec.shipped_eagle else None
+  target, tokenizer = spec.load(dtype, kernels)
+  eagle = spec.load_eagle(dtype, kernels) if spec.shipped_eagle else None
   texts = [spec.chat_prompt(t) for t in rt.held_out_prompts(rt.PROMPT_NAMES).values()]
   return target, eagle, bs.encode(tokenizer, texts)
 
@@ -358,12 +368,14 @@ def main(argv=None):
   args = parse_args(argv)
   name = "tiny" if args.tiny else args.shape
   if args.real:
-    target, eagle, base_prompts = real_models(args.shape, jnp.dtype(args.dtype))
+    target, eagle, base_prompts = real_models(args.shape, jnp.dtype(args.dtype), args.kernels)
     config = target.config
     if "eagle" in args.drafters and eagle is None:
       raise SystemExit(f"--drafters eagle: no EAGLE head is shipped for {args.shape}")
   else:
-    config = TransformerConfig(**(TINY if args.tiny else SHAPES[args.shape]), dtype=jnp.dtype(args.dtype))
+    config = TransformerConfig(
+      **(TINY if args.tiny else SHAPES[args.shape]), dtype=jnp.dtype(args.dtype), kernels=args.kernels
+    )
     target, eagle = Transformer(config, rngs=nnx.Rngs(0)), None
     base_prompts = prompts(max(args.batch) * max(d for d, _ in args.splits), config.vocab_size)
   drafts = {}
@@ -388,6 +400,7 @@ def main(argv=None):
   rows = []
   os.makedirs(args.out, exist_ok=True)
   suffix = ("_real" if args.real else "") + "_" + "_".join(meshes) + ("_per_device" if args.per_device else "")
+  suffix += "_pallas" if args.kernels == "pallas" else ""
   path = os.path.join(args.out, f"mesh_{name}{suffix}.json")
   for b in args.batch:
     today, today_tokens = measure("today", target, drafts, None, b, args, base_prompts)

@@ -117,7 +117,9 @@ list a prefix) keeps its continuations and generates only the new ones. On a
 machine of several GPUs, `--data-shard I/N` lets N processes (one a GPU:
 `CUDA_VISIBLE_DEVICES=I`) generate the data together: each generates the
 continuations of prompts I, I+N, ... into D.shardIofN.partial.npz, and the
-same command without `--data-shard` then joins the files into D. The
+same command without `--data-shard` then joins the files into D. With
+`--self-questions`, start one process first: the questions it writes go to
+D.questions.json, which the others read (bench/coder_head_round.sh does this). The
 coder's data (one H200, 2026-11-27: 17,473 prompts, 87,365 continuations,
 18,677,220 generated tokens, about 11 minutes over two commands) came from
 
@@ -468,17 +470,30 @@ CODE_KINDS = ("implement", "complete", "edit", "tests")
 
 def written_questions(spec: Target, args, tokenizer, target, topics, drop=lambda q: False) -> list[str]:
   """--self-questions: `self_questions` about `topics` (the first 4 with --quick) in the target's chat template,
-  less those `drop` names; prints how many were kept and a few."""
-  written = self_questions(
-    target,
-    tokenizer,
-    topics[:4] if args.quick else topics,
-    samples=args.self_questions,
-    seed=args.seed,
-    batch_size=args.gen_batch,
-    chat=spec.chat,
-    eos=spec.eos,
-  )
+  less those `drop` names; prints how many were kept and a few. With --data-cache D they are kept in
+  D.questions.json and read from there by later runs, so that the processes of `--data-shard` (and a run that
+  joins them) share one list of prompts."""
+  cache = args.data_cache + ".questions.json" if args.data_cache else ""
+  if cache and os.path.isfile(cache):
+    with open(cache) as f:
+      written = json.load(f)
+    print(f"self-written questions: read {len(written)} from {cache}")
+  else:
+    written = self_questions(
+      target,
+      tokenizer,
+      topics[:4] if args.quick else topics,
+      samples=args.self_questions,
+      seed=args.seed,
+      batch_size=args.gen_batch,
+      chat=spec.chat,
+      eos=spec.eos,
+    )
+    if cache:
+      os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+      with open(cache + ".tmp", "w") as f:
+        json.dump(written, f)
+      os.replace(cache + ".tmp", cache)
   kept = [q for q in written if not drop(q)]
   shown = [q.split("user\n")[-1].split("<|im_end|>")[0] for q in kept[:3]]
   print(f"self-written questions: {len(kept)} kept of {len(written)}, e.g. " + " | ".join(shown))

@@ -356,3 +356,23 @@ def test_the_coder_self_written_questions_come_last_and_leave_the_benchmark_out(
   assert kinds == ["edit"] + ["question"] * (len(general) + 1)
   assert asked["samples"] == 2 and asked["chat"] is spec.chat and asked["eos"] == spec.eos
   assert asked["topics"] == coder.self_question_topics()
+
+
+def test_self_written_questions_are_kept_beside_the_data_and_read_back(train, monkeypatch, tmp_path):
+  """With --data-cache D the questions go to D.questions.json, and a later run (another --data-shard process,
+  or the run that joins them) reads them instead of writing new ones: every process has the same prompts."""
+  cache = str(tmp_path / "d.npz")
+  spec, args = train.parse_args(
+    ["--target", "qwen2.5-coder-1.5b", "--self-questions", "2", "--data-cache", cache, "--data-shard", "0/2"]
+  )
+  calls = []
+
+  def fake_self_questions(target, tokenizer, topics, **kw):
+    calls.append(len(calls))
+    return [spec.chat(f"Question {len(calls)}: why do owls hoot?")]
+
+  monkeypatch.setattr(train, "self_questions", fake_self_questions)
+  first = train.written_questions(spec, args, None, None, ["owls"])
+  again = train.written_questions(spec, args, None, None, ["owls"])
+  assert calls == [0] and first == again == [spec.chat("Question 1: why do owls hoot?")]
+  assert (tmp_path / "d.npz.questions.json").is_file()

@@ -1,0 +1,78 @@
+#!/bin/bash
+# A training round of Qwen2.5-Coder-1.5B's EAGLE head on a lent machine of N GPUs: one device call a step.
+#
+# Before the first step: the GGUF in place (bench/gguf_parts.py) and the wheels of gguf, tokenizers and
+# safetensors installed (carry .whl; `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl`).
+# Everything goes to $ROUND (default /root/eagle/R), which lasts while the machine stays warm. The head the
+# round starts from is the shipped one: carry specdec_jax/weights/qwen2_5_coder_eagle.safetensors.
+#
+#   bash bench/coder_head_round.sh data N [SECONDS]        # the data: one process a GPU (--data-shard), then joined
+#   bash bench/coder_head_round.sh train N STEPS SECONDS   # training on N GPUs; the same line continues it
+#   bash bench/coder_head_round.sh pack OUT                # the data and the head into OUT (files of <= 15 MB)
+#   bash bench/coder_head_round.sh loop OUT [SECONDS]      # the new head in the loop on GPU 0 (bench/real_target.py)
+#
+# `data` and `train` stop inside SECONDS (default 540) and pick up where they stopped when run again. A later
+# session brings the packed data back with `cat data.npz.part* > $ROUND/data.npz`. DATA_FLAGS (default the third
+# round's: --more-questions --self-questions 8 --samples 0,1,1,1,1) and TRAIN_FLAGS (default --depth 5
+# --kind-weights question=2) replace the defaults; the flags are examples/train_eagle.py's.
+set -euo pipefail
+export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+R=${ROUND:-/root/eagle/R}
+DATA_FLAGS=${DATA_FLAGS:---more-questions --self-questions 8 --samples 0,1,1,1,1}
+TRAIN_FLAGS=${TRAIN_FLAGS:---depth 5 --kind-weights question=2}
+SHIPPED=specdec_jax/weights/qwen2_5_coder_eagle.safetensors
+# shellcheck disable=SC2206  # the flags are words
+TE=(python3 examples/train_eagle.py --target qwen2.5-coder-1.5b --data-cache "$R/data.npz" $DATA_FLAGS)
+usage() {
+  grep '^#   bash' "$0" >&2
+  exit 2
+}
+mkdir -p "$R"
+case "${1:-}" in
+  data)
+    n=${2:?N}
+    limit=${3:-540}
+    if [ -f "$R/data.npz" ]; then
+      echo "$R/data.npz is there already"
+      exit 0
+    fi
+    gen=("${TE[@]}" --data-only --prefill-tokens 65536)
+    CUDA_VISIBLE_DEVICES=0 "${gen[@]}" --data-shard "0/$n" --wall-limit-s "$limit" > "$R/shard0.log" 2>&1 &
+    first=$!
+    case " $DATA_FLAGS " in
+      *" --self-questions "*)  # the first process writes the questions every process reads
+        while [ ! -f "$R/data.npz.questions.json" ] && kill -0 "$first" 2> /dev/null; do sleep 2; done
+        ;;
+    esac
+    for i in $(seq 1 $((n - 1))); do
+      CUDA_VISIBLE_DEVICES=$i "${gen[@]}" --data-shard "$i/$n" --wall-limit-s $((limit - 30)) > "$R/shard$i.log" 2>&1 &
+    done
+    wait
+    for i in $(seq 0 $((n - 1))); do grep "^data shard" "$R/shard$i.log" || tail -n 3 "$R/shard$i.log"; done
+    # Joins the shards' files (and generates what they left, within a minute).
+    CUDA_VISIBLE_DEVICES=0 "${gen[@]}" --wall-limit-s 80 2>&1 | grep -v "it/s]" | tail -n 4
+    ;;
+  train)
+    n=${2:?N}
+    steps=${3:?STEPS}
+    limit=${4:-540}
+    # shellcheck disable=SC2086
+    "${TE[@]}" --init "$SHIPPED" --devices "$n" --batch-size $((16 * n)) --steps "$steps" $TRAIN_FLAGS \
+      --state "$R/state.msgpack" --out "$R/head.safetensors" --wall-limit-s "$limit" 2>&1 | grep -v "it/s]" | tail -n 40
+    ;;
+  pack)
+    out=${2:?OUT}
+    mkdir -p "$out"
+    split -b 15000000 -d "$R/data.npz" "$out/data.npz.part"
+    for f in head.safetensors head.json; do [ -f "$R/$f" ] && cp "$R/$f" "$out/"; done
+    ls -l "$out"
+    ;;
+  loop)
+    out=${2:?OUT}
+    limit=${3:-400}
+    CUDA_VISIBLE_DEVICES=0 python3 bench/real_target.py --model qwen2.5-coder-1.5b --kernels pallas --ks= --repeats 2 \
+      --eagle "$R/head.safetensors" --eagle-ks 4 --trees d5x8x32 --modes greedy,t1 --budget-s "$limit" --out "$out" \
+      2>&1 | grep -v "it/s]" | tail -n 30
+    ;;
+  *) usage ;;
+esac
