@@ -7,6 +7,7 @@ the logits plus a sort of a few thousand candidates.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -595,8 +596,10 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   few hundred candidates per position are gathered, with the maxima, floors
   and masses reduced over the devices. In XLA's program, rows the narrowed
   candidates cannot vouch for are redone from the 32 largest of every 128
-  (gathered for those rows only); rows that still fail are redone by bisection
-  over the logits (`_bisect_threshold_and_lse`). No gather grows with V beyond
+  (gathered for those rows only); in the Pallas kernel's, such rows' slices are
+  read again as XLA's program reads them, for those rows only
+  (`_reread_rows`). Rows that still fail are redone by bisection over the
+  logits (`_bisect_threshold_and_lse`). No gather grows with V beyond
   V/64 values a position. Thresholds are exact, as on one device; a normaliser may differ
   from one device's in its last bits (sums in another order).
   """
@@ -657,6 +660,14 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
       return from_candidates(*wide_narrowed(f, floor))
 
     thr, lse, exact = _redo_rows(exact, (thr, lse, exact), flat, wide_rows, wide_batch, shards)
+  else:
+    # Rows the Pallas candidates cannot vouch for (a block holding more of the row's top tokens than it keeps):
+    # their slices read again, these rows only, as XLA's program reads them, before any bisection.
+    reread = functools.partial(
+      _reread_rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, shards=shards, total=total, m=m
+    )
+    found = (thr, lse, exact)  # more failing rows than the branch takes: left to the bisection's whole batch
+    thr, lse, exact = _redo_rows(exact, found, logits, reread, lambda raw: found, shards)
 
   def bisect_rows(idx, raw):
     r = row_of(idx)
@@ -666,6 +677,33 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
 
   return _redo_rows(
     exact, (thr, lse), logits, bisect_rows, lambda raw: _bisect_batch(scale(raw), top_k, top_p, min_p, shards), shards
+  )
+
+
+def _reread_rows(idx, raw, *, temperature, top_k, top_p, min_p, shards, total, m):
+  """(thr, lse, exact) of the flat rows idx of the logits raw [B, ..., V/m], from candidates read as XLA's split
+  search reads them: the 4 largest of every group of this device's slice, narrowed to the 32 largest of every
+  128 and gathered over the devices (about V/32 a row). `total` and `m` [B, ...]: the rows' mass and max."""
+  row_of = _row_index(raw, m)
+  r = row_of(idx)
+  mp = None if min_p is None else min_p[r]
+  rows = _scaled_rows(raw, idx, temperature, row_of)  # [n, V/m]
+  local = _slice_candidates(rows, None, top_k[r], top_p[r], mp, dataclasses.replace(shards, search="xla"))
+  flat, maxima = local.values, [local.floor]
+  if flat.shape[-1] > _NARROW_GROUP:
+    tops = group_top(flat, _NARROW_GROUP, 4 * _NARROW_PER_GROUP)
+    flat = tops.reshape(tops.shape[:-2] + (-1,))
+    maxima.append(jnp.max(tops[..., -1], axis=-1))
+  cand, floors = shards.gather_and_max(flat, maxima)
+  return _threshold_from_candidates(
+    cand,
+    functools.reduce(jnp.maximum, floors),
+    top_k=top_k[r],
+    top_p=top_p[r],
+    v=shards.vocab,
+    total=total.reshape(-1)[idx],
+    m=m.reshape(-1)[idx],
+    min_p=mp,
   )
 
 

@@ -667,32 +667,64 @@ def check_threshold_stages_pallas():
   """The split search reading each slice with the Pallas kernel (interpreter): thresholds equal a sort's.
 
   Blocks of 2048 tokens keep 16 candidates each (32 blocks in all), so of `stage_logits`' rows 0 (spread) and
-  3 (ten in one block) settle from the candidates, and rows 1, 2 and 4.. (more than 16 in block 0) need the
-  bisection, all 67 of them: its whole-batch branch. Planted: without the redo, row 2 (40 tokens in block 0,
-  which keeps 16) is wrong and rows 0 and 3 right (rows 1 and 4.. happen to be right: their 20 tokens are all
-  candidates, though the candidates cannot vouch for it).
+  3 (ten in one block) settle from the candidates, and rows 1, 2 and 4.. (more than 16 in block 0) do not. Their
+  slices are read again as XLA's program reads them (groups of 64 keeping 4, narrowed to 32 of every 128),
+  which settles rows 1 and 4.. but not row 2 (40 in one run of 32 groups): the bisection does. On all 70 rows
+  (68 failing, more than the 64 the re-read takes one by one) the re-read leaves them all to the bisection's
+  whole-batch branch; on the first 10 (8 failing) both take their rows one by one. Planted, on the 10 rows:
+  without the bisection only row 2 is wrong (so the re-read settled rows 1 and 4..); with the re-read's
+  thresholds off by one, rows 1 and 4.. are wrong (so its answers are used); without any redo, row 2 is wrong
+  (rows 1 and 4.. happen to be right: their 20 tokens are all candidates, though these cannot vouch for it).
   """
   from specdec_jax.sampling import thresholds
 
-  x, ks = stage_logits()
-  ones = jnp.ones(len(ks))
-  want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
-  want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
+  x_all, ks_all = stage_logits()
   mesh = make_mesh(*MESHES["1x8"])
-  thr, lse = _split_search(x, ks, mesh, search="pallas_interpret")
-  assert np.array_equal(thr, want_thr), f"thresholds differ in rows {np.nonzero(thr != want_thr)[0][:8]}"
-  ok, err = _close(lse, want_lse)
-  assert ok, f"log-normalisers differ by {err}"
-  redo = thresholds._redo_rows
-  thresholds._redo_rows = lambda ok, results, op, *args, **kw: results
-  try:
-    jax.clear_caches()
-    wrong = _split_search(x, ks, mesh, search="pallas_interpret")[0] != want_thr
-  finally:
-    thresholds._redo_rows = redo
-    jax.clear_caches()
-  assert wrong[2] and not wrong[[0, 3]].any(), f"no redo: rows wrong {np.nonzero(wrong)[0][:8]}"
-  return f"{len(ks)} rows equal a sort; planted: no redo wrongs row 2, not rows 0 and 3"
+
+  def want(x, ks):
+    ones = jnp.ones(len(ks))
+    thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
+    return thr, np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
+
+  for rows in (70, 10):
+    x, ks = x_all[:rows], ks_all[:rows]
+    want_thr, want_lse = want(x, ks)
+    thr, lse = _split_search(x, ks, mesh, search="pallas_interpret")
+    assert np.array_equal(thr, want_thr), f"{rows} rows: thresholds differ in rows {np.nonzero(thr != want_thr)[0][:8]}"
+    ok, err = _close(lse, want_lse)
+    assert ok, f"{rows} rows: log-normalisers differ by {err}"
+
+  redo, reread = thresholds._redo_rows, thresholds._reread_rows
+
+  def off_by_one(*args, **kw):
+    thr, lse, exact = reread(*args, **kw)
+    return thr + 1.0, lse, exact
+
+  no_bisection = lambda ok, results, op, some, *a, **kw: (
+    results if getattr(some, "__name__", "") == "bisect_rows" else redo(ok, results, op, some, *a, **kw)
+  )
+  planted = {}
+  for name, patch in (
+    ("no bisection", ("_redo_rows", no_bisection)),
+    ("re-read off by one", ("_reread_rows", off_by_one)),
+    ("no redo", ("_redo_rows", lambda ok, results, op, *args, **kw: results)),
+  ):
+    setattr(thresholds, *patch)
+    try:
+      jax.clear_caches()
+      planted[name] = _split_search(x, ks, mesh, search="pallas_interpret")[0] != want_thr
+    finally:
+      thresholds._redo_rows, thresholds._reread_rows = redo, reread
+      jax.clear_caches()
+  expect = {
+    "no bisection": [2],
+    "re-read off by one": [1] + list(range(4, 10)),
+    "no redo": [2],
+  }
+  for name, rows_wrong in expect.items():
+    got = np.nonzero(planted[name])[0].tolist()
+    assert got == rows_wrong, f"{name}: rows wrong {got}, expected {rows_wrong}"
+  return "70 and 10 rows equal a sort; planted: no bisection wrongs row 2, a wrong re-read rows 1 and 4.."
 
 
 def check_threshold_pallas_mixed_rows():
