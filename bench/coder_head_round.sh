@@ -8,18 +8,22 @@
 #
 #   bash bench/coder_head_round.sh data N [SECONDS]        # the data: one process a GPU (--data-shard), then joined
 #   bash bench/coder_head_round.sh train N STEPS SECONDS   # training on N GPUs; the same line continues it
-#   bash bench/coder_head_round.sh pack OUT                # the data and the head into OUT (files of <= 15 MB)
+#   bash bench/coder_head_round.sh pack OUT                # the data and the head into OUT, in parts of 15 MB
 #   bash bench/coder_head_round.sh loop OUT [SECONDS]      # the new head in the loop on GPU 0 (bench/real_target.py)
 #
 # `data` and `train` stop inside SECONDS (default 540) and pick up where they stopped when run again. A later
 # session brings the packed data back with `cat data.npz.part* > $ROUND/data.npz`. DATA_FLAGS (default the third
 # round's: --more-questions --self-questions 8 --samples 0,1,1,1,1) and TRAIN_FLAGS (default --depth 5
-# --kind-weights question=2) replace the defaults; the flags are examples/train_eagle.py's.
+# --kind-weights question=2) replace the defaults; the flags are examples/train_eagle.py's (a block drafter:
+# TRAIN_FLAGS="--drafter block --block-size 8 --blocks-per-row 8 --position-decay 3"). LOOP_FLAGS replaces
+# the loop's drafter flags (default: the head, --eagle-ks 4 --trees d5x8x32; a block drafter:
+# LOOP_FLAGS="--block $ROUND/head.safetensors --block-ks 8 --eagle-ks 4 --trees=").
 set -euo pipefail
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 R=${ROUND:-/root/eagle/R}
 DATA_FLAGS=${DATA_FLAGS:---more-questions --self-questions 8 --samples 0,1,1,1,1}
 TRAIN_FLAGS=${TRAIN_FLAGS:---depth 5 --kind-weights question=2}
+LOOP_FLAGS=${LOOP_FLAGS:---eagle $R/head.safetensors --eagle-ks 4 --trees d5x8x32}
 SHIPPED=specdec_jax/weights/qwen2_5_coder_eagle.safetensors
 # shellcheck disable=SC2206  # the flags are words
 TE=(python3 examples/train_eagle.py --target qwen2.5-coder-1.5b --data-cache "$R/data.npz" $DATA_FLAGS)
@@ -63,16 +67,19 @@ case "${1:-}" in
   pack)
     out=${2:?OUT}
     mkdir -p "$out"
-    split -b 15000000 -d "$R/data.npz" "$out/data.npz.part"
-    for f in head.safetensors head.json; do [ -f "$R/$f" ] && cp "$R/$f" "$out/"; done
+    # A call brings back at most 8 files of 16 MiB, 64 MiB in all: the data (22 MB) and the head (35 MB in int8)
+    # go in parts,
+    # joined here again with `cat NAME.part* > NAME`.
+    for f in data.npz head.safetensors; do split -b 15000000 -d "$R/$f" "$out/$f.part"; done
+    cp "$R/head.json" "$out/"
     ls -l "$out"
     ;;
   loop)
     out=${2:?OUT}
     limit=${3:-400}
+    # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=0 python3 bench/real_target.py --model qwen2.5-coder-1.5b --kernels pallas --ks= --repeats 2 \
-      --eagle "$R/head.safetensors" --eagle-ks 4 --trees d5x8x32 --modes greedy,t1 --budget-s "$limit" --out "$out" \
-      2>&1 | grep -v "it/s]" | tail -n 30
+      $LOOP_FLAGS --modes greedy,t1 --budget-s "$limit" --out "$out" 2>&1 | grep -v "it/s]" | tail -n 30
     ;;
   *) usage ;;
 esac
