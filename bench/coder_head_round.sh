@@ -67,9 +67,8 @@ case "${1:-}" in
   pack)
     out=${2:?OUT}
     mkdir -p "$out"
-    # A call brings back at most 8 files of 16 MiB, 64 MiB in all: the data (22 MB) and the head (35 MB in int8)
-    # go in parts,
-    # joined here again with `cat NAME.part* > NAME`.
+    # A call brings back at most 8 files of 16 MiB, 64 MiB in all: the data (22 MB) and the head (35 MB in
+    # int8) go in parts, joined here again with `cat NAME.part* > NAME`.
     for f in data.npz head.safetensors; do split -b 15000000 -d "$R/$f" "$out/$f.part"; done
     cp "$R/head.json" "$out/"
     ls -l "$out"
