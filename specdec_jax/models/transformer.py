@@ -993,10 +993,9 @@ def on_fixed_rows(fn, x: jax.Array) -> jax.Array:
 
   fn maps [1, MAX_ROWS, D] to [1, MAX_ROWS, N] row by row; the padding rows' results are dropped. One shape
   whatever B*T, so a row's bits do not depend on the call's size (batch invariance). The shape alone is
-  not enough: XLA fuses the padding and the slicing, which depend on B*T, into fn's products and tunes
-  each fusion's kernel (tile sizes, split of the reduction) separately, so a one-token step and a
-  verification call could still sum a row's products in different orders. Optimization barriers around
-  fn keep its fusions the same computation in every call, and XLA gives the same fusion the same kernel.
+  not enough: XLA fused the padding and the slicing, which depend on B*T, into fn's products, and a
+  one-token step and a verification call then summed some rows in different orders (on an H200:
+  bench/RESULTS.md). Optimization barriers around fn keep its fusions the same computation in every call.
 
   Example:
     >>> on_fixed_rows(lambda r: 2 * r, jnp.ones((1, 3, 4))).shape
