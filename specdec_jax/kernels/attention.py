@@ -23,7 +23,11 @@ the same half is three kernels:
      the row], in blocks of `block_s` slots with an online softmax, and
      writes its [T, Dh] output. Query t sees slot s iff s <= positions[b, t]
      (the chain rule of `AttentionContext`), or, for a tree call, iff its row
-     of the given mask says so; kernel 1 then writes at the given slots.
+     of the given mask says so; kernel 1 then writes at the given slots. A
+     tree call reads each query's keys from the block of its first write slot
+     on in a chain's order (`_tree_tails`: a node's ancestors where a chain of
+     its path holds them), so a node's logits are the bits of one-token steps
+     along its path, as a chain call's are.
   3. The output product plus the residual, `mlp.project_residual`
      (the MLP's down-projection kernel on wo).
 
@@ -314,14 +318,17 @@ def _finish_head(acc1, acc2, layer, refs, *, rows, t, heads, kv_heads, dh, s, bl
 def _attention_kernel(*refs, t, group, dh, s, block_s, masked):
   """Head h of row b: softmax(q k^T / sqrt(Dh), visible slots) v over the live slots.
 
-  Refs: layer [1], pos [rows] int32, [with `masked`: mask [rows, S] int8 and live [B] int32,] q [rows, H Dh],
-  caches [L, B, Hkv, S, Dh], o [rows, H Dh]. Without a mask a query sees the slots s <= its position
-  and the loop runs over the slot blocks up to the row's largest position (all S when that is out of
-  range), so a short context reads a short cache; with one (tree calls) it sees the slots its mask row
-  marks, and the loop runs up to live[b] (one past the row's last visible slot).
+  Refs: layer [1], pos [rows] int32, [with `masked`: mask [rows, S] int8, start [B] int32, tail_len [B]
+  int32 and tail [rows, S] int32,] q [rows, H Dh], caches [L, B, Hkv, S, Dh], o [rows, H Dh]. Without a mask a query
+  sees the slots s <= its position and the loop runs over the slot blocks up to the row's largest
+  position (all S when that is out of range), so a short context reads a short cache. With one (tree
+  calls) a query sees the slots its mask row marks: the blocks before start[b] as a chain's query
+  does, then its own visible slots from start[b] on in the order `_tree_tails` lists them (`tail`,
+  -1 past the last), which puts a node's ancestors where a chain of its path holds them. Each block
+  of the tail is one product per row (its own keys), so a node's scores and sums are a chain's bits.
   """
   if masked:
-    layer_ref, pos_ref, mask_ref, live_ref, q_ref, kc_ref, vc_ref, o_ref = refs
+    layer_ref, pos_ref, mask_ref, start_ref, tail_len_ref, tail_ref, q_ref, kc_ref, vc_ref, o_ref = refs
   else:
     layer_ref, pos_ref, q_ref, kc_ref, vc_ref, o_ref = refs
   b, h = pl.program_id(0), pl.program_id(1)
@@ -332,13 +339,22 @@ def _attention_kernel(*refs, t, group, dh, s, block_s, masked):
   pos = _load(pos_ref, (pl.ds(b * t, MAX_ROWS),), row_ok)  # [16]; padded rows read 0, see slot 0 only
   q = _load(q_ref, (pl.ds(b * t, MAX_ROWS), pl.ds(h * dh, dh)), row_ok[:, None])  # [16, Dh]
   if masked:
-    live = jnp.minimum(live_ref[b], s)
+    live = jnp.minimum(start_ref[b], s)  # the blocks before the tail, read as a chain reads them
   else:
     live = jnp.minimum(jnp.max(jnp.where(row_ok, pos, 0)) + 1, s)
   scale = 1.0 / math.sqrt(dh)
 
-  def body(j, carry):
+  def update(carry, sc, visible, values):
+    """The online softmax's step over a block: scores sc [16, bs], their visibility, and values(p) = p @ v."""
     m, l, acc = carry
+    sc = jnp.where(visible, sc, _MASKED)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(sc - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    return m_new, l, acc * alpha[:, None] + values(p)
+
+  def body(j, carry):
     slots = j * block_s + jnp.arange(block_s)
     s_ok = slots < s
     sl = pl.ds(j * block_s, block_s)
@@ -349,22 +365,75 @@ def _attention_kernel(*refs, t, group, dh, s, block_s, masked):
       visible = _load(mask_ref, (pl.ds(b * t, MAX_ROWS), sl), row_ok[:, None] & s_ok[None, :]) != 0
     else:
       visible = (slots[None, :] <= pos[:, None]) & s_ok[None, :]
-    sc = jnp.where(visible, sc, _MASKED)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(sc - m_new[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    return update(carry, sc, visible, lambda p: jnp.dot(p.astype(vt.dtype), vt, preferred_element_type=jnp.float32))
+
+  def tail_body(j, carry):
+    # Each row its own keys: the same [16, bs] products as a chain's, each row's taken from its own.
+    cols = j * block_s + jnp.arange(block_s)
+    c_ok = cols < s
+    idx = _load(tail_ref, (pl.ds(b * t, MAX_ROWS), pl.ds(j * block_s, block_s)), row_ok[:, None] & c_ok[None, :])
+    visible = row_ok[:, None] & c_ok[None, :] & (idx >= 0)
+
+    def row_tile(cache_ref, r):
+      """Row r's own [bs, Dh] tile of `cache_ref`: the cache rows of its tail's slots in this block."""
+      own = jnp.maximum(_load(tail_ref, (b * t + r, pl.ds(j * block_s, block_s)), c_ok), 0)  # -1 reads slot 0, hidden
+      return _load(cache_ref, (layer, b, hk, own[:, None], jnp.arange(dh)[None, :]), c_ok[:, None])
+
+    def rows(product):
+      """[16, N]: row r of product(r) for each of the call's rows r (rows past t: 0)."""
+      out = None
+      for r in range(t):
+        mine = (jnp.arange(MAX_ROWS) == r)[:, None]
+        got = product(r)
+        out = jnp.where(mine, got, 0.0 if out is None else out)
+      return out
+
+    sc = rows(lambda r: jnp.dot(q, row_tile(kc_ref, r).T, preferred_element_type=jnp.float32) * scale)
+
+    def values(p):  # the value tiles are read again rather than kept: 16 of them would not fit in registers
+      return rows(
+        lambda r: jnp.dot(
+          jnp.where((jnp.arange(MAX_ROWS) == r)[:, None], p, 0.0).astype(vc_ref.dtype),
+          row_tile(vc_ref, r),
+          preferred_element_type=jnp.float32,
+        )
+      )
+
+    return update(carry, sc, visible, values)
 
   init = (
     jnp.full((MAX_ROWS,), _MASKED, jnp.float32),
     jnp.zeros((MAX_ROWS,), jnp.float32),
     jnp.zeros((MAX_ROWS, dh), jnp.float32),
   )
-  _, l, acc = lax.fori_loop(0, pl.cdiv(live, block_s), body, init)
+  carry = lax.fori_loop(0, pl.cdiv(live, block_s), body, init)
+  if masked:
+    carry = lax.fori_loop(0, pl.cdiv(jnp.minimum(tail_len_ref[b], s), block_s), tail_body, carry)
+  _, l, acc = carry
   out = acc / jnp.maximum(l, 1e-30)[:, None]
   plgpu.store(o_ref.at[pl.ds(b * t, MAX_ROWS), pl.ds(h * dh, dh)], out.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+def _tree_tails(mask, slots, s: int, block_s: int):
+  """Where a tree call's queries read their keys from the tail on: (start [B], tail_len [B], tail [B*T, S]).
+
+  A chain holds a query's keys in the slots of their positions; a tree call writes its nodes at slots of
+  their own, so a node's ancestors sit elsewhere, and an attention that walked the slots in order would
+  add them up in another order than a chain of the node's path (and plain decoding) does. The slots before
+  `start` (the block holding the call's first write slot; mask-visible context) are walked as a chain walks
+  them; from `start` on, each query reads its visible slots in ascending order, packed (`tail` row: the
+  slot of each position, -1 past the last), which puts the context's last slots and then the node's
+  ancestors, written in topological order, where a chain of its path holds them. `tail_len`: the longest
+  row's visible slots from `start` on.
+  """
+  b, t, _ = mask.shape
+  first = jnp.min(jnp.where((slots >= 0) & (slots < s), slots, s), axis=1)  # [B]
+  start = (jnp.minimum(first, s) // block_s * block_s).astype(jnp.int32)
+  slot = jnp.arange(s, dtype=jnp.int32)
+  visible = mask & (slot[None, None, :] >= start[:, None, None])  # [B, T, S]
+  tail = jnp.sort(jnp.where(visible, slot, s), axis=-1)  # ascending, the visible first
+  tail_len = jnp.max(jnp.sum(visible, axis=-1), axis=1).astype(jnp.int32)  # [B]
+  return start, tail_len, jnp.where(tail < s, tail, -1).reshape(b * t, s).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret", "blocks"))
@@ -511,10 +580,8 @@ def fused_attention(
   )(layer, slots, *inputs, *tables, k_cache, v_cache)
 
   visibility = ()
-  if mask is not None:  # int8 [rows, S] (a Triton load of bool is not portable) and one past each row's last slot
-    seen = jnp.any(mask, axis=1)  # [B, S]
-    live = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32)[None, :], 0), axis=1)  # [B]
-    visibility = (mask.reshape(rows, s).astype(jnp.int8), live.astype(jnp.int32))
+  if mask is not None:  # int8 [rows, S] (a Triton load of bool is not portable), and the tails
+    visibility = (mask.reshape(rows, s).astype(jnp.int8), *_tree_tails(mask, slots.reshape(b, t), s, blocks.block_s))
   attn = pl.pallas_call(
     functools.partial(
       _attention_kernel, t=t, group=num_heads // hkv, dh=dh, s=s, block_s=blocks.block_s, masked=mask is not None

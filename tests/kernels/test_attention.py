@@ -473,3 +473,45 @@ def test_a_wide_model_runs_its_mlp_on_xla_on_sixteen_rows(monkeypatch):
   step = jax.jit(lambda t, p: gpu(t, p, gpu.init_cache(1, S))[0])
   text = cuda_module_text(step, [jax.ShapeDtypeStruct((1, 1), jnp.int32)] * 2)
   assert "fused_attention_qkv" in text and "fused_mlp_gate_up" not in text
+
+
+def test_tree_calls_on_the_kernels_give_each_node_the_bits_of_a_chain_of_its_path(monkeypatch):
+  """A tree call writes its nodes at slots of their own, so a node's ancestors sit in other slots than in a chain
+  of its path; the kernel reads each node's keys from the tail on in a chain's order (`_tree_tails`), so every
+  node's logits are the bits of one-token steps along its path (bf16, 2 blocks, slot blocks of 16, the two rows'
+  trees starting in different blocks, one node's parent in the next block). Before, nodes whose ancestors crossed
+  a block boundary differently than a chain's parted in the last bits (greedy trees then parted from plain
+  greedy decoding at near-ties)."""
+  cfg = CFG.replace(qkv_bias=True, dtype=jnp.bfloat16, kernels="pallas_interpret")
+  monkeypatch.setattr(attention, "blocks_for", lambda d: SPLIT)
+  model = Transformer(cfg, rngs=nnx.Rngs(12))
+  call = jax.jit(lambda m, t, p, c: m(t, p, c))
+  tree = jax.jit(lambda m, t, p, c, s, a: m(t, p, c, cache_slots=s, attention_mask=a))
+  starts = np.array([14, 21])  # each row's context length: its root at that position
+  rng = np.random.default_rng(0)
+  context = rng.integers(0, CFG.vocab_size, (2, starts.max())).astype(np.int32)
+  pos = np.where(np.arange(starts.max())[None] < starts[:, None], np.arange(starts.max())[None], S)  # pads: nowhere
+  _, cache = call(model, jnp.asarray(context), jnp.asarray(pos, jnp.int32), model.init_cache(2, S))
+  parent = [-1, 0, 0, 2, 1, 3]  # root; children 1, 2; 3 under 2; 4 under 1; 5 under 3 (nodes in topological order)
+  depth = [0, 1, 1, 2, 2, 3]
+  tokens = rng.integers(0, CFG.vocab_size, (2, len(parent))).astype(np.int32)
+  mask = np.zeros((2, len(parent), S), bool)
+  for b in range(2):
+    mask[b, :, : starts[b]] = True
+    for i in range(len(parent)):
+      j = i
+      while j >= 0:
+        mask[b, i, starts[b] + j] = True
+        j = parent[j]
+  node_pos = jnp.asarray(starts[:, None] + np.asarray(depth)[None], jnp.int32)
+  node_slots = jnp.asarray(starts[:, None] + np.arange(len(parent))[None], jnp.int32)
+  got, _ = tree(model, jnp.asarray(tokens), node_pos, cache, node_slots, jnp.asarray(mask))
+  for i in range(len(parent)):
+    path, j = [], i
+    while j >= 0:
+      path.insert(0, j)
+      j = parent[j]
+    c = cache
+    for k, j in enumerate(path):  # one-token steps along the path, both rows at once
+      want, c = call(model, jnp.asarray(tokens[:, j : j + 1]), jnp.asarray(starts[:, None] + k, jnp.int32), c)
+    np.testing.assert_array_equal(np.asarray(got)[:, i], np.asarray(want)[:, 0], err_msg=f"node {i}, path {path}")
