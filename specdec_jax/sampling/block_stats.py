@@ -25,7 +25,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from specdec_jax.sampling.params import GREEDY_TEMPERATURE
-from specdec_jax.sampling.thresholds import from_ordered_key, largest_key, ordered_key, top_k_on, top_k_or_top_p_on
+from specdec_jax.sampling.thresholds import (
+  from_ordered_key,
+  largest_key,
+  largest_key_by_digits,
+  ordered_key,
+  top_k_on,
+  top_k_or_top_p_on,
+)
 
 try:  # the Triton back end of Pallas (GPU); the interpreter needs only its load/store
   from jax.experimental.pallas import triton as plgpu
@@ -406,19 +413,6 @@ def combine_partials(m, mass, first, t):
 # ----------------------------------------------------------------------------
 
 
-def _largest_key_radix16(weight, enough):
-  """`thresholds.largest_key` four bits a step: weight takes the 16 trial keys of a step at once (a vector), so a
-  search that reads the row for every weighing reads it 8 times instead of 32."""
-  digits = jnp.arange(16, dtype=jnp.int32)
-
-  def step(i, ans):
-    shift = (28 - 4 * i).astype(jnp.uint32)
-    ok = enough(weight(ans | jnp.left_shift(digits.astype(jnp.uint32), shift)))  # true for a prefix of digits
-    return ans | jnp.left_shift(jnp.max(jnp.where(ok, digits, 0)).astype(jnp.uint32), shift)
-
-  return jax.lax.fori_loop(0, 8, step, jnp.uint32(0))
-
-
 def _search(count_at, mass_at, total, top_k, top_p, k_on, p_on, largest_key=largest_key):
   """(kth, thr) of one row from counts and masses of its scaled values (`thresholds`' sorted search, exactly).
 
@@ -426,8 +420,9 @@ def _search(count_at, mass_at, total, top_k, top_p, k_on, p_on, largest_key=larg
   tokens >= kth whose key is >= u. The top-k value is the largest value with at
   least k tokens at or above it; the top-p value the largest whose tokens (within
   the top-k set) hold at least top_p of that set's mass (none: the whole top-k set).
-  largest_key: `thresholds.largest_key` (bit by bit), or `_largest_key_radix16` (count_at and mass_at then
-  also take a vector of keys).
+  largest_key: `thresholds.largest_key` (bit by bit), or `thresholds.largest_key_by_digits` (four bits a
+  step, so a search that reads the row for every weighing reads it 8 times instead of 32; count_at and
+  mass_at then also take a vector of 16 keys).
   """
   # The branches take -inf as an operand, computed (a select) so that it is a value: Triton's scf.if yields
   # values, not literals.
@@ -531,7 +526,7 @@ def _thresholds_kernel(
         x = jnp.where(jnp.isnan(x), -jnp.inf, x)
         return x, frame(x)
 
-      # Each weighing is a pass over the row: 16 trial keys a pass (`_largest_key_radix16`).
+      # Each weighing is a pass over the row: 16 trial keys a pass (`largest_key_by_digits`).
       def over_row(weigh, u):
         """Sum of weigh(scaled block, keys >= u) over the blocks; u a key or a vector of keys."""
         ge = (lambda keys: keys >= u) if u.ndim == 0 else (lambda keys: keys[None, :] >= u[:, None])
@@ -547,7 +542,7 @@ def _thresholds_kernel(
 
         return over_row(mass, u)
 
-      _, thr_row = _search(count_row, mass_row, total, top_k, top_p, k_on, p_on, _largest_key_radix16)
+      _, thr_row = _search(count_row, mass_row, total, top_k, top_p, k_on, p_on, largest_key_by_digits)
 
       def fix_block(j, carry):
         x, sx = scaled_block(j)
