@@ -609,19 +609,7 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   flat = local.values
 
   def gathered(f, per_group, *local_maxima):
-    """This device's candidates f [..., C], narrowed to the `per_group` largest of every _NARROW_GROUP, gathered
-    over the devices; with the max over the devices of each of `local_maxima` ([...]) and, last, of the narrowed
-    candidates' floor, in the same collective.
-
-    Narrowed on the device before the gather, so that no gather grows with the vocabulary."""
-    maxima = list(local_maxima)
-    if local.narrow and f.shape[-1] > _NARROW_GROUP:
-      tops2 = group_top(f, _NARROW_GROUP, per_group)
-      f = tops2.reshape(tops2.shape[:-2] + (-1,))
-      maxima.append(jnp.max(tops2[..., -1], axis=-1))
-    else:
-      maxima.append(jnp.full(f.shape[:-1], -jnp.inf, f.dtype))  # not narrowed: no floor of its own
-    return shards.gather_and_max(f, maxima)
+    return _narrow_and_gather(f, per_group, local_maxima, shards, narrow=local.narrow)
 
   # The row's max and the floor (tokens outside the candidates are <= it) ride with the candidates: one
   # collective, then the mass's.
@@ -664,7 +652,15 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
     # Rows the Pallas candidates cannot vouch for (a block holding more of the row's top tokens than it keeps):
     # their slices read again, these rows only, as XLA's program reads them, before any bisection.
     reread = functools.partial(
-      _reread_rows, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, shards=shards, total=total, m=m
+      _reread_rows,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      min_p=min_p,
+      shards=shards,
+      total=total,
+      m=m,
+      row_of=row_of,
     )
     found = (thr, lse, exact)  # more failing rows than the branch takes: left to the bisection's whole batch
     thr, lse, exact = _redo_rows(exact, found, logits, reread, lambda raw: found, shards)
@@ -680,24 +676,36 @@ def _sharded_threshold_and_lse(logits, temperature, top_k, top_p, min_p, shards)
   )
 
 
-def _reread_rows(idx, raw, *, temperature, top_k, top_p, min_p, shards, total, m):
+def _narrow_and_gather(f, per_group, local_maxima, shards, *, narrow=True):
+  """This device's candidates f [..., C], narrowed to the `per_group` largest of every _NARROW_GROUP, gathered
+  over the devices; with the max over the devices of each of `local_maxima` ([...]) and, last, of the narrowed
+  candidates' floor, in the same collective: (candidates, maxima).
+
+  Narrowed on the device before the gather, so that no gather grows with the vocabulary (`narrow` False, or
+  C <= _NARROW_GROUP: gathered as they are, with a floor of -inf)."""
+  maxima = list(local_maxima)
+  if narrow and f.shape[-1] > _NARROW_GROUP:
+    tops = group_top(f, _NARROW_GROUP, per_group)
+    f = tops.reshape(tops.shape[:-2] + (-1,))
+    maxima.append(jnp.max(tops[..., -1], axis=-1))
+  else:
+    maxima.append(jnp.full(f.shape[:-1], -jnp.inf, f.dtype))  # not narrowed: no floor of its own
+  return shards.gather_and_max(f, maxima)
+
+
+def _reread_rows(idx, raw, *, temperature, top_k, top_p, min_p, shards, total, m, row_of):
   """(thr, lse, exact) of the flat rows idx of the logits raw [B, ..., V/m], from candidates read as XLA's split
   search reads them: the 4 largest of every group of this device's slice, narrowed to the 32 largest of every
-  128 and gathered over the devices (about V/32 a row). `total` and `m` [B, ...]: the rows' mass and max."""
-  row_of = _row_index(raw, m)
+  128 and gathered over the devices (about V/32 a row). `total` and `m` [B, ...]: the rows' mass and max;
+  `row_of`: `_row_index`'s map from a flat index to its batch row."""
   r = row_of(idx)
   mp = None if min_p is None else min_p[r]
   rows = _scaled_rows(raw, idx, temperature, row_of)  # [n, V/m]
   local = _slice_candidates(rows, None, top_k[r], top_p[r], mp, dataclasses.replace(shards, search="xla"))
-  flat, maxima = local.values, [local.floor]
-  if flat.shape[-1] > _NARROW_GROUP:
-    tops = group_top(flat, _NARROW_GROUP, 4 * _NARROW_PER_GROUP)
-    flat = tops.reshape(tops.shape[:-2] + (-1,))
-    maxima.append(jnp.max(tops[..., -1], axis=-1))
-  cand, floors = shards.gather_and_max(flat, maxima)
+  cand, (floor, narrow_floor) = _narrow_and_gather(local.values, 4 * _NARROW_PER_GROUP, [local.floor], shards)
   return _threshold_from_candidates(
     cand,
-    functools.reduce(jnp.maximum, floors),
+    jnp.maximum(floor, narrow_floor),
     top_k=top_k[r],
     top_p=top_p[r],
     v=shards.vocab,
