@@ -345,14 +345,16 @@ def _attention_kernel(*refs, t, group, dh, s, block_s, masked):
   scale = 1.0 / math.sqrt(dh)
 
   def update(carry, sc, visible, values):
-    """The online softmax's step over a block: scores sc [16, bs], their visibility, and values(p) = p @ v."""
+    """The online softmax's step over a block: scores sc [16, bs], their visibility, and values(p, base) =
+    base + p @ v, in that form in both loops: Triton folds the add into the product's accumulator, which
+    rounds otherwise than an add after it."""
     m, l, acc = carry
     sc = jnp.where(visible, sc, _MASKED)
     m_new = jnp.maximum(m, jnp.max(sc, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(sc - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    return m_new, l, acc * alpha[:, None] + values(p)
+    return m_new, l, values(p, acc * alpha[:, None])
 
   def body(j, carry):
     slots = j * block_s + jnp.arange(block_s)
@@ -365,7 +367,9 @@ def _attention_kernel(*refs, t, group, dh, s, block_s, masked):
       visible = _load(mask_ref, (pl.ds(b * t, MAX_ROWS), sl), row_ok[:, None] & s_ok[None, :]) != 0
     else:
       visible = (slots[None, :] <= pos[:, None]) & s_ok[None, :]
-    return update(carry, sc, visible, lambda p: jnp.dot(p.astype(vt.dtype), vt, preferred_element_type=jnp.float32))
+    return update(
+      carry, sc, visible, lambda p, base: base + jnp.dot(p.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
+    )
 
   def tail_body(j, carry):
     # Each row its own keys: the same [16, bs] products as a chain's, each row's taken from its own.
@@ -379,24 +383,28 @@ def _attention_kernel(*refs, t, group, dh, s, block_s, masked):
       own = jnp.maximum(_load(tail_ref, (b * t + r, pl.ds(j * block_s, block_s)), c_ok), 0)  # -1 reads slot 0, hidden
       return _load(cache_ref, (layer, b, hk, own[:, None], jnp.arange(dh)[None, :]), c_ok[:, None])
 
-    def rows(product):
-      """[16, N]: row r of product(r) for each of the call's rows r (rows past t: 0)."""
-      out = None
-      for r in range(t):
-        mine = (jnp.arange(MAX_ROWS) == r)[:, None]
-        got = product(r)
-        out = jnp.where(mine, got, 0.0 if out is None else out)
-      return out
+    def rows(product, n):
+      """[16, n]: row r of product(r) for each of the call's rows r (rows past t: 0). A loop, not unrolled:
+      unrolled, Triton keeps every row's operand tiles in shared memory at once (over the GPU's limit at T=16)."""
 
-    sc = rows(lambda r: jnp.dot(q, row_tile(kc_ref, r).T, preferred_element_type=jnp.float32) * scale)
+      def one(r, out):
+        return jnp.where((jnp.arange(MAX_ROWS) == r)[:, None], product(r), out)
 
-    def values(p):  # the value tiles are read again rather than kept: 16 of them would not fit in registers
+      return lax.fori_loop(0, t, one, jnp.zeros((MAX_ROWS, n), jnp.float32))
+
+    sc = rows(lambda r: jnp.dot(q, row_tile(kc_ref, r).T, preferred_element_type=jnp.float32) * scale, block_s)
+
+    def values(p, base):  # the value tiles are read again rather than kept: 16 of them would not fit in registers
       return rows(
-        lambda r: jnp.dot(
-          jnp.where((jnp.arange(MAX_ROWS) == r)[:, None], p, 0.0).astype(vc_ref.dtype),
-          row_tile(vc_ref, r),
-          preferred_element_type=jnp.float32,
-        )
+        lambda r: (
+          base
+          + jnp.dot(
+            jnp.where((jnp.arange(MAX_ROWS) == r)[:, None], p, 0.0).astype(vc_ref.dtype),
+            row_tile(vc_ref, r),
+            preferred_element_type=jnp.float32,
+          )
+        ),
+        dh,
       )
 
     return update(carry, sc, visible, values)

@@ -515,3 +515,61 @@ def test_tree_calls_on_the_kernels_give_each_node_the_bits_of_a_chain_of_its_pat
     for k, j in enumerate(path):  # one-token steps along the path, both rows at once
       want, c = call(model, jnp.asarray(tokens[:, j : j + 1]), jnp.asarray(starts[:, None] + k, jnp.int32), c)
     np.testing.assert_array_equal(np.asarray(got)[:, i], np.asarray(want)[:, 0], err_msg=f"node {i}, path {path}")
+
+
+def _subjaxprs(eqn):
+  for param in eqn.params.values():
+    for sub in param if isinstance(param, (list, tuple)) else (param,):
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def _products(jaxpr) -> int:
+  """dot_general equations in `jaxpr`, those inside loops and conditionals included."""
+  return sum(e.primitive.name == "dot_general" for e in jaxpr.eqns) + sum(
+    _products(sub) for e in jaxpr.eqns for sub in _subjaxprs(e)
+  )
+
+
+def _kernel_products(jaxpr) -> dict[str, int]:
+  """{kernel name: products in its body} of each Pallas call in `jaxpr`, however deeply it is nested."""
+  out = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      name = eqn.params.get("name") or eqn.params.get("name_and_src_info")  # by JAX version
+      out[str(name)] = _products(eqn.params["jaxpr"])
+    else:
+      for sub in _subjaxprs(eqn):
+        out.update(_kernel_products(sub))
+  return out
+
+
+def test_a_tree_calls_attention_kernel_holds_the_same_products_whatever_its_rows():
+  """The tree tail's per-row products run in a loop over the call's rows: unrolled, Triton kept every row's
+  operand tiles in shared memory at once (on an H200 a 15-row tree call of the Qwen shape asked for 538 KB
+  of the 227 KB there and failed to compile). So the kernel's program must not grow with T."""
+  s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+  def products(t):
+    args = [
+      s((1, t, 576), bf),
+      s((576,), bf),
+      s((576, 960), bf),
+      s((576, 576), bf),
+      s((2, 1, 3, 320, 64), bf),
+      s((2, 1, 3, 320, 64), bf),
+      s((), jnp.int32),
+      s((1, t), jnp.int32),
+      s((1, t, 32), jnp.float32),
+      s((1, t, 32), jnp.float32),
+      s((1, t, 320), jnp.bool_),
+    ]
+    fn = lambda x, n, a, o, kc, vc, l, p, c, sn, m: fused_attention(  # noqa: E731
+      x, n, a, o, kc, vc, l, p, c, sn, num_heads=9, num_kv_heads=3, eps=1e-5, slots=p, mask=m
+    )
+    counts = _kernel_products(jax.make_jaxpr(fn)(*args).jaxpr)
+    (core,) = [n for name, n in counts.items() if "fused_attention_core" in name]
+    return core
+
+  assert products(2) == products(15) > 0
