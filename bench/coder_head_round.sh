@@ -9,15 +9,16 @@
 #   bash bench/coder_head_round.sh data N [SECONDS]        # the data: one process a GPU (--data-shard), then joined
 #   bash bench/coder_head_round.sh train N STEPS SECONDS   # training on N GPUs; the same line continues it
 #   bash bench/coder_head_round.sh pack OUT                # the data and the head into OUT, in parts of 15 MB
+#   bash bench/coder_head_round.sh restore DIR             # the data from a carried DIR of pack's parts (.eagle)
 #   bash bench/coder_head_round.sh loop OUT [SECONDS]      # the new head in the loop on GPU 0 (bench/real_target.py)
 #
 # `data` and `train` stop inside SECONDS (default 540) and pick up where they stopped when run again. A later
-# session brings the packed data back with `cat data.npz.part* > $ROUND/data.npz`. DATA_FLAGS (default the third
-# round's: --more-questions --self-questions 8 --samples 0,1,1,1,1) and TRAIN_FLAGS (default --depth 5
-# --kind-weights question=2) replace the defaults; the flags are examples/train_eagle.py's (a block drafter:
-# TRAIN_FLAGS="--drafter block --block-size 8 --blocks-per-row 8 --position-decay 3"). LOOP_FLAGS replaces
-# the loop's drafter flags (default: the head, --eagle-ks 4 --trees d5x8x32; a block drafter:
-# LOOP_FLAGS="--block $ROUND/head.safetensors --block-ks 8 --eagle-ks 4 --trees=").
+# session carries pack's data parts (e.g. in .eagle, with data.npz.sha256) and runs `restore .eagle` instead of
+# `data`. DATA_FLAGS (default the third round's: --more-questions --self-questions 8 --samples 0,1,1,1,1) and
+# TRAIN_FLAGS (default --depth 5 --kind-weights question=2) replace the defaults; the flags are
+# examples/train_eagle.py's (a block drafter: TRAIN_FLAGS="--drafter block --block-size 8 --blocks-per-row 8
+# --position-decay 3"). LOOP_FLAGS replaces the loop's drafter flags (default: the head, --eagle-ks 4 --trees
+# d5x8x32; a block drafter: LOOP_FLAGS="--block $ROUND/head.safetensors --block-ks 8 --eagle-ks 4 --trees=").
 set -euo pipefail
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 R=${ROUND:-/root/eagle/R}
@@ -70,8 +71,19 @@ case "${1:-}" in
     # A call brings back at most 8 files of 16 MiB, 64 MiB in all: the data (22 MB) and the head (35 MB in
     # int8) go in parts, joined here again with `cat NAME.part* > NAME`.
     for f in data.npz head.safetensors; do split -b 15000000 -d "$R/$f" "$out/$f.part"; done
+    sha256sum "$R/data.npz" > "$out/data.npz.sha256"
     cp "$R/head.json" "$out/"
     ls -l "$out"
+    ;;
+  restore)
+    src=${2:?DIR}
+    cat "$src"/data.npz.part* > "$R/data.npz"
+    if [ -f "$src/data.npz.sha256" ]; then
+      want=$(cut -d' ' -f1 "$src/data.npz.sha256")
+      got=$(sha256sum "$R/data.npz" | cut -d' ' -f1)
+      [ "$want" = "$got" ] || { echo "restore: $R/data.npz has sha256 $got, expected $want" >&2; exit 1; }
+    fi
+    ls -l "$R/data.npz"
     ;;
   loop)
     out=${2:?OUT}
