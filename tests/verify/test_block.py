@@ -17,6 +17,7 @@ Two layers of evidence:
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -26,6 +27,7 @@ import pytest
 
 from specdec_jax import SamplingParams, rejection_sample
 from specdec_jax.verify import block, chain, fused
+from tests.support.optimized import optimized
 from tests.support.stats import ALPHA, assert_gof, chisquare_gof
 
 V = 3
@@ -198,7 +200,11 @@ def _outcome_index(k):
 
 
 def _sample_round(p, q, k, n_rows, seed, with_probs, num_draft=None, greedy_rows=0, kernels="auto"):
-  """Draws drafts from q in NumPy, builds the round's inputs, runs rejection_sample(method="block")."""
+  """Draws drafts from q in NumPy, builds the round's inputs, runs rejection_sample(method="block").
+
+  Pallas's interpreter over the chi-square tests' thousands of rows runs compiled at LLVM level 2
+  (tests/support/optimized.py: its grid loop runs several times faster there); a small batch compiles at the
+  suite's level 0, which compiles faster."""
   rng = np.random.default_rng(seed)
   drafts = np.zeros((n_rows, k), np.int32)
   for b in range(n_rows):
@@ -208,15 +214,17 @@ def _sample_round(p, q, k, n_rows, seed, with_probs, num_draft=None, greedy_rows
   probs = np.stack([[q[tuple(drafts[b, :j])] for j in range(k)] for b in range(n_rows)])
   temps = np.ones(n_rows, np.float32)
   temps[:greedy_rows] = 0.0
-  out = rejection_sample(
+  if kernels == "pallas" and n_rows >= 1000:
+    sample = optimized(rejection_sample, method="block", kernels=kernels)
+  else:
+    sample = functools.partial(rejection_sample, method="block", kernels=kernels)
+  out = sample(
     draft_token_ids=jnp.asarray(drafts),
     target_logits=jnp.asarray(logits, jnp.float32),
     params=SamplingParams.create(temps),
     key=jax.random.key(seed),
     draft_probs=jnp.asarray(probs, jnp.float32) if with_probs else None,
     num_draft_tokens=None if num_draft is None else jnp.asarray(num_draft),
-    method="block",
-    kernels=kernels,
   )
   return drafts, np.asarray(out.token_ids), np.asarray(out.num_emitted)
 
