@@ -1,11 +1,13 @@
 #!/bin/bash
-# Keeps the shipped weights (66 MB, over the lent GPU's 64 MiB a call) from travelling with device calls.
+# Keeps the shipped weights (66 MB, over the lent GPU's 64 MiB a call) and the benchmarks' records (bench/results
+# and bench/archive, 5 MB) from travelling with device calls.
 #
 # A device call copies the tracked files and the untracked ones git does not ignore. `slim_tree.sh on` takes
-# specdec_jax/weights/*.safetensors out of the index (the files stay on disk) and ignores them in
-# .git/info/exclude, so they stay behind; `carry` can still take one along by name. `off` puts them back in the
-# index from HEAD and drops the exclusion. Between the two, commit only named paths (`git commit PATHS`): a plain
-# `git commit` would record the weights as deleted. `status` says which state the tree is in.
+# specdec_jax/weights/*.safetensors, bench/results and bench/archive out of the index (the files stay on disk)
+# and ignores them in .git/info/exclude, so they stay behind and a 60 MB part of bench/gguf_parts.py fits beside
+# the repository (3 MB); `carry` can still take a file along by name. `off` puts them back in the index from
+# HEAD and drops the exclusions; files new in bench/results are then untracked, to be added by name. Between
+# the two, commit only named paths (`git commit PATHS`): a plain `git commit` would record them all as deleted. `status` says which state the tree is in.
 #
 #   bash bench/slim_tree.sh on      # before the device calls (then: gguf_parts.py parts of 60 MB travel)
 #   bash bench/slim_tree.sh off     # after them
@@ -13,19 +15,21 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude=.git/info/exclude
 mark="# slim_tree.sh: weights kept off device calls"
+kept=("/specdec_jax/weights/*.safetensors" "/bench/results/" "/bench/archive/")
 case "${1:-status}" in
   on)
-    grep -qxF "$mark" "$exclude" 2>/dev/null || printf '%s\n%s\n' "$mark" "/specdec_jax/weights/*.safetensors" >> "$exclude"
-    git rm -q --cached --ignore-unmatch specdec_jax/weights/*.safetensors
-    echo "slim: the weights are out of the index (on disk still); run 'bash bench/slim_tree.sh off' before a plain commit"
+    grep -qxF "$mark" "$exclude" 2>/dev/null || printf '%s\n' "$mark" "${kept[@]}" >> "$exclude"
+    git rm -r -q --cached --ignore-unmatch specdec_jax/weights/*.safetensors bench/results bench/archive
+    echo "slim: the weights and bench/results, bench/archive are out of the index (on disk still); run" \
+      "'bash bench/slim_tree.sh off' before a plain commit"
     ;;
   off)
     if grep -qxF "$mark" "$exclude" 2>/dev/null; then
-      grep -vxF -e "$mark" -e "/specdec_jax/weights/*.safetensors" "$exclude" > "$exclude.tmp" || true
+      grep -vxF -e "$mark" "${kept[@]/#/-e}" "$exclude" > "$exclude.tmp" || true
       mv "$exclude.tmp" "$exclude"
     fi
-    git reset -q HEAD -- specdec_jax/weights
-    echo "whole: the weights are back in the index"
+    git reset -q HEAD -- specdec_jax/weights bench/results bench/archive
+    echo "whole: the weights and bench/results, bench/archive are back in the index"
     ;;
   status)
     if grep -qxF "$mark" "$exclude" 2>/dev/null; then echo "slim (weights stay behind)"; else echo "whole"; fi
