@@ -85,6 +85,7 @@ def tree_parents(spec: str, seed: int) -> list[int]:
 
 
 def paths(parents: list[int]) -> list[list[int]]:
+  """Each row's path from the root: [0, ..., i] for row i (its ancestors in order, then itself)."""
   out = []
   for i in range(len(parents)):
     path, j = [], i
