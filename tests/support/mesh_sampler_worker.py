@@ -625,19 +625,46 @@ def _split_search(x, ks, mesh, search="xla", t=None, p=None, min_p=None):
     return [np.asarray(o) for o in jax.jit(fn)(x)]
 
 
+def _assert_split_search_equals_a_sort(x, ks, mesh, search="xla", label=""):
+  """Asserts that the split search (`search`) of rows x [R, V] with top-k ks gives a full sort's thresholds and,
+  to `_close`, its log-normalisers; returns the sort's thresholds (what a planted error is compared with)."""
+  from specdec_jax.sampling import thresholds
+
+  ones = jnp.ones(len(ks))
+  want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
+  want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
+  thr, lse = _split_search(x, ks, mesh, search=search)
+  assert np.array_equal(thr, want_thr), f"{label}thresholds differ in rows {np.nonzero(thr != want_thr)[0][:8]}"
+  ok, err = _close(lse, want_lse)
+  assert ok, f"{label}log-normalisers differ by {err}"
+  return want_thr
+
+
+@contextlib.contextmanager
+def _planted(**replacements):
+  """`thresholds`' functions named in `replacements` replaced (a deliberately wrong search) inside the block;
+  every compiled program is dropped on the way in and out, so that none mixes the wrong code with the right."""
+  from specdec_jax.sampling import thresholds
+
+  saved = {name: getattr(thresholds, name) for name in replacements}
+  for name, fn in replacements.items():
+    setattr(thresholds, name, fn)
+  try:
+    jax.clear_caches()
+    yield
+  finally:
+    for name, fn in saved.items():
+      setattr(thresholds, name, fn)
+    jax.clear_caches()
+
+
 def check_threshold_stages():
   """The split search's thresholds equal a full sort's at every stage, and each stage is needed."""
   from specdec_jax.sampling import thresholds
 
   x, ks = stage_logits()
-  ones = jnp.ones(len(ks))
-  want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
-  want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
   mesh = make_mesh(*MESHES["1x8"])
-  thr, lse = _split_search(x, ks, mesh)
-  assert np.array_equal(thr, want_thr), f"thresholds differ in rows {np.nonzero(thr != want_thr)[0][:8]}"
-  ok, err = _close(lse, want_lse)
-  assert ok, f"log-normalisers differ by {err}"
+  want_thr = _assert_split_search_equals_a_sort(x, ks, mesh)
   # Teeth: without the redo stages only row 0 is right; without the last (bisection over the logits,
   # the redo whose operand is the device's whole slice) rows 1 and 4.. are still right: the second stage
   # settled them.
@@ -645,15 +672,12 @@ def check_threshold_stages():
   local = V_STAGES // MESHES["1x8"][1]
   planted = {}
   for name, skip in (("no redo", lambda op: True), ("no bisection", lambda op: op.shape[-1] == local)):
-    thresholds._redo_rows = lambda ok, results, op, *args, skip=skip, **kw: (
-      results if skip(op) else redo(ok, results, op, *args, **kw)
-    )
-    try:
-      jax.clear_caches()
+    with _planted(
+      _redo_rows=lambda ok, results, op, *args, skip=skip, **kw: (
+        results if skip(op) else redo(ok, results, op, *args, **kw)
+      )
+    ):
       planted[name] = _split_search(x, ks, mesh)[0] != want_thr
-    finally:
-      thresholds._redo_rows = redo
-      jax.clear_caches()
   wrong = planted["no redo"]
   assert not wrong[0] and wrong[1:].all(), f"no redo: rows wrong {np.nonzero(wrong)[0][:8]}"
   wrong = planted["no bisection"]
@@ -680,19 +704,9 @@ def check_threshold_stages_pallas():
 
   x_all, ks_all = stage_logits()
   mesh = make_mesh(*MESHES["1x8"])
-
-  def want(x, ks):
-    ones = jnp.ones(len(ks))
-    thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
-    return thr, np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
-
   for rows in (70, 10):
     x, ks = x_all[:rows], ks_all[:rows]
-    want_thr, want_lse = want(x, ks)
-    thr, lse = _split_search(x, ks, mesh, search="pallas_interpret")
-    assert np.array_equal(thr, want_thr), f"{rows} rows: thresholds differ in rows {np.nonzero(thr != want_thr)[0][:8]}"
-    ok, err = _close(lse, want_lse)
-    assert ok, f"{rows} rows: log-normalisers differ by {err}"
+    want_thr = _assert_split_search_equals_a_sort(x, ks, mesh, "pallas_interpret", label=f"{rows} rows: ")
 
   redo, reread = thresholds._redo_rows, thresholds._reread_rows
 
@@ -705,17 +719,12 @@ def check_threshold_stages_pallas():
   )
   planted = {}
   for name, patch in (
-    ("no bisection", ("_redo_rows", no_bisection)),
-    ("re-read off by one", ("_reread_rows", off_by_one)),
-    ("no redo", ("_redo_rows", lambda ok, results, op, *args, **kw: results)),
+    ("no bisection", {"_redo_rows": no_bisection}),
+    ("re-read off by one", {"_reread_rows": off_by_one}),
+    ("no redo", {"_redo_rows": lambda ok, results, op, *args, **kw: results}),
   ):
-    setattr(thresholds, *patch)
-    try:
-      jax.clear_caches()
+    with _planted(**patch):
       planted[name] = _split_search(x, ks, mesh, search="pallas_interpret")[0] != want_thr
-    finally:
-      thresholds._redo_rows, thresholds._reread_rows = redo, reread
-      jax.clear_caches()
   expect = {
     "no bisection": [2],
     "re-read off by one": [1] + list(range(4, 10)),
