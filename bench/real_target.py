@@ -4,7 +4,8 @@ Models (`--model`, a small registry below; the Qwen loader is imported only when
   smollm2             SmolLM2-135M-Instruct (`load_smollm2`), with its shipped EAGLE head
   qwen2.5-coder-1.5b  Qwen2.5-Coder-1.5B-Instruct (`load_qwen2_5_coder`), with its shipped EAGLE head
 
-Everything runs once per `--kernels` value (`TransformerConfig.kernels`, xla and/or pallas), bf16 on a
+Everything runs once per `--kernels` value (`TransformerConfig.kernels`, xla and/or pallas; pallas_xla_trees is
+pallas with `tree_kernels=False` on the target and the head: tree calls on XLA's blocks), bf16 on a
 GPU, float32 on a CPU (`--dtype`); the step section at B=1, the generate section at `--batch-size` rows a call (1).
 
 Section `step`: the target's T=1 decode step (with its greedy sampling) and its verification calls of T
@@ -210,7 +211,7 @@ def step_section(model, kernels: str, args, bandwidth: float, report, save, budg
   floor_s = wb["read_bytes"] / bandwidth
   report["weights"][kernels] = {**wb, "kv_cache_bytes": kv, "cache_len": cache_len}
   timer = bd.ComponentTimer(model, None, target_s=args.target_ms / 1e3, repeats=args.step_repeats, seed=args.seed)
-  check_pallas = kernels == "pallas" and common.has_gpu()
+  check_pallas = KERNEL_VALUES[kernels][0] == "pallas" and common.has_gpu()
   t_step = None
   for t in (1, *args.step_ts):
     if budget.over(f"step kernels={kernels} T={t}"):
@@ -669,13 +670,19 @@ def plot_step(report, path, title):
 # ----------------------------------------------------------------------------
 
 
+# A --kernels value: the models' TransformerConfig.kernels and tree_kernels.
+KERNEL_VALUES = {"xla": ("xla", True), "pallas": ("pallas", True), "pallas_xla_trees": ("pallas", False)}
+
+
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   strs = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
   ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
   ap.add_argument("--model", choices=tuple(MODELS), default="smollm2")
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
-  ap.add_argument("--kernels", type=strs, help="comma list of xla, pallas (default xla,pallas; quick xla)")
+  ap.add_argument(
+    "--kernels", type=strs, help="comma list of xla, pallas, pallas_xla_trees (default xla,pallas; quick xla)"
+  )
   ap.add_argument("--sections", type=strs, default=("step", "generate"), help="comma list of step, generate")
   ap.add_argument(
     "--modes",
@@ -747,7 +754,7 @@ def parse_args(argv=None):
     if getattr(args, name) is None:
       setattr(args, name, value)
   for flag, values, allowed in (
-    ("--kernels", args.kernels, ("xla", "pallas")),
+    ("--kernels", args.kernels, tuple(KERNEL_VALUES)),
     ("--modes", args.modes, tuple(MODES)),
     ("--sections", args.sections, ("step", "generate")),
   ):
@@ -825,16 +832,20 @@ def main(argv=None):
       continue
     t0 = time.perf_counter()
     try:
+      base, tree_kernels = KERNEL_VALUES[kernels]
       if host_weights is None:
-        model, tokenizer = spec.load(jnp.dtype(args.dtype), kernels)
+        model, tokenizer = spec.load(jnp.dtype(args.dtype), base)
         if i < len(args.kernels) - 1:  # the next kernels value: the same weights, no second dequantisation
           host_weights, first_config = model.to_weights(), model.config
       else:
-        model = Transformer.from_weights(first_config.replace(kernels=kernels), host_weights)
+        model = Transformer.from_weights(first_config.replace(kernels=base), host_weights)
+      model.config = model.config.replace(tree_kernels=tree_kernels)
       eagle = None
       if spec.load_eagle and (spec.shipped_eagle or args.eagle):
-        head_kernels = kernels if args.eagle_kernels == "same" else args.eagle_kernels
+        head_kernels = base if args.eagle_kernels == "same" else args.eagle_kernels
         eagle = spec.load_eagle(jnp.dtype(args.dtype), head_kernels, args.eagle or None)
+        layers = eagle.config.layers.replace(tree_kernels=tree_kernels)
+        eagle.config = dataclasses.replace(eagle.config, layers=layers)
       block = spec.load_block(jnp.dtype(args.dtype), args.block) if args.block else None
     except Exception as e:  # noqa: BLE001
       error(report, f"load kernels={kernels}", e)

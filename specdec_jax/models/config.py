@@ -90,6 +90,13 @@ class TransformerConfig:
       call, backend or dtype keeps XLA's. "pallas_interpret": the same
       kernels in Pallas's interpreter on any backend (slow; for tests).
       Outputs agree with "xla" up to rounding.
+    tree_kernels: whether a tree call (`cache_slots` and `attention_mask`
+      given) takes the Pallas blocks where `kernels` gives a call of its
+      rows the kernels (True, the default), or XLA's blocks (False). On
+      the kernels each node reads its ancestors' keys row by row, in the
+      order a chain of its path holds them, so that a node's scores round
+      as a chain's do; XLA's blocks read them in one product, which costs
+      less (bench/RESULTS.md, "Trees on XLA's blocks and on the kernels").
 
   Example:
     >>> cfg = TransformerConfig(vocab_size=64, num_layers=2, d_model=32,
@@ -115,6 +122,7 @@ class TransformerConfig:
   max_length: int | None = None
   scan_layers: bool = False
   kernels: str = "xla"
+  tree_kernels: bool = True
 
   def __post_init__(self):
     for name in _POSITIVE_INT_FIELDS:
@@ -161,6 +169,8 @@ class TransformerConfig:
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"TransformerConfig.scan_layers must be a bool, got {self.scan_layers!r}.")
     check_kernels(self.kernels)
+    if not isinstance(self.tree_kernels, bool):
+      raise ValueError(f"TransformerConfig.tree_kernels must be a bool, got {self.tree_kernels!r}.")
     # Frozen dataclass: normalise through object.__setattr__ (so equality and
     # hashing do not depend on how the dtype was spelled).
     object.__setattr__(self, "dtype", dtype)

@@ -578,7 +578,7 @@ class EagleDrafter(nnx.Module):
     p = self.first.values()
     # The first block as Pallas kernels: the q|k|v kernel norms the embedding and the hidden each on its own.
     first_as_plain, prefix = {**p, "attn_norm": p["hidden_norm"]}, (emb, p["input_norm"])
-    kernels = block_kernels(c, self.partitioning, x, first_as_plain, cache.k, prefix)
+    kernels = block_kernels(c, self.partitioning, x, first_as_plain, cache.k, prefix, tree=attention_mask is not None)
     if kernels is not None:
       interpret, tree = kernels == "pallas_interpret", tree_kernel_args(ctx, cache_slots, attention_mask)
       x, k_cache, v_cache = pallas_block(

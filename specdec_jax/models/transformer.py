@@ -573,7 +573,7 @@ class Transformer(nnx.Module):
       positions, cache.max_length, c, cache_slots=cache_slots, attention_mask=attention_mask
     )
 
-    kernels = self._block_kernels(x, cache)
+    kernels = self._block_kernels(x, cache, tree=attention_mask is not None)
     rows = self._invariant_length(tokens, kernels, cache_slots, attention_mask)
     if rows:  # the same call, padded to a fixed shape (see _invariant_length); the padding's outputs dropped
       t = tokens.shape[1]
@@ -664,11 +664,11 @@ class Transformer(nnx.Module):
     rows = mlp.MAX_ROWS // b
     return rows if rows > t else None
 
-  def _block_kernels(self, x, cache: KVCache) -> str | None:
+  def _block_kernels(self, x, cache: KVCache, tree: bool) -> str | None:
     """`config.kernels` where this call can take the Pallas blocks, else None (XLA's): decided at trace time."""
     if self.config.scan_layers:
       return None
-    return block_kernels(self.config, self.partitioning, x, self.layers.block(0), cache.k)
+    return block_kernels(self.config, self.partitioning, x, self.layers.block(0), cache.k, tree=tree)
 
   def copy_cache_slots(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copies every layer's keys/values from slots `src` to slots `dst`, per row (see `copy_kv_slots`).
@@ -825,19 +825,19 @@ def decoder_block(c: TransformerConfig, x, attn_in, p, k_cache, v_cache, i, ctx:
   return mlp_block(c, x, p), k_cache, v_cache
 
 
-def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None) -> str | None:
+def block_kernels(c: TransformerConfig, partitioning, x, p, k_cache, prefix=None, *, tree: bool = False) -> str | None:
   """`c.kernels` where a call on x [B, T, D] can take `pallas_block` with block parameters p, else None.
 
   Decided at trace time from static facts: XLA's blocks serve sharded models (not a data-parallel loop's
   per-device program, `sharding.runs_locally`), a CPU or float32 for
-  "pallas", and shapes the kernels do not take (more than 16 rows, B*T, tree calls included; see
-  `attention.check_args`). `prefix`: as for `pallas_block`.
+  "pallas", tree calls (`tree`) of a config with `tree_kernels=False`, and shapes the kernels do not take
+  (more than 16 rows, B*T, tree calls included; see `attention.check_args`). `prefix`: as for `pallas_block`.
 
   Example:
     >>> block_kernels(TransformerConfig.tiny(64), None, jnp.zeros((1, 1, 32)), {}, None) is None  # kernels="xla"
     True
   """
-  if c.kernels == "xla" or not sharding.runs_locally(partitioning):
+  if c.kernels == "xla" or not sharding.runs_locally(partitioning) or (tree and not c.tree_kernels):
     return None
   if c.kernels == "pallas" and (
     jax.default_backend() != "gpu" or c.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

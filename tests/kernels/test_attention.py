@@ -251,6 +251,45 @@ def test_model_calls_agree_and_only_calls_of_few_rows_take_the_kernels(models):
   assert small["xla"] != small["p"]  # 2 rows: the kernels
 
 
+def test_tree_kernels_false_sends_tree_calls_to_xlas_blocks(models, eagle_heads):
+  """`tree_kernels=False`: a tree call (cache_slots, attention_mask) of a target or an EAGLE head on the kernels
+  lowers to XLA's blocks' program, while its one-row step keeps the kernels; the default keeps trees on the
+  kernels too."""
+  xla, pallas = models
+  no_trees = Transformer.from_weights(pallas.config.replace(tree_kernels=False), xla.to_weights())
+  tree = jax.jit(lambda m, t, p, c, s, a: m(t, p, c, cache_slots=s, attention_mask=a))
+  step = jax.jit(lambda m, t, p, c: m(t, p, c))
+  slots = jnp.asarray([[11, 12, 13]], jnp.int32)
+  mask = (jnp.arange(S)[None, None, :] <= 11) | (jnp.arange(S)[None, None, :] == slots[:, :, None])
+  args = (jnp.zeros((1, 3), jnp.int32), jnp.asarray([[11, 12, 12]], jnp.int32))
+
+  def texts(fn, *a):
+    return [fn.lower(m, *a[:2], m.init_cache(1, S), *a[2:]).as_text() for m in (xla, pallas, no_trees)]
+
+  on_xla, on_kernels, without = texts(tree, *args, slots, mask)
+  assert without == on_xla != on_kernels
+  on_xla, on_kernels, without = texts(step, args[0][:, :1], args[1][:, :1])
+  assert without == on_kernels != on_xla
+
+  head_xla, head = eagle_heads
+  layers = head.config.layers.replace(tree_kernels=False)
+  head_no_trees = EagleDrafter.from_weights(
+    dataclasses.replace(head.config, layers=layers),
+    head_xla.to_weights(),
+    embed=head.embed[...],
+    head_rows=head.embed[...],
+  )
+  head_tree = jax.jit(lambda m, t, h, p, c, s, a: m(t, h, p, c, cache_slots=s, attention_mask=a))
+  hidden = jnp.zeros((1, 3, CFG.d_model))
+  on_xla, on_kernels, without = (
+    head_tree.lower(m, args[0], hidden, args[1], m.init_cache(1, S), slots, mask).as_text()
+    for m in (head_xla, head, head_no_trees)
+  )
+  assert without == on_xla != on_kernels
+  with pytest.raises(ValueError, match="tree_kernels must be a bool"):
+    CFG.replace(tree_kernels="no")
+
+
 @pytest.fixture(scope="module")
 def eagle_heads():
   """An EAGLE head of two blocks (the first reads the 2D-wide input, through the kernels' prefix) and its copy
