@@ -19,6 +19,10 @@
 # examples/train_eagle.py's (a block drafter: TRAIN_FLAGS="--drafter block --block-size 8 --blocks-per-row 8
 # --position-decay 3"). LOOP_FLAGS replaces the loop's drafter flags (default: the head, --eagle-ks 4 --trees
 # d5x8x32; a block drafter: LOOP_FLAGS="--block $ROUND/head.safetensors --block-ks 8 --eagle-ks 4 --trees=").
+#
+# Two rounds can share one GPU (on 2026-11-29 the head at 2.27 steps a second and a block drafter at 5.6, run at
+# once): give each XLA_PYTHON_CLIENT_MEM_FRACTION=.42, and the second its own ROUND with the data linked in
+# (mkdir -p /root/eagle/B && ln -sf /root/eagle/R/data.npz /root/eagle/B/data.npz).
 set -euo pipefail
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 R=${ROUND:-/root/eagle/R}
