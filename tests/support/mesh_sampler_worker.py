@@ -625,14 +625,33 @@ def _split_search(x, ks, mesh, search="xla", t=None, p=None, min_p=None):
     return [np.asarray(o) for o in jax.jit(fn)(x)]
 
 
-def _assert_split_search_equals_a_sort(x, ks, mesh, search="xla", label=""):
-  """Asserts that the split search (`search`) of rows x [R, V] with top-k ks gives a full sort's thresholds and,
-  to `_close`, its log-normalisers; returns the sort's thresholds (what a planted error is compared with)."""
-  from specdec_jax.sampling import thresholds
+_STAGE_SORT: list = []
 
-  ones = jnp.ones(len(ks))
-  want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
-  want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
+
+def _stage_sort() -> tuple[np.ndarray, np.ndarray]:
+  """A full sort's thresholds and one device's log-normalisers of all of `stage_logits`' rows, computed once.
+
+  Both stage checks compare with them (the Pallas one also on the first 10 rows): each row's values depend on
+  that row alone, so the first R rows' are the first R of these. Computed eagerly, each costs seconds on 2
+  cores (its `lax.cond`s compile at every call), so sharing them saves ~10 s of the worker."""
+  if not _STAGE_SORT:
+    from specdec_jax.sampling import thresholds
+
+    x, ks = stage_logits()
+    ones = jnp.ones(len(ks))
+    want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
+    want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
+    _STAGE_SORT.extend((want_thr, want_lse))
+  return _STAGE_SORT[0], _STAGE_SORT[1]
+
+
+def _assert_split_search_equals_a_sort(rows, mesh, search="xla", label=""):
+  """Asserts that the split search (`search`) of `stage_logits`' first `rows` rows with their top-k gives a full
+  sort's thresholds and, to `_close`, its log-normalisers; returns the sort's thresholds (what a planted error is
+  compared with)."""
+  x_all, ks_all = stage_logits()
+  x, ks = x_all[:rows], ks_all[:rows]
+  want_thr, want_lse = (a[:rows] for a in _stage_sort())
   thr, lse = _split_search(x, ks, mesh, search=search)
   assert np.array_equal(thr, want_thr), f"{label}thresholds differ in rows {np.nonzero(thr != want_thr)[0][:8]}"
   ok, err = _close(lse, want_lse)
@@ -664,7 +683,7 @@ def check_threshold_stages():
 
   x, ks = stage_logits()
   mesh = make_mesh(*MESHES["1x8"])
-  want_thr = _assert_split_search_equals_a_sort(x, ks, mesh)
+  want_thr = _assert_split_search_equals_a_sort(len(ks), mesh)
   # Teeth: without the redo stages only row 0 is right; without the last (bisection over the logits,
   # the redo whose operand is the device's whole slice) rows 1 and 4.. are still right: the second stage
   # settled them.
@@ -706,7 +725,7 @@ def check_threshold_stages_pallas():
   mesh = make_mesh(*MESHES["1x8"])
   for rows in (70, 10):
     x, ks = x_all[:rows], ks_all[:rows]
-    want_thr = _assert_split_search_equals_a_sort(x, ks, mesh, "pallas_interpret", label=f"{rows} rows: ")
+    want_thr = _assert_split_search_equals_a_sort(rows, mesh, "pallas_interpret", label=f"{rows} rows: ")
 
   redo, reread = thresholds._redo_rows, thresholds._reread_rows
 
