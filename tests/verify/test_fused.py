@@ -395,14 +395,17 @@ def test_block_residual_layouts_give_the_same_tokens(monkeypatch, filters):
   runs = {}
   for few in (0, 10**9):  # every program all positions; every program one position
     monkeypatch.setattr(fused, "_FEW_PROGRAMS", few)
-    jax.clear_caches()  # fused_chain's trace depends on the constant
+    # fused_chain's trace reads the constant (in its own body, not in a jitted callee): dropping fused_chain's
+    # compiled programs makes it trace the new layout. Not jax.clear_caches(), which would also drop every
+    # program this worker compiled before (the other tests' shared ones, compiled again after this test).
+    fused.fused_chain.clear_cache()
     sample = functools.partial(
       fused.fused_chain, greedy_rows="per_row", no_filters=False, method="block", block=8, interpret=True
     )
     runs[few] = [
       np.asarray(sample(draft, logits, params, key, q, None)[0]) for key in jax.random.split(jax.random.key(7), 3)
     ]
-  jax.clear_caches()
+  fused.fused_chain.clear_cache()  # no later caller gets a program of the patched constant
   for a, b in zip(runs[0], runs[10**9]):
     np.testing.assert_array_equal(a, b)
   assert len({r.tobytes() for r in runs[0]}) > 1  # the keys matter: the rows are not all decided alike
