@@ -115,17 +115,6 @@ def pytest_xdist_make_scheduler(config, log):
   return GroupScheduling(config, log)
 
 
-def pytest_collection_modifyitems(session, config, items):
-  """The files whose tests read the 8-device subprocess's results run last (order kept otherwise).
-
-  The subprocess starts right after collection and needs minutes (about 200 s of CPU on 2 cores); a test that
-  reads it earlier blocks its pytest-xdist worker until then (a 194 s "setup" on 2 cores), and if both workers
-  block, a core idles. At the end of the run the results are long ready. Whole files move, as the scheduler
-  above hands out whole files: a file's other tests would otherwise keep it early, the waiting test with it."""
-  late = {item.path for item in items if "eight_device_results" in item.fixturenames}
-  items.sort(key=lambda item: item.path in late)  # stable: each part keeps its order
-
-
 def pytest_collection_finish(session):
   """Starts the 8-device subprocess as soon as the tests that read it are known, so that it runs beside them."""
   from tests.support.eight_devices import start_workers, workers_needed
