@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -625,24 +626,20 @@ def _split_search(x, ks, mesh, search="xla", t=None, p=None, min_p=None):
     return [np.asarray(o) for o in jax.jit(fn)(x)]
 
 
-_STAGE_SORT: list = []
-
-
+@functools.cache
 def _stage_sort() -> tuple[np.ndarray, np.ndarray]:
   """A full sort's thresholds and one device's log-normalisers of all of `stage_logits`' rows, computed once.
 
   Both stage checks compare with them (the Pallas one also on the first 10 rows): each row's values depend on
   that row alone, so the first R rows' are the first R of these. Computed eagerly, each costs seconds on 2
   cores (its `lax.cond`s compile at every call), so sharing them saves ~10 s of the worker."""
-  if not _STAGE_SORT:
-    from specdec_jax.sampling import thresholds
+  from specdec_jax.sampling import thresholds
 
-    x, ks = stage_logits()
-    ones = jnp.ones(len(ks))
-    want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
-    want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
-    _STAGE_SORT.extend((want_thr, want_lse))
-  return _STAGE_SORT[0], _STAGE_SORT[1]
+  x, ks = stage_logits()
+  ones = jnp.ones(len(ks))
+  want_thr = np.asarray(thresholds.sorted_threshold(x, jnp.asarray(ks), ones))
+  want_lse = np.asarray(thresholds.threshold_and_lse(x, None, jnp.asarray(ks), ones)[1])
+  return want_thr, want_lse
 
 
 def _assert_split_search_equals_a_sort(rows, mesh, search="xla", label=""):
