@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import device_info, has_gpu
 from specdec_jax.drafts import DraftTree
+from specdec_jax.drafts.dynamic_tree import tree_ancestors
 from specdec_jax.drafts.static_tree import tree_attention_mask
 
 _CALL = jax.jit(lambda m, t, p, c: m(t, p, c))
@@ -85,16 +86,17 @@ def tree_parents(spec: str, seed: int) -> list[int]:
   return [-1] + [int(p) + 1 for p in tree.parents]
 
 
-def paths(parents: list[int]) -> list[list[int]]:
-  """Each row's path from the root: [0, ..., i] for row i (its ancestors in order, then itself)."""
-  out = []
-  for i in range(len(parents)):
-    path, j = [], i
-    while j >= 0:
-      path.insert(0, j)
-      j = parents[j]
-    out.append(path)
-  return out
+def ancestors(parents: list[int]) -> np.ndarray:
+  """bool [T, T]: row i sees row j iff j is i or one of its ancestors (the library's `tree_ancestors`; the root,
+  row 0, is its parent-less node)."""
+  anc, _ = tree_ancestors(jnp.asarray([parents], jnp.int32), max_depth=len(parents))
+  return np.asarray(anc[0])
+
+
+def paths(anc: np.ndarray) -> list[list[int]]:
+  """Each row's path from the root, from `ancestors`: [0, ..., i] for row i (its ancestors in order, then
+  itself: a parent's row comes before its children's)."""
+  return [np.flatnonzero(row).tolist() for row in anc]
 
 
 def timed(fn, loops: int, repeats: int) -> float:
@@ -119,12 +121,10 @@ def check_tree(model, parents, starts, s_len, rng, loops, repeats) -> dict:
   pos = np.where(ar < np.asarray(starts)[:, None], ar, s_len)  # pads: nowhere
   _, cache = _CALL(model, jnp.asarray(context), jnp.asarray(pos, jnp.int32), model.init_cache(b, s_len))
   tokens = rng.integers(0, model.config.vocab_size, (b, t)).astype(np.int32)
-  node_paths = paths(parents)
-  ancestors = np.zeros((t, t), bool)  # row i sees row j iff j is on i's path (the root first, at starts[r])
-  for i, path in enumerate(node_paths):
-    ancestors[i, path] = True
+  anc = ancestors(parents)
+  node_paths = paths(anc)
   context_end = jnp.asarray(starts, jnp.int32)
-  mask = tree_attention_mask(context_end, context_end, ancestors, s_len)
+  mask = tree_attention_mask(context_end, context_end, anc, s_len)
   tree_tokens = jnp.asarray(tokens)
   depth = np.asarray([len(p) - 1 for p in node_paths])
   node_pos = jnp.asarray(np.asarray(starts)[:, None] + depth[None], jnp.int32)

@@ -517,7 +517,7 @@ def test_tree_kernels_bench_builds_its_trees_and_refuses_bad_flags(capsys):
   assert tk.tree_parents("2x2", 0) == [-1, 0, 0, 1, 1, 2, 2]
   parents = tk.tree_parents("random15.3", 1)
   assert len(parents) == 16 and parents[0] == -1 and all(0 <= p < i for i, p in enumerate(parents) if i)
-  paths = tk.paths(parents)
+  paths = tk.paths(tk.ancestors(parents))
   assert all(path[0] == 0 and path[-1] == i and len(path) <= 4 for i, path in enumerate(paths))
   assert all(parents[b] == a for path in paths for a, b in zip(path, path[1:]))
   args = tk.parse_args(["--kernels", "pallas_interpret", "--trees", "2x1", "--contexts", "14,21;9", "--out", "o"])
